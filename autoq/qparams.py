@@ -1,0 +1,245 @@
+"""Quantization parameters as data: one :class:`QParam` per slot, a :class:`QParams` set.
+
+A *slot* is one place in the graph that needs a scale and a zero point: an activation
+tensor, or a weight. Slots are keyed by stable, human-meaningful ids (see
+``docs/design.md``). ``QParams`` round-trips through JSON exactly (float32 scales are
+written as the shortest decimal that reads back to the same float32), so a calibration
+can be saved, edited by hand, and realized many times.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import primitives as P
+
+__all__ = ["QParam", "QParams", "SlotInfo", "load_qparams"]
+
+FORMAT_VERSION = 1
+
+
+def _f32_list(a) -> Any:
+    a = np.asarray(a, dtype=np.float32)
+    if a.ndim == 0:
+        return float(a)
+    return [float(v) for v in a]
+
+
+@dataclass(frozen=True, eq=False)
+class QParam:
+    """Scale and zero point of one slot.
+
+    ``scale`` (float32) and ``zero_point`` (int32) are 0-D (per-tensor) or 1-D (per-axis)
+    arrays; ``axis`` is the dimension they index, in the layout of the tensor as it appears
+    in the fp32 graph (None for per-tensor). ``rmin``/``rmax`` record the real range the
+    calibrator chose (for reports; not needed to realize).
+    """
+
+    scale: np.ndarray
+    zero_point: np.ndarray
+    dtype: str = "int8"
+    axis: int | None = None
+    rmin: np.ndarray | None = None
+    rmax: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        scale = np.asarray(self.scale, dtype=np.float32)
+        zp = np.asarray(self.zero_point)
+        if zp.dtype.kind not in "iu" and not np.all(zp == np.round(zp)):
+            raise ValueError(f"zero_point must be integers, got {zp}")
+        zp = zp.astype(np.int32)
+        if scale.ndim > 1 or zp.ndim > 1:
+            raise ValueError("scale and zero_point must be scalars or 1-D arrays")
+        if zp.shape != scale.shape:
+            if zp.ndim == 0:
+                zp = np.full(scale.shape, int(zp), np.int32)
+            else:
+                raise ValueError(
+                    f"zero_point shape {zp.shape} does not match scale shape {scale.shape}"
+                )
+        if not (np.all(np.isfinite(scale)) and np.all(scale > 0)):
+            raise ValueError(f"scale must be positive and finite, got {scale.ravel()[:4].tolist()}")
+        qmin, qmax = P.qrange(self.dtype)
+        if np.any(zp < qmin) or np.any(zp > qmax):
+            raise ValueError(
+                f"zero_point must be inside the {self.dtype} range [{qmin}, {qmax}], got {zp.ravel()[:4].tolist()}"
+            )
+        if scale.ndim == 1 and self.axis is None:
+            raise ValueError("a per-axis QParam needs an axis")
+        object.__setattr__(self, "scale", scale)
+        object.__setattr__(self, "zero_point", zp)
+        for name in ("rmin", "rmax"):
+            v = getattr(self, name)
+            if v is not None:
+                object.__setattr__(self, name, np.asarray(v, dtype=np.float32))
+
+    @property
+    def per_axis(self) -> bool:
+        return self.scale.ndim == 1
+
+    @property
+    def qmin(self) -> int:
+        return P.qrange(self.dtype)[0]
+
+    @property
+    def qmax(self) -> int:
+        return P.qrange(self.dtype)[1]
+
+    @classmethod
+    def from_range(
+        cls,
+        rmin,
+        rmax,
+        dtype: str = "int8",
+        symmetric: bool = False,
+        narrow_range: bool = False,
+        reduce_range: bool = False,
+        axis: int | None = None,
+    ) -> QParam:
+        """QParam for the real range [rmin, rmax] (see :func:`autoq.primitives.choose_qparams`)."""
+        scale, zp = P.choose_qparams(rmin, rmax, dtype, symmetric, narrow_range, reduce_range)
+        # the effective range: what the integer grid actually covers
+        return cls(scale, zp, dtype, axis if np.ndim(scale) == 1 else None, rmin, rmax)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, QParam)
+            and self.dtype == other.dtype
+            and self.axis == other.axis
+            and np.array_equal(self.scale, other.scale)
+            and np.array_equal(self.zero_point, other.zero_point)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.dtype, self.axis, self.scale.tobytes(), self.zero_point.tobytes()))
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {
+            "dtype": self.dtype,
+            "axis": self.axis,
+            "scale": _f32_list(self.scale),
+            "zero_point": self.zero_point.tolist(),
+        }
+        if self.rmin is not None:
+            d["rmin"] = _f32_list(self.rmin)
+        if self.rmax is not None:
+            d["rmax"] = _f32_list(self.rmax)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> QParam:
+        unknown = set(d) - {"dtype", "axis", "scale", "zero_point", "rmin", "rmax"}
+        if unknown:
+            raise ValueError(f"unknown QParam fields {sorted(unknown)}")
+        return cls(
+            scale=np.asarray(d["scale"], np.float32),
+            zero_point=np.asarray(d["zero_point"], np.int32),
+            dtype=d.get("dtype", "int8"),
+            axis=d.get("axis"),
+            rmin=None if d.get("rmin") is None else np.asarray(d["rmin"], np.float32),
+            rmax=None if d.get("rmax") is None else np.asarray(d["rmax"], np.float32),
+        )
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """What a slot is: ``kind`` is "activation" or "weight"; ``layer`` the id of the layer
+    (matched pattern) it belongs to or feeds; ``op`` the op kind; ``shape`` the tensor shape."""
+
+    id: str
+    kind: str
+    layer: str = ""
+    op: str = ""
+    shape: tuple[int, ...] = ()
+    axis: int | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "layer": self.layer,
+            "op": self.op,
+            "shape": list(self.shape),
+            "axis": self.axis,
+        }
+
+    @classmethod
+    def from_json(cls, sid: str, d: Mapping) -> SlotInfo:
+        return cls(
+            sid,
+            d["kind"],
+            d.get("layer", ""),
+            d.get("op", ""),
+            tuple(d.get("shape", ())),
+            d.get("axis"),
+        )
+
+
+@dataclass
+class QParams(Mapping[str, QParam]):
+    """Slot id -> :class:`QParam`, with slot descriptions; the result of calibration."""
+
+    params: dict[str, QParam] = field(default_factory=dict)
+    slots: dict[str, SlotInfo] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> QParam:
+        try:
+            return self.params[key]
+        except KeyError:
+            import difflib
+
+            close = difflib.get_close_matches(key, list(self.params), n=3)
+            hint = f"; closest ids: {', '.join(close)}" if close else ""
+            raise KeyError(f"no qparams for slot {key!r}{hint}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def to_json(self) -> dict:
+        return {
+            "format": "autoq.qparams",
+            "version": FORMAT_VERSION,
+            "meta": self.meta,
+            "slots": {k: v.to_json() for k, v in self.slots.items()},
+            "qparams": {k: v.to_json() for k, v in self.params.items()},
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> QParams:
+        if d.get("format") != "autoq.qparams":
+            raise ValueError('not an autoq qparams document (missing "format": "autoq.qparams")')
+        if d.get("version") != FORMAT_VERSION:
+            raise ValueError(
+                f"unsupported qparams version {d.get('version')}; this autoq reads {FORMAT_VERSION}"
+            )
+        return cls(
+            params={k: QParam.from_json(v) for k, v in d.get("qparams", {}).items()},
+            slots={k: SlotInfo.from_json(k, v) for k, v in d.get("slots", {}).items()},
+            meta=dict(d.get("meta", {})),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    def replace(self, **updates: QParam) -> QParams:
+        """A copy with some slots' qparams replaced (slot ids as keyword names or via dict)."""
+        params = dict(self.params)
+        for k, v in updates.items():
+            if k not in params:
+                self[k]  # raises with the closest ids
+            params[k] = v
+        return QParams(params, dict(self.slots), dict(self.meta))
+
+
+def load_qparams(path: str | Path) -> QParams:
+    """Read a :class:`QParams` JSON file written by :meth:`QParams.save`."""
+    return QParams.from_json(json.loads(Path(path).read_text()))
