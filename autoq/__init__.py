@@ -1,5 +1,36 @@
-"""autoq: post-training auto-quantization for Apache TVM Relax (simulate -> calibrate -> realize)."""
+"""autoq: post-training auto-quantization for Apache TVM Relax.
+
+``autoq.quantize(mod, params, dataset, config)`` runs the three stages
+``simulate -> calibrate -> realize`` and returns an int8 ``IRModule``; the stages are
+exposed for users who need them, and calibration results are data (:class:`QParams`).
+"""
 
 from . import primitives, qnn  # noqa: F401  (importing qnn registers the qnn.* ops)
+from .build import compile, default_target, export_library, load_library
+from .calibrate import calibrate
+from .config import Config, Fallback, Override, QuantSpec
+from .pipeline import quantize
+from .qparams import QParam, QParams, load_qparams
+from .realize import realize
+from .simulate import SimResult, simulate
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "Fallback",
+    "Override",
+    "QParam",
+    "QParams",
+    "QuantSpec",
+    "SimResult",
+    "calibrate",
+    "compile",
+    "default_target",
+    "export_library",
+    "load_library",
+    "load_qparams",
+    "quantize",
+    "realize",
+    "simulate",
+]

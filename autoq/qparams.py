@@ -227,8 +227,15 @@ class QParams(Mapping[str, QParam]):
             meta=dict(d.get("meta", {})),
         )
 
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    @classmethod
+    def loads(cls, text: str) -> QParams:
+        return cls.from_json(json.loads(text))
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+        Path(path).write_text(self.dumps())
 
     def replace(self, **updates: QParam) -> QParams:
         """A copy with some slots' qparams replaced (slot ids as keyword names or via dict)."""

@@ -1,0 +1,461 @@
+"""Stage 2, calibrate: choose every slot's scale and zero point from data.
+
+Weights are calibrated from the weight arrays themselves. Activations, in the default
+``topological`` mode, are calibrated in topological order on values that already carry the
+quantization error of every upstream choice, at the cost of **one** pass of the simulated
+graph over the dataset:
+
+1. the simulated ``main`` is cut into a prologue (everything that depends on weights only,
+   computed once) and segments, one starting at each activation slot's quantize;
+2. all of them are compiled once, in one module (qparams are runtime inputs);
+3. the segments run in order over the whole dataset; the values still needed later are
+   cached per sample (:class:`ValueCache`: RAM up to ``memory_budget_mb``, then ``.npy``
+   files in ``cache_dir`` or a temporary directory) and freed after their last use;
+4. before a segment runs, the observers of the slots it starts with see the cached input
+   tensor of every sample, and compute the qparams the segment then uses.
+
+``calibration="fp32"`` instead runs the float graph once (twice for histogram
+calibrators, whose bins need the range first) with every slot's tensor as an output and
+feeds the observers batch by batch, like ONNX Runtime does.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .build import default_target
+from .config import Config, QuantSpec
+from .graph import free_vars, remap_expr
+from .qparams import QParam, QParams
+from .simulate import SimResult
+
+__all__ = ["ValueCache", "calibrate", "calibrate_weights", "default_target"]
+
+
+# ------------------------------------------------------------------- dataset
+
+
+def samples_for(dataset, inputs) -> list[dict[str, np.ndarray]]:
+    """Materialize and validate the calibration samples (temporary; see autoq.dataset)."""
+    names = [v.name for v in inputs]
+    out = []
+    for k, item in enumerate(dataset):
+        if not isinstance(item, dict):
+            if len(names) != 1:
+                raise ValueError(
+                    f"sample {k} is an array but the model has inputs {names}: give dicts"
+                )
+            item = {names[0]: item}
+        missing = [n for n in names if n not in item]
+        extra = [n for n in item if n not in names]
+        if missing or extra:
+            raise ValueError(f"sample {k}: expected inputs {names}, got {list(item)}")
+        row = {}
+        for v in inputs:
+            a = np.asarray(item[v.name])
+            want = tuple(int(d) for d in v.ty.shape.values)
+            if a.shape != want or str(a.dtype) != str(v.ty.dtype):
+                raise ValueError(
+                    f"sample {k}, input {v.name!r}: expected {want} {v.ty.dtype}, got {a.shape} {a.dtype}"
+                )
+            if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+                raise ValueError(f"sample {k}, input {v.name!r} contains NaN or Inf")
+            row[v.name] = np.ascontiguousarray(a)
+        out.append(row)
+    if not out:
+        raise ValueError("the calibration dataset is empty")
+    return out
+
+
+# ------------------------------------------------------------------- observers
+
+
+def observe(
+    spec: QuantSpec,
+    batches: Iterable[np.ndarray],
+    axis: int | None,
+    replay,
+    channels: int | None = None,
+) -> QParam:
+    """Run ``spec.calibrator`` over the batches (a range pass first when it needs one).
+
+    ``replay()`` returns a fresh iterable over the same batches (for the second pass).
+    With ``axis``, a per-tensor result (e.g. from a user range function) is repeated for
+    each of the ``channels`` channels."""
+    cal = spec.calibrator
+    data_range = None
+    if getattr(cal, "needs_range", False):
+        lo = hi = None
+        for x in batches:
+            rows = np.asarray(x) if axis is None else np.moveaxis(np.asarray(x), axis, 0)
+            rows = rows.reshape(1, -1) if axis is None else rows.reshape(rows.shape[0], -1)
+            blo, bhi = rows.min(axis=1), rows.max(axis=1)
+            lo = blo if lo is None else np.minimum(lo, blo)
+            hi = bhi if hi is None else np.maximum(hi, bhi)
+        if lo is None:
+            raise ValueError("no data to calibrate on")
+        data_range = (lo[0], hi[0]) if axis is None else (lo, hi)
+        batches = replay()
+    obs = cal.observer(axis=axis, data_range=data_range)
+    for x in batches:
+        obs.update(np.asarray(x))
+    qp = obs.compute(spec)
+    if axis is not None and (qp.axis != axis or qp.scale.ndim == 0):
+
+        def rep(a):
+            return (
+                None
+                if a is None
+                else np.broadcast_to(a, (channels,)).copy()
+                if np.ndim(a) == 0
+                else a
+            )
+
+        qp = QParam(rep(qp.scale), rep(qp.zero_point), qp.dtype, axis, rep(qp.rmin), rep(qp.rmax))
+    return qp
+
+
+def calibrate_weights(sim: SimResult) -> dict[str, QParam]:
+    """QParams of every weight slot, from the weight arrays (per channel where configured)."""
+    out = {}
+    for sid, (arr, axis) in sim.plan.weights.items():
+        spec = sim.plan.specs[sid]
+        channels = None if axis is None else arr.shape[axis]
+        out[sid] = observe(spec, [arr], axis, lambda arr=arr: [arr], channels)
+    return out
+
+
+# ------------------------------------------------------------------ value cache
+
+
+class ValueCache:
+    """Per-sample values of graph variables, in RAM up to a budget, then on disk."""
+
+    def __init__(self, budget_bytes: float, cache_dir: str | None = None):
+        self.budget = budget_bytes
+        self.ram: dict[tuple, object] = {}
+        self.disk: dict[tuple, Path] = {}
+        self.nbytes = 0
+        self.peak = 0
+        self.spilled = 0
+        self._dir_arg = cache_dir
+        self._dir: Path | None = None
+        self._own_dir = False
+
+    def _path(self, key) -> Path:
+        if self._dir is None:
+            if self._dir_arg:
+                self._dir = Path(self._dir_arg)
+                self._dir.mkdir(parents=True, exist_ok=True)
+            else:
+                self._dir = Path(tempfile.mkdtemp(prefix="autoq-calib-"))
+                self._own_dir = True
+        return self._dir / f"v{abs(hash(key))}_{len(self.disk)}.npy"
+
+    def put(self, key, value) -> None:
+        nb = int(np.prod(value.shape)) * np.dtype(str(value.dtype)).itemsize
+        if self.nbytes + nb <= self.budget:
+            self.ram[key] = (value, nb)
+            self.nbytes += nb
+            self.peak = max(self.peak, self.nbytes)
+        else:
+            p = self._path(key)
+            np.save(p, value.numpy() if hasattr(value, "numpy") else np.asarray(value))
+            self.disk[key] = p
+            self.spilled += nb
+
+    def get(self, key):
+        if key in self.ram:
+            return self.ram[key][0]
+        return tvm.runtime.tensor(np.load(self.disk[key]))
+
+    def get_numpy(self, key) -> np.ndarray:
+        if key in self.ram:
+            v = self.ram[key][0]
+            return v.numpy() if hasattr(v, "numpy") else np.asarray(v)
+        return np.load(self.disk[key], mmap_mode="r")
+
+    def drop(self, key) -> None:
+        if key in self.ram:
+            self.nbytes -= self.ram.pop(key)[1]
+        elif key in self.disk:
+            self.disk.pop(key).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        for p in self.disk.values():
+            p.unlink(missing_ok=True)
+        self.ram.clear()
+        self.disk.clear()
+        if self._own_dir and self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- segmentation
+
+
+@dataclass
+class _Segment:
+    name: str
+    heads: list[str]  # activation slots whose quantize starts this segment
+    bindings: list = field(default_factory=list)
+    inputs: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+
+
+def _bindings(func: relax.Function):
+    out = []
+    for block in func.body.blocks:
+        for b in block.bindings:
+            out.append((b.var, b.value))
+    return out
+
+
+def _plan(sim: SimResult):
+    """Prologue (weight-only values), segments cut at activation quantizes, liveness."""
+    func = sim.mod["main"]
+    bindings = _bindings(func)
+    act_slots = sim.activation_slots()
+    act_qvars = {v for s in act_slots for v in sim.qparam_vars[s]}
+    names = {p.name: p for p in func.params}
+    inputs = [names[v.name] for v in sim.graph.inputs]
+    sq_slot = {sim.sq_vars[sid]: sid for sid in act_slots}
+    dynamic_roots = set(inputs) | {names[v.name] for v in act_qvars}
+    dynamic: set = set()
+    for var, value in bindings:
+        if any(u in dynamic or u in dynamic_roots for u in free_vars(value)):
+            dynamic.add(var)
+    # only what feeds an activation quantize is needed
+    value_of = dict(bindings)
+    needed: set = set()
+    stack = list(sq_slot)
+    while stack:
+        v = stack.pop()
+        if v in needed or v not in value_of:
+            continue
+        needed.add(v)
+        stack.extend(u for u in free_vars(value_of[v]))
+    prologue = [(v, e) for v, e in bindings if v in needed and v not in dynamic]
+    segs: list[_Segment] = []
+    for var, value in bindings:
+        if var not in needed or var not in dynamic:
+            continue
+        if var in sq_slot:
+            if not segs or (segs[-1].bindings and segs[-1].bindings[-1][0] not in sq_slot):
+                segs.append(_Segment(f"seg_{len(segs)}", []))
+            segs[-1].heads.append(sq_slot[var])
+        elif not segs:
+            segs.append(_Segment("seg_0", []))
+        segs[-1].bindings.append((var, value))
+    # inputs/outputs of every segment
+    defined_in = {}
+    for i, s in enumerate(segs):
+        for v, _ in s.bindings:
+            defined_in[v] = i
+    last_use: dict = {}
+    for i, s in enumerate(segs):
+        seen = []
+        for _, value in s.bindings:
+            for u in free_vars(value):
+                if defined_in.get(u) != i and not any(u.same_as(x) for x in seen):
+                    seen.append(u)
+                last_use[u] = i
+        s.inputs = seen
+    for i, s in enumerate(segs):
+        s.outputs = [v for v, _ in s.bindings if last_use.get(v, -1) > i]
+    prologue_vars = {v for v, _ in prologue}
+    prologue_out = [v for v in prologue_vars if any(v in s.inputs for s in segs)]
+    prologue_out.sort(key=lambda v: v.name)
+    return func, inputs, prologue, prologue_out, segs, last_use, sq_slot
+
+
+def _make_function(name, inputs, bindings, outputs):
+    bb = relax.BlockBuilder()
+    params = [relax.Var(v.name, v.ty) for v in inputs]
+    vmap = dict(zip(inputs, params, strict=True))
+    with bb.function(name, params):
+        with bb.dataflow():
+            for var, value in bindings:
+                vmap[var] = bb.emit(remap_expr(value, vmap), name_hint=var.name)
+            outs = [vmap[v] for v in outputs]
+            ret = bb.emit_output(relax.Tuple(outs) if outs else relax.Tuple([]))
+        bb.emit_func_output(ret)
+    return bb.get()[name]
+
+
+def _compile(functions: dict[str, relax.Function], target):
+    mod = tvm.IRModule(functions)
+    ex = tvm.compile(mod, target)
+    return relax.VirtualMachine(ex, tvm.cpu())
+
+
+def _as_list(result) -> list:
+    if isinstance(result, tvm.runtime.Tensor):
+        return [result]
+    return list(result)
+
+
+# ------------------------------------------------------------------- calibrate
+
+
+def _progress(config: Config, total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not config.progress, unit="step", leave=False)
+
+
+def calibrate(
+    sim: SimResult,
+    params: dict | None,
+    dataset,
+    config: Config | None = None,
+    target=None,
+) -> QParams:
+    """Choose the qparams of every slot of ``sim`` (see the module docstring).
+
+    ``params`` are the weight arrays (the same dict given to ``simulate``; may be None when
+    the weights were constants); ``dataset`` an iterable of ``{input: array}`` dicts or of
+    arrays (single-input models), validated before any work.
+    """
+    config = config or Config()
+    target = target or default_target()
+    g = sim.graph
+    samples = samples_for(dataset, g.inputs)
+    result = calibrate_weights(sim)
+    if config.calibration == "fp32":
+        result.update(_calibrate_fp32(sim, samples, config, target))
+    else:
+        result.update(_calibrate_topological(sim, samples, result, config, target))
+    return QParams(
+        params={s: result[s] for s in sim.plan.slots},
+        slots=dict(sim.plan.slots),
+        meta={
+            "calibration": config.calibration,
+            "samples": len(samples),
+            "specs": {s: sp.to_json() for s, sp in sim.plan.specs.items()},
+        },
+    )
+
+
+def _calibrate_topological(sim, samples, weight_qp, config, target) -> dict[str, QParam]:
+    func, inputs, prologue, prologue_out, segs, last_use, sq_slot = _plan(sim)
+    params_by_name = {p.name: p for p in func.params}
+    g = sim.graph
+    weight_vals = {}
+    for p in g.weight_params:
+        weight_vals[params_by_name[p.name]] = tvm.runtime.tensor(
+            np.ascontiguousarray(g.params[p.name])
+        )
+    qvals: dict = {}
+    for sid, qp in weight_qp.items():
+        s, z = sim.qparam_vars[sid]
+        qvals[params_by_name[s.name]] = tvm.runtime.tensor(qp.scale)
+        qvals[params_by_name[z.name]] = tvm.runtime.tensor(qp.zero_point)
+    pro_in = sorted(
+        {u for _, e in prologue for u in free_vars(e) if u in params_by_name.values()},
+        key=lambda v: v.name,
+    )
+    functions = {"prologue": _make_function("prologue", pro_in, prologue, prologue_out)}
+    for s in segs:
+        functions[s.name] = _make_function(s.name, s.inputs, s.bindings, s.outputs)
+    vm = _compile(functions, target)
+    static = dict(weight_vals)
+    static.update(qvals)
+    pro_vals = _as_list(vm["prologue"](*[static[v] for v in pro_in]))
+    static.update(dict(zip(prologue_out, pro_vals, strict=True)))
+
+    cache = ValueCache(config.memory_budget_mb * 2**20, config.cache_dir)
+    n = len(samples)
+    result: dict[str, QParam] = {}
+    try:
+        for i, sample in enumerate(samples):
+            for v in inputs:
+                cache.put((v, i), tvm.runtime.tensor(sample[v.name]))
+        sq_input = {}
+        value_of = {v: e for s in segs for v, e in s.bindings}
+        for var, sid in sq_slot.items():
+            sq_input[sid] = value_of[var].args[0]
+        bar = _progress(config, len(segs) * n, "calibrating")
+        for j, seg in enumerate(segs):
+            for sid in seg.heads:
+                t = sq_input[sid]
+                spec = sim.plan.specs[sid]
+
+                def batches(t=t):
+                    return (cache.get_numpy((t, i)) for i in range(n))
+
+                qp = observe(spec, batches(), None, batches)
+                result[sid] = qp
+                s, z = sim.qparam_vars[sid]
+                static[params_by_name[s.name]] = tvm.runtime.tensor(qp.scale)
+                static[params_by_name[z.name]] = tvm.runtime.tensor(qp.zero_point)
+            bar.set_postfix_str(",".join(seg.heads)[:40])
+            f = vm[seg.name]
+            for i in range(n):
+                args = [static[v] if v in static else cache.get((v, i)) for v in seg.inputs]
+                outs = _as_list(f(*args))
+                for v, o in zip(seg.outputs, outs, strict=True):
+                    cache.put((v, i), o)
+                bar.update(1)
+            for v in seg.inputs:
+                if last_use.get(v) == j and v not in static:
+                    for i in range(n):
+                        cache.drop((v, i))
+        bar.close()
+    finally:
+        cache.close()
+    missing = [s for s in sim.activation_slots() if s not in result]
+    if missing:
+        raise RuntimeError(f"internal error: activation slots {missing} were never calibrated")
+    return result
+
+
+def _calibrate_fp32(sim, samples, config, target) -> dict[str, QParam]:
+    g = sim.graph
+    slots = sim.activation_slots()
+    tensors = [sim.plan.tensors[s] for s in slots]
+    bb = relax.BlockBuilder()
+    params = list(g.inputs) + list(g.weight_params)
+    vmap = {}
+    with bb.function("main", params):
+        with bb.dataflow():
+            for var, value in g.bindings:
+                vmap[var] = bb.emit(remap_expr(value, vmap), name_hint=var.name)
+            ret = bb.emit_output(relax.Tuple([vmap.get(t, t) for t in tensors]))
+        bb.emit_func_output(ret)
+    vm = _compile({"main": bb.get()["main"]}, target)
+    weights = [tvm.runtime.tensor(np.ascontiguousarray(g.params[p.name])) for p in g.weight_params]
+
+    def run_all():
+        for sample in samples:
+            outs = _as_list(
+                vm["main"](*[tvm.runtime.tensor(sample[v.name]) for v in g.inputs], *weights)
+            )
+            yield [o.numpy() for o in outs]
+
+    specs = [sim.plan.specs[s] for s in slots]
+    needs = [getattr(sp.calibrator, "needs_range", False) for sp in specs]
+    ranges: list = [None] * len(slots)
+    if any(needs):
+        lo = [None] * len(slots)
+        hi = [None] * len(slots)
+        for outs in run_all():
+            for k, x in enumerate(outs):
+                if needs[k]:
+                    lo[k] = x.min() if lo[k] is None else min(lo[k], x.min())
+                    hi[k] = x.max() if hi[k] is None else max(hi[k], x.max())
+        ranges = [(lo[k], hi[k]) if needs[k] else None for k in range(len(slots))]
+    observers = [
+        sp.calibrator.observer(axis=None, data_range=r) for sp, r in zip(specs, ranges, strict=True)
+    ]
+    for outs in run_all():
+        for obs, x in zip(observers, outs, strict=True):
+            obs.update(x)
+    return {s: obs.compute(sp) for s, obs, sp in zip(slots, observers, specs, strict=True)}

@@ -1,0 +1,287 @@
+"""Stage 1, simulate: rewrite every matched pattern into its simulated-quantized form.
+
+The simulated module's ``main`` takes the model's inputs, its weight parameters, and then,
+for every slot, ``<slot>.scale`` (float32) and ``<slot>.zero_point`` (int32) as *runtime
+inputs*: one compiled module serves every choice of qparams during calibration.
+
+Values inside a simulated pattern are float32 tensors holding integers
+(``qnn.simulated_quantize``) or reals (``qnn.simulated_dequantize``); accumulations run on
+integer-valued floats, exactly as the integer graph computes them (see docs/design.md,
+"Fidelity"). Everything outside the matches stays fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from . import qnn
+from .config import Config, QuantSpec, compile_rule
+from .graph import Graph, WeightRef, prepare, remap_expr, shape_of
+from .qparams import SlotInfo
+from .registry import Match, find_matches
+
+__all__ = ["SimContext", "SimResult", "SlotPlan", "simulate"]
+
+
+def _f32(v) -> relax.Expr:
+    return relax.const(np.asarray(v, dtype=np.float32))
+
+
+def _i32(v) -> relax.Expr:
+    return relax.const(np.asarray(v, dtype=np.int32))
+
+
+@dataclass
+class SlotPlan:
+    """What simulate decided about the slots, shared with calibrate and realize."""
+
+    slots: dict[str, SlotInfo] = field(default_factory=dict)
+    specs: dict[str, QuantSpec] = field(default_factory=dict)
+    #: activation slot -> the tensor (Var of the prepared fp32 graph) it quantizes
+    tensors: dict[str, relax.Var] = field(default_factory=dict)
+    #: weight slot -> float array and its per-channel axis (None = per-tensor)
+    weights: dict[str, tuple[np.ndarray, int | None]] = field(default_factory=dict)
+
+
+class _LazyQ:
+    """Handles on one quantized tensor inside the simulated graph."""
+
+    def __init__(self, ctx: SimContext, q, scale, zero_point, axis=None):
+        self._ctx, self.q, self.scale, self.zero_point, self.axis = ctx, q, scale, zero_point, axis
+        self._centered = None
+        self._real = None
+
+    @property
+    def centered(self) -> relax.Expr:
+        """``q - zero_point`` (integer-valued float32)."""
+        if self._centered is None:
+            one = _f32(1.0)
+            ax = -1 if self.axis is None else self.axis
+            self._centered = self._ctx.emit(
+                qnn.simulated_dequantize(self.q, one, self.zero_point, axis=ax)
+            )
+        return self._centered
+
+    @property
+    def real(self) -> relax.Expr:
+        """``(q - zero_point) * scale`` (float32 reals)."""
+        if self._real is None:
+            ax = -1 if self.axis is None else self.axis
+            self._real = self._ctx.emit(
+                qnn.simulated_dequantize(self.q, self.scale, self.zero_point, axis=ax)
+            )
+        return self._real
+
+
+class SimContext:
+    """What a pattern's ``simulate`` callback can ask for (see autoq.registry)."""
+
+    def __init__(self, g: Graph, config: Config, matches: list[Match]):
+        self.g, self.config = g, config
+        self.bb = relax.BlockBuilder()
+        self.vmap: dict = {}
+        self.plan = SlotPlan()
+        self.qparam_vars: dict[str, tuple[relax.Var, relax.Var]] = {}
+        self.sq_vars: dict[str, relax.Var] = {}
+        self._acts: dict[str, _LazyQ] = {}
+        self.match: Match | None = None
+        self.root_slot: dict = {m.root: m.layer for m in matches}
+        self._override_rules = [(compile_rule(o.match), o) for o in config.overrides]
+        self._consumer: dict[str, str] = {}
+
+    # ---- generic
+    def emit(self, expr, name: str | None = None) -> relax.Var:
+        return self.bb.emit(expr, name_hint=name or "")
+
+    def value(self, expr) -> relax.Expr:
+        """The simulated-graph value of an operand of the original graph."""
+        return remap_expr(expr, self.vmap)
+
+    @property
+    def layer(self) -> str:
+        return self.match.layer if self.match is not None else ""
+
+    def spec(self, kind: str, layer: str) -> QuantSpec:
+        spec = self.config.activation if kind == "activation" else self.config.weight
+        for rule, ov in self._override_rules:
+            if rule(layer):
+                spec = (ov.activation if kind == "activation" else ov.weight) or spec
+        return spec
+
+    def tensor_id(self, var) -> str:
+        return self.root_slot.get(var) or self.g.ids[var]
+
+    def _new_slot(self, sid, kind, spec, shape, axis, length, tensor_shape, op):
+        if sid in self.plan.slots:
+            raise ValueError(f"slot id {sid!r} is used twice; layer ids must be unique")
+        self.plan.slots[sid] = SlotInfo(sid, kind, self.layer, op, tuple(tensor_shape or ()), axis)
+        self.plan.specs[sid] = spec
+        sshape = [] if length is None else [length]
+        s = relax.Var(f"{sid}.scale", relax.TensorType(sshape, "float32"))
+        z = relax.Var(f"{sid}.zero_point", relax.TensorType(sshape, "int32"))
+        self.qparam_vars[sid] = (s, z)
+        return s, z
+
+    # ---- slots
+    def activation(self, expr) -> _LazyQ:
+        """The quantized version of an activation tensor (one slot per tensor, shared)."""
+        if not isinstance(expr, relax.Var) or not self.g.is_data_dependent(expr):
+            raise ValueError(f"{self.layer}: operand {expr} is not an activation")
+        sid = self.tensor_id(expr)
+        if sid in self._acts:
+            return self._acts[sid]
+        spec = self.spec("activation", self.layer)
+        s, z = self._new_slot(
+            sid, "activation", spec, None, None, None, shape_of(expr), self.match.pattern.name
+        )
+        q = self.emit(qnn.simulated_quantize(self.value(expr), s, z, dtype=spec.dtype), f"{sid}.q")
+        self.plan.tensors[sid] = expr
+        self.sq_vars[sid] = q
+        handle = _LazyQ(self, q, s, z)
+        self._acts[sid] = handle
+        return handle
+
+    def weight(self, expr, axis: int) -> _LazyQ:
+        """The quantized version of the layer's weight; ``axis`` is its output-channel axis."""
+        ref: WeightRef | None = self.g.weight_of(expr)
+        if ref is None:
+            raise ValueError(f"{self.layer}: operand {expr} is not a weight")
+        sid = f"{self.layer}.weight"
+        spec = self.spec("weight", self.layer)
+        arr = np.asarray(ref.array, dtype=np.float32)
+        ax = axis % arr.ndim if spec.per_channel else None
+        length = arr.shape[ax] if ax is not None else None
+        s, z = self._new_slot(
+            sid, "weight", spec, arr.shape, ax, length, arr.shape, self.match.pattern.name
+        )
+        self.plan.weights[sid] = (arr, ax)
+        q = self.emit(
+            qnn.simulated_quantize(
+                self.value(expr), s, z, axis=-1 if ax is None else ax, dtype=spec.dtype
+            ),
+            f"{sid}.q",
+        )
+        return _LazyQ(self, q, s, z, ax)
+
+    def bias(
+        self, expr, acc_scale: relax.Expr, out_shape: list[int], channel_axis: int
+    ) -> relax.Expr:
+        """The int32-quantized bias (scale ``acc_scale``, zp 0) shaped to add to the accumulator."""
+        ref = self.g.weight_of(expr)
+        n = int(np.prod(ref.array.shape))
+        flat = self.emit(relax.op.reshape(self.value(expr), [n]))
+        zeros = _i32(np.zeros([n] if acc_scale.ty.ndim == 1 else [], np.int32))
+        q = self.emit(qnn.simulated_quantize(flat, acc_scale, zeros, axis=0, dtype="int32"))
+        shape = [1] * len(out_shape)
+        shape[channel_axis] = n
+        return self.emit(relax.op.reshape(q, shape))
+
+    def output(self, real: relax.Expr) -> relax.Expr:
+        """Quantize the current match's result with its own slot (ops with an int8 output);
+        later consumers of the root tensor reuse this slot."""
+        m = self.match
+        sid = m.layer
+        spec = self.spec("activation", sid)
+        s, z = self._new_slot(
+            sid, "activation", spec, None, None, None, shape_of(m.root), m.pattern.name
+        )
+        pre = self.emit(real, f"{sid}.pre")
+        q = self.emit(qnn.simulated_quantize(pre, s, z, dtype=spec.dtype), f"{sid}.q")
+        self.plan.tensors[sid] = m.root
+        self.sq_vars[sid] = q
+        handle = _LazyQ(self, q, s, z)
+        self._acts[sid] = handle
+        return handle.real
+
+
+@dataclass
+class SimResult:
+    """The simulated module and everything calibrate/realize need to know about it."""
+
+    mod: tvm.IRModule
+    graph: Graph
+    matches: list[Match]
+    plan: SlotPlan
+    qparam_vars: dict[str, tuple[relax.Var, relax.Var]]
+    sq_vars: dict[str, relax.Var]
+
+    @property
+    def slots(self) -> dict[str, SlotInfo]:
+        return self.plan.slots
+
+    @property
+    def layers(self) -> list[str]:
+        return [m.layer for m in self.matches]
+
+    def activation_slots(self) -> list[str]:
+        return [s for s, info in self.plan.slots.items() if info.kind == "activation"]
+
+    def weight_slots(self) -> list[str]:
+        return [s for s, info in self.plan.slots.items() if info.kind == "weight"]
+
+
+def _validate_overrides(config: Config, matches: list[Match]) -> None:
+    layers = [m.layer for m in matches]
+    for o in config.overrides:
+        rule = compile_rule(o.match)
+        if not any(rule(x) for x in layers):
+            import difflib
+
+            close = difflib.get_close_matches(o.match.removeprefix("re:"), layers, n=5, cutoff=0.3)
+            raise ValueError(
+                f"override {o.match!r} matches no quantized layer; closest layer ids: {', '.join(close) or ', '.join(layers[:8])}"
+            )
+
+
+def build_function(
+    g: Graph, ctx: Any, matches: list[Match], callback: str, extra_params: list
+) -> relax.Function:
+    """Shared by simulate and realize: walk the bindings in topological order, emit every
+    match through its callback and copy every other binding, then wrap in a function."""
+    by_root = {m.root: m for m in matches}
+    interior = {v for m in matches for v in m.covered if not v.same_as(m.root)}
+    bb = ctx.bb
+    bb._begin_dataflow_block()
+    for var, value in g.bindings:
+        if var in interior:
+            continue
+        if var in by_root:
+            m = by_root[var]
+            ctx.match = m
+            new = getattr(m.pattern, callback)(ctx, m)
+            ctx.match = None
+            nv = bb.emit(new, name_hint=var.name) if not isinstance(new, relax.Var) else new
+        else:
+            nv = bb.emit(remap_expr(value, ctx.vmap), name_hint=var.name)
+        ctx.vmap[var] = nv
+    out = bb.emit_output(remap_expr(g.output, ctx.vmap))
+    block = bb._end_block()
+    params = list(g.inputs) + list(g.weight_params) + list(extra_params)
+    func = relax.Function(params, relax.SeqExpr([block], out), out.ty)
+    return func.with_attr("global_symbol", "main")
+
+
+def simulate(
+    mod: tvm.IRModule, params: dict | None = None, config: Config | None = None
+) -> SimResult:
+    """Rewrite ``mod`` into its simulated-quantized form (see the module docstring)."""
+    config = config or Config()
+    g = prepare(mod, params)
+    if not g.inputs:
+        raise ValueError("the model has no data inputs (every parameter is in params)")
+    matches = find_matches(g, config)
+    _validate_overrides(config, matches)
+    ctx = SimContext(g, config, matches)
+    # the function's qparam parameters are only known after the walk
+    func = build_function(g, ctx, matches, "simulate", [])
+    qvars = [v for pair in ctx.qparam_vars.values() for v in pair]
+    func = relax.Function(list(func.params) + qvars, func.body, func.ret_ty).with_attr(
+        "global_symbol", "main"
+    )
+    out = tvm.IRModule({"main": func})
+    return SimResult(out, g, matches, ctx.plan, ctx.qparam_vars, ctx.sq_vars)

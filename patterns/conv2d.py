@@ -1,0 +1,15 @@
+"""Pattern ``conv2d``: nn.conv2d with a constant weight (groups and depthwise included)."""
+
+from autoq.registry import register
+
+from ._accumulate import make
+
+PATTERN = register(
+    make(
+        "conv2d",
+        "conv2d",
+        bias=False,
+        residual=False,
+        doc="nn.conv2d with a constant weight (groups and depthwise included)",
+    )
+)

@@ -1,0 +1,9 @@
+"""Pattern ``conv2d_bias``: conv2d + per-channel bias."""
+
+from autoq.registry import register
+
+from ._accumulate import make
+
+PATTERN = register(
+    make("conv2d_bias", "conv2d", bias=True, residual=False, doc="conv2d + per-channel bias")
+)

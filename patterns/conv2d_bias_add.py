@@ -1,0 +1,15 @@
+"""Pattern ``conv2d_bias_add``: conv2d + bias + residual activation."""
+
+from autoq.registry import register
+
+from ._accumulate import make
+
+PATTERN = register(
+    make(
+        "conv2d_bias_add",
+        "conv2d",
+        bias=True,
+        residual=True,
+        doc="conv2d + bias + residual activation",
+    )
+)

@@ -1,0 +1,15 @@
+"""Pattern ``dense``: matmul with a constant 2-D weight (linear / Gemm / dense)."""
+
+from autoq.registry import register
+
+from ._accumulate import make
+
+PATTERN = register(
+    make(
+        "dense",
+        "dense",
+        bias=False,
+        residual=False,
+        doc="matmul with a constant 2-D weight (linear / Gemm / dense)",
+    )
+)

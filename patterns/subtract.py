@@ -1,0 +1,7 @@
+"""Pattern ``subtract``: difference of two activations."""
+
+from autoq.registry import register
+
+from ._elementwise import make
+
+PATTERN = register(make("subtract", doc="difference of two activations"))
