@@ -196,8 +196,6 @@ class _Q:
 def _int_op(op: str, call, x, qz: int, dtype: str, quant: _Q | None):
     """The integer version of a commute op applied to ``x`` (zero point ``qz``)."""
     if op == "relax.nn.relu":
-        if dtype != "int32" and qz <= P.qrange(dtype)[0]:
-            return x  # every integer is >= the zero point: relu is the identity
         return relax.op.maximum(x, _const(np.array(qz), dtype))
     if op == "relax.clip":
         lo, hi = float(call.args[1].value), float(call.args[2].value)
@@ -278,7 +276,11 @@ def _rewrite_round(func: relax.Function, phase: str, rounding: str):
             elif phase == "up" and isinstance(src, tvm.ir.Call) and op_name(src) in ALLOW_LIST:
                 op = op_name(src)
                 if ALLOW_LIST[op].kind == "commute":
-                    if op == "relax.concat":
+                    # an integer op that is the identity is not emitted: the quantize takes
+                    # the binding's place (and its name, a slot's "<slot>.q")
+                    if op == "relax.nn.relu" and qz <= P.qrange(quant.dtype)[0]:
+                        out = quant.q(src.args[0])
+                    elif op == "relax.concat":
                         fields = val(src.args[0])
                         if isinstance(fields, relax.Tuple):
                             qf = [emit(quant.q(f)) for f in fields.fields]

@@ -57,7 +57,8 @@ class Pattern:
 
     name: str
     priority: int
-    build: Callable[[], tuple[DFPattern, dict[str, DFPattern]]]
+    #: returns ``(root, named_parts)`` or a list of such alternatives (tried in order)
+    build: Callable[[], Any]
     check: Callable[[Graph, dict[str, Any]], str | None]
     simulate: Callable[[Any, Match], relax.Expr]
     realize: Callable[[Any, Match], relax.Expr]
@@ -225,12 +226,18 @@ def _greedy(g: Graph, patterns: list[Pattern], skip: Callable[[Match], bool] | N
     matches: list[Match] = []
     taken: dict[str, int] = {}
     for pat in patterns:
-        root_pat, named = pat.build()
+        alts = pat.build()
+        alts = alts if isinstance(alts, list) else [alts]
         for var, value in g.bindings:
             if var in claimed or not isinstance(value, tvm.ir.Call):
                 continue
-            m = _try_match(g, pat, root_pat, named, var, value, v2v, val2var)
-            if m is None or any(c in claimed for c in m.covered):
+            m = None
+            for root_pat, named in alts:
+                m = _try_match(g, pat, root_pat, named, var, value, v2v, val2var)
+                if m is not None and not any(c in claimed for c in m.covered):
+                    break
+                m = None
+            if m is None:
                 continue
             m.layer = _name_layer(g, m, taken)
             claimed.update(m.covered)

@@ -262,7 +262,7 @@ def build_function(
     out = bb.emit_output(remap_expr(g.output, ctx.vmap))
     block = bb._end_block()
     params = list(g.inputs) + list(g.weight_params) + list(extra_params)
-    func = relax.Function(params, relax.SeqExpr([block], out), out.ty)
+    func = relax.Function(params, bb.normalize(relax.SeqExpr([block], out)), out.ty)
     return func.with_attr("global_symbol", "main")
 
 

@@ -23,7 +23,7 @@ from tvm.relax.dpl import is_op, wildcard
 
 from autoq import qnn
 from autoq.graph import dtype_of, op_name, shape_of
-from autoq.registry import Pattern, commutative
+from autoq.registry import Pattern
 
 #: kind -> (Relax op, weight output-channel axis, whether the rhs is a weight)
 KINDS = {
@@ -100,21 +100,30 @@ def _check(kind: str, bias: bool, residual: bool):
 
 def _build(kind: str, bias: bool, residual: bool):
     op = KINDS[kind][0]
+    orders = ((0, 1), (1, 0))
 
     def build():
-        data, weight = wildcard(), wildcard()
-        core = is_op(op)(data, weight)
-        named = {"data": data, "weight": weight, "core": core}
-        root = core
-        if bias:
-            b = wildcard()
-            root = commutative("relax.add", core, b)
-            named["bias"], named["biased"] = b, root
-        if residual:
-            r = wildcard()
-            root = commutative("relax.add", root, r)
-            named["residual"] = r
-        return root, named
+        # one alternative per operand order of each add: DPL's "|" would stop at the first
+        # structural match, before the check could reject it and try the other order
+        alts = []
+        for border in orders if bias else [None]:
+            for rorder in orders if residual else [None]:
+                data, weight = wildcard(), wildcard()
+                core = is_op(op)(data, weight)
+                named = {"data": data, "weight": weight, "core": core}
+                root = core
+                if bias:
+                    b = wildcard()
+                    pair = (root, b)
+                    root = is_op("relax.add")(*[pair[i] for i in border])
+                    named["bias"], named["biased"] = b, root
+                if residual:
+                    r = wildcard()
+                    pair = (root, r)
+                    root = is_op("relax.add")(*[pair[i] for i in rorder])
+                    named["residual"] = r
+                alts.append((root, named))
+        return alts
 
     return build
 

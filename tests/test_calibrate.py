@@ -1,0 +1,173 @@
+"""calibrate(): topological order against an independent numpy computation, fp32 mode,
+memory budget and spilling, dataset validation, user calibrators, QParams as data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from models import TARGET, Runner, conv2d_nchw, small_cnn, two_convs
+
+import autoq
+from autoq import Config, QParams, QuantSpec, calibrate, load_qparams, realize, simulate
+from autoq import primitives as P
+
+MAX = QuantSpec(dtype="int8", symmetric=False, calibrator="max")
+WMAX = QuantSpec(
+    dtype="int8", symmetric=True, narrow_range=True, per_channel=True, calibrator="max"
+)
+
+
+def cfg(**kw):
+    return Config(activation=MAX, weight=WMAX, progress=False, **kw)
+
+
+def _numpy_relu_range(params, data, x_qp, w_qp, quantized: bool):
+    """max/min of relu(conv c1) over the dataset, computed in numpy: with the input and
+    weight quantized exactly as the integer graph does (topological) or in float (fp32)."""
+    w, b = params["c1.weight"], params["c1.bias"]
+    lo, hi = np.inf, -np.inf
+    for x in data:
+        if quantized:
+            xq = P.quantize(x, x_qp.scale, x_qp.zero_point).astype(np.int64) - int(x_qp.zero_point)
+            wq = P.quantize(w, w_qp.scale, w_qp.zero_point, axis=0).astype(np.int64)
+            s_acc = (x_qp.scale * w_qp.scale).astype(np.float32)
+            bq = P.quantize_bias(b, x_qp.scale, w_qp.scale).values.astype(np.int64)
+            acc = conv2d_nchw(xq, wq, pad=1) + bq.reshape(1, -1, 1, 1)
+            y = acc.astype(np.float32) * s_acc.reshape(1, -1, 1, 1)
+        else:
+            y = conv2d_nchw(x.astype(np.float64), w.astype(np.float64), pad=1) + b.reshape(
+                1, -1, 1, 1
+            )
+        y = np.maximum(y, 0)
+        lo, hi = min(lo, y.min()), max(hi, y.max())
+    return lo, hi
+
+
+def test_topological_calibration_sees_upstream_quantization_error():
+    mod, params, make = two_convs()
+    data = make(6)
+    sim = simulate(mod, params, cfg())
+    topo = calibrate(sim, params, data, cfg(), target=TARGET)
+    fp32 = calibrate(sim, params, data, cfg(calibration="fp32"), target=TARGET)
+    assert sim.activation_slots() == ["x", "relu_0"]
+    # the input and the weights see no upstream error: both modes agree exactly
+    for sid in ("x", "c1.weight", "c2.weight"):
+        assert topo[sid] == fp32[sid], sid
+    all_x = np.concatenate([d.ravel() for d in data])
+    assert topo["x"] == autoq.QParam(*P.choose_qparams(all_x.min(), all_x.max()))
+    # relu_0 is downstream of x and c1.weight: topological mode calibrates it on the
+    # quantized conv's output (numpy int64 reference, bit-exact), fp32 mode on the float one
+    lo, hi = _numpy_relu_range(params, data, topo["x"], topo["c1.weight"], quantized=True)
+    assert topo["relu_0"] == autoq.QParam(*P.choose_qparams(lo, hi))
+    _flo, fhi = _numpy_relu_range(params, data, None, None, quantized=False)
+    np.testing.assert_allclose(fp32["relu_0"].rmax, fhi, rtol=1e-5)
+    assert topo["relu_0"] != fp32["relu_0"]
+
+
+def test_spilling_to_disk_changes_nothing(tmp_path):
+    mod, params, make = small_cnn()
+    data = make(5)
+    sim = simulate(mod, params, cfg())
+    ram = calibrate(sim, params, data, cfg(), target=TARGET)
+    disk = calibrate(
+        sim, params, data, cfg(memory_budget_mb=0, cache_dir=str(tmp_path / "cache")), target=TARGET
+    )
+    assert dict(ram) == dict(disk)
+    assert list((tmp_path / "cache").glob("*.npy")) == []  # cleaned up after use
+
+
+def test_generators_and_single_arrays_are_datasets():
+    mod, params, make = two_convs()
+    data = make(3)
+    sim = simulate(mod, params, cfg())
+    a = calibrate(sim, params, (d for d in data), cfg(), target=TARGET)
+    b = calibrate(sim, params, [{"x": d} for d in data], cfg(), target=TARGET)
+    assert dict(a) == dict(b)
+
+
+@pytest.mark.parametrize(
+    "dataset, message",
+    [
+        ([], r"empty"),
+        ([{"y": np.zeros((1, 3, 8, 8), np.float32)}], r"'x'"),
+        ([np.zeros((1, 3, 8, 9), np.float32)], r"\(1, 3, 8, 8\)"),
+        ([np.zeros((1, 3, 8, 8), np.float64)], r"float32"),
+        ([np.full((1, 3, 8, 8), np.nan, np.float32)], r"NaN"),
+    ],
+)
+def test_bad_datasets_fail_before_any_work(dataset, message):
+    mod, params, _ = two_convs()
+    sim = simulate(mod, params, cfg())
+    with pytest.raises(ValueError, match=message):
+        calibrate(sim, params, dataset, cfg(), target=TARGET)
+
+
+def test_user_calibrators_plug_into_the_config():
+    """A plain function batch -> (lo, hi) and an object following the contract."""
+    mod, params, make = two_convs()
+    data = make(4)
+
+    def middle_half(x):
+        return np.percentile(x, 25), np.percentile(x, 75)
+
+    class Fixed:
+        name = "fixed"
+        needs_range = False
+
+        def observer(self, axis=None, data_range=None):
+            class Obs:
+                def update(self, x):
+                    pass
+
+                def merge(self, other):
+                    pass
+
+                def compute(self, spec):
+                    return autoq.QParam.from_range(-1.0, 1.0, spec.dtype, spec.symmetric)
+
+            return Obs()
+
+    for cal in (middle_half, Fixed()):
+        c = Config(activation=QuantSpec(calibrator=cal), weight=WMAX, progress=False)
+        sim = simulate(mod, params, c)
+        qp = calibrate(sim, params, data, c, target=TARGET)
+        if cal is middle_half:
+            lo = min(np.percentile(d, 25) for d in data)
+            hi = max(np.percentile(d, 75) for d in data)
+            assert qp["x"] == autoq.QParam(*P.choose_qparams(lo, hi))
+        else:
+            assert qp["x"] == autoq.QParam.from_range(-1.0, 1.0)
+            assert qp["relu_0"] == autoq.QParam.from_range(-1.0, 1.0)
+
+
+@pytest.mark.parametrize("method", ["max", "moving_average", "percentile", "kl", "mse"])
+def test_every_shipped_calibrator_runs_through_the_pipeline(method):
+    mod, params, make = two_convs()
+    c = Config(activation=QuantSpec(calibrator=method), progress=False)
+    sim = simulate(mod, params, c)
+    qp = calibrate(sim, params, make(4), c, target=TARGET)
+    q = realize(mod, params, qp, c)
+    x = make(1, seed=9)[0]
+    ref, got = Runner(mod, params)(x), Runner(q)(x)
+    assert np.corrcoef(ref.ravel(), got.ravel())[0, 1] > 0.99
+
+
+def test_qparams_are_data_save_edit_load(tmp_path):
+    mod, params, make = two_convs()
+    sim = simulate(mod, params, cfg())
+    qp = calibrate(sim, params, make(4), cfg(), target=TARGET)
+    path = tmp_path / "q.json"
+    qp.save(path)
+    loaded = load_qparams(path)
+    assert dict(loaded) == dict(qp) and loaded.slots == qp.slots
+    x = make(1, seed=3)[0]
+    a = Runner(realize(mod, params, qp, cfg()))(x)
+    b = Runner(realize(mod, params, loaded, cfg()))(x)
+    np.testing.assert_array_equal(a, b)
+    # a hand edit: double the input scale, realize again, the output changes
+    edited = loaded.replace(x=autoq.QParam(loaded["x"].scale * 2, loaded["x"].zero_point))
+    c = Runner(realize(mod, params, edited, cfg()))(x)
+    assert not np.array_equal(a, c)
+    with pytest.raises(KeyError, match=r"no qparams for slot 'relu_1'.*closest ids: relu_0"):
+        loaded.replace(relu_1=loaded["x"])
+    assert isinstance(QParams.loads(qp.dumps()), QParams)
