@@ -1,0 +1,80 @@
+"""Milliseconds per tensor of each registered calibrator (default options, 2048 bins).
+
+    /work/venv/bin/python benchmarks/calibrator_speed.py [--repeat N] [--best]
+
+For an activation (1x64x56x56 float32, per-tensor) and a conv weight (64x64x3x3, per output
+channel), prints the median (or, with ``--best``, the minimum) time of ``observer.update`` on one batch, of ``compute`` and
+their sum. Histogram calibrators also need the driver's min/max pass over the data, timed
+separately as "range pass".
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from autoq import calibrators as cal
+from autoq.config import QuantSpec
+
+BEST = False
+
+
+def median_ms(fn, repeat: int) -> float:
+    """Median wall time in ms (best of ``repeat`` with ``--best``)."""
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.min(times) if BEST else np.median(times))
+
+
+def bench(name: str, x: np.ndarray, axis: int | None, spec: QuantSpec, repeat: int):
+    c = cal.get(name)
+    if axis is None:
+        data_range = (float(x.min()), float(x.max())) if c.needs_range else None
+    else:
+        rows = np.moveaxis(x, axis, 0).reshape(x.shape[axis], -1)
+        data_range = (rows.min(1), rows.max(1)) if c.needs_range else None
+    obs = c.observer(axis, data_range)
+    update = median_ms(lambda: c.observer(axis, data_range).update(x), repeat)
+    obs.update(x)
+    compute = median_ms(lambda: obs.compute(spec), repeat)
+    return update, compute
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--best", action="store_true", help="best of N instead of the median")
+    args = parser.parse_args()
+    global BEST
+    BEST = args.best
+    rng = np.random.default_rng(0)
+    cases = [
+        (
+            "activation 1x64x56x56, per-tensor, int8 asymmetric",
+            np.maximum(rng.standard_normal((1, 64, 56, 56)), -0.5).astype(np.float32),
+            None,
+            QuantSpec(),
+        ),
+        (
+            "weight 64x64x3x3, per-channel (axis 0), int8 symmetric narrow",
+            (0.05 * rng.standard_normal((64, 64, 3, 3))).astype(np.float32),
+            0,
+            QuantSpec(symmetric=True, narrow_range=True),
+        ),
+    ]
+    for title, x, axis, spec in cases:
+        minmax = median_ms(lambda x=x: (x.min(), x.max()), args.repeat)
+        print(f"\n{title}  (range pass: {minmax:.2f} ms)")
+        print(f"{'calibrator':<16}{'update ms':>11}{'compute ms':>12}{'total ms':>10}")
+        for name in sorted(cal.REGISTRY):
+            update, compute = bench(name, x, axis, spec, args.repeat)
+            print(f"{name:<16}{update:>11.2f}{compute:>12.2f}{update + compute:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

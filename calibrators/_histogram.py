@@ -1,0 +1,167 @@
+"""Fixed-range histograms: the observer shared by ``percentile``, ``kl`` and ``mse``.
+
+A :class:`HistogramObserver` is created with the exact ``data_range=(lo, hi)`` of the
+tensor (scalars, or one value per channel), gathered by the calibrate driver in a first
+min/max pass. Its bins are therefore fixed before any data arrives: counts are integers
+added batch by batch, so the histogram does not depend on the order of the batches, two
+shards merge exactly (same range, add the counts), and memory is ``bins`` integers per
+channel and per kind, whatever the number of batches.
+
+Two kinds of histogram, each a ``(C, bins)`` int64 array (``C = 1`` per-tensor):
+
+* ``"signed"``: the values over ``[lo, hi]``;
+* ``"abs"``: the magnitudes ``|x|`` over ``[0, max(|lo|, |hi|)]``.
+
+Binning is exactly :func:`numpy.histogram` with ``range=`` in float64: edges
+``np.linspace(lo, hi, bins + 1)``, bin ``k`` holds ``edges[k] <= v < edges[k + 1]`` and the
+last bin also holds ``hi``; a degenerate range ``lo == hi`` is widened to
+``[lo - 0.5, hi + 0.5]`` as numpy does (the calibrators return such a range unchanged).
+Compared with ONNX Runtime, TensorRT and torch, which grow or re-bin their histograms when a
+later batch exceeds the range seen so far (order-dependent, or approximate in torch's
+upsampled re-binning), nothing here is approximate; and unlike ONNX Runtime no activation is
+ever stored.
+
+The calibrator owning the observer provides ``bins``, ``kinds`` and
+``choose_range(observer, spec) -> (rmin, rmax)`` (arrays of shape ``(C,)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._common import as_channels, batch_minmax, no_data, range_qparam
+
+__all__ = ["HistogramObserver", "check_bins", "histogram"]
+
+
+def check_bins(owner: Any, bins: Any) -> None:
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"{type(owner).__name__}.bins must be a positive integer, got {bins!r}")
+
+
+BLOCK = 1 << 16  # elements per block: the temporaries stay in cache (numpy does the same)
+
+
+def _bin_block(rows: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    c, bins = edges.shape[0], edges.shape[1] - 1
+    lo, hi = edges[:, :1], edges[:, -1:]
+    idx = ((rows - lo) / (hi - lo) * bins).astype(np.intp)
+    np.clip(idx, 0, bins - 1, out=idx)
+    flat = edges.ravel()
+    pos = idx + (np.arange(c) * (bins + 1))[:, None] if c > 1 else idx.copy()
+    down = rows < flat[pos]
+    idx -= down
+    pos -= down
+    idx += (rows >= flat[pos + 1]) & (idx != bins - 1)
+    if c > 1:
+        idx += (np.arange(c) * bins)[:, None]
+    return np.bincount(idx.ravel(), minlength=c * bins).reshape(c, bins)
+
+
+def histogram(rows: np.ndarray, edges: np.ndarray, absolute: bool = False) -> np.ndarray:
+    """Counts ``(C, bins)`` of ``rows (C, M)`` (or of ``|rows|``) in per-row uniform bins
+    ``edges (C, bins+1)``, every value inside ``[edges[c, 0], edges[c, -1]]``: exactly
+    ``np.histogram`` of each row in float64.
+
+    The index is first estimated arithmetically, then corrected by comparing with the
+    edges (the estimate can be one bin off within an ulp of an edge), as numpy does; the
+    columns are processed in blocks of about ``BLOCK`` elements.
+    """
+    c = rows.shape[0]
+    counts = np.zeros((c, edges.shape[1] - 1), np.int64)
+    step = max(1, BLOCK // c)
+    for j in range(0, rows.shape[1], step):
+        block = rows[:, j : j + step].astype(np.float64)
+        counts += _bin_block(np.abs(block, out=block) if absolute else block, edges)
+    return counts
+
+
+class HistogramObserver:
+    """Per-channel fixed-range histograms of the kinds ``calibrator.kinds``."""
+
+    def __init__(self, calibrator: Any, axis: int | None, data_range) -> None:
+        if data_range is None:
+            raise ValueError(
+                f"the {calibrator.name!r} calibrator builds histograms over a fixed range and "
+                "needs data_range=(lo, hi): run a min/max pass first (calibrate() does)"
+            )
+        lo, hi = (np.atleast_1d(np.asarray(v, np.float64)) for v in data_range)
+        if lo.ndim != 1 or lo.shape != hi.shape:
+            raise ValueError(f"data_range must be two scalars or two 1-D arrays, got {data_range}")
+        if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi)) and np.all(lo <= hi)):
+            raise ValueError(f"data_range must be finite with lo <= hi, got {data_range}")
+        if axis is None and lo.size != 1:
+            raise ValueError("a per-tensor observer (axis=None) needs a scalar data_range")
+        self.calibrator = calibrator
+        self.axis = axis
+        self.lo, self.hi = lo, hi
+        self.edges: dict[str, np.ndarray] = {}
+        self.counts: dict[str, np.ndarray] | None = None
+
+    @property
+    def channels(self) -> int:
+        return self.lo.size
+
+    def _start(self, channels: int) -> None:
+        """Fix the channel count (a scalar range is shared by all channels) and the edges."""
+        if self.lo.size == 1 and channels != 1:
+            self.lo = np.full(channels, self.lo[0])
+            self.hi = np.full(channels, self.hi[0])
+        if self.lo.size != channels:
+            raise ValueError(f"data_range has {self.lo.size} channels, the batch has {channels}")
+        for kind in self.calibrator.kinds:
+            lo, hi = self.bounds(kind)
+            same = lo == hi
+            lo, hi = np.where(same, lo - 0.5, lo), np.where(same, hi + 0.5, hi)
+            self.edges[kind] = np.linspace(lo, hi, self.calibrator.bins + 1, axis=-1)
+        self.counts = {k: np.zeros((channels, self.calibrator.bins), np.int64) for k in self.edges}
+
+    def bounds(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """The (unwidened) range ``(lo, hi)`` per channel of the histogram ``kind``."""
+        if kind == "abs":
+            return np.zeros_like(self.lo), np.maximum(-self.lo, self.hi)
+        return self.lo, self.hi
+
+    def update(self, x) -> None:
+        rows = as_channels(x, self.axis)
+        if rows.size == 0:
+            return
+        if self.counts is None:
+            self._start(rows.shape[0])
+        elif rows.shape[0] != self.channels:
+            raise ValueError(f"channel count changed from {self.channels} to {rows.shape[0]}")
+        bmin, bmax = batch_minmax(rows)
+        if np.any(bmin < self.lo) or np.any(bmax > self.hi):
+            raise ValueError(
+                f"batch range [{bmin.min()}, {bmax.max()}] is outside the data_range "
+                f"[{self.lo.min()}, {self.hi.max()}] this observer was created with"
+            )
+        for kind, edges in self.edges.items():
+            self.counts[kind] += histogram(rows, edges, absolute=kind == "abs")
+
+    def merge(self, other: HistogramObserver) -> None:
+        if not (
+            isinstance(other, HistogramObserver)
+            and other.calibrator == self.calibrator
+            and other.axis == self.axis
+        ):
+            raise TypeError("can only merge histogram observers of the same calibrator and axis")
+        if other.counts is None:
+            return
+        if self.counts is None:
+            self._start(other.channels)
+        if not (np.array_equal(self.lo, other.lo) and np.array_equal(self.hi, other.hi)):
+            raise ValueError(
+                "cannot merge histograms over different data ranges: give every shard the "
+                "global data_range"
+            )
+        for kind in self.counts:
+            self.counts[kind] += other.counts[kind]
+
+    def compute(self, spec):
+        if self.counts is None:
+            raise no_data()
+        rmin, rmax = self.calibrator.choose_range(self, spec)
+        return range_qparam(rmin, rmax, spec, self.axis)
