@@ -181,7 +181,10 @@ def choose_qparams(
     degenerate = scale < np.finfo(np.float32).tiny
     if np.any(degenerate):
         scale = np.where(degenerate, np.float32(1.0), scale).astype(np.float32)
-        zero_point = np.where(degenerate, np.int32(np.clip(0, qmin, qmax)), zero_point)
+        # symmetric keeps the middle of the range (zero point 128 for uint8, like the other
+        # channels); asymmetric takes 0 (or the nearest value of the range)
+        zp0 = (qmin + qmax + 1) // 2 if symmetric else int(np.clip(0, qmin, qmax))
+        zero_point = np.where(degenerate, np.int32(zp0), zero_point)
         zero_point = zero_point.astype(np.int32)
     return scale.astype(np.float32), zero_point.astype(np.int32)
 
@@ -220,7 +223,9 @@ def quantize(x, scale, zero_point, dtype: str = "int8", axis: int | None = None)
     s = _broadcast_param(_as_f32(scale), x.ndim, axis)
     z = _broadcast_param(np.asarray(zero_point, dtype=np.int32), x.ndim, axis).astype(np.float32)
     q = np.rint(x / s) + z
-    return np.clip(q, qmin, qmax).astype(dtype)
+    # clip in float64: exact for every dtype, and float32 cannot hold int32's qmax 2**31 - 1
+    # (its float32 neighbour 2**31 would overflow the cast to int32)
+    return np.clip(q.astype(np.float64), qmin, qmax).astype(dtype)
 
 
 def dequantize(q, scale, zero_point, axis: int | None = None) -> np.ndarray:

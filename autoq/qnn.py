@@ -36,6 +36,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.ir import _ffi_api as _ir_ffi
 from tvm.relax.transform.legalize_ops.common import register_legalize
+from tvm_ffi import register_error
 
 from . import primitives as P
 
@@ -60,8 +61,14 @@ QDTYPES = ("int8", "uint8", "int16", "uint16")
 ACC_DTYPE = "int32"
 
 
+@register_error
 class QnnError(ValueError):
-    """A qnn op was given an argument of the wrong dtype, shape or value."""
+    """A qnn op was given an argument of the wrong dtype, shape or value.
+
+    Registered with tvm_ffi so that it keeps its type when raised inside type inference or
+    legalization (Python callbacks called through the FFI); unregistered exception types
+    come back from the FFI as a plain ``RuntimeError``.
+    """
 
 
 # --------------------------------------------------------------------------- helpers
@@ -93,6 +100,8 @@ def _const_value(expr) -> np.ndarray | None:
 
 
 def _fail(op: str, arg: str, expected: str, got) -> None:
+    if isinstance(got, list | tuple | tvm.ir.Array):  # shapes: [3, 4], not [T.int64(3), ...]
+        got = [_int(d) if _int(d) is not None else d for d in got]
     raise QnnError(f"{op}: argument '{arg}' must be {expected}, got {got}")
 
 
@@ -125,12 +134,19 @@ def _check_qparams(
     zlen = _int(zdims[0]) if zdims else 1
     if slen is not None and zlen is not None and slen != zlen and 1 not in (slen, zlen):
         _fail(op, zname, f"of length {slen} like '{sname}' (or a scalar)", f"length {zlen}")
-    if data_dims is not None and axis is not None:
+    if data_dims is not None and axis is not None and len(data_dims) == 0:
+        # 0-d data: any axis (the default is -1) is fine with per-tensor parameters
+        for name, n in ((sname, slen), (zname, zlen)):
+            if n != 1:
+                _fail(op, name, "a scalar (the data is 0-d)", f"length {n}")
+    elif data_dims is not None and axis is not None and (slen != 1 or zlen != 1):
+        # the axis only matters (and is only checked) for per-axis parameters: ONNX's
+        # default axis=1 comes with per-tensor parameters on 1-D data, for example
         ndim = len(data_dims)
-        if not -ndim <= axis < max(ndim, 1):
+        if not -ndim <= axis < ndim:
             _fail(op, "axis", f"in [{-ndim}, {ndim})", axis)
         for name, n in ((sname, slen), (zname, zlen)):
-            if n is None or n == 1 or ndim == 0:
+            if n is None or n == 1:
                 continue
             d = _int(data_dims[axis % ndim])
             if d is not None and d != n:
@@ -222,17 +238,30 @@ def _scalar_or_tensor(bb, expr):
     return expr
 
 
-def _te_quantize_value(x, s, z, qmin, qmax):
-    """float32 ``clip(round_half_even(x / s) + z, qmin, qmax)`` (still a float)."""
+def _te_quantize_value(x, s, z, qmin, qmax, clip_dtype="float32"):
+    """float32 ``clip(round_half_even(x / s) + z, qmin, qmax)`` (still a float).
+
+    ``clip_dtype="float64"`` clips in float64, for int32 outputs: float32 cannot hold
+    2**31 - 1, and converting the float32 bound 2**31 to int32 overflows.
+    """
     v = te.round(x / s) + z.astype("float32")
-    return te.max(te.min(v, tirx.const(float(qmax), "float32")), tirx.const(float(qmin), "float32"))
+    if clip_dtype != "float32":
+        v = v.astype(clip_dtype)
+    return te.max(
+        te.min(v, tirx.const(float(qmax), clip_dtype)), tirx.const(float(qmin), clip_dtype)
+    )
 
 
 def _te_dequantize_value(q, s, z):
-    """``float32(q - z) * s``; q is any int dtype (subtract in int32) or an integral float."""
+    """``float32(q - z) * s``; q is any int dtype or an integral float.
+
+    The subtraction is exact: in int32 for 8/16-bit data, in int64 for int32 data (an int32
+    accumulator minus a zero point can leave the int32 range), like primitives.dequantize.
+    """
     if "float" in str(q.dtype):
         return (q - z.astype(q.dtype)).astype("float32") * s
-    return (q.astype("int32") - z.astype("int32")).astype("float32") * s
+    wide = "int64" if str(q.dtype) == "int32" else "int32"
+    return (q.astype(wide) - z.astype(wide)).astype("float32") * s
 
 
 def _te_quantize(x, s, z, axis, out_dtype, qmin, qmax):
@@ -258,7 +287,9 @@ def _te_rshift_round(x, shift, mode):
     zero = tirx.const(0, "int64")
     floor = x >> shift
     rem = x - (floor << shift)
-    half = tirx.Select(shift > zero, one << (shift - one), zero)
+    # te.max keeps the shift amount non-negative in the branch Select does not take: with a
+    # constant shift of 0, ``one << (shift - one)`` would be folded to an invalid ``1 << -1``
+    half = tirx.Select(shift > zero, one << te.max(shift - one, zero), zero)
     if mode == "half_up":
         up = rem >= half
     elif mode == "half_away":
@@ -291,7 +322,9 @@ def _te_fixed_point_multiply(x, m, shift, rounding):
     total = tirx.const(31, i64) - shift
     prod = x * m
     return tirx.Select(
-        total < zero, prod << (-total), _te_rshift_round(prod, te.max(total, zero), mode)
+        total < zero,
+        prod << te.max(-total, zero),
+        _te_rshift_round(prod, te.max(total, zero), mode),
     )
 
 
@@ -429,11 +462,15 @@ def _infer_requantize(op, call):
 def _integer_multiplier(op, s_in, s_out):
     """Constant int32 multiplier/shift arrays for the integer rounding modes."""
     a, b = _const_value(s_in), _const_value(s_out)
-    if a is None or b is None:
-        raise QnnError(
-            f"{op}: integer rounding modes need constant scales (the multiplier is computed "
-            "at compile time); use rounding='float' for runtime scales"
-        )
+    for name, v, e in (("input_scale", a, s_in), ("output_scale", b, s_out)):
+        if v is None:
+            _fail(
+                op,
+                name,
+                "a constant for integer rounding modes (the multiplier is computed at compile "
+                "time; use rounding='float' for runtime scales)",
+                f"a non-constant {type(e).__name__}",
+            )
     m, sh = P.quantize_multiplier(a.astype(np.float64) / b.astype(np.float64))
     return relax.const(np.asarray(m, np.int32)), relax.const(np.asarray(sh, np.int32))
 
@@ -448,12 +485,13 @@ def _legalize_requantize(bb, call):
     qmin, qmax = P.qrange(out_dtype)
     x, s_in, z_in, s_out, z_out = call.args
     if rounding == "float":
+        clip_dtype = "float64" if out_dtype == ACC_DTYPE else "float32"
 
         def f(x, si, zi, so, zo):
             def g(*i):
                 r = _te_dequantize_value(x[i], _pval(si, i, axis), _pval(zi, i, axis))
                 return _te_quantize_value(
-                    r, _pval(so, i, axis), _pval(zo, i, axis), qmin, qmax
+                    r, _pval(so, i, axis), _pval(zo, i, axis), qmin, qmax, clip_dtype
                 ).astype(out_dtype)
 
             return te.compute(x.shape, g, name="requantize")
@@ -943,8 +981,15 @@ def _legalize_elementwise(bb, call):
         )
 
     vals = [_const_value(x) for x in (s_a, s_b, s_o)]
-    if any(v is None for v in vals):
-        raise QnnError(f"{op}: integer rounding modes need constant scales; use rounding='float'")
+    names = ("lhs_scale", "rhs_scale", "output_scale")
+    for name, v, e in zip(names, vals, (s_a, s_b, s_o), strict=True):
+        if v is None:
+            _fail(
+                op,
+                name,
+                "a constant for integer rounding modes (use rounding='float' for runtime scales)",
+                f"a non-constant {type(e).__name__}",
+            )
     kind = op.split(".")[1]
     ma, mb, shift = P.elementwise_multipliers(kind, *vals)
     mode = {"tflite": "half_away", "tflite_single": "half_up"}.get(rounding, rounding)

@@ -149,6 +149,30 @@ def attention(seed=0, seq=8, dim=16):
     return mod, params, lambda n=4, seed=1: image_data((1, seq, dim), seed, n)
 
 
+def build_tuple_module(inputs: dict[str, np.ndarray], body) -> tvm.IRModule:
+    """``main(*inputs) -> Tuple(body(*vars))``: one module computing several outputs."""
+    bb = relax.BlockBuilder()
+    params = [
+        relax.Var(n, relax.TensorType(list(a.shape), str(a.dtype))) for n, a in inputs.items()
+    ]
+    with bb.function("main", params):
+        with bb.dataflow():
+            outs = [bb.emit(e) for e in body(*params)]
+            gv = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def run_tuple(inputs: dict[str, np.ndarray], body, target=None) -> list[np.ndarray]:
+    """Compile ``build_tuple_module(inputs, body)``, run it, return every output as numpy."""
+    ex = tvm.compile(build_tuple_module(inputs, body), target or TARGET)
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    return [
+        r.numpy()
+        for r in vm["main"](*[tvm.runtime.tensor(np.array(a, order="C")) for a in inputs.values()])
+    ]
+
+
 def run(mod: tvm.IRModule, inputs: list, params: dict | None = None, target=None) -> np.ndarray:
     """Compile and run ``main`` on the llvm target (params appended in parameter order)."""
     target = target or TARGET
@@ -181,7 +205,7 @@ class Runner:
 def conv2d_nchw(x: np.ndarray, w: np.ndarray, pad: int = 0) -> np.ndarray:
     """Plain numpy NCHW x OIHW convolution, stride 1, groups 1 (dtype of the inputs' product)."""
     x = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
-    n, c, h, wd = x.shape
+    n, _, h, wd = x.shape
     o, _, kh, kw = w.shape
     out = np.zeros((n, o, h - kh + 1, wd - kw + 1), dtype=np.result_type(x, w))
     for i in range(kh):

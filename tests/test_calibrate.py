@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from models import TARGET, Runner, conv2d_nchw, small_cnn, two_convs
 
 import autoq
 from autoq import Config, QParams, QuantSpec, calibrate, load_qparams, realize, simulate
 from autoq import primitives as P
+from models import TARGET, Runner, conv2d_nchw, small_cnn, two_convs
 
 MAX = QuantSpec(dtype="int8", symmetric=False, calibrator="max")
 WMAX = QuantSpec(

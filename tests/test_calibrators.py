@@ -15,17 +15,17 @@ from typing import ClassVar
 import hypothesis.extra.numpy as hnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import entropy
+
+from autoq import calibrators as cal
 from autoq.calibrators._histogram import histogram
 from autoq.calibrators.kl import KL, kl_divergences, kl_threshold_bins
 from autoq.calibrators.max import Max
 from autoq.calibrators.moving_average import MovingAverage
 from autoq.calibrators.mse import MSE
 from autoq.calibrators.percentile import Percentile
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from scipy.stats import entropy
-
-from autoq import calibrators as cal
 from autoq.config import QuantSpec
 from autoq.qparams import QParam
 

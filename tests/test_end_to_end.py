@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from models import TARGET, Builder, Runner, attention, conv, mlp, small_cnn
 from tvm import relax
 
 import autoq
 from autoq import Config, Fallback, calibrate, realize, simulate
 from autoq.calibrate import samples_for
 from autoq.fidelity import compare
+from models import TARGET, Builder, Runner, attention, conv, mlp, small_cnn
 
 TOL = 0.04
 

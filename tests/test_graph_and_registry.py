@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from models import Builder, conv, small_cnn
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
 from autoq import Config, Fallback
 from autoq.graph import GraphError, prepare
 from autoq.registry import PATTERNS, Pattern, find_matches, layer_ids, register
+from models import Builder, conv, small_cnn
 
 
 def _by_layer(matches):

@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from models import TARGET, Builder, attention, conv, mlp, small_cnn
 from tvm import relax
 
 from autoq import Config, QParam, QuantSpec, calibrate, qnn, realize, simulate
 from autoq import primitives as P
 from autoq.calibrate import samples_for
 from autoq.fidelity import compare
+from models import TARGET, Builder, attention, conv, mlp, small_cnn
 
 SYM = QuantSpec(dtype="int8", symmetric=True, calibrator="max")
 ASYM = QuantSpec(dtype="int8", symmetric=False, calibrator="max")

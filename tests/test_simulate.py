@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from models import Builder, attention, conv, small_cnn
 from tvm import relax
 
 from autoq import Config, Override, QuantSpec, qnn, simulate
+from models import Builder, attention, conv, small_cnn
 
 
 def one_conv_bias():
