@@ -33,6 +33,7 @@ from tvm import relax
 
 from .build import default_target
 from .config import Config, QuantSpec
+from .dataset import InputSpec, as_dataset
 from .graph import free_vars, remap_expr
 from .qparams import QParam, QParams
 from .simulate import SimResult
@@ -43,36 +44,11 @@ __all__ = ["ValueCache", "calibrate", "calibrate_weights", "default_target"]
 # ------------------------------------------------------------------- dataset
 
 
-def samples_for(dataset, inputs) -> list[dict[str, np.ndarray]]:
-    """Materialize and validate the calibration samples (temporary; see autoq.dataset)."""
-    names = [v.name for v in inputs]
-    out = []
-    for k, item in enumerate(dataset):
-        if not isinstance(item, dict):
-            if len(names) != 1:
-                raise ValueError(
-                    f"sample {k} is an array but the model has inputs {names}: give dicts"
-                )
-            item = {names[0]: item}
-        missing = [n for n in names if n not in item]
-        extra = [n for n in item if n not in names]
-        if missing or extra:
-            raise ValueError(f"sample {k}: expected inputs {names}, got {list(item)}")
-        row = {}
-        for v in inputs:
-            a = np.asarray(item[v.name])
-            want = tuple(int(d) for d in v.ty.shape.values)
-            if a.shape != want or str(a.dtype) != str(v.ty.dtype):
-                raise ValueError(
-                    f"sample {k}, input {v.name!r}: expected {want} {v.ty.dtype}, got {a.shape} {a.dtype}"
-                )
-            if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
-                raise ValueError(f"sample {k}, input {v.name!r} contains NaN or Inf")
-            row[v.name] = np.ascontiguousarray(a)
-        out.append(row)
-    if not out:
-        raise ValueError("the calibration dataset is empty")
-    return out
+def samples_for(dataset, inputs, cache: bool | str = "auto"):
+    """The validated, repeatable view of ``dataset`` for a model's input Vars
+    (see :func:`autoq.dataset.as_dataset`: errors name the input and the sample)."""
+    specs = [InputSpec(v.name, tuple(int(d) for d in v.ty.shape.values), str(v.ty.dtype)) for v in inputs]
+    return as_dataset(dataset, specs, cache=cache)
 
 
 # ------------------------------------------------------------------- observers
@@ -330,15 +306,16 @@ def calibrate(
     samples = samples_for(dataset, g.inputs)
     result = calibrate_weights(sim)
     if config.calibration == "fp32":
-        result.update(_calibrate_fp32(sim, samples, config, target))
+        acts, n_samples = _calibrate_fp32(sim, samples, config, target)
     else:
-        result.update(_calibrate_topological(sim, samples, result, config, target))
+        acts, n_samples = _calibrate_topological(sim, samples, result, config, target)
+    result.update(acts)
     return QParams(
         params={s: result[s] for s in sim.plan.slots},
         slots=dict(sim.plan.slots),
         meta={
             "calibration": config.calibration,
-            "samples": len(samples),
+            "samples": n_samples,
             "specs": {s: sp.to_json() for s, sp in sim.plan.specs.items()},
         },
     )
@@ -372,12 +349,13 @@ def _calibrate_topological(sim, samples, weight_qp, config, target) -> dict[str,
     static.update(dict(zip(prologue_out, pro_vals, strict=True)))
 
     cache = ValueCache(config.memory_budget_mb * 2**20, config.cache_dir)
-    n = len(samples)
     result: dict[str, QParam] = {}
     try:
+        n = 0
         for i, sample in enumerate(samples):
             for v in inputs:
-                cache.put((v, i), tvm.runtime.tensor(sample[v.name]))
+                cache.put((v, i), tvm.runtime.tensor(np.ascontiguousarray(sample[v.name])))
+            n += 1
         sq_input = {}
         value_of = {v: e for s in segs for v, e in s.bindings}
         for var, sid in sq_slot.items():
@@ -414,7 +392,7 @@ def _calibrate_topological(sim, samples, weight_qp, config, target) -> dict[str,
     missing = [s for s in sim.activation_slots() if s not in result]
     if missing:
         raise RuntimeError(f"internal error: activation slots {missing} were never calibrated")
-    return result
+    return result, n
 
 
 def _calibrate_fp32(sim, samples, config, target) -> dict[str, QParam]:
@@ -433,8 +411,12 @@ def _calibrate_fp32(sim, samples, config, target) -> dict[str, QParam]:
     vm = _compile({"main": bb.get()["main"]}, target)
     weights = [tvm.runtime.tensor(np.ascontiguousarray(g.params[p.name])) for p in g.weight_params]
 
+    count = [0]
+
     def run_all():
+        count[0] = 0
         for sample in samples:
+            count[0] += 1
             outs = _as_list(
                 vm["main"](*[tvm.runtime.tensor(sample[v.name]) for v in g.inputs], *weights)
             )
@@ -458,4 +440,4 @@ def _calibrate_fp32(sim, samples, config, target) -> dict[str, QParam]:
     for outs in run_all():
         for obs, x in zip(observers, outs, strict=True):
             obs.update(x)
-    return {s: obs.compute(sp) for s, obs, sp in zip(slots, observers, specs, strict=True)}
+    return {s: obs.compute(sp) for s, obs, sp in zip(slots, observers, specs, strict=True)}, count[0]

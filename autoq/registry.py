@@ -47,6 +47,7 @@ __all__ = [
     "Pattern",
     "find_matches",
     "layer_ids",
+    "ordered_patterns",
     "register",
 ]
 
@@ -206,6 +207,11 @@ def _name_layer(g: Graph, m: Match, taken: dict[str, int]) -> str:
     else:
         taken[name] = 0
     return name
+
+
+def ordered_patterns(config: Config | None = None) -> list[Pattern]:
+    """The registered patterns in the order matching tries them (the priority rule)."""
+    return _all_patterns(config)
 
 
 def _all_patterns(config: Config | None) -> list[Pattern]:

@@ -9,7 +9,7 @@ from tvm.relax.dpl import is_op, wildcard
 
 from autoq import Config, Fallback
 from autoq.graph import GraphError, prepare
-from autoq.registry import PATTERNS, Pattern, find_matches, layer_ids, register
+from autoq.registry import PATTERNS, Pattern, find_matches, layer_ids, ordered_patterns, register
 from models import Builder, conv, small_cnn
 
 
@@ -98,8 +98,7 @@ def test_interior_values_used_outside_reject_a_match():
 
 
 def test_priority_orders_patterns_by_size_then_name():
-    ranked = sorted(PATTERNS.values(), key=lambda p: (-p.priority, p.name))
-    names = [p.name for p in ranked]
+    names = [p.name for p in ordered_patterns()]
     assert names.index("conv2d_bias_add") < names.index("conv2d_bias") < names.index("conv2d")
     assert names.index("dense_bias_add") < names.index("dense_bias") < names.index("dense")
 
