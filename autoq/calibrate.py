@@ -47,7 +47,9 @@ __all__ = ["ValueCache", "calibrate", "calibrate_weights", "default_target"]
 def samples_for(dataset, inputs, cache: bool | str = "auto"):
     """The validated, repeatable view of ``dataset`` for a model's input Vars
     (see :func:`autoq.dataset.as_dataset`: errors name the input and the sample)."""
-    specs = [InputSpec(v.name, tuple(int(d) for d in v.ty.shape.values), str(v.ty.dtype)) for v in inputs]
+    specs = [
+        InputSpec(v.name, tuple(int(d) for d in v.ty.shape.values), str(v.ty.dtype)) for v in inputs
+    ]
     return as_dataset(dataset, specs, cache=cache)
 
 
@@ -266,8 +268,13 @@ def _make_function(name, inputs, bindings, outputs):
     return bb.get()[name]
 
 
-def _compile(functions: dict[str, relax.Function], target):
+def _compile(functions: dict[str, relax.Function], target, base: tvm.IRModule | None = None):
+    """One module with ``functions`` (plus ``base``'s other functions, e.g. PrimFuncs)."""
     mod = tvm.IRModule(functions)
+    if base is not None:
+        for gv, f in base.functions_items():
+            if gv.name_hint != "main" and gv.name_hint not in functions:
+                mod[gv] = f
     ex = tvm.compile(mod, target)
     return relax.VirtualMachine(ex, tvm.cpu())
 
@@ -342,7 +349,7 @@ def _calibrate_topological(sim, samples, weight_qp, config, target) -> dict[str,
     functions = {"prologue": _make_function("prologue", pro_in, prologue, prologue_out)}
     for s in segs:
         functions[s.name] = _make_function(s.name, s.inputs, s.bindings, s.outputs)
-    vm = _compile(functions, target)
+    vm = _compile(functions, target, sim.mod)
     static = dict(weight_vals)
     static.update(qvals)
     pro_vals = _as_list(vm["prologue"](*[static[v] for v in pro_in]))
@@ -408,7 +415,7 @@ def _calibrate_fp32(sim, samples, config, target) -> dict[str, QParam]:
                 vmap[var] = bb.emit(remap_expr(value, vmap), name_hint=var.name)
             ret = bb.emit_output(relax.Tuple([vmap.get(t, t) for t in tensors]))
         bb.emit_func_output(ret)
-    vm = _compile({"main": bb.get()["main"]}, target)
+    vm = _compile({"main": bb.get()["main"]}, target, g.module)
     weights = [tvm.runtime.tensor(np.ascontiguousarray(g.params[p.name])) for p in g.weight_params]
 
     count = [0]
@@ -440,4 +447,6 @@ def _calibrate_fp32(sim, samples, config, target) -> dict[str, QParam]:
     for outs in run_all():
         for obs, x in zip(observers, outs, strict=True):
             obs.update(x)
-    return {s: obs.compute(sp) for s, obs, sp in zip(slots, observers, specs, strict=True)}, count[0]
+    return {s: obs.compute(sp) for s, obs, sp in zip(slots, observers, specs, strict=True)}, count[
+        0
+    ]

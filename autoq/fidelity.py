@@ -17,6 +17,7 @@ import tvm
 from tvm import relax
 
 from .build import default_target
+from .graph import with_main
 from .qparams import QParams
 from .simulate import SimResult
 
@@ -74,7 +75,7 @@ def expose_slots(
     new_last = type(last)(new_bindings)
     new_body = relax.SeqExpr([*blocks[:-1], new_last], tup_var)
     new_func = relax.Function(func.params, bb.normalize(new_body), tup_var.ty, attrs=func.attrs)
-    return tvm.IRModule({"main": new_func}), order
+    return with_main(mod, new_func), order
 
 
 def _run_all(mod, feeds_list, target):

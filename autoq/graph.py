@@ -20,7 +20,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-__all__ = ["Graph", "WeightRef", "op_name", "prepare", "remap_expr", "short_op_name"]
+__all__ = ["Graph", "WeightRef", "op_name", "prepare", "remap_expr", "short_op_name", "with_main"]
 
 
 class GraphError(ValueError):
@@ -158,6 +158,9 @@ class Graph:
     ids: dict[relax.Var, str] = field(default_factory=dict)
     index: dict[relax.Var, int] = field(default_factory=dict)
     value: dict[relax.Var, relax.Expr] = field(default_factory=dict)
+    #: the normalized module: ``main`` and the other functions it calls (e.g. the PrimFuncs
+    #: of ``call_tir`` bindings an importer created), which every derived module must keep
+    module: tvm.IRModule | None = None
 
     def weight_of(self, expr) -> WeightRef | None:
         """The weight an operand expression refers to (parameter, binding, or constant)."""
@@ -175,6 +178,14 @@ class Graph:
 
     def var_ids(self) -> Iterable[tuple[relax.Var, str]]:
         return self.ids.items()
+
+
+def with_main(mod: tvm.IRModule, func: relax.Function, name: str = "main") -> tvm.IRModule:
+    """A copy of ``mod`` whose ``name`` function is ``func``, keeping its other functions
+    (PrimFuncs called by ``call_tir``, e.g. an imported ONNX ``Pad``) and attributes."""
+    out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
+    out[name] = func
+    return out
 
 
 def _flatten_bindings(func: relax.Function):
@@ -230,12 +241,12 @@ def prepare(mod: tvm.IRModule, params: dict | None = None, func_name: str = "mai
             relax.transform.FoldConstant(),
         ]
     )
-    mod = seq(tvm.IRModule({func_name: func}))
+    mod = seq(with_main(mod, func, func_name))
     func = mod[func_name]
     bindings, output = _flatten_bindings(func)
     inputs = [p for p in func.params if p.name not in params]
     weight_params = [p for p in func.params if p.name in params]
-    g = Graph(func, params, inputs, weight_params, bindings, output)
+    g = Graph(func, params, inputs, weight_params, bindings, output, module=mod)
     for p in weight_params:
         g.weights[p] = WeightRef(params[p.name].astype(params[p.name].dtype), p.name)
     counters: dict[str, int] = defaultdict(int)

@@ -8,6 +8,17 @@ Values inside a simulated pattern are float32 tensors holding integers
 (``qnn.simulated_quantize``) or reals (``qnn.simulated_dequantize``); accumulations run on
 integer-valued floats, exactly as the integer graph computes them (see docs/design.md,
 "Fidelity"). Everything outside the matches stays fp32.
+
+**Per-layer switches** (``simulate(..., switches=True)``, used by :mod:`autoq.analyze`; the
+default graph has none). ``main`` then also takes one float32 scalar ``<layer>.enable`` per
+layer, after the qparams, and every ``qnn.simulated_quantize`` a layer emits (its input
+activations, weight, bias, residual, output) gets that switch: 1 quantizes, 0 passes the
+float value through (see :func:`autoq.qnn.simulated_quantize`), so a layer set to 0 computes
+what that layer computes when it is left in fp32 (``Fallback(ids=[layer])``), up to float32
+rounding. To make that true for shared tensors, each consumer quantizes its activation
+inputs itself, with its own switch, instead of reusing the first consumer's quantized
+tensor (an output slot is re-quantized from its dequantized value, which gives the same
+integers). With every switch at 1 the graph computes exactly what the default graph does.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ from tvm import relax
 
 from . import qnn
 from .config import Config, QuantSpec, compile_rule
-from .graph import Graph, WeightRef, prepare, remap_expr, shape_of
+from .graph import Graph, WeightRef, prepare, remap_expr, shape_of, with_main
 from .qparams import SlotInfo
 from .registry import Match, find_matches
 
@@ -78,11 +89,29 @@ class _LazyQ:
         return self._real
 
 
+def _is_unswitched_sq(expr) -> bool:
+    return (
+        isinstance(expr, tvm.ir.Call)
+        and isinstance(expr.op, tvm.ir.Op)
+        and expr.op.name == "qnn.simulated_quantize"
+        and len(expr.args) == 3
+    )
+
+
+def _with_switch(call, enable) -> relax.Expr:
+    return tvm.ir.Call(call.op, [*call.args, enable], call.attrs, list(call.ty_args))
+
+
 class SimContext:
     """What a pattern's ``simulate`` callback can ask for (see autoq.registry)."""
 
-    def __init__(self, g: Graph, config: Config, matches: list[Match]):
+    def __init__(self, g: Graph, config: Config, matches: list[Match], switches: bool = False):
         self.g, self.config = g, config
+        self.switches = switches
+        #: layer -> its ``<layer>.enable`` parameter (switch mode only)
+        self.switch_vars: dict[str, relax.Var] = {}
+        #: layer -> the slots it reads or writes (activations, weight, output), in order
+        self.layer_slots: dict[str, list[str]] = {}
         self.bb = relax.BlockBuilder()
         self.vmap: dict = {}
         self.plan = SlotPlan()
@@ -96,7 +125,21 @@ class SimContext:
 
     # ---- generic
     def emit(self, expr, name: str | None = None) -> relax.Var:
+        if self.switches and self.match is not None and _is_unswitched_sq(expr):
+            expr = _with_switch(expr, self._switch())
         return self.bb.emit(expr, name_hint=name or "")
+
+    def _switch(self) -> relax.Var:
+        layer = self.layer
+        if layer not in self.switch_vars:
+            self.switch_vars[layer] = relax.Var(f"{layer}.enable", relax.TensorType([], "float32"))
+        return self.switch_vars[layer]
+
+    def _uses(self, sid: str) -> None:
+        if self.match is not None:
+            used = self.layer_slots.setdefault(self.layer, [])
+            if sid not in used:
+                used.append(sid)
 
     def value(self, expr) -> relax.Expr:
         """The simulated-graph value of an operand of the original graph."""
@@ -133,6 +176,19 @@ class SimContext:
         if not isinstance(expr, relax.Var) or not self.g.is_data_dependent(expr):
             raise ValueError(f"{self.layer}: operand {expr} is not an activation")
         sid = self.tensor_id(expr)
+        self._uses(sid)
+        if self.switches and sid in self.plan.slots:
+            # switch mode: every consumer quantizes the tensor itself, under its own switch
+            key = f"{sid}@{self.layer}"
+            if key not in self._acts:
+                s, z = self.qparam_vars[sid]
+                dtype = self.plan.specs[sid].dtype
+                q = self.emit(
+                    qnn.simulated_quantize(self.value(expr), s, z, dtype=dtype),
+                    f"{sid}.q_{self.layer}",
+                )
+                self._acts[key] = _LazyQ(self, q, s, z)
+            return self._acts[key]
         if sid in self._acts:
             return self._acts[sid]
         spec = self.spec("activation", self.layer)
@@ -144,6 +200,8 @@ class SimContext:
         self.sq_vars[sid] = q
         handle = _LazyQ(self, q, s, z)
         self._acts[sid] = handle
+        if self.switches:
+            self._acts[f"{sid}@{self.layer}"] = handle
         return handle
 
     def weight(self, expr, axis: int) -> _LazyQ:
@@ -152,6 +210,7 @@ class SimContext:
         if ref is None:
             raise ValueError(f"{self.layer}: operand {expr} is not a weight")
         sid = f"{self.layer}.weight"
+        self._uses(sid)
         spec = self.spec("weight", self.layer)
         arr = np.asarray(ref.array, dtype=np.float32)
         ax = axis % arr.ndim if spec.per_channel else None
@@ -186,6 +245,7 @@ class SimContext:
         later consumers of the root tensor reuse this slot."""
         m = self.match
         sid = m.layer
+        self._uses(sid)
         spec = self.spec("activation", sid)
         s, z = self._new_slot(
             sid, "activation", spec, None, None, None, shape_of(m.root), m.pattern.name
@@ -209,6 +269,12 @@ class SimResult:
     plan: SlotPlan
     qparam_vars: dict[str, tuple[relax.Var, relax.Var]]
     sq_vars: dict[str, relax.Var]
+    #: layer -> its ``<layer>.enable`` parameter (``switches=True`` only; see module doc)
+    switch_vars: dict[str, relax.Var] = field(default_factory=dict)
+    #: Var of the prepared fp32 graph -> the simulated graph's value for it
+    values: dict = field(default_factory=dict)
+    #: layer -> the slots it reads or writes
+    layer_slots: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def slots(self) -> dict[str, SlotInfo]:
@@ -267,21 +333,39 @@ def build_function(
 
 
 def simulate(
-    mod: tvm.IRModule, params: dict | None = None, config: Config | None = None
+    mod: tvm.IRModule,
+    params: dict | None = None,
+    config: Config | None = None,
+    switches: bool = False,
 ) -> SimResult:
-    """Rewrite ``mod`` into its simulated-quantized form (see the module docstring)."""
+    """Rewrite ``mod`` into its simulated-quantized form (see the module docstring).
+
+    ``switches=True`` adds a runtime ``<layer>.enable`` input per layer (module docstring);
+    slots, qparam inputs and, with every switch at 1, all values are those of the default
+    graph."""
     config = config or Config()
     g = prepare(mod, params)
     if not g.inputs:
         raise ValueError("the model has no data inputs (every parameter is in params)")
     matches = find_matches(g, config)
     _validate_overrides(config, matches)
-    ctx = SimContext(g, config, matches)
+    ctx = SimContext(g, config, matches, switches=switches)
     # the function's qparam parameters are only known after the walk
     func = build_function(g, ctx, matches, "simulate", [])
     qvars = [v for pair in ctx.qparam_vars.values() for v in pair]
+    qvars += [ctx.switch_vars[m.layer] for m in matches if m.layer in ctx.switch_vars]
     func = relax.Function(list(func.params) + qvars, func.body, func.ret_ty).with_attr(
         "global_symbol", "main"
     )
-    out = tvm.IRModule({"main": func})
-    return SimResult(out, g, matches, ctx.plan, ctx.qparam_vars, ctx.sq_vars)
+    out = with_main(g.module, func)
+    return SimResult(
+        out,
+        g,
+        matches,
+        ctx.plan,
+        ctx.qparam_vars,
+        ctx.sq_vars,
+        switch_vars=dict(ctx.switch_vars),
+        values=dict(ctx.vmap),
+        layer_slots=dict(ctx.layer_slots),
+    )
