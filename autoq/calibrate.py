@@ -317,6 +317,7 @@ def calibrate(
     else:
         acts, n_samples = _calibrate_topological(sim, samples, result, config, target)
     result.update(acts)
+    widened = fit_bias_scales(sim, result)
     return QParams(
         params={s: result[s] for s in sim.plan.slots},
         slots=dict(sim.plan.slots),
@@ -324,8 +325,50 @@ def calibrate(
             "calibration": config.calibration,
             "samples": n_samples,
             "specs": {s: sp.to_json() for s, sp in sim.plan.specs.items()},
+            "bias_widened": widened,
         },
     )
+
+
+#: |bias / (s_x * s_w)| must stay below this: the int32 bias then never saturates and the
+#: simulated graph's float32 accumulator stays exact (see docs/design.md, "Fidelity").
+BIAS_LIMIT = 2.0**22
+
+
+def fit_bias_scales(sim: SimResult, result: dict[str, QParam]) -> list[str]:
+    """Widen the weight scale of channels whose bias would not fit the accumulator.
+
+    A channel with near-zero weights and a large bias (a dead or pruned filter) gets a tiny
+    weight scale, and ``bias / (s_x * s_w)`` then overflows int32. Such channels get
+    ``s_w = |bias| / (s_x * BIAS_LIMIT)``: their weights lose precision they did not have
+    anyway, and the bias is kept. Applied once all qparams are known (the slots downstream
+    were calibrated with the unwidened scale; the realized graph and the simulated graph
+    with these final qparams still agree exactly). Returns the layers changed."""
+    root_slot = {m.root: m.layer for m in sim.matches}
+    changed = []
+    for m in sim.matches:
+        wsid = f"{m.layer}.weight"
+        if "bias" not in m.nodes or wsid not in result:
+            continue
+        x = m["data"]
+        xq = result.get(root_slot.get(x) or sim.graph.ids[x])
+        if xq is None:
+            continue
+        wq = result[wsid]
+        bias = np.abs(np.asarray(sim.graph.weight_of(m["bias"]).array, np.float64).reshape(-1))
+        need = (bias / (float(xq.scale) * BIAS_LIMIT)).astype(np.float32)
+        scale = np.broadcast_to(wq.scale, need.shape) if wq.scale.ndim else None
+        if scale is None:
+            if np.all(need <= wq.scale):
+                continue
+            new = np.float32(max(float(wq.scale), float(need.max())))
+        else:
+            if np.all(need <= scale):
+                continue
+            new = np.maximum(scale, need).astype(np.float32)
+        result[wsid] = QParam(new, wq.zero_point, wq.dtype, wq.axis, wq.rmin, wq.rmax)
+        changed.append(m.layer)
+    return changed
 
 
 def _calibrate_topological(sim, samples, weight_qp, config, target) -> dict[str, QParam]:

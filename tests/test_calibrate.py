@@ -171,3 +171,24 @@ def test_qparams_are_data_save_edit_load(tmp_path):
     with pytest.raises(KeyError, match=r"no qparams for slot 'relu_1'.*closest ids: relu_0"):
         loaded.replace(relu_1=loaded["x"])
     assert isinstance(QParams.loads(qp.dumps()), QParams)
+
+
+def test_dead_channel_with_a_large_bias_keeps_its_bias():
+    """Channel 0 has weights ~1e-9 and bias 5: its weight scale would make
+    bias / (s_x * s_w) overflow int32. The weight scale is widened instead, so the realized
+    channel still outputs ~5 (the saturated bias would give ~0.02)."""
+    from models import Builder, conv
+
+    b = Builder(0)
+    x = b.input("x", (1, 3, 6, 6))
+    mod, params = b.build(lambda b: conv(b, x, "c", 3, 4))
+    params["c.weight"][0] = 1e-9
+    params["c.bias"][0] = 5.0
+    data = [np.random.default_rng(i).normal(size=(1, 3, 6, 6)).astype(np.float32) for i in range(3)]
+    sim = simulate(mod, params, cfg())
+    qp = calibrate(sim, params, data, cfg(), target=TARGET)
+    assert qp.meta["bias_widened"] == ["c"]
+    s_acc = float(qp["x"].scale) * float(qp["c.weight"].scale[0])
+    assert 5.0 / s_acc <= 2**22 * 1.0001
+    out = Runner(realize(mod, params, qp, cfg()))(data[0])
+    np.testing.assert_allclose(out[0, 0], 5.0, rtol=1e-3)
