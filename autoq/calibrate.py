@@ -445,9 +445,10 @@ def _calibrate_topological(sim, samples, weight_qp, config, target) -> dict[str,
     return result, n
 
 
-def _calibrate_fp32(sim, samples, config, target) -> dict[str, QParam]:
+def fp32_slot_runner(sim: SimResult, slots: list[str], target):
+    """``run(samples)``: for each sample, the fp32 values of the tensors that the
+    activation ``slots`` quantize (one compiled float graph with those tensors as outputs)."""
     g = sim.graph
-    slots = sim.activation_slots()
     tensors = [sim.plan.tensors[s] for s in slots]
     bb = relax.BlockBuilder()
     params = list(g.inputs) + list(g.weight_params)
@@ -461,16 +462,24 @@ def _calibrate_fp32(sim, samples, config, target) -> dict[str, QParam]:
     vm = _compile({"main": bb.get()["main"]}, target, g.module)
     weights = [tvm.runtime.tensor(np.ascontiguousarray(g.params[p.name])) for p in g.weight_params]
 
+    def run(samples):
+        for sample in samples:
+            feeds = [tvm.runtime.tensor(np.ascontiguousarray(sample[v.name])) for v in g.inputs]
+            yield [o.numpy() for o in _as_list(vm["main"](*feeds, *weights))]
+
+    return run
+
+
+def _calibrate_fp32(sim, samples, config, target) -> dict[str, QParam]:
+    slots = sim.activation_slots()
+    run = fp32_slot_runner(sim, slots, target)
     count = [0]
 
     def run_all():
         count[0] = 0
-        for sample in samples:
+        for outs in run(samples):
             count[0] += 1
-            outs = _as_list(
-                vm["main"](*[tvm.runtime.tensor(sample[v.name]) for v in g.inputs], *weights)
-            )
-            yield [o.numpy() for o in outs]
+            yield outs
 
     specs = [sim.plan.specs[s] for s in slots]
     needs = [getattr(sp.calibrator, "needs_range", False) for sp in specs]

@@ -1,0 +1,67 @@
+"""Slots that cannot be quantized at all: unbounded activations.
+
+Transformer exports often write attention masks as ``scores + (1 - mask) * finfo.min``: the
+mask tensor (and the sum) hold -3.4e38. Any int8 grid spanning that range rounds every real
+score to one value, and the model's output is garbage (ONNX Runtime's defaults do exactly
+that on all-MiniLM-L6-v2: output cosine 0.34). Such a slot is not a calibration problem but
+a layer that must stay fp32. :func:`unbounded_slots` finds them with a short fp32 run before
+calibration; :func:`layers_using` names the layers to keep in fp32; ``autoq.quantize`` does
+both when ``Config.skip_unbounded`` is on (the default) and says which layers it kept.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from tvm import relax
+
+from .calibrate import fp32_slot_runner, samples_for
+from .simulate import SimResult
+
+__all__ = ["UNBOUNDED", "layers_using", "unbounded_slots"]
+
+#: |value| at or above this (or inf/nan) is a sentinel, not data
+UNBOUNDED = 1e30
+
+
+def unbounded_slots(
+    sim: SimResult, dataset, target=None, samples: int = 2
+) -> dict[str, tuple[float, float]]:
+    """Activation slots whose fp32 values reach ``UNBOUNDED`` on the first ``samples``
+    samples, with their observed range."""
+    from .build import default_target
+
+    slots = sim.activation_slots()
+    if not slots:
+        return {}
+    run = fp32_slot_runner(sim, slots, target or default_target())
+    data = itertools.islice(iter(samples_for(dataset, sim.graph.inputs)), samples)
+    lo = {s: np.inf for s in slots}
+    hi = {s: -np.inf for s in slots}
+    for outs in run(data):
+        for s, x in zip(slots, outs, strict=True):
+            if x.size:
+                lo[s] = min(lo[s], float(np.min(x)))
+                hi[s] = max(hi[s], float(np.max(x)))
+    return {
+        s: (lo[s], hi[s])
+        for s in slots
+        if not (np.isfinite(lo[s]) and np.isfinite(hi[s]))
+        or max(abs(lo[s]), abs(hi[s])) >= UNBOUNDED
+    }
+
+
+def layers_using(sim: SimResult, slots) -> list[str]:
+    """Layers (in topological order) that read one of ``slots`` or produce it."""
+    slots = set(slots)
+    root_slot = {m.root: m.layer for m in sim.matches}
+    out = []
+    for m in sim.matches:
+        touched = {m.layer} if m.layer in sim.plan.slots else set()
+        for v in m.nodes.values():
+            if isinstance(v, relax.Var) and v in sim.graph.ids and not v.same_as(m.root):
+                touched.add(root_slot.get(v) or sim.graph.ids[v])
+        if touched & slots:
+            out.append(m.layer)
+    return out

