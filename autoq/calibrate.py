@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -311,11 +312,14 @@ def calibrate(
     target = target or default_target()
     g = sim.graph
     samples = samples_for(dataset, g.inputs)
+    t0 = time.perf_counter()
     result = calibrate_weights(sim)
+    stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
     if config.calibration == "fp32":
-        acts, n_samples = _calibrate_fp32(sim, samples, config, target)
+        acts, n_samples = _calibrate_fp32(sim, samples, config, target, stats)
     else:
-        acts, n_samples = _calibrate_topological(sim, samples, result, config, target)
+        acts, n_samples = _calibrate_topological(sim, samples, result, config, target, stats)
+    stats["total_s"] = time.perf_counter() - t0
     result.update(acts)
     widened = fit_bias_scales(sim, result)
     return QParams(
@@ -326,6 +330,7 @@ def calibrate(
             "samples": n_samples,
             "specs": {s: sp.to_json() for s, sp in sim.plan.specs.items()},
             "bias_widened": widened,
+            "stats": {k: round(v, 4) for k, v in stats.items()},
         },
     )
 
@@ -371,7 +376,7 @@ def fit_bias_scales(sim: SimResult, result: dict[str, QParam]) -> list[str]:
     return changed
 
 
-def _calibrate_topological(sim, samples, weight_qp, config, target) -> dict[str, QParam]:
+def _calibrate_topological(sim, samples, weight_qp, config, target, stats) -> dict[str, QParam]:
     func, inputs, prologue, prologue_out, segs, last_use, sq_slot = _plan(sim)
     params_by_name = {p.name: p for p in func.params}
     g = sim.graph
@@ -392,7 +397,11 @@ def _calibrate_topological(sim, samples, weight_qp, config, target) -> dict[str,
     functions = {"prologue": _make_function("prologue", pro_in, prologue, prologue_out)}
     for s in segs:
         functions[s.name] = _make_function(s.name, s.inputs, s.bindings, s.outputs)
+    t0 = time.perf_counter()
     vm = _compile(functions, target, sim.mod)
+    stats["compile_s"] = time.perf_counter() - t0
+    stats["segments"] = len(segs)
+    run_s = observe_s = 0.0
     static = dict(weight_vals)
     static.update(qvals)
     pro_vals = _as_list(vm["prologue"](*[static[v] for v in pro_in]))
@@ -419,24 +428,34 @@ def _calibrate_topological(sim, samples, weight_qp, config, target) -> dict[str,
                 def batches(t=t):
                     return (cache.get_numpy((t, i)) for i in range(n))
 
+                t1 = time.perf_counter()
                 qp = observe(spec, batches(), None, batches)
+                observe_s += time.perf_counter() - t1
                 result[sid] = qp
                 s, z = sim.qparam_vars[sid]
                 static[params_by_name[s.name]] = tvm.runtime.tensor(qp.scale)
                 static[params_by_name[z.name]] = tvm.runtime.tensor(qp.zero_point)
             bar.set_postfix_str(",".join(seg.heads)[:40])
             f = vm[seg.name]
+            t1 = time.perf_counter()
             for i in range(n):
                 args = [static[v] if v in static else cache.get((v, i)) for v in seg.inputs]
                 outs = _as_list(f(*args))
                 for v, o in zip(seg.outputs, outs, strict=True):
                     cache.put((v, i), o)
                 bar.update(1)
+            run_s += time.perf_counter() - t1
             for v in seg.inputs:
                 if last_use.get(v) == j and v not in static:
                     for i in range(n):
                         cache.drop((v, i))
         bar.close()
+        stats.update(
+            run_s=run_s,
+            observe_s=observe_s,
+            cache_peak_mb=cache.peak / 2**20,
+            spilled_mb=cache.spilled / 2**20,
+        )
     finally:
         cache.close()
     missing = [s for s in sim.activation_slots() if s not in result]
@@ -470,9 +489,11 @@ def fp32_slot_runner(sim: SimResult, slots: list[str], target):
     return run
 
 
-def _calibrate_fp32(sim, samples, config, target) -> dict[str, QParam]:
+def _calibrate_fp32(sim, samples, config, target, stats) -> dict[str, QParam]:
     slots = sim.activation_slots()
+    t0 = time.perf_counter()
     run = fp32_slot_runner(sim, slots, target)
+    stats["compile_s"] = time.perf_counter() - t0
     count = [0]
 
     def run_all():
