@@ -6,9 +6,11 @@ exposed for users who need them, and calibration results are data (:class:`QPara
 """
 
 from . import primitives, qnn  # noqa: F401  (importing qnn registers the qnn.* ops)
+from .analyze import Analysis, FallbackDecision, Report, analyze
 from .build import compile, default_target, export_library, load_library
 from .calibrate import calibrate
-from .config import Config, Fallback, Override, QuantSpec
+from .config import AutoFallback, Config, Fallback, Override, QuantSpec
+from .import_quantized import import_quantized
 from .pipeline import quantize
 from .qparams import QParam, QParams, load_qparams
 from .realize import realize
@@ -17,17 +19,23 @@ from .simulate import SimResult, simulate
 __version__ = "0.1.0"
 
 __all__ = [
+    "Analysis",
+    "AutoFallback",
     "Config",
     "Fallback",
+    "FallbackDecision",
     "Override",
     "QParam",
     "QParams",
     "QuantSpec",
+    "Report",
     "SimResult",
+    "analyze",
     "calibrate",
     "compile",
     "default_target",
     "export_library",
+    "import_quantized",
     "load_library",
     "load_qparams",
     "quantize",

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import primitives as P
 
-__all__ = ["Config", "Fallback", "Override", "QuantSpec"]
+__all__ = ["AutoFallback", "Config", "Fallback", "Override", "QuantSpec"]
 
 CALIBRATION_MODES = ("topological", "fp32")
 _QSPEC_DTYPES = ("int8", "uint8", "int16")
@@ -205,6 +205,8 @@ class Config:
     ``patterns``: names of the patterns to use (None = all registered).
     ``memory_budget_mb``: RAM for cached activations during calibration (beyond it they
     spill to ``cache_dir`` or a temporary directory). ``progress``: show tqdm bars.
+    ``skip_unbounded``: ``autoq.quantize`` keeps in fp32 the layers whose activations hold
+    inf-like sentinels such as attention masks of ``finfo.min`` (see :mod:`autoq.guard`).
     """
 
     activation: QuantSpec = field(default_factory=_default_activation)
@@ -217,6 +219,7 @@ class Config:
     memory_budget_mb: float = 1024.0
     cache_dir: str | None = None
     progress: bool = True
+    skip_unbounded: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -260,6 +263,7 @@ class Config:
             "memory_budget_mb": self.memory_budget_mb,
             "cache_dir": self.cache_dir,
             "progress": self.progress,
+            "skip_unbounded": self.skip_unbounded,
         }
 
     def dumps(self) -> str:
@@ -288,5 +292,122 @@ class Config:
         return cls.from_json(json.loads(s))
 
 
+AUTO_RANKINGS = ("local", "revert")
+AUTO_PRECISIONS = ("fp32", "int16")
+
+
+def _callable_to_json(f) -> str:
+    mod, name = getattr(f, "__module__", None), getattr(f, "__qualname__", "")
+    if not mod or not name or "<" in name:
+        raise ValueError(
+            f"AutoFallback.metric {f!r} cannot be written to JSON: only module-level functions "
+            "(saved as 'module:name') round-trip; lambdas and local functions do not"
+        )
+    return f"{mod}:{name}"
+
+
+def _callable_from_json(ref: str):
+    import importlib
+
+    mod, _, name = ref.partition(":")
+    try:
+        obj = importlib.import_module(mod)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"AutoFallback.metric {ref!r} cannot be imported: {e}") from None
+    return obj
+
+
+@dataclass(frozen=True)
+class AutoFallback(Fallback):
+    """Choose the layers to keep in fp32 automatically (see :mod:`autoq.analyze`).
+
+    ``autoq.quantize`` calibrates once, ranks the layers by sensitivity, then tries keeping
+    the ``k`` most sensitive layers in fp32 for ``k = 0, 1, 2, ...`` until the metric is
+    within budget (or ``max_fp32_layers`` is reached), and realizes the winner as an ordinary
+    ``Fallback(ids=...)``. A trial is one run of the already compiled simulated graph with
+    per-layer switches (no recalibration, no recompilation). The decision is attached to the
+    result as ``result.attrs["autoq.fallback"]`` (JSON, see :class:`autoq.FallbackDecision`).
+
+    ``ids`` / ``op_types`` / ``patterns`` (inherited from :class:`Fallback`): layers that
+    always stay fp32 and are not candidates.
+
+    ``metric``: ``"sqnr"`` (default): the SQNR in dB of the model outputs on the calibration
+    data against fp32; the budget is ``sqnr >= min_sqnr``. Or a callable
+    ``metric(run) -> float`` (higher is better) where ``run(samples)`` runs the model under
+    test (the fp32 reference or a trial) on any samples (``{input: array}`` dicts or arrays)
+    and returns one output per sample (a numpy array, or a list of arrays for several
+    outputs): e.g. accuracy on a labelled set. The budget is
+    ``metric(run_fp32) - metric(run_trial) <= max_drop``.
+
+    ``max_fp32_layers``: most layers the search may keep in fp32 (when even that misses the
+    budget, the best trial is used and the decision says ``met=False``).
+    ``ranking``: ``"local"`` (default, free): by the SQNR of each layer's output with only
+    that layer quantized on fp32 inputs (the analysis report's "alone" column, lowest
+    first); ``"revert"``: by the metric with everything quantized except that one layer
+    (one trial per layer, like NNCF's accuracy control; better for unusual networks).
+    ``precision``: ``"fp32"``, or ``"int16"``: the chosen layers get int16 activations
+    (``Override(layer, activation=QuantSpec(dtype="int16", ...))``) instead of fp32 when that
+    still meets the budget (checked with one more compiled simulated graph; int16 qparams
+    come from the calibrated ranges), else they fall back to fp32.
+    """
+
+    metric: Any = "sqnr"
+    min_sqnr: float = 30.0
+    max_drop: float = 0.01
+    max_fp32_layers: int = 8
+    ranking: str = "local"
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (self.metric == "sqnr" or callable(self.metric)):
+            raise ValueError(
+                f"AutoFallback.metric must be 'sqnr' or a callable metric(run) -> float, got {self.metric!r}"
+            )
+        for name in ("min_sqnr", "max_drop"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or v != v:
+                raise TypeError(f"AutoFallback.{name} must be a number, got {v!r}")
+        if not isinstance(self.max_fp32_layers, int) or self.max_fp32_layers < 0:
+            raise ValueError(
+                f"AutoFallback.max_fp32_layers must be an int >= 0, got {self.max_fp32_layers!r}"
+            )
+        if self.ranking not in AUTO_RANKINGS:
+            raise ValueError(
+                f"AutoFallback.ranking must be one of {', '.join(AUTO_RANKINGS)}, got {self.ranking!r}"
+            )
+        if self.precision not in AUTO_PRECISIONS:
+            raise ValueError(
+                f"AutoFallback.precision must be one of {', '.join(AUTO_PRECISIONS)}, got {self.precision!r}"
+            )
+
+    def fixed(self) -> Fallback:
+        """The user's fixed rules as a plain :class:`Fallback`."""
+        return Fallback(self.ids, self.op_types, self.patterns, self.validate)
+
+    def to_json(self) -> dict:
+        d = super().to_json()
+        d.update(
+            metric=self.metric if isinstance(self.metric, str) else _callable_to_json(self.metric),
+            min_sqnr=self.min_sqnr,
+            max_drop=self.max_drop,
+            max_fp32_layers=self.max_fp32_layers,
+            ranking=self.ranking,
+            precision=self.precision,
+        )
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> AutoFallback:
+        _check_keys(cls, d)
+        d = dict(d)
+        m = d.get("metric", "sqnr")
+        if isinstance(m, str) and m != "sqnr":
+            d["metric"] = _callable_from_json(m)
+        return cls(**d)
+
+
 #: Fallback kinds that ``Config.from_json`` knows (AutoFallback registers itself here).
-_FALLBACK_TYPES: dict[str, Any] = {"Fallback": Fallback}
+_FALLBACK_TYPES: dict[str, Any] = {"Fallback": Fallback, "AutoFallback": AutoFallback}

@@ -62,6 +62,7 @@ from .prepare import drop_unused_params, fold_affine, fold_batch_norm, rebind, r
 
 __all__ = [
     "FrontendError",
+    "QuantizedModelError",
     "UnsupportedOpsError",
     "from_onnx",
     "from_torch",
@@ -72,6 +73,11 @@ __all__ = [
 
 class FrontendError(RuntimeError):
     """A model could not be imported; the message says what blocked it and what to do."""
+
+
+class QuantizedModelError(FrontendError):
+    """The ONNX model is already quantized (QuantizeLinear/DequantizeLinear nodes): use
+    :func:`autoq.import_quantized` (or ``from_onnx(..., allow_quantized=True)``)."""
 
 
 class UnsupportedOpsError(FrontendError, NotImplementedError):
@@ -322,10 +328,25 @@ def _check_supported(model) -> None:
     )
     if any(op.split(".")[-1].startswith("QLinear") or op in _QOPERATOR for op in bad):
         msg += (
-            " This is a quantized model in QOperator format; autoq quantizes float models: "
-            "import the float model (QDQ models with QuantizeLinear/DequantizeLinear do import)."
+            " This is a quantized model in QOperator format: import it with "
+            "autoq.import_quantized(path) -> (mod, qparams, report), which keeps its int8 "
+            "weights and qparams, or import the float model and quantize it with autoq."
         )
     raise UnsupportedOpsError(msg, bad)
+
+
+def _check_not_quantized(model, allow: bool) -> None:
+    """A QDQ model imports as float ops between quantize/dequantize (fp32 weights, run-time
+    quantize), which autoq cannot quantize again: point to autoq.import_quantized."""
+    qdq = [n for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    if qdq and not allow:
+        raise QuantizedModelError(
+            f"this ONNX model is already quantized ({len(qdq)} QuantizeLinear/DequantizeLinear "
+            "nodes). Import it with autoq.import_quantized(path) -> (mod, qparams, report): "
+            "the canonical int8 module with the file's int8 weights and qparams. "
+            "from_onnx(..., allow_quantized=True) imports it as TVM does (fp32 ops between "
+            "quantize/dequantize)."
+        )
 
 
 def _failing_node(tb):
@@ -561,6 +582,7 @@ def from_onnx(
     optimize: bool = True,
     fold_bn: bool = True,
     verbose: bool = False,
+    allow_quantized: bool = False,
 ) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
     """Import an ONNX model as ``(mod, params)``.
 
@@ -569,6 +591,10 @@ def from_onnx(
     shapes are static in the file may be omitted). ``optimize``: fold constants with ONNX
     Runtime first (see the module docstring). ``fold_bn``: fold remaining batch norms into
     convolutions. ``verbose``: print the time of each step.
+
+    ``allow_quantized``: an already-quantized (QDQ) model raises
+    :class:`QuantizedModelError` pointing to :func:`autoq.import_quantized` unless this is
+    True (then it imports as TVM's importer does it: fp32 ops between quantize/dequantize).
 
     Raises ``ValueError`` for bad or missing ``input_shapes`` (naming the inputs),
     :class:`UnsupportedOpsError` when TVM lacks converters for some operators, and
@@ -583,6 +609,7 @@ def from_onnx(
     model = _load_onnx(path_or_model)
     shapes = _resolve_shapes(model, input_shapes)
     _check_supported(model)
+    _check_not_quantized(model, allow_quantized)
     _fix_input_shapes(model, shapes)
     if optimize:
         with tempfile.TemporaryDirectory(prefix="autoq_onnx_") as tmp:

@@ -59,6 +59,13 @@ __all__ = [
 
 QDTYPES = ("int8", "uint8", "int16", "uint16")
 ACC_DTYPE = "int32"
+#: operand dtypes of the accumulating ops (conv2d, dense, matmul). 8-bit operands lower to
+#: 8-bit kernels with an int32 accumulator; int16 operands (mixed precision for sensitive
+#: layers) widen to int32 first. An int16 x int8 product reaches 2**22, so the int32
+#: accumulator has far less headroom, and the *simulated* graph (float32 integers, exact
+#: below 2**24) stops predicting the integer graph bit for bit once |acc| >= 2**24: with
+#: int16 activations that is ~130 full-scale products (e.g. a 3x3 conv over 15 channels).
+ACC_INPUT_DTYPES = ("int8", "uint8", "int16")
 
 
 @register_error
@@ -529,17 +536,31 @@ _register(
 
 
 def simulated_quantize(
-    data, scale, zero_point, axis: int = -1, dtype: str = "int8", overflow: str = "saturate"
+    data,
+    scale,
+    zero_point,
+    axis: int = -1,
+    dtype: str = "int8",
+    overflow: str = "saturate",
+    enable=None,
 ) -> relax.Call:
     """float32 -> float32 holding the integers ``quantize`` would produce for ``dtype``.
 
     ``dtype`` may be any of int2..int32 / uint2..uint16 written ``"intN"``/``"uintN"``;
     ``overflow="wrap"`` wraps instead of saturating (to simulate a narrow accumulator:
     ``simulated_quantize(acc, 1.0, 0, dtype="int16", overflow="wrap")``).
+
+    ``enable`` (optional, a float32 scalar, usually a runtime input) is a switch: non-zero
+    gives the quantized integers above; zero gives ``data / scale + zero_point`` *unrounded
+    and unclipped*, so that the ``simulated_dequantize`` and integer-valued accumulations
+    downstream compute the float result (up to float32 rounding). Used by
+    :mod:`autoq.analyze` to turn single layers off without recompiling; without it the op
+    is unchanged.
     """
+    args = [data, scale, zero_point] if enable is None else [data, scale, zero_point, enable]
     return _call(
         "qnn.simulated_quantize",
-        [data, scale, zero_point],
+        args,
         {"axis": axis, "dtype": dtype, "overflow": overflow},
     )
 
@@ -557,8 +578,16 @@ def _sim_range(op, dtype):
 
 
 def _infer_simulated_quantize(op, call):
-    data, scale, zp = call.args
+    if len(call.args) not in (3, 4):
+        _fail(op, "arguments", "(data, scale, zero_point[, enable])", f"{len(call.args)} arguments")
+    data, scale, zp = call.args[:3]
     _check_dtype(op, "data", data, ["float32"])
+    if len(call.args) == 4:
+        en = call.args[3]
+        _check_dtype(op, "enable", en, ["float32"])
+        dims = _dims(en)
+        if dims is not None and not (len(dims) == 0 or (len(dims) == 1 and _int(dims[0]) == 1)):
+            _fail(op, "enable", "a float32 scalar", dims)
     overflow = _attr(call, "overflow")
     if overflow not in ("saturate", "wrap"):
         _fail(op, "overflow", "'saturate' or 'wrap'", overflow)
@@ -573,29 +602,33 @@ def _infer_simulated_quantize(op, call):
 def _legalize_simulated_quantize(bb, call):
     axis, overflow = _attr(call, "axis"), _attr(call, "overflow")
     qmin, qmax = _sim_range("qnn.simulated_quantize", _attr(call, "dtype"))
-    x, s, z = call.args
+    x, s, z = call.args[:3]
+    switched = len(call.args) == 4
 
-    def f(x, s, z):
+    def f(x, s, z, *en):
         def g(*i):
             si, zi = _pval(s, i, axis), _pval(z, i, axis)
             if overflow == "saturate":
-                return _te_quantize_value(x[i], si, zi, qmin, qmax)
-            # wrap: two's complement modulo 2**bits, computed exactly in float64
-            v = (te.round(x[i] / si) + zi.astype("float32")).astype("float64")
-            span = tirx.const(float(qmax - qmin + 1), "float64")
-            w = v - tirx.const(float(qmin), "float64")
-            w = w - te.floor(w / span) * span
-            return (w + tirx.const(float(qmin), "float64")).astype("float32")
+                v = _te_quantize_value(x[i], si, zi, qmin, qmax)
+            else:
+                # wrap: two's complement modulo 2**bits, computed exactly in float64
+                w = (te.round(x[i] / si) + zi.astype("float32")).astype("float64")
+                span = tirx.const(float(qmax - qmin + 1), "float64")
+                w = w - tirx.const(float(qmin), "float64")
+                w = w - te.floor(w / span) * span
+                v = (w + tirx.const(float(qmin), "float64")).astype("float32")
+            if not en:
+                return v
+            # the switch: off = the unrounded, unclipped value (the float path)
+            e = _pval(en[0], i, 0)
+            return tirx.Select(e != tirx.const(0.0, "float32"), v, x[i] / si + zi.astype("float32"))
 
         return te.compute(x.shape, g, name="simulated_quantize")
 
-    return bb.call_te(
-        f,
-        x,
-        _scalar_or_tensor(bb, s),
-        _scalar_or_tensor(bb, z),
-        primfunc_name_hint="qnn_sim_quantize",
-    )
+    args = [x, _scalar_or_tensor(bb, s), _scalar_or_tensor(bb, z)]
+    if switched:
+        args.append(_scalar_or_tensor(bb, call.args[3]))
+    return bb.call_te(f, *args, primfunc_name_hint="qnn_sim_quantize")
 
 
 _register(
@@ -689,8 +722,8 @@ def conv2d(
 
 def _infer_conv2d(op, call):
     data, weight, s_x, z_x, s_w, z_w = call.args
-    xdt = _check_dtype(op, "data", data, ["int8", "uint8"])
-    wdt = _check_dtype(op, "weight", weight, ["int8", "uint8"])
+    xdt = _check_dtype(op, "data", data, ACC_INPUT_DTYPES)
+    wdt = _check_dtype(op, "weight", weight, ACC_INPUT_DTYPES)
     if _attr(call, "data_layout") != "NCHW" or _attr(call, "kernel_layout") != "OIHW":
         _fail(
             op,
@@ -744,7 +777,9 @@ def _zp_correction(bb, weight, zx: int, axes, shape):
     to a constant when the weight is one."""
     w = _const_value(weight)
     if w is not None:
-        return relax.const((zx * w.astype(np.int64).sum(axis=tuple(axes))).astype(np.int32).reshape(shape))
+        return relax.const(
+            (zx * w.astype(np.int64).sum(axis=tuple(axes))).astype(np.int32).reshape(shape)
+        )
     wsum = bb.emit(relax.op.sum(relax.op.astype(weight, "int32"), axis=list(axes)))
     return relax.op.reshape(bb.emit(relax.op.multiply(wsum, relax.const(np.int32(zx)))), shape)
 
@@ -759,7 +794,9 @@ def _legalize_conv2d(bb, call):
         pad = _attr(call, "padding")
         x = data
         if zx != 0 and any(pad):
-            x = relax.op.nn.pad(data, [0, 0, 0, 0, pad[0], pad[2], pad[1], pad[3]], "constant", float(zx))
+            x = relax.op.nn.pad(
+                data, [0, 0, 0, 0, pad[0], pad[2], pad[1], pad[3]], "constant", float(zx)
+            )
             pad = [0, 0, 0, 0]
         acc = relax.op.nn.conv2d(
             x,
@@ -788,7 +825,7 @@ def _legalize_conv2d(bb, call):
 
 _register(
     "conv2d",
-    "int8/uint8 NCHW x OIHW conv2d with zero points, int32 out (scale = input_scale*weight_scale).",
+    "int8/uint8/int16 NCHW x OIHW conv2d with zero points, int32 out (scale = input_scale*weight_scale).",
     _infer_conv2d,
     _legalize_conv2d,
 )
@@ -811,8 +848,8 @@ def dense(
 
 def _infer_dense(op, call):
     data, weight, s_x, z_x, s_w, z_w = call.args
-    xdt = _check_dtype(op, "data", data, ["int8", "uint8"])
-    wdt = _check_dtype(op, "weight", weight, ["int8", "uint8"])
+    xdt = _check_dtype(op, "data", data, ACC_INPUT_DTYPES)
+    wdt = _check_dtype(op, "weight", weight, ACC_INPUT_DTYPES)
     xd, wd = _dims(data), _dims(weight)
     if wd is not None and len(wd) != 2:
         _fail(op, "weight", "a 2-D [N, K] tensor", f"{len(wd)}-D")
@@ -843,7 +880,7 @@ def _legalize_dense(bb, call):
 
 _register(
     "dense",
-    "int8/uint8 data [..., K] x weight [N, K] with zero points, int32 out [..., N].",
+    "int8/uint8/int16 data [..., K] x weight [N, K] with zero points, int32 out [..., N].",
     _infer_dense,
     _legalize_dense,
 )
@@ -860,8 +897,8 @@ def matmul(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point) -> re
 
 def _infer_matmul(op, call):
     a, b, s_a, z_a, s_b, z_b = call.args
-    adt = _check_dtype(op, "lhs", a, ["int8", "uint8"])
-    bdt = _check_dtype(op, "rhs", b, ["int8", "uint8"])
+    adt = _check_dtype(op, "lhs", a, ACC_INPUT_DTYPES)
+    bdt = _check_dtype(op, "rhs", b, ACC_INPUT_DTYPES)
     _check_qparams(op, s_a, z_a, adt, None, None, ("lhs_scale", "lhs_zero_point"))
     _check_qparams(op, s_b, z_b, bdt, None, None, ("rhs_scale", "rhs_zero_point"))
     for name, e in (("lhs_scale", s_a), ("rhs_scale", s_b)):
@@ -884,7 +921,8 @@ def _infer_matmul(op, call):
 def _legalize_matmul(bb, call):
     a, b, _s_a, z_a, _s_b, z_b = call.args
     za, zb = _scalar_zp(z_a), _scalar_zp(z_b)
-    if za is None or zb is None:
+    eight_bit = all(str(_ty(t).dtype) in ("int8", "uint8") for t in (a, b))
+    if za is None or zb is None or not eight_bit:  # int16 operands: widen to int32 first
         return relax.op.matmul(_centered(a, z_a), _centered(b, z_b), out_dtype=ACC_DTYPE)
     # (a - za)(b - zb) = ab - zb * rowsum(a) - za * colsum(b) + K za zb, on the 8-bit values
     acc = relax.op.matmul(a, b, out_dtype=ACC_DTYPE)
@@ -905,7 +943,7 @@ def _legalize_matmul(bb, call):
 
 _register(
     "matmul",
-    "int8/uint8 activation x activation matmul with zero points, int32 out.",
+    "int8/uint8/int16 activation x activation matmul with zero points, int32 out.",
     _infer_matmul,
     _legalize_matmul,
 )

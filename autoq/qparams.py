@@ -5,10 +5,18 @@ tensor, or a weight. Slots are keyed by stable, human-meaningful ids (see
 ``docs/design.md``). ``QParams`` round-trips through JSON exactly (float32 scales are
 written as the shortest decimal that reads back to the same float32), so a calibration
 can be saved, edited by hand, and realized many times.
+
+``QParams.values`` optionally carries *integer tensors fixed by the source* (a pre-quantized
+file, see :func:`autoq.import_quantized`): ``<layer>.weight`` -> the int8/uint8 weight and
+``<layer>.bias`` -> the int32 bias, both in the layout of the tensor in the fp32 graph.
+:func:`autoq.realize` uses them as they are instead of quantizing the float weights (a
+calibration result has none). They are written to JSON as base64 of the little-endian bytes,
+so the round trip stays exact.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -180,13 +188,48 @@ class SlotInfo:
         )
 
 
+_VALUE_DTYPES = ("int8", "uint8", "int16", "uint16", "int32")
+
+
+def _value_to_json(a: np.ndarray) -> dict:
+    a = np.ascontiguousarray(a)
+    return {
+        "dtype": str(a.dtype),
+        "shape": list(a.shape),
+        "data": base64.b64encode(a.astype(a.dtype.newbyteorder("<")).tobytes()).decode("ascii"),
+    }
+
+
+def _value_from_json(key: str, d: Mapping) -> np.ndarray:
+    if d.get("dtype") not in _VALUE_DTYPES:
+        raise ValueError(
+            f"values[{key!r}]: dtype must be one of {_VALUE_DTYPES}, got {d.get('dtype')!r}"
+        )
+    dt = np.dtype(d["dtype"]).newbyteorder("<")
+    a = np.frombuffer(base64.b64decode(d["data"]), dtype=dt)
+    return a.reshape([int(n) for n in d["shape"]]).astype(d["dtype"])
+
+
 @dataclass
 class QParams(Mapping[str, QParam]):
-    """Slot id -> :class:`QParam`, with slot descriptions; the result of calibration."""
+    """Slot id -> :class:`QParam`, with slot descriptions; the result of calibration.
+
+    ``values``: integer weights/biases fixed by the source (see the module docstring); not
+    part of ``==`` (compare them with numpy)."""
 
     params: dict[str, QParam] = field(default_factory=dict)
     slots: dict[str, SlotInfo] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, np.ndarray] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        self.values = {k: np.asarray(v) for k, v in self.values.items()}
+        for k, v in self.values.items():
+            if v.dtype.name not in _VALUE_DTYPES:
+                raise ValueError(
+                    f"values[{k!r}] must be an integer array ({', '.join(_VALUE_DTYPES)}), "
+                    f"got {v.dtype}"
+                )
 
     def __getitem__(self, key: str) -> QParam:
         try:
@@ -205,13 +248,16 @@ class QParams(Mapping[str, QParam]):
         return len(self.params)
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "format": "autoq.qparams",
             "version": FORMAT_VERSION,
             "meta": self.meta,
             "slots": {k: v.to_json() for k, v in self.slots.items()},
             "qparams": {k: v.to_json() for k, v in self.params.items()},
         }
+        if self.values:
+            d["values"] = {k: _value_to_json(v) for k, v in self.values.items()}
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping) -> QParams:
@@ -225,6 +271,7 @@ class QParams(Mapping[str, QParam]):
             params={k: QParam.from_json(v) for k, v in d.get("qparams", {}).items()},
             slots={k: SlotInfo.from_json(k, v) for k, v in d.get("slots", {}).items()},
             meta=dict(d.get("meta", {})),
+            values={k: _value_from_json(k, v) for k, v in d.get("values", {}).items()},
         )
 
     def dumps(self) -> str:
@@ -244,7 +291,7 @@ class QParams(Mapping[str, QParam]):
             if k not in params:
                 self[k]  # raises with the closest ids
             params[k] = v
-        return QParams(params, dict(self.slots), dict(self.meta))
+        return QParams(params, dict(self.slots), dict(self.meta), dict(self.values))
 
 
 def load_qparams(path: str | Path) -> QParams:

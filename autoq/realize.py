@@ -2,7 +2,9 @@
 
 1. Every match is emitted by its pattern's ``realize`` callback: ``qnn.quantize`` on
    activations entering affine space, int8 weight and int32 bias *constants* (computed in
-   numpy here, never at run time), the ``qnn.*`` op, and ``qnn.dequantize`` leaving it.
+   numpy here, never at run time; or taken unchanged from ``qparams.values`` when a
+   pre-quantized source fixed them, see :func:`autoq.import_quantized`), the ``qnn.*`` op,
+   and ``qnn.dequantize`` leaving it.
 2. :func:`propagate` moves ``qnn.quantize`` up and ``qnn.dequantize`` down through the
    ``commute`` ops of the allow-list (relu -> ``max(q, zp)``, clip in the integer domain,
    max-pool, reshape, ...), every move exact, then merges each ``qnn.dequantize ->
@@ -26,7 +28,7 @@ from tvm import relax
 from . import primitives as P
 from . import qnn
 from .config import Config
-from .graph import Graph, dtype_of, op_name, prepare, remap_expr
+from .graph import Graph, dtype_of, op_name, prepare, remap_expr, with_main
 from .qparams import QParam, QParams
 from .registry import ALLOW_LIST, Match, find_matches
 from .simulate import build_function
@@ -118,11 +120,14 @@ class RealizeContext:
         return self._acts[sid]
 
     def weight(self, expr, axis: int, transpose: tuple[int, ...] | None = None) -> RealQ:
-        """int8 weight constant (quantized here in numpy); ``transpose`` re-lays it out."""
+        """int8 weight constant (quantized here in numpy, or taken as it is from
+        ``qparams.values`` when the source fixed it); ``transpose`` re-lays it out."""
         sid = f"{self.layer}.weight"
         qp = self._qparam(sid)
         arr = np.asarray(self.g.weight_of(expr).array, np.float32)
-        q = P.quantize(arr, qp.scale, qp.zero_point, qp.dtype, qp.axis)
+        q = self._given(sid, arr.shape, (qp.dtype,))
+        if q is None:
+            q = P.quantize(arr, qp.scale, qp.zero_point, qp.dtype, qp.axis)
         if transpose is not None:
             q = np.ascontiguousarray(np.transpose(q, transpose))
             new_axis = None if qp.axis is None else list(transpose).index(qp.axis)
@@ -134,15 +139,32 @@ class RealizeContext:
     ) -> relax.Expr:
         """int32 bias constant with scale ``acc_scale`` (= input scale * weight scale)."""
         arr = np.asarray(self.g.weight_of(expr).array, np.float32).reshape(-1)
-        # acc_scale is already the float32 product; quantize_bias recomputes it the same way
-        r = P.quantize_bias(arr, np.float32(1.0), acc_scale)
-        if r.saturated:
-            msg = f"{self.layer}: {r.saturated} bias values saturate int32 (scale too small for the bias)"
-            self.warnings.append(msg)
-            warnings.warn(msg, stacklevel=2)
+        values = self._given(f"{self.layer}.bias", arr.shape, ("int32",))
+        if values is None:
+            # acc_scale is already the float32 product; quantize_bias recomputes it the same way
+            r = P.quantize_bias(arr, np.float32(1.0), acc_scale)
+            if r.saturated:
+                msg = f"{self.layer}: {r.saturated} bias values saturate int32 (scale too small for the bias)"
+                self.warnings.append(msg)
+                warnings.warn(msg, stacklevel=2)
+            values = r.values
         shape = [1] * len(out_shape)
         shape[channel_axis] = arr.size
-        return _const(r.values.reshape(shape), "int32")
+        return _const(values.reshape(shape), "int32")
+
+    def _given(self, key: str, shape: tuple[int, ...], dtypes: tuple[str, ...]):
+        """The integer tensor ``qparams.values[key]`` fixed by the source (a pre-quantized
+        file), checked against the float tensor it replaces; None when there is none."""
+        values = getattr(self.qparams, "values", None) or {}
+        if key not in values:
+            return None
+        v = np.asarray(values[key])
+        if tuple(v.shape) != tuple(shape) or str(v.dtype) not in dtypes:
+            raise ValueError(
+                f"qparams.values[{key!r}] is {v.dtype} {tuple(v.shape)}; the model needs "
+                f"{' or '.join(dtypes)} {tuple(shape)}"
+            )
+        return v
 
     def output_qparam(self) -> RealQ:
         sid = self.match.layer
@@ -228,7 +250,7 @@ def propagate(mod: tvm.IRModule, rounding: str = "float", max_rounds: int = 1000
             func, changed = _rewrite_round(func, phase, rounding)
             if not changed:
                 break
-    return tvm.IRModule({"main": func}, attrs=mod.attrs)
+    return with_main(mod, func)
 
 
 def _rewrite_round(func: relax.Function, phase: str, rounding: str):
@@ -343,14 +365,13 @@ def realize(
     matches = find_matches(g, config)
     ctx = RealizeContext(g, config, qparams, matches)
     func = build_function(g, ctx, matches, "realize", [])
-    out = tvm.IRModule({"main": func})
-    out = propagate(out, config.rounding)
+    out = propagate(with_main(mod, func), config.rounding)
     func = out["main"]
     if g.weight_params:
         bind = {p.name: tvm.runtime.tensor(g.params[p.name]) for p in g.weight_params}
         func = func.bind_params(bind)
         func = relax.Function(list(g.inputs), func.body, func.ret_ty, attrs=func.attrs)
     func = relax.analysis.remove_all_unused(func)
-    result = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+    result = with_main(mod, func.with_attr("global_symbol", "main"))
     result = relax.transform.CanonicalizeBindings()(relax.transform.Normalize()(result))
     return result

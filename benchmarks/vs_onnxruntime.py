@@ -72,6 +72,7 @@ def ort_op_sets(name: str, spec: str) -> list[tuple[str, tuple[str, ...] | None]
 AUTOQ_CONFIGS = [
     ("autoq int8 percentile", "percentile", "topological"),
     ("autoq int8 kl", "kl", "topological"),
+    ("autoq int8 mse", "mse", "topological"),
 ]
 
 

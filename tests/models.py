@@ -149,6 +149,19 @@ def attention(seed=0, seq=8, dim=16):
     return mod, params, lambda n=4, seed=1: image_data((1, seq, dim), seed, n)
 
 
+def op_sequence(mod) -> list[tuple[str, str]]:
+    """(op, output dtype) of every binding of ``main``, in order (``relax.`` prefix dropped)."""
+    out = []
+    for block in mod["main"].body.blocks:
+        for b in block.bindings:
+            v = b.value
+            is_op = isinstance(v, tvm.ir.Call) and hasattr(v.op, "name")
+            name = v.op.name if is_op else type(v).__name__
+            dtype = str(b.var.ty.dtype) if hasattr(b.var.ty, "dtype") else ""
+            out.append((name.removeprefix("relax."), dtype))
+    return out
+
+
 def build_tuple_module(inputs: dict[str, np.ndarray], body) -> tvm.IRModule:
     """``main(*inputs) -> Tuple(body(*vars))``: one module computing several outputs."""
     bb = relax.BlockBuilder()

@@ -209,3 +209,50 @@ def test_quantize_one_call_and_export(tmp_path):
     got = vm["main"](tvm.runtime.tensor(x)).numpy()
     np.testing.assert_array_equal(got, Runner(q)(x))
     assert rel_err(got, Runner(mod, params)(x)) < TOL
+
+
+def _masked_attention():
+    """Attention scores + (1 - mask) * finfo.min, the way transformer exports mask padding."""
+    b = Builder(4)
+    x = b.input("x", (1, 8, 16))
+    mask = b.input("mask", (1, 1, 8))
+
+    def body(b):
+        w = b.randw("q.weight", (16, 16))
+        q = b.emit(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0])))
+        s = b.emit(relax.op.matmul(q, b.emit(relax.op.permute_dims(x, [0, 2, 1]))))
+        neg = b.emit(relax.op.subtract(relax.const(1.0, "float32"), mask))
+        m = b.emit(relax.op.multiply(neg, relax.const(np.finfo(np.float32).min, "float32")))
+        p = b.emit(relax.op.nn.softmax(b.emit(relax.op.add(s, m)), axis=-1))
+        return b.emit(relax.op.matmul(p, x))
+
+    mod, params = b.build(body)
+
+    def make(n, seed):
+        rng = np.random.default_rng(seed)
+        out = []
+        for _ in range(n):
+            keep = np.ones((1, 1, 8), np.float32)
+            keep[..., rng.integers(4, 8) :] = 0.0
+            out.append({"x": rng.normal(size=(1, 8, 16)).astype(np.float32), "mask": keep})
+        return out
+
+    return mod, params, make
+
+
+def test_unbounded_attention_masks_stay_fp32():
+    mod, params, make = _masked_attention()
+    data, test = make(6, 1), make(4, 2)
+    f = Runner(mod, params)
+    ref = np.stack([f(s["x"], s["mask"]) for s in test])
+    with pytest.warns(UserWarning, match=r"keeping 1 layer\(s\) in fp32 .*add_0"):
+        q = autoq.quantize(mod, params, data, Config(progress=False), target=TARGET)
+    assert str(q.attrs["autoq.skipped_unbounded"]) == "add_0"
+    got = np.stack([Runner(q)(s["x"], s["mask"]) for s in test])
+    assert rel_err(got, ref) < TOL
+    # quantizing the mask anyway destroys the scores (every score rounds to one value)
+    bad = autoq.quantize(
+        mod, params, data, Config(progress=False, skip_unbounded=False), target=TARGET
+    )
+    worse = np.stack([Runner(bad)(s["x"], s["mask"]) for s in test])
+    assert rel_err(worse, ref) > 5 * rel_err(got, ref)

@@ -734,10 +734,10 @@ ERROR_CASES = {
         {"x": ((1, 3, 5, 5), "int32"), "w": ((4, 3, 3, 3), "int8")},
         ("qnn.conv2d", "'data'", "of dtype int8 or uint8", "got int32"),
     ),
-    "matmul_int16_rhs": (
+    "matmul_uint16_rhs": (
         lambda a, b: [qnn.matmul(a, b, f32(1), i32(0), f32(1), i32(0))],
-        {"a": ((2, 5), "int8"), "b": ((5, 4), "int16")},
-        ("qnn.matmul", "'rhs'", "of dtype int8 or uint8", "got int16"),
+        {"a": ((2, 5), "int8"), "b": ((5, 4), "uint16")},
+        ("qnn.matmul", "'rhs'", "of dtype int8 or uint8 or int16", "got uint16"),
     ),
     "sum_int32_data": (
         lambda acc: [qnn.sum(acc, f32(1), i32(0), axis=[0])],

@@ -12,7 +12,7 @@ from autoq import Config, QParam, QuantSpec, calibrate, qnn, realize, simulate
 from autoq import primitives as P
 from autoq.calibrate import samples_for
 from autoq.fidelity import compare
-from models import TARGET, Builder, attention, conv, mlp, small_cnn
+from models import TARGET, Builder, attention, conv, mlp, op_sequence, small_cnn
 
 SYM = QuantSpec(dtype="int8", symmetric=True, calibrator="max")
 ASYM = QuantSpec(dtype="int8", symmetric=False, calibrator="max")
@@ -26,26 +26,6 @@ def quantize_all(mod, params, data, config):
     sim = simulate(mod, params, config)
     qp = calibrate(sim, params, data, config, target=TARGET)
     return sim, qp, realize(mod, params, qp, config)
-
-
-def op_sequence(mod) -> list[tuple[str, str]]:
-    """(op, output dtype) of every binding of main, in order."""
-    out = []
-    for block in mod["main"].body.blocks:
-        for b in block.bindings:
-            v = b.value
-            name = (
-                v.op.name
-                if isinstance(v, tvm.ir.Call) and hasattr(v.op, "name")
-                else type(v).__name__
-            )
-            out.append(
-                (
-                    name.removeprefix("relax."),
-                    str(b.var.ty.dtype) if hasattr(b.var.ty, "dtype") else "",
-                )
-            )
-    return out
 
 
 def exact(sim, qp, real, data):
