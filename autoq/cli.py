@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--method",
         choices=METHODS,
         metavar="{" + ",".join(METHODS) + "}",
-        help="how activation ranges are chosen from the data (default: percentile)",
+        help="how activation ranges are chosen from the data (default: mse)",
     )
     pc = g.add_mutually_exclusive_group()
     pc.add_argument(
@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         help="held-out images evaluated (default: all 600)",
     )
-    d.add_argument("--method", choices=METHODS, help="activation calibrator (default percentile)")
+    d.add_argument("--method", choices=METHODS, help="activation calibrator (default mse)")
     d.add_argument("--no-latency", action="store_true", help="skip the latency measurement")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.add_argument("--target", metavar="JSON", type=_target, help="TVM target as JSON")
