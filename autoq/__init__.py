@@ -10,6 +10,7 @@ from .analyze import Analysis, FallbackDecision, Report, analyze
 from .build import compile, default_target, export_library, load_library
 from .calibrate import calibrate
 from .config import AutoFallback, Config, Fallback, Override, QuantSpec
+from .frontends import from_onnx, from_torch
 from .import_quantized import import_quantized
 from .pipeline import quantize
 from .qparams import QParam, QParams, load_qparams
@@ -35,6 +36,8 @@ __all__ = [
     "compile",
     "default_target",
     "export_library",
+    "from_onnx",
+    "from_torch",
     "import_quantized",
     "load_library",
     "load_qparams",
