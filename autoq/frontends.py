@@ -27,7 +27,7 @@ Decisions (see also the function docstrings):
   Runtime's *basic* graph optimizations (constant folding, redundant node elimination and the
   value-preserving Conv+BatchNorm/Mul/Add fusions; only standard ONNX ops result) and imports
   the optimized model. ``optimize=False`` imports the file as it is. ONNX Runtime becomes a
-  dependency of the ONNX path (extra ``autoq[onnx]``).
+  dependency of autoq.
 * **What is a parameter.** Floating-point initializers become named parameters when they are
   the weight or bias of ``Conv``/``ConvTranspose``/``Gemm``/``MatMul`` or hold more than one
   element. Scalars (clip bounds, ``Pow`` exponents, epsilons) and integer tensors (shapes,
