@@ -55,10 +55,10 @@ from tvm import relax
 
 from . import primitives as P
 from .build import default_target
-from .calibrate import _as_list, _compile, _make_function, calibrate, samples_for
+from .calibrate import _as_list, _bindings, _compile, _make_function, calibrate, samples_for
 from .config import AutoFallback, Config, Fallback, Override, QuantSpec
 from .graph import free_vars
-from .qparams import QParam, QParams
+from .qparams import QParam, QParams, _f32_list
 from .simulate import SimResult, simulate
 
 __all__ = [
@@ -403,10 +403,6 @@ def _f(v: float) -> str:
 # ------------------------------------------------------------------------------- analysis
 
 
-def _sim_bindings(func: relax.Function):
-    return [(b.var, b.value) for block in func.body.blocks for b in block.bindings]
-
-
 def _is_call(expr, name: str) -> bool:
     return isinstance(expr, tvm.ir.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
 
@@ -466,7 +462,7 @@ class Analysis:
             )
         self.samples = samples_for(dataset, g.inputs)
         func = sim.mod["main"]
-        bindings = _sim_bindings(func)
+        bindings = _bindings(func)
         value_of = dict(bindings)
         self.layers = [m.layer for m in sim.matches]
         self._weights = {
@@ -501,7 +497,7 @@ class Analysis:
                 a = rv.args[0]
                 if a in value_of and not _is_call(value_of[a], "qnn.simulated_quantize"):
                     acc = a
-            needed, inputs, seen = set(), [], set()
+            inputs, seen = [], set()
             stack = [sroot]
             while stack:
                 v = stack.pop()
@@ -511,17 +507,11 @@ class Analysis:
                 if not v.same_as(sroot) and v in stop:
                     inputs.append(v)
                 elif v in value_of:
-                    needed.add(v)
                     stack.extend(free_vars(value_of[v]))
                 else:
                     inputs.append(v)  # a parameter: weight, qparam, switch
             inputs.sort(key=lambda v: v.name)
-            feeds = []
-            for v in inputs:
-                if v in stop:
-                    feeds.append(("fp32", stop[v]))
-                else:
-                    feeds.append(("param", v))
+            feeds = [("fp32", stop[v]) if v in stop else ("param", v) for v in inputs]
             outs = [sroot] + ([acc] if acc is not None else [])
             plans.append(
                 _LayerPlan(m.layer, m.pattern.name, i, m.root, sroot, acc, inputs, feeds, outs)
@@ -535,12 +525,7 @@ class Analysis:
         for p in plans:
             fp_vars.append(p.root)
             fp_vars.extend(f[1] for f in p.feeds if f[0] == "fp32")
-        seen_ids = set()
-        self._fp_vars = []
-        for v in fp_vars:
-            if id(v) not in seen_ids and not any(v.same_as(u) for u in self._fp_vars):
-                seen_ids.add(id(v))
-                self._fp_vars.append(v)
+        self._fp_vars = list(dict.fromkeys(fp_vars))  # Vars hash and compare by identity
         fp_params = list(g.inputs) + list(g.weight_params)
         functions = {
             "fp32": _make_function("fp32", fp_params, g.bindings, out_fields + self._fp_vars)
@@ -657,9 +642,7 @@ class Analysis:
             fo = _as_list(ffp(*self._fp32_args(sample)))
             fp_out = [o.numpy() for o in fo[: self.n_out]]
             fp32_outs.append(fp_out[0] if self.n_out == 1 else fp_out)
-            fpv = {}
-            for v, val in zip(self._fp_vars, fo[self.n_out : self.n_out + nfp], strict=True):
-                fpv[v] = val
+            fpv = dict(zip(self._fp_vars, fo[self.n_out : self.n_out + nfp], strict=True))
             so = _as_list(fsim(*self._sim_args(sample)))
             k = self.n_out
             for a, b in zip(fp_out, so[:k], strict=True):
@@ -718,10 +701,10 @@ class Analysis:
                     kind=info.kind,
                     layer=info.layer,
                     dtype=q.dtype,
-                    scale=_plain(q.scale),
-                    zero_point=_plain_int(q.zero_point),
-                    rmin=None if q.rmin is None else _plain(q.rmin),
-                    rmax=None if q.rmax is None else _plain(q.rmax),
+                    scale=_f32_list(q.scale),
+                    zero_point=q.zero_point.tolist(),  # as in QParam.to_json
+                    rmin=None if q.rmin is None else _f32_list(q.rmin),
+                    rmax=None if q.rmax is None else _f32_list(q.rmax),
                     elements=int(elems),
                     sqnr_alone=sa,
                     cos_alone=ca,
@@ -771,16 +754,6 @@ def _segment(bindings, plan: _LayerPlan, value_of) -> list:
         needed.add(v)
         stack.extend(free_vars(value_of[v]))
     return [(v, e) for v, e in bindings if v in needed]
-
-
-def _plain(a):
-    a = np.asarray(a, np.float32)
-    return float(a) if a.ndim == 0 else [float(x) for x in a]
-
-
-def _plain_int(a):
-    a = np.asarray(a)
-    return int(a) if a.ndim == 0 else [int(x) for x in a]
 
 
 def _qparams_for(mod, params, dataset, qparams_or_config, config, target):
@@ -857,13 +830,10 @@ class FallbackDecision:
 
     def config(self, config: Config) -> Config:
         """``config`` with the decision applied (fallback ids or int16 overrides)."""
-        fb = self.fallback(config.fallback)
         overrides = tuple(config.overrides)
         if self.precision == "int16":
-            overrides += tuple(
-                Override(layer, activation=_int16_spec(config.activation)) for layer in self.layers
-            )
-        return config.replace(fallback=fb, overrides=overrides)
+            overrides = _int16_overrides(config, self.layers)
+        return config.replace(fallback=self.fallback(config.fallback), overrides=overrides)
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -913,8 +883,15 @@ def _int16_spec(act: QuantSpec) -> QuantSpec:
     )
 
 
+def _int16_overrides(config: Config, layers: Sequence[str]) -> tuple[Override, ...]:
+    """``config.overrides`` plus int16 activation overrides for ``layers``."""
+    spec = _int16_spec(config.activation)
+    return (*config.overrides, *(Override(layer, activation=spec) for layer in layers))
+
+
 def _evaluator(an: Analysis, fb: AutoFallback):
-    """(name, reference, score(outputs_or_runner), within(score)) for ``fb.metric``."""
+    """(name, reference, score(disabled_layers), within(score), budget text) for
+    ``fb.metric``."""
     if fb.metric == "sqnr":
         ref_outs = an.run_fp32()
 
@@ -929,7 +906,7 @@ def _evaluator(an: Analysis, fb: AutoFallback):
             f"SQNR >= {fb.min_sqnr:g} dB",
         )
     metric = fb.metric
-    reference = float(metric(lambda samples: an.run_fp32(samples)))
+    reference = float(metric(an.run_fp32))
 
     def score_user(disabled):
         return float(metric(an.runner(disabled)))
@@ -985,22 +962,17 @@ def search_fallback(
             for s in report.ranked()
         ]
     order = [r["layer"] for r in ranking]
-    best_k, best_v = 0, base
-    chosen = None
-    if within(base):
-        chosen = 0
-    else:
-        for k in range(1, min(fb.max_fp32_layers, len(order)) + 1):
-            v = trial(order[:k])
-            if _key(v) > _key(best_v):
-                best_k, best_v = k, v
+    # k: the chosen number of fp32 layers (the first within budget, else the best trial)
+    k, value, met = 0, base, within(base)
+    if not met:
+        for n in range(1, min(fb.max_fp32_layers, len(order)) + 1):
+            v = trial(order[:n])
             if within(v):
-                chosen = k
+                k, value, met = n, v, True
                 break
-    met = chosen is not None
-    k = chosen if met else best_k
+            if _key(v) > _key(value):
+                k, value = n, v
     layers = order[:k]
-    value = next(t["metric"] for t in trials if t["k"] == k and t["layers"] == layers)
     if not met:
         warnings.warn(
             f"AutoFallback: {budget} not reached with up to {fb.max_fp32_layers} fp32 layers; "
@@ -1082,34 +1054,29 @@ def auto_fallback(
     report = an.report()
     decision = search_fallback(an, fb, report)
     final_cfg = decision.config(base_cfg)
+    final_qp = None
     if fb.precision == "int16" and decision.layers:
         t0 = time.perf_counter()
-        cfg16 = base_cfg.replace(
-            overrides=tuple(base_cfg.overrides)
-            + tuple(
-                Override(layer, activation=_int16_spec(base_cfg.activation))
-                for layer in decision.layers
-            )
-        )
+        cfg16 = base_cfg.replace(overrides=_int16_overrides(base_cfg, decision.layers))
         sim16 = simulate(mod, params, cfg16)
         qp16 = remap_qparams(sim, qparams, sim16)
         an16 = Analysis(mod, params, dataset, qp16, cfg16, target)
         _name, _ref, score, within, _b = _evaluator(an16, fb)
         v16 = score([])
+        ok16 = within(v16)
         decision.int16_metric = v16
         decision.evaluations += 1
         decision.trials.append(
             {"k": len(decision.layers), "layers": list(decision.layers), "metric": v16,
-             "met": within(v16), "precision": "int16"}
+             "met": ok16, "precision": "int16"}
         )  # fmt: skip
-        if within(v16) or not decision.met:
-            if within(v16) or _key(v16) >= _key(decision.metric):
-                decision.precision = "int16"
-                decision.metric = v16
-                decision.met = within(v16)
-                final_cfg = cfg16
+        if ok16 or (not decision.met and _key(v16) >= _key(decision.metric)):
+            decision.precision = "int16"
+            decision.metric = v16
+            decision.met = ok16
+            final_cfg, final_qp = cfg16, qp16
         decision.seconds += time.perf_counter() - t0
-    final_sim = simulate(mod, params, final_cfg)
-    final_qp = remap_qparams(sim, qparams, final_sim)
+    if final_qp is None:
+        final_qp = remap_qparams(sim, qparams, simulate(mod, params, final_cfg))
     final_qp.meta["fallback"] = decision.to_json()
     return final_cfg, final_qp, decision, report

@@ -37,6 +37,7 @@ from .config import Config, QuantSpec
 from .dataset import InputSpec, as_dataset
 from .graph import free_vars, remap_expr
 from .qparams import QParam, QParams
+from .registry import slot_id_of
 from .simulate import SimResult
 
 __all__ = ["ValueCache", "calibrate", "calibrate_weights", "default_target"]
@@ -319,9 +320,9 @@ def calibrate(
     result = calibrate_weights(sim)
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
     if config.calibration == "fp32":
-        acts, n_samples = _calibrate_fp32(sim, samples, config, target, stats)
+        acts = _calibrate_fp32(sim, samples, config, target, stats)
     else:
-        acts, n_samples = _calibrate_topological(sim, samples, result, config, target, stats)
+        acts = _calibrate_topological(sim, samples, result, config, target, stats)
     stats["total_s"] = time.perf_counter() - t0
     result.update(acts)
     widened = fit_bias_scales(sim, result)
@@ -330,7 +331,7 @@ def calibrate(
         slots=dict(sim.plan.slots),
         meta={
             "calibration": config.calibration,
-            "samples": n_samples,
+            "samples": samples.num_samples,
             "specs": {s: sp.to_json() for s, sp in sim.plan.specs.items()},
             "bias_widened": widened,
             "stats": {k: round(v, 4) for k, v in stats.items()},
@@ -352,28 +353,23 @@ def fit_bias_scales(sim: SimResult, result: dict[str, QParam]) -> list[str]:
     anyway, and the bias is kept. Applied once all qparams are known (the slots downstream
     were calibrated with the unwidened scale; the realized graph and the simulated graph
     with these final qparams still agree exactly). Returns the layers changed."""
-    root_slot = {m.root: m.layer for m in sim.matches}
+    tensor_id = slot_id_of(sim.graph, sim.matches)
     changed = []
     for m in sim.matches:
         wsid = f"{m.layer}.weight"
         if "bias" not in m.nodes or wsid not in result:
             continue
         x = m["data"]
-        xq = result.get(root_slot.get(x) or sim.graph.ids[x])
+        xq = result.get(tensor_id(x))
         if xq is None:
             continue
         wq = result[wsid]
         bias = np.abs(np.asarray(sim.graph.weight_of(m["bias"]).array, np.float64).reshape(-1))
         need = (bias / (float(xq.scale) * BIAS_LIMIT)).astype(np.float32)
-        scale = np.broadcast_to(wq.scale, need.shape) if wq.scale.ndim else None
-        if scale is None:
-            if np.all(need <= wq.scale):
-                continue
-            new = np.float32(max(float(wq.scale), float(need.max())))
-        else:
-            if np.all(need <= scale):
-                continue
-            new = np.maximum(scale, need).astype(np.float32)
+        if np.all(need <= wq.scale):
+            continue
+        # per-tensor weights: one scale that fits every channel's bias
+        new = np.maximum(wq.scale, need if wq.scale.ndim else need.max()).astype(np.float32)
         result[wsid] = QParam(new, wq.zero_point, wq.dtype, wq.axis, wq.rmin, wq.rmax)
         changed.append(m.layer)
     return changed
@@ -413,11 +409,10 @@ def _calibrate_topological(sim, samples, weight_qp, config, target, stats) -> di
     cache = ValueCache(config.memory_budget_mb * 2**20, config.cache_dir)
     result: dict[str, QParam] = {}
     try:
-        n = 0
         for i, sample in enumerate(samples):
             for v in inputs:
-                cache.put((v, i), tvm.runtime.tensor(np.ascontiguousarray(sample[v.name])))
-            n += 1
+                cache.put((v, i), sample[v.name])
+        n = samples.num_samples
         sq_input = {}
         value_of = {v: e for s in segs for v, e in s.bindings}
         for var, sid in sq_slot.items():
@@ -464,7 +459,7 @@ def _calibrate_topological(sim, samples, weight_qp, config, target, stats) -> di
     missing = [s for s in sim.activation_slots() if s not in result]
     if missing:
         raise RuntimeError(f"internal error: activation slots {missing} were never calibrated")
-    return result, n
+    return result
 
 
 def fp32_slot_runner(sim: SimResult, slots: list[str], target):
@@ -497,21 +492,13 @@ def _calibrate_fp32(sim, samples, config, target, stats) -> dict[str, QParam]:
     t0 = time.perf_counter()
     run = fp32_slot_runner(sim, slots, target)
     stats["compile_s"] = time.perf_counter() - t0
-    count = [0]
-
-    def run_all():
-        count[0] = 0
-        for outs in run(samples):
-            count[0] += 1
-            yield outs
-
     specs = [sim.plan.specs[s] for s in slots]
     needs = [getattr(sp.calibrator, "needs_range", False) for sp in specs]
     ranges: list = [None] * len(slots)
     if any(needs):
         lo = [None] * len(slots)
         hi = [None] * len(slots)
-        for outs in run_all():
+        for outs in run(samples):
             for k, x in enumerate(outs):
                 if needs[k]:
                     lo[k] = x.min() if lo[k] is None else min(lo[k], x.min())
@@ -520,9 +507,7 @@ def _calibrate_fp32(sim, samples, config, target, stats) -> dict[str, QParam]:
     observers = [
         sp.calibrator.observer(axis=None, data_range=r) for sp, r in zip(specs, ranges, strict=True)
     ]
-    for outs in run_all():
+    for outs in run(samples):
         for obs, x in zip(observers, outs, strict=True):
             obs.update(x)
-    return {s: obs.compute(sp) for s, obs, sp in zip(slots, observers, specs, strict=True)}, count[
-        0
-    ]
+    return {s: obs.compute(sp) for s, obs, sp in zip(slots, observers, specs, strict=True)}

@@ -15,6 +15,7 @@ report. :func:`main` takes ``argv`` and returns the exit code, so it can be call
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -490,7 +491,7 @@ def _resolve_model(name: str):
 
 def _image_defaults(spec) -> dict:
     """size / layout / color of a folder-of-images loader from the model's input shape."""
-    shape = [d for d in spec.shape]
+    shape = list(spec.shape)
     if len(shape) == 4 and None not in shape[1:]:
         if shape[1] in (1, 3) and shape[3] not in (1, 3):
             layout, (h, w), c = "NCHW", shape[2:4], shape[1]
@@ -616,9 +617,8 @@ def cmd_quantize(args) -> int:
     import autoq
 
     from . import dataset as D
-    from .config import Config, QuantSpec
+    from .config import Config
     from .frontends import FrontendError, from_onnx
-    from .graph import prepare
     from .registry import layer_ids
 
     t_start = time.perf_counter()
@@ -640,25 +640,10 @@ def cmd_quantize(args) -> int:
         default = Config()
         act = default.activation
         if args.method:
-            act = QuantSpec(
-                dtype=act.dtype,
-                symmetric=act.symmetric,
-                narrow_range=act.narrow_range,
-                reduce_range=act.reduce_range,
-                calibrator=args.method,
-            )
-        w = default.weight
-        weight = QuantSpec(
-            dtype=w.dtype,
-            symmetric=w.symmetric,
-            narrow_range=w.narrow_range,
-            reduce_range=w.reduce_range,
-            per_channel=args.per_channel,
-            calibrator=w.calibrator,
-        )
+            act = dataclasses.replace(act, calibrator=args.method)
         config = Config(
             activation=act,
-            weight=weight,
+            weight=dataclasses.replace(default.weight, per_channel=args.per_channel),
             rounding=args.rounding,
             calibration=args.calibration,
             fallback=_fallback(args.skip),
@@ -702,7 +687,7 @@ def cmd_quantize(args) -> int:
     else:
         data, data_name = _load_calibration(args, specs, image_options)
     try:
-        dataset = D.as_dataset(data, mod, params, limit=args.samples)
+        dataset = D.as_dataset(data, specs, limit=args.samples)
     except D.DatasetError as e:
         raise UserError(f"calibration data {args.calib or data_name}: {_one_line(e)}") from None
 
@@ -711,9 +696,9 @@ def cmd_quantize(args) -> int:
         sim = autoq.simulate(mod, params, config)
     except ValueError as e:
         raise UserError(_one_line(e)) from None
-    all_layers = layer_ids(prepare(mod, params), config)
     quantized = list(sim.layers)
-    kept = [x for x in all_layers if x not in set(quantized)]
+    int8 = set(quantized)
+    kept = [x for x in layer_ids(sim.graph, config) if x not in int8]
 
     # ---- calibrate
     say(f"calibrating on {data_name} ...")

@@ -203,7 +203,8 @@ class Config:
     ``rounding``: requantize rounding mode (see :data:`autoq.primitives.ROUNDING_MODES`;
     ``float`` is bit-exact with the simulated graph). ``calibration``: ``topological`` (each
     slot calibrated on values carrying the error of every upstream choice) or ``fp32`` (all
-    statistics from the float graph, streamed: one pass, two for histogram calibrators). ``fallback``: layers kept in fp32.
+    statistics from the float graph, streamed: one pass, two for histogram calibrators).
+    ``fallback``: layers kept in fp32.
     ``patterns``: names of the patterns to use (None = all registered).
     ``memory_budget_mb``: RAM for cached activations during calibration (beyond it they
     spill to ``cache_dir`` or a temporary directory). ``progress``: show tqdm bars.
@@ -411,5 +412,5 @@ class AutoFallback(Fallback):
         return cls(**d)
 
 
-#: Fallback kinds that ``Config.from_json`` knows (AutoFallback registers itself here).
+#: Fallback kinds that ``Config.from_json`` knows.
 _FALLBACK_TYPES: dict[str, Any] = {"Fallback": Fallback, "AutoFallback": AutoFallback}

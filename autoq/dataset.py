@@ -73,10 +73,7 @@ class InputSpec:
     dtype: str
 
     def __str__(self) -> str:
-        dims = ", ".join("?" if d is None else str(d) for d in self.shape)
-        if len(self.shape) == 1:
-            dims += ","
-        return f"{self.name!r} ({dims}) {self.dtype}"
+        return f"{self.name!r} {_fmt(self.shape)} {self.dtype}"
 
     def matches(self, shape: tuple[int, ...]) -> bool:
         return len(shape) == len(self.shape) and all(
@@ -147,7 +144,7 @@ def _check_array(arr: np.ndarray, spec: InputSpec, where: str) -> np.ndarray:
             f"{where}: expected dtype {spec.dtype}, got {arr.dtype} "
             f"(convert it with .astype(np.{spec.dtype}))"
         )
-    if np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.complexfloating):
+    if np.issubdtype(arr.dtype, np.inexact):
         finite = np.isfinite(arr)
         if not finite.all():
             n_nan = int(np.isnan(arr).sum())
@@ -533,8 +530,6 @@ class CalibrationDataset:
             self._set_samples(dataset)
         elif _is_one_shot(dataset):
             self._iterator = dataset
-            if cache is True or cache == "auto":
-                self._keep = True
             self._peek_one_shot()
         elif callable(dataset) and not hasattr(dataset, "__iter__"):
             self._factory = dataset

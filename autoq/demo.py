@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -184,16 +184,7 @@ def run(
 
     config = autoq.Config(progress=progress)
     if method is not None:
-        a = config.activation
-        config = config.replace(
-            activation=autoq.QuantSpec(
-                dtype=a.dtype,
-                symmetric=a.symmetric,
-                narrow_range=a.narrow_range,
-                reduce_range=a.reduce_range,
-                calibrator=method,
-            )
-        )
+        config = config.replace(activation=replace(config.activation, calibrator=method))
     cal_name = getattr(config.activation.calibrator, "name", str(config.activation.calibrator))
 
     t = time.perf_counter()

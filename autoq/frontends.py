@@ -58,6 +58,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .graph import with_main
 from .prepare import drop_unused_params, fold_affine, fold_batch_norm, rebind, rename_params
 
 __all__ = [
@@ -102,13 +103,6 @@ _EXTERNAL_DATA_BYTES = 1 << 30
 # --------------------------------------------------------------------------------------------
 # ONNX
 # --------------------------------------------------------------------------------------------
-
-
-def _with_main(mod: tvm.IRModule, func: relax.Function) -> tvm.IRModule:
-    """A copy of ``mod`` (with its TIR functions) whose ``main`` is ``func``."""
-    out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
-    out["main"] = func
-    return out
 
 
 def _load_onnx(path_or_model):
@@ -506,7 +500,7 @@ def _raise_clip(mod: tvm.IRModule) -> tvm.IRModule:
             return None
         x, b = args.fields
         val = bound(b)
-        if val is None or _shape_of(x) != _shape_of_ty(expr):
+        if val is None or _shape_of_ty(x) != _shape_of_ty(expr):
             return None
         return m.group(1), x, val
 
@@ -530,13 +524,8 @@ def _raise_clip(mod: tvm.IRModule) -> tvm.IRModule:
         values[var] = relax.op.clip(x, lo, hi)
     if not values:
         return mod
-    out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
-    out["main"] = rebind(func, values, drop)
+    out = with_main(mod, rebind(func, values, drop))
     return relax.transform.DeadCodeElimination(["main"])(out)
-
-
-def _shape_of(expr):
-    return _shape_of_ty(expr) if isinstance(expr, relax.Expr) else None
 
 
 def _shape_of_ty(expr):
@@ -567,7 +556,7 @@ def _finish_onnx(mod, model, fold_bn: bool):
     params = {display[name]: arr for name, arr in zip(onnx_names, values, strict=True)}
     func = rename_params(func, rename)
     func, params = drop_unused_params(func, params)
-    mod = _with_main(mod, func)
+    mod = with_main(mod, func)
     mod = _raise_clip(mod)
     if fold_bn:
         mod, params = fold_batch_norm(mod, params)
@@ -715,7 +704,7 @@ def from_torch(
         params[target] = arr
     func = rename_params(func, rename)
     func, params = drop_unused_params(func, params)
-    mod = _with_main(mod, func)
+    mod = with_main(mod, func)
     if fold_bn:
         mod, params = fold_batch_norm(mod, params)
         mod, params = fold_affine(mod, params)

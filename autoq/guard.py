@@ -17,6 +17,7 @@ import numpy as np
 from tvm import relax
 
 from .calibrate import fp32_slot_runner, samples_for
+from .registry import slot_id_of
 from .simulate import SimResult
 
 __all__ = ["UNBOUNDED", "layers_using", "unbounded_slots"]
@@ -36,14 +37,15 @@ def unbounded_slots(
     if not slots:
         return {}
     run = fp32_slot_runner(sim, slots, target or default_target())
-    data = itertools.islice(iter(samples_for(dataset, sim.graph.inputs)), samples)
+    data = itertools.islice(samples_for(dataset, sim.graph.inputs), samples)
     lo = {s: np.inf for s in slots}
     hi = {s: -np.inf for s in slots}
     for outs in run(data):
         for s, x in zip(slots, outs, strict=True):
             if x.size:
-                lo[s] = min(lo[s], float(np.min(x)))
-                hi[s] = max(hi[s], float(np.max(x)))
+                # np.minimum/np.maximum propagate NaN (Python's min/max would drop it)
+                lo[s] = float(np.minimum(lo[s], np.min(x)))
+                hi[s] = float(np.maximum(hi[s], np.max(x)))
     return {
         s: (lo[s], hi[s])
         for s in slots
@@ -55,13 +57,13 @@ def unbounded_slots(
 def layers_using(sim: SimResult, slots) -> list[str]:
     """Layers (in topological order) that read one of ``slots`` or produce it."""
     slots = set(slots)
-    root_slot = {m.root: m.layer for m in sim.matches}
+    tensor_id = slot_id_of(sim.graph, sim.matches)
     out = []
     for m in sim.matches:
         touched = {m.layer} if m.layer in sim.plan.slots else set()
         for v in m.nodes.values():
             if isinstance(v, relax.Var) and v in sim.graph.ids and not v.same_as(m.root):
-                touched.add(root_slot.get(v) or sim.graph.ids[v])
+                touched.add(tensor_id(v))
         if touched & slots:
             out.append(m.layer)
     return out

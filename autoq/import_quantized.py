@@ -73,8 +73,8 @@ from . import qnn
 from .config import Config, Fallback
 from .graph import Graph, dtype_of, op_name, remap_expr, with_main
 from .qparams import QParam, QParams
-from .realize import propagate, realize
-from .registry import ALLOW_LIST, Match
+from .realize import _scalar, propagate, realize
+from .registry import ALLOW_LIST, Match, slot_id_of
 from .simulate import SimResult, simulate
 
 __all__ = [
@@ -221,10 +221,6 @@ def _np_dtype(elem_type: int) -> np.dtype:
     return np.dtype(_onnx().helper.tensor_dtype_to_np_dtype(elem_type))
 
 
-def _elem_type(dtype) -> int:
-    return _onnx().helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-
-
 def _constants(model) -> dict[str, np.ndarray]:
     """Initializers and Constant node values by name."""
     onnx = _onnx()
@@ -237,11 +233,7 @@ def _constants(model) -> dict[str, np.ndarray]:
                 v = onnx.helper.get_attribute_value(a)
                 if a.name == "value":
                     out[node.output[0]] = numpy_helper.to_array(v)
-                elif a.name in ("value_float", "value_int"):
-                    out[node.output[0]] = np.asarray(
-                        v, np.float32 if "float" in a.name else np.int64
-                    )
-                elif a.name in ("value_floats", "value_ints"):
+                elif a.name in ("value_float", "value_int", "value_floats", "value_ints"):
                     out[node.output[0]] = np.asarray(
                         v, np.float32 if "float" in a.name else np.int64
                     )
@@ -366,11 +358,22 @@ def qoperator_to_qdq(model) -> tuple[Any, dict[str, int]]:
         new_nodes.append(helper.make_node("QuantizeLinear", [f, s] + ([z] if z else []), [out]))
         qinfo[out] = (s, z)
 
+    def same_qparams(a: tuple[str, str | None], b: tuple[str, str | None]) -> bool:
+        """Whether the (scale, zero point) names ``a`` and ``b`` hold the same values."""
+        return _same_arr(consts[a[0]], consts[b[0]]) and _same_arr(
+            _zp(consts, a[1]), _zp(consts, b[1])
+        )
+
+    def per_axis(s: str, z: str | None, node) -> bool:
+        """Whether the constant scale ``s`` / zero point ``z`` hold more than one value."""
+        zp = need_const(z, "zero point", node)
+        zsize = 1 if zp is None else np.asarray(zp).size
+        return max(np.asarray(need_const(s, "scale", node)).size, zsize) > 1
+
     def check_same_qparams(q: str, s: str, z: str | None, node) -> None:
         if q in qinfo:
             s0, z0 = qinfo[q]
-            same = _same_arr(consts[s0], consts[s]) and _same_arr(_zp(consts, z0), _zp(consts, z))
-            if not same:
+            if not same_qparams((s0, z0), (s, z)):
                 raise QuantizedImportError(
                     f"{_node_label(node)} reads {q!r} with scale/zero point {s!r}/{z!r}, but it "
                     f"was quantized with {s0!r}/{z0!r}: a requantization inside a QOperator "
@@ -381,10 +384,9 @@ def qoperator_to_qdq(model) -> tuple[Any, dict[str, int]]:
 
     def act_dq(q: str, s: str, z: str | None, node) -> str:
         """DQ of an activation operand (per-tensor; a constant operand may be per-axis 0)."""
-        per_axis = max(np.asarray(consts[s]).size, np.asarray(consts[z]).size if z else 1) > 1
         if q in consts:
-            return dq(q, s, z, node, 0 if per_axis else None)
-        if per_axis:
+            return dq(q, s, z, node, 0 if per_axis(s, z, node) else None)
+        if per_axis(s, z, node):
             raise QuantizedImportError(
                 f"{_node_label(node)}: per-axis quantization of an activation is not supported"
             )
@@ -394,8 +396,7 @@ def qoperator_to_qdq(model) -> tuple[Any, dict[str, int]]:
     def weight_dq(w: str, s: str, z: str | None, node, axis: int) -> str:
         if w not in consts:
             return act_dq(w, s, z, node)
-        size = max(np.asarray(consts[s]).size, np.asarray(consts[z]).size if z else 1)
-        return dq(w, s, z, node, axis if size > 1 else None)
+        return dq(w, s, z, node, axis if per_axis(s, z, node) else None)
 
     def bias_dq(b: str, scale: np.ndarray, node) -> str:
         if b not in consts:
@@ -438,10 +439,7 @@ def qoperator_to_qdq(model) -> tuple[Any, dict[str, int]]:
                 if i in qinfo or i in int_inputs:
                     if i not in qinfo:
                         qinfo[i] = (s, z)
-                    if op == "Concat" and not (
-                        _same_arr(consts[qinfo[i][0]], consts[s])
-                        and _same_arr(_zp(consts, qinfo[i][1]), _zp(consts, z))
-                    ):
+                    if op == "Concat" and not same_qparams(qinfo[i], (s, z)):
                         raise QuantizedImportError(
                             f"{label}: Concat of integer tensors with different qparams"
                         )
@@ -459,10 +457,7 @@ def qoperator_to_qdq(model) -> tuple[Any, dict[str, int]]:
                     new_in.append(const(f"{i}/float", real.astype(np.float32)))
                 else:
                     new_in.append(i)
-            outs = []
-            for o in node.output:
-                f = float_out(o)
-                outs.append(f)
+            outs = [float_out(o) for o in node.output]
             new_nodes.append(
                 helper.make_node(
                     op, new_in, outs, name=node.name or f"{op}#{k}", domain=node.domain,
@@ -665,8 +660,6 @@ class FileQ:
         )
 
     def qparam(self, axis: int | None = None) -> QParam:
-        if self.scale.ndim == 0:
-            return QParam(self.scale, self.zero_point.astype(np.int32), self.dtype)
         return QParam(self.scale, self.zero_point.astype(np.int32), self.dtype, axis)
 
 
@@ -1027,12 +1020,6 @@ def _output_fields(g: Graph) -> list:
     return [out]
 
 
-def _scalar_const(e) -> np.ndarray | None:
-    if isinstance(e, tvm.ir.GenericConst) and isinstance(e.value, tvm.runtime.Tensor):
-        return e.value.numpy()
-    return None
-
-
 # ops whose output lies on the input's quantization grid (the allow-list rows whose
 # dequantize may move below them): a slot there has the input's qparams exactly
 def _on_grid(value) -> bool:
@@ -1189,6 +1176,7 @@ def _fill(sim: SimResult, tens: _Tensors, split: SplitResult) -> _Plan:
     values: dict[str, np.ndarray] = {}
     notes: list[str] = []
     layer_of = {m.layer: m for m in sim.matches}
+    slot_of = slot_id_of(g, sim.matches)
     for sid, info in sim.slots.items():
         if info.kind == "activation":
             name, _ = tens.resolve(sim.plan.tensors[sid])
@@ -1206,7 +1194,7 @@ def _fill(sim: SimResult, tens: _Tensors, split: SplitResult) -> _Plan:
         if "bias" in m.nodes:
             b = g.weight_of(m.nodes["bias"])
             bc = split.const(b.name) if b is not None else None
-            x = qps[_data_slot(sim, m)]
+            x = qps[slot_of(m.nodes["data"])]
             acc = (x.scale * qps[sid].scale).astype(np.float32)
             if bc is None:
                 notes.append(
@@ -1228,13 +1216,6 @@ def _fill(sim: SimResult, tens: _Tensors, split: SplitResult) -> _Plan:
                 )
             values[f"{layer}.bias"] = np.clip(ints_b, -(2**31), 2**31 - 1).astype(np.int32)
     return _Plan(qps, values, notes)
-
-
-def _data_slot(sim: SimResult, m: Match) -> str:
-    """The activation slot of an accumulating match's data input."""
-    ctx_ids = {m2.root: m2.layer for m2 in sim.matches}
-    v = m.nodes["data"]
-    return ctx_ids.get(v) or sim.graph.ids[v]
 
 
 def _rebuild(
@@ -1325,8 +1306,9 @@ def _finish(mod: tvm.IRModule, split: SplitResult, rounding: str) -> tvm.IRModul
         s = relax.const(np.asarray(qp.scale, np.float32))
         z = relax.const(np.asarray(qp.zero_point, np.int32))
         vmap[p] = bb.emit(qnn.dequantize(nv, s, z))
-    values = dict(_bindings(func))
-    for var, value in _bindings(func):
+    bindings = _bindings(func)
+    values = dict(bindings)
+    for var, value in bindings:
         value = remap_expr(value, vmap)
         if (
             isinstance(value, tvm.ir.Call)
@@ -1360,7 +1342,7 @@ def _finish(mod: tvm.IRModule, split: SplitResult, rounding: str) -> tvm.IRModul
 def _is_unit_dequantize(e) -> bool:
     if not (isinstance(e, tvm.ir.Call) and op_name(e) == "qnn.dequantize"):
         return False
-    s, z = _scalar_const(e.args[1]), _scalar_const(e.args[2])
+    s, z = _scalar(e.args[1]), _scalar(e.args[2])
     return (
         dtype_of(e.args[0]) == "int32"
         and s is not None

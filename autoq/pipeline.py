@@ -11,7 +11,7 @@ from .calibrate import calibrate
 from .config import AutoFallback, Config
 from .guard import layers_using, unbounded_slots
 from .realize import realize
-from .simulate import simulate
+from .simulate import SimResult, simulate
 
 __all__ = ["quantize"]
 
@@ -34,8 +34,12 @@ def quantize(
     """
     config = config or Config()
     skipped: list[str] = []
+    sim = None
     if config.skip_unbounded:
-        config, skipped = skip_unbounded_layers(mod, params, dataset, config, target)
+        sim = simulate(mod, params, config)
+        config, skipped = skip_unbounded_layers(mod, params, dataset, config, target, sim=sim)
+        if skipped:  # the new fallback changes the graph
+            sim = None
     if isinstance(config.fallback, AutoFallback):
         from .analyze import auto_fallback
 
@@ -45,7 +49,8 @@ def quantize(
         out = realize(mod, params, qparams, final_cfg)
         out = out.with_attr("autoq.qparams", qparams.dumps())
         return out.with_attr("autoq.fallback", decision.dumps())
-    sim = simulate(mod, params, config)
+    if sim is None:
+        sim = simulate(mod, params, config)
     qparams = calibrate(sim, params, dataset, config, target=target)
     out = realize(mod, params, qparams, config)
     if skipped:
@@ -54,11 +59,13 @@ def quantize(
 
 
 def skip_unbounded_layers(
-    mod, params, dataset, config: Config, target=None
+    mod, params, dataset, config: Config, target=None, *, sim: SimResult | None = None
 ) -> tuple[Config, list[str]]:
     """``config`` with the layers reading or writing unbounded activations (attention masks
-    of ``finfo.min``, see :mod:`autoq.guard`) added to its fallback ids, and those layers."""
-    sim = simulate(mod, params, config)
+    of ``finfo.min``, see :mod:`autoq.guard`) added to its fallback ids, and those layers.
+    ``sim``: ``simulate(mod, params, config)`` when the caller has it already."""
+    if sim is None:
+        sim = simulate(mod, params, config)
     bad = unbounded_slots(sim, dataset, target)
     layers = [x for x in layers_using(sim, bad) if x not in config.fallback.ids]
     if not layers:

@@ -33,6 +33,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .graph import with_main
+
 __all__ = ["drop_unused_params", "fold_affine", "fold_batch_norm", "rebind", "rename_params"]
 
 _CONV_OPS = {
@@ -245,9 +247,20 @@ def _finish(mod, func_name: str, func: relax.Function, after: dict, params: dict
             ordered.append(after[p.name])
     func = relax.Function(ordered, func.body, func.ret_ty, func.is_pure, func.attrs)
     func, params = drop_unused_params(func, params)
-    out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
-    out[func_name] = func
-    return out, params
+    return with_main(mod, func, func_name), params
+
+
+def _scan(mod: tvm.IRModule, params: dict, func_name: str):
+    """What both folding passes read: numpy params, the function, each bound var's value,
+    each var's users, the weight parameters (var -> name) and the taken parameter names."""
+    params = {k: _as_numpy(v) for k, v in params.items()}
+    func = mod[func_name]
+    bindings = _flatten(func)
+    value_of = {b.var: b.value for b in bindings if isinstance(b, relax.VarBinding)}
+    users = _uses(func, bindings)
+    pvar = {p: p.name for p in func.params if p.name in params}
+    taken = {p.name for p in func.params}
+    return params, func, value_of, users, pvar, taken
 
 
 def fold_batch_norm(
@@ -259,13 +272,7 @@ def fold_batch_norm(
     Returns a new module and a new params dict (numpy arrays); the inputs are not modified.
     See the module docstring for exactly what is folded and how parameters are named.
     """
-    params = {k: _as_numpy(v) for k, v in params.items()}
-    func = mod[func_name]
-    bindings = _flatten(func)
-    value_of = {b.var: b.value for b in bindings if isinstance(b, relax.VarBinding)}
-    users = _uses(func, bindings)
-    pvar = {p: p.name for p in func.params if p.name in params}
-    taken = {p.name for p in func.params}
+    params, func, value_of, users, pvar, taken = _scan(mod, params, func_name)
 
     def only_user(var, user) -> bool:
         return users.get(var, []) == [user]
@@ -436,13 +443,7 @@ def fold_affine(
     the bias reuses the chain's bias parameter if it had one (else a new ``<layer>.bias``).
     A chain that is only a bias add is left alone. Computed in float64.
     """
-    params = {k: _as_numpy(v) for k, v in params.items()}
-    func = mod[func_name]
-    bindings = _flatten(func)
-    value_of = {b.var: b.value for b in bindings if isinstance(b, relax.VarBinding)}
-    users = _uses(func, bindings)
-    pvar = {p: p.name for p in func.params if p.name in params}
-    taken = {p.name for p in func.params}
+    params, func, value_of, users, pvar, taken = _scan(mod, params, func_name)
 
     def channel_vector(expr, ndim: int, axis: int, channels: int):
         """(vector of length channels, parameter name or None) for a per-channel operand."""

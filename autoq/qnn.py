@@ -922,7 +922,9 @@ def _legalize_matmul(bb, call):
     a, b, _s_a, z_a, _s_b, z_b = call.args
     za, zb = _scalar_zp(z_a), _scalar_zp(z_b)
     eight_bit = all(str(_ty(t).dtype) in ("int8", "uint8") for t in (a, b))
-    if za is None or zb is None or not eight_bit:  # int16 operands: widen to int32 first
+    k = _int(_dims(a)[-1]) if _dims(a) is not None else None
+    if za is None or zb is None or not eight_bit or (za and zb and k is None):
+        # int16 operands, per-axis or unknown zero points, unknown K: widen to int32 first
         return relax.op.matmul(_centered(a, z_a), _centered(b, z_b), out_dtype=ACC_DTYPE)
     # (a - za)(b - zb) = ab - zb * rowsum(a) - za * colsum(b) + K za zb, on the 8-bit values
     acc = relax.op.matmul(a, b, out_dtype=ACC_DTYPE)
@@ -934,9 +936,6 @@ def _legalize_matmul(bb, call):
         cols = relax.op.sum(relax.op.astype(b, i32), axis=[-2], keepdims=True)
         acc = relax.op.subtract(acc, relax.op.multiply(cols, relax.const(np.int32(za))))
     if za != 0 and zb != 0:
-        k = _int(_dims(a)[-1]) if _dims(a) is not None else None
-        if k is None:
-            return relax.op.matmul(_centered(a, z_a), _centered(b, z_b), out_dtype=ACC_DTYPE)
         acc = relax.op.add(acc, relax.const(np.int32(k * za * zb)))
     return acc
 

@@ -30,7 +30,7 @@ from . import qnn
 from .config import Config
 from .graph import Graph, dtype_of, op_name, prepare, remap_expr, with_main
 from .qparams import QParam, QParams
-from .registry import ALLOW_LIST, Match, find_matches
+from .registry import ALLOW_LIST, Match, find_matches, slot_id_of
 from .simulate import build_function
 
 __all__ = ["RealizeContext", "propagate", "realize"]
@@ -74,7 +74,7 @@ class RealizeContext:
         self.bb = relax.BlockBuilder()
         self.vmap: dict = {}
         self.match: Match | None = None
-        self.root_slot = {m.root: m.layer for m in matches}
+        self.tensor_id = slot_id_of(g, matches)
         self._acts: dict[str, RealQ] = {}
         self.warnings: list[str] = []
 
@@ -87,9 +87,6 @@ class RealizeContext:
     @property
     def layer(self) -> str:
         return self.match.layer if self.match is not None else ""
-
-    def tensor_id(self, var) -> str:
-        return self.root_slot.get(var) or self.g.ids[var]
 
     def _qparam(self, sid: str) -> QParam:
         if sid not in self.qparams:

@@ -89,6 +89,13 @@ class Match:
         return self.nodes.get(key, default)
 
 
+def slot_id_of(g: Graph, matches: list[Match]) -> Callable[[relax.Var], str]:
+    """``id(var)``: the activation slot id of a tensor: the layer id of the match whose root
+    produces it, else the tensor's node id (graph input name, ``<op>_<k>``)."""
+    roots = {m.root: m.layer for m in matches}
+    return lambda var: roots.get(var) or g.ids[var]
+
+
 PATTERNS: dict[str, Pattern] = {}
 
 

@@ -34,7 +34,7 @@ from . import qnn
 from .config import Config, QuantSpec, compile_rule
 from .graph import Graph, WeightRef, prepare, remap_expr, shape_of, with_main
 from .qparams import SlotInfo
-from .registry import Match, find_matches
+from .registry import Match, find_matches, slot_id_of
 
 __all__ = ["SimContext", "SimResult", "SlotPlan", "simulate"]
 
@@ -119,7 +119,7 @@ class SimContext:
         self.sq_vars: dict[str, relax.Var] = {}
         self._acts: dict[str, _LazyQ] = {}
         self.match: Match | None = None
-        self.root_slot: dict = {m.root: m.layer for m in matches}
+        self.tensor_id = slot_id_of(g, matches)
         self._override_rules = [(compile_rule(o.match), o) for o in config.overrides]
         self._consumer: dict[str, str] = {}
 
@@ -155,9 +155,6 @@ class SimContext:
             if rule(layer):
                 spec = (ov.activation if kind == "activation" else ov.weight) or spec
         return spec
-
-    def tensor_id(self, var) -> str:
-        return self.root_slot.get(var) or self.g.ids[var]
 
     def _new_slot(self, sid, kind, spec, shape, axis, length, tensor_shape, op):
         if sid in self.plan.slots:

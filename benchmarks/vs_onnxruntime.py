@@ -9,8 +9,9 @@ one markdown table row per runtime configuration:
 * ORT int8 (QDQ, per-channel int8 weights, asymmetric uint8/int8 activations) calibrated with
   MinMax, Entropy and Percentile on the same calibration samples, run with graph
   optimizations off (the QDQ graph as written) and on (ORT fuses it into integer kernels);
-* autoq int8 (``AUTOQ_CONFIGS``: per-channel int8 weights, int8 activations with the
-  percentile and KL calibrators, topological calibration), compiled by TVM, untuned.
+* autoq int8 (``AUTOQ_CONFIGS``: per-channel int8 weights, int8 activations with the mse
+  (default) and percentile calibrators in topological calibration and KL on fp32
+  statistics), compiled by TVM, untuned.
 
 Run:  /work/venv/bin/python benchmarks/vs_onnxruntime.py [--quick] [--models a,b] ...
 Numbers only: nothing here asserts a timing.
@@ -76,6 +77,9 @@ AUTOQ_CONFIGS = [
     ("autoq int8 kl, fp32 stats", "kl", "fp32"),
 ]
 
+TVM_FP32_REPEATS_1T = 3  # TVM fp32 at 1 thread (its 2-thread number is the median of its pass)
+AUTOQ_REPEATS = 5  # autoq int8 latency repeats at 1 and at 2 threads
+
 
 def autoq_quantize_child(model: str, calib_path: str, out_dir: str, method: str, mode: str) -> dict:
     """Runs in a measured subprocess: import the prepared ONNX file, quantize it with autoq on
@@ -123,9 +127,6 @@ def run_autoq(model_name: str, calib: common.Dataset, evalset: common.Dataset, l
     """autoq's rows: each configuration of ``AUTOQ_CONFIGS`` calibrated in a measured child
     process (wall time of ``autoq.calibrate`` alone, and the child's peak RSS including
     import, compile and export), then the exported int8 library run here on ``evalset``."""
-    import tvm
-    from tvm import relax
-
     rows = []
     with tempfile.TemporaryDirectory(prefix="autoq-bench-autoq-") as tmp:
         calib_path = Path(tmp) / "calib.npz"
@@ -147,18 +148,16 @@ def run_autoq(model_name: str, calib: common.Dataset, evalset: common.Dataset, l
             except common.SubprocessFailed as err:
                 log(f"  {model_name}: {label} FAILED ({err})")
                 continue
-            vm = relax.VirtualMachine(tvm.runtime.load_module(str(out_dir / "model.so")), tvm.cpu())
-            names = res["input_names"]
-
-            def run(sample, vm=vm, names=names):
-                out = vm["main"](*[tvm.runtime.tensor(sample[n]) for n in names])
-                return (out if hasattr(out, "numpy") else out[0]).numpy()
-
-            outputs = [run(s) for s in evalset]
+            runner = common.TvmRunner.from_library(out_dir / "model.so", res["input_names"])
+            outputs = [runner.run(s) for s in evalset]
             common.TvmRunner.set_threads(1)
-            ms1 = common.median_ms(lambda run=run: run(evalset[0]), repeats=5, warmup=1)
+            ms1 = common.median_ms(
+                lambda r=runner: r.run(evalset[0]), repeats=AUTOQ_REPEATS, warmup=1
+            )
             common.TvmRunner.set_threads(2)
-            ms2 = common.median_ms(lambda run=run: run(evalset[0]), repeats=5, warmup=1)
+            ms2 = common.median_ms(
+                lambda r=runner: r.run(evalset[0]), repeats=AUTOQ_REPEATS, warmup=1
+            )
             skipped = f", {len(res['fp32_layers'])} layers kept fp32" if res["fp32_layers"] else ""
             log(
                 f"  {model_name}: {label}: {res['layers']} layers{skipped}; import "
@@ -206,7 +205,7 @@ def parse_args(argv=None):
         type=float,
         default=common.DEFAULT_RSS_LIMIT_MB / 1024,
         help="kill a calibration process above this RSS (reported as FAILED); lowered to the "
-        "memory available at that moment minus 3 GB",
+        f"memory available at that moment minus {common.RSS_RESERVE_MB / 1024:g} GB",
     )
     p.add_argument("--no-tvm", action="store_true", help="skip the TVM fp32 baseline")
     p.add_argument(
@@ -325,7 +324,9 @@ def bench_model(name: str, args, log) -> tuple[list[list[str]], dict]:
         fid = common.fidelity(info.kind, ref[:n], outs, thresh)
         ms2 = float(np.median(times))
         common.TvmRunner.set_threads(1)
-        ms1 = common.median_ms(lambda: runner.run(evalset[0]), repeats=3, warmup=1)
+        ms1 = common.median_ms(
+            lambda: runner.run(evalset[0]), repeats=TVM_FP32_REPEATS_1T, warmup=1
+        )
         common.TvmRunner.set_threads(2)  # back to the pool size the pass above used
         add("TVM fp32 (untuned)", "default", fid, ms1=ms1, ms2=ms2, ref1=ref1[True])
         raw["notes"].append(
@@ -443,10 +444,12 @@ def main(argv=None) -> int:
         f"settings: calib {args.calib} / eval {args.eval} samples (disjoint sources), "
         f"ORT QDQ, per-channel int8 weights, {args.act} asymmetric activations, "
         f"ORT default options per calibration method; latency = median of {args.repeats} "
-        f"runs of one sample (TVM: median over its pass on the first "
+        f"runs of one sample (TVM fp32: median over its pass on the first "
         f"{args.tvm_eval if args.tvm_eval > 0 else args.eval} eval samples at 2 threads, "
-        f"3 runs at 1 thread; its fidelity is over those samples); calibration processes "
-        f"killed above {args.rss_limit_gb:g} GB RSS (or available memory - 3 GB)\n"
+        f"{TVM_FP32_REPEATS_1T} runs at 1 thread; its fidelity is over those samples; autoq "
+        f"int8: {AUTOQ_REPEATS} runs); calibration processes killed above "
+        f"{args.rss_limit_gb:g} GB RSS (or available memory - "
+        f"{common.RSS_RESERVE_MB / 1024:g} GB)\n"
     )
     for raw in raws:
         print(f"- **{common.MODEL_TITLES[raw['model']]}** (`{raw['model']}`): {raw['source']}")
@@ -463,7 +466,8 @@ def main(argv=None) -> int:
         "output with the ORT fp32 output (opt off); detector: cosine of all maps concatenated "
         "/ min over maps with text. graph opt: ORT_DISABLE_ALL (off) / "
         "ORT_ENABLE_ALL (on). calib s: quantize_static wall time (calibration + QDQ "
-        "rewrite) in a fresh process; peak RSS: that process's VmHWM. 1T/2T: "
+        "rewrite; autoq: autoq.calibrate alone) in a fresh process; peak RSS: that "
+        "process's VmHWM (autoq: including import, compile and export). 1T/2T: "
         "intra-op threads. speed: ORT fp32 ms (same graph opt; opt on for TVM/autoq) / "
         "row ms, both at 1 thread."
     )

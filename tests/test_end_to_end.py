@@ -256,3 +256,26 @@ def test_unbounded_attention_masks_stay_fp32():
     )
     worse = np.stack([Runner(bad)(s["x"], s["mask"]) for s in test])
     assert rel_err(worse, ref) > 5 * rel_err(got, ref)
+
+
+def test_an_activation_that_is_nan_on_one_sample_is_reported_unbounded():
+    """sqrt of a negative input is NaN: the dense reading it must not be quantized, even
+    when the NaN shows up only in the second sample (Python's min/max would drop it)."""
+    from autoq.guard import layers_using, unbounded_slots
+
+    b = Builder(3)
+    x = b.input("x", (1, 8))
+
+    def body(b):
+        r = b.emit(relax.op.sqrt(x))
+        w = b.randw("fc.weight", (4, 8))
+        return b.emit(relax.op.matmul(r, relax.op.permute_dims(w, [1, 0])))
+
+    mod, params = b.build(body)
+    ok = np.abs(np.random.default_rng(0).normal(size=(1, 8))).astype(np.float32)
+    data = [{"x": ok}, {"x": -ok}]
+    sim = simulate(mod, params, Config(progress=False))
+    bad = unbounded_slots(sim, data, TARGET)
+    assert list(bad) == ["sqrt_0"] and np.isnan(bad["sqrt_0"][0])
+    assert layers_using(sim, bad) == ["fc"]
+    assert unbounded_slots(sim, data[:1], TARGET) == {}

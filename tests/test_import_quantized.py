@@ -286,23 +286,18 @@ def cnn(residual: bool, seed: int = 0):
     """conv-relu, maxpool, conv-relu, depthwise conv (+ residual add), relu, global average
     pool, flatten, gemm."""
     rng = np.random.default_rng(seed)
-    nodes, inits = [], []
-    for node, ini in [
-        _conv("c1", "x", 3, 8, rng=rng),
-    ]:
-        nodes.append(node)
-        inits += ini
-    nodes += [
+    c1, i1 = _conv("c1", "x", 3, 8, rng=rng)
+    c2, i2 = _conv("c2", "p1", 8, 8, rng=rng)
+    c3, i3 = _conv("c3", "r2", 8, 8, group=8, rng=rng)
+    nodes = [
+        c1,
         helper.make_node("Relu", ["c1"], ["r1"]),
         helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+        c2,
+        helper.make_node("Relu", ["c2"], ["r2"]),
+        c3,
     ]
-    for node, ini in [_conv("c2", "p1", 8, 8, rng=rng)]:
-        nodes.append(node)
-        inits += ini
-    nodes.append(helper.make_node("Relu", ["c2"], ["r2"]))
-    node, ini = _conv("c3", "r2", 8, 8, group=8, rng=rng)
-    nodes.append(node)
-    inits += ini
+    inits = i1 + i2 + i3
     if residual:
         nodes.append(helper.make_node("Add", ["c3", "p1"], ["a1"]))
         nodes.append(helper.make_node("Relu", ["a1"], ["r3"]))
@@ -372,12 +367,8 @@ def mixed(seed: int = 0):
         helper.make_node("Softmax", ["a1"], ["y"], axis=1),
     ]
     inits = i1 + i2 + i3 + [_init("scales", [1, 1, 2, 2])]
-    return _model(nodes, [_vi("x", [1, 3, 16, 16])], [_vi("y", [1, 8, 16, 16])], inits), (
-        1,
-        3,
-        16,
-        16,
-    )
+    model = _model(nodes, [_vi("x", [1, 3, 16, 16])], [_vi("y", [1, 8, 16, 16])], inits)
+    return model, (1, 3, 16, 16)
 
 
 MODELS = {"cnn": lambda: cnn(True), "attention": attention, "mixed": mixed}
