@@ -30,15 +30,14 @@ from pathlib import Path
 
 import numpy as np
 import tvm
-from tvm import relax
 
 from .build import default_target
 from .config import Config, QuantSpec
 from .dataset import InputSpec, as_dataset
-from .graph import free_vars, remap_expr
 from .qparams import QParam, QParams
 from .registry import slot_id_of
 from .simulate import SimResult
+from .toolkit import as_list, bindings, compile_vm, free_vars, make_function, slice_bindings
 
 __all__ = ["ValueCache", "calibrate", "calibrate_weights", "default_target"]
 
@@ -193,18 +192,10 @@ class _Segment:
     outputs: list = field(default_factory=list)
 
 
-def _bindings(func: relax.Function):
-    out = []
-    for block in func.body.blocks:
-        for b in block.bindings:
-            out.append((b.var, b.value))
-    return out
-
-
 def _plan(sim: SimResult):
     """Prologue (weight-only values), segments cut at activation quantizes, liveness."""
     func = sim.mod["main"]
-    bindings = _bindings(func)
+    pairs = bindings(func)
     act_slots = sim.activation_slots()
     act_qvars = {v for s in act_slots for v in sim.qparam_vars[s]}
     names = {p.name: p for p in func.params}
@@ -212,22 +203,14 @@ def _plan(sim: SimResult):
     sq_slot = {sim.sq_vars[sid]: sid for sid in act_slots}
     dynamic_roots = set(inputs) | {names[v.name] for v in act_qvars}
     dynamic: set = set()
-    for var, value in bindings:
+    for var, value in pairs:
         if any(u in dynamic or u in dynamic_roots for u in free_vars(value)):
             dynamic.add(var)
     # only what feeds an activation quantize is needed
-    value_of = dict(bindings)
-    needed: set = set()
-    stack = list(sq_slot)
-    while stack:
-        v = stack.pop()
-        if v in needed or v not in value_of:
-            continue
-        needed.add(v)
-        stack.extend(u for u in free_vars(value_of[v]))
-    prologue = [(v, e) for v, e in bindings if v in needed and v not in dynamic]
+    needed = {v for v, _ in slice_bindings(pairs, sq_slot)}
+    prologue = [(v, e) for v, e in pairs if v in needed and v not in dynamic]
     segs: list[_Segment] = []
-    for var, value in bindings:
+    for var, value in pairs:
         if var not in needed or var not in dynamic:
             continue
         if var in sq_slot:
@@ -257,37 +240,6 @@ def _plan(sim: SimResult):
     prologue_out = [v for v in prologue_vars if any(v in s.inputs for s in segs)]
     prologue_out.sort(key=lambda v: v.name)
     return func, inputs, prologue, prologue_out, segs, last_use, sq_slot
-
-
-def _make_function(name, inputs, bindings, outputs):
-    bb = relax.BlockBuilder()
-    params = [relax.Var(v.name, v.ty) for v in inputs]
-    vmap = dict(zip(inputs, params, strict=True))
-    with bb.function(name, params):
-        with bb.dataflow():
-            for var, value in bindings:
-                vmap[var] = bb.emit(remap_expr(value, vmap), name_hint=var.name)
-            outs = [vmap[v] for v in outputs]
-            ret = bb.emit_output(relax.Tuple(outs) if outs else relax.Tuple([]))
-        bb.emit_func_output(ret)
-    return bb.get()[name]
-
-
-def _compile(functions: dict[str, relax.Function], target, base: tvm.IRModule | None = None):
-    """One module with ``functions`` (plus ``base``'s other functions, e.g. PrimFuncs)."""
-    mod = tvm.IRModule(functions)
-    if base is not None:
-        for gv, f in base.functions_items():
-            if gv.name_hint != "main" and gv.name_hint not in functions:
-                mod[gv] = f
-    ex = tvm.compile(mod, target)
-    return relax.VirtualMachine(ex, tvm.cpu())
-
-
-def _as_list(result) -> list:
-    if isinstance(result, tvm.runtime.Tensor):
-        return [result]
-    return list(result)
 
 
 # ------------------------------------------------------------------- calibrate
@@ -393,17 +345,17 @@ def _calibrate_topological(sim, samples, weight_qp, config, target, stats) -> di
         {u for _, e in prologue for u in free_vars(e) if u in params_by_name.values()},
         key=lambda v: v.name,
     )
-    functions = {"prologue": _make_function("prologue", pro_in, prologue, prologue_out)}
+    functions = {"prologue": make_function("prologue", pro_in, prologue, prologue_out)}
     for s in segs:
-        functions[s.name] = _make_function(s.name, s.inputs, s.bindings, s.outputs)
+        functions[s.name] = make_function(s.name, s.inputs, s.bindings, s.outputs)
     t0 = time.perf_counter()
-    vm = _compile(functions, target, sim.mod)
+    vm = compile_vm(functions, target, sim.mod)
     stats["compile_s"] = time.perf_counter() - t0
     stats["segments"] = len(segs)
     run_s = observe_s = 0.0
     static = dict(weight_vals)
     static.update(qvals)
-    pro_vals = _as_list(vm["prologue"](*[static[v] for v in pro_in]))
+    pro_vals = as_list(vm["prologue"](*[static[v] for v in pro_in]))
     static.update(dict(zip(prologue_out, pro_vals, strict=True)))
 
     cache = ValueCache(config.memory_budget_mb * 2**20, config.cache_dir)
@@ -438,7 +390,7 @@ def _calibrate_topological(sim, samples, weight_qp, config, target, stats) -> di
             t1 = time.perf_counter()
             for i in range(n):
                 args = [static[v] if v in static else cache.get((v, i)) for v in seg.inputs]
-                outs = _as_list(f(*args))
+                outs = as_list(f(*args))
                 for v, o in zip(seg.outputs, outs, strict=True):
                     cache.put((v, i), o)
                 bar.update(1)
@@ -467,22 +419,15 @@ def fp32_slot_runner(sim: SimResult, slots: list[str], target):
     activation ``slots`` quantize (one compiled float graph with those tensors as outputs)."""
     g = sim.graph
     tensors = [sim.plan.tensors[s] for s in slots]
-    bb = relax.BlockBuilder()
     params = list(g.inputs) + list(g.weight_params)
-    vmap = {}
-    with bb.function("main", params):
-        with bb.dataflow():
-            for var, value in g.bindings:
-                vmap[var] = bb.emit(remap_expr(value, vmap), name_hint=var.name)
-            ret = bb.emit_output(relax.Tuple([vmap.get(t, t) for t in tensors]))
-        bb.emit_func_output(ret)
-    vm = _compile({"main": bb.get()["main"]}, target, g.module)
+    fn = make_function("main", params, g.bindings, tensors)
+    vm = compile_vm({"main": fn}, target, g.module)
     weights = [tvm.runtime.tensor(np.ascontiguousarray(g.params[p.name])) for p in g.weight_params]
 
     def run(samples):
         for sample in samples:
             feeds = [tvm.runtime.tensor(np.ascontiguousarray(sample[v.name])) for v in g.inputs]
-            yield [o.numpy() for o in _as_list(vm["main"](*feeds, *weights))]
+            yield [o.numpy() for o in as_list(vm["main"](*feeds, *weights))]
 
     return run
 

@@ -652,4 +652,6 @@ def as_dataset(
         specs = list(model)
     else:
         specs = input_specs(model, params)
+    if isinstance(dataset, CalibrationDataset) and dataset.specs == specs and limit is None:
+        return dataset  # already validated for these inputs: every stage shares one view
     return CalibrationDataset(dataset, specs, limit=limit, cache=cache)

@@ -136,6 +136,55 @@ class DemoResult:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
+def _compare(mod, params, qmod, target, test, latency: bool, seconds: dict):
+    """Compile both models, evaluate them on ``test`` and (``latency``) time them."""
+    import tvm
+    from tvm import relax
+
+    from .build import compile as autoq_compile
+    from .summary import weight_bytes
+
+    test_x, test_y = test
+    t = time.perf_counter()
+    fmod = relax.transform.BindParams("main", params)(mod)
+    dev = tvm.cpu()
+    vm32 = relax.VirtualMachine(autoq_compile(fmod, target), dev)
+    vm8 = relax.VirtualMachine(autoq_compile(qmod, target), dev)
+    seconds["compile"] = time.perf_counter() - t
+    t = time.perf_counter()
+    p32, p8 = evaluate(vm32, test_x), evaluate(vm8, test_x)
+    seconds["evaluate"] = time.perf_counter() - t
+    acc32, acc8 = float(np.mean(p32 == test_y)), float(np.mean(p8 == test_y))
+    lat32 = lat8 = None
+    if latency:
+        t = time.perf_counter()
+        lat32, lat8 = latency_ms(vm32, test_x[:1]), latency_ms(vm8, test_x[:1])
+        seconds["latency"] = time.perf_counter() - t
+    agree = float(np.mean(p32 == p8))
+    return acc32, acc8, agree, weight_bytes(fmod), weight_bytes(qmod), lat32, lat8
+
+
+def _print_table(say, accuracy, sizes, latencies) -> None:
+    from .summary import fmt_bytes
+
+    acc32, acc8, agree, n = accuracy
+    (b32, b8), (lat32, lat8) = sizes, latencies
+    total32, total8 = sum(b32.values()), sum(b8.values())
+    say("")
+    say(f"{'':24}{'fp32':>14}{'int8':>14}")
+    say(
+        f"{'accuracy':24}{100 * acc32:>13.2f}%{100 * acc8:>13.2f}%   "
+        f"({n} held-out images; int8 = fp32 prediction on {100 * agree:.1f}%)"
+    )
+    say(f"{'weights (bytes)':24}{total32:>14,}{total8:>14,}   ({total32 / total8:.2f}x smaller)")
+    say(f"{'':24}int8 module: {fmt_bytes(b8)}")
+    if lat32 is not None:
+        say(
+            f"{'latency (ms, batch 1)':24}{lat32:>14.3f}{lat8:>14.3f}   "
+            f"({lat32 / lat8:.1f}x; median of 5 x 50 runs)"
+        )
+
+
 def run(
     calib_samples: int = 100,
     eval_samples: int | None = None,
@@ -151,12 +200,11 @@ def run(
     ``target``: compile target for both models (default: this CPU). ``echo``: where lines
     go (None: silent)."""
     import tvm
-    from tvm import relax
 
     import autoq
 
     from .build import default_target
-    from .cli import _fmt_bytes, _target_str, weight_bytes
+    from .summary import target_str
 
     say = echo or (lambda _s: None)
     t0 = time.perf_counter()
@@ -180,7 +228,7 @@ def run(
     if eval_samples is not None:
         test_x, test_y = test_x[:eval_samples], test_y[:eval_samples]
     say(f"  model: {MODEL_FILE.name}, {n_weights:,} weights, input {INPUT!r} (1, 1, 8, 8)")
-    say(f"  target: {_target_str(target)}")
+    say(f"  target: {target_str(target)}")
 
     config = autoq.Config(progress=progress)
     if method is not None:
@@ -188,49 +236,18 @@ def run(
     cal_name = getattr(config.activation.calibrator, "name", str(config.activation.calibrator))
 
     t = time.perf_counter()
-    sim = autoq.simulate(mod, params, config)
-    qparams = autoq.calibrate(sim, params, calib, config, target=target)
-    seconds["calibrate"] = time.perf_counter() - t
+    result = autoq.Quantizer(config, target=target).run(mod, params, calib)
+    qmod = result.module
+    seconds["quantize"] = time.perf_counter() - t
     say(
-        f"calibrated on {len(calib)} training images ({cal_name}) in {seconds['calibrate']:.1f} s; "
-        f"int8 layers: {', '.join(sim.layers)}"
+        f"quantized with {len(calib)} training images ({cal_name}) in {seconds['quantize']:.1f} s; "
+        f"int8 layers: {', '.join(result.int8_layers)}"
     )
 
-    t = time.perf_counter()
-    qmod = autoq.realize(mod, params, qparams, config)
-    fmod = relax.transform.BindParams("main", params)(mod)
-    dev = tvm.cpu()
-    vm32 = relax.VirtualMachine(autoq.compile(fmod, target), dev)
-    vm8 = relax.VirtualMachine(autoq.compile(qmod, target), dev)
-    seconds["realize+compile"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    p32, p8 = evaluate(vm32, test_x), evaluate(vm8, test_x)
-    seconds["evaluate"] = time.perf_counter() - t
-    acc32, acc8 = float(np.mean(p32 == test_y)), float(np.mean(p8 == test_y))
-    agree = float(np.mean(p32 == p8))
-
-    b32, b8 = weight_bytes(fmod), weight_bytes(qmod)
-    lat32 = lat8 = None
-    if latency:
-        t = time.perf_counter()
-        lat32, lat8 = latency_ms(vm32, test_x[:1]), latency_ms(vm8, test_x[:1])
-        seconds["latency"] = time.perf_counter() - t
-
-    total32, total8 = sum(b32.values()), sum(b8.values())
-    say("")
-    say(f"{'':24}{'fp32':>14}{'int8':>14}")
-    say(
-        f"{'accuracy':24}{100 * acc32:>13.2f}%{100 * acc8:>13.2f}%   "
-        f"({len(test_y)} held-out images; int8 = fp32 prediction on {100 * agree:.1f}%)"
+    acc32, acc8, agree, b32, b8, lat32, lat8 = _compare(
+        mod, params, qmod, target, (test_x, test_y), latency, seconds
     )
-    say(f"{'weights (bytes)':24}{total32:>14,}{total8:>14,}   ({total32 / total8:.2f}x smaller)")
-    say(f"{'':24}int8 module: {_fmt_bytes(b8)}")
-    if latency:
-        say(
-            f"{'latency (ms, batch 1)':24}{lat32:>14.3f}{lat8:>14.3f}   "
-            f"({lat32 / lat8:.1f}x; TVM untuned, median of 5 x 50 runs)"
-        )
+    _print_table(say, (acc32, acc8, agree, len(test_y)), (b32, b8), (lat32, lat8))
     seconds["total"] = time.perf_counter() - t0
     say("")
     say("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
@@ -243,7 +260,7 @@ def run(
         agreement=agree,
         bytes_fp32=b32,
         bytes_int8=b8,
-        layers_int8=list(sim.layers),
+        layers_int8=list(result.int8_layers),
         latency_fp32_ms=lat32,
         latency_int8_ms=lat8,
         seconds=seconds,

@@ -17,9 +17,9 @@ import tvm
 from tvm import relax
 
 from .build import default_target
-from .graph import with_main
 from .qparams import QParams
 from .simulate import SimResult
+from .toolkit import with_main
 
 __all__ = ["FidelityReport", "compare", "expose_slots"]
 

@@ -58,8 +58,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .graph import with_main
 from .prepare import drop_unused_params, fold_affine, fold_batch_norm, rebind, rename_params
+from .toolkit import with_main
 
 __all__ = [
     "FrontendError",

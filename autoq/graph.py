@@ -20,7 +20,9 @@ import numpy as np
 import tvm
 from tvm import relax
 
-__all__ = ["Graph", "WeightRef", "op_name", "prepare", "remap_expr", "short_op_name", "with_main"]
+from .toolkit import bindings, const_array, free_vars, op_name, shape_of, short_op_name, with_main
+
+__all__ = ["Graph", "GraphError", "WeightRef", "prepare"]
 
 
 class GraphError(ValueError):
@@ -34,81 +36,6 @@ class WeightRef:
 
     array: np.ndarray
     name: str | None
-
-
-def op_name(expr) -> str:
-    """Full op name of a call ("relax.nn.conv2d"), or a kind for other expressions."""
-    if isinstance(expr, tvm.ir.Call) and isinstance(expr.op, tvm.ir.Op):
-        return expr.op.name
-    if isinstance(expr, tvm.ir.Call):
-        return "call"
-    if isinstance(expr, relax.Tuple):
-        return "tuple"
-    if isinstance(expr, relax.TupleGetItem):
-        return "get_item"
-    if isinstance(expr, relax.Var):
-        return "alias"
-    if isinstance(expr, tvm.ir.GenericConst):
-        return "const"
-    return type(expr).__name__.lower()
-
-
-def short_op_name(expr_or_name) -> str:
-    """``relax.nn.conv2d`` -> ``conv2d``; ``relax.add`` -> ``add``; ``qnn.add`` -> ``qnn.add``."""
-    name = expr_or_name if isinstance(expr_or_name, str) else op_name(expr_or_name)
-    if name.startswith("relax."):
-        name = name.split(".")[-1]
-    return name
-
-
-def remap_expr(expr, vmap: dict):
-    """Rebuild ``expr`` with its free variables replaced through ``vmap`` (others kept)."""
-    if isinstance(expr, relax.Var):
-        return vmap.get(expr, expr)
-    if isinstance(expr, tvm.ir.Call):
-        args = [remap_expr(a, vmap) for a in expr.args]
-        return tvm.ir.Call(expr.op, args, expr.attrs, list(expr.ty_args))
-    if isinstance(expr, relax.Tuple):
-        return relax.Tuple([remap_expr(f, vmap) for f in expr.fields])
-    if isinstance(expr, relax.TupleGetItem):
-        return relax.TupleGetItem(remap_expr(expr.tuple_value, vmap), expr.index)
-    return expr
-
-
-def free_vars(expr) -> list[relax.Var]:
-    """Relax variables an expression reads (bindings or parameters), in first-use order."""
-    out: list[relax.Var] = []
-
-    def visit(e):
-        if isinstance(e, relax.Var):
-            if not any(e.same_as(v) for v in out):
-                out.append(e)
-        elif isinstance(e, tvm.ir.Call):
-            for a in e.args:
-                visit(a)
-        elif isinstance(e, relax.Tuple):
-            for f in e.fields:
-                visit(f)
-        elif isinstance(e, relax.TupleGetItem):
-            visit(e.tuple_value)
-
-    visit(expr)
-    return out
-
-
-def shape_of(expr) -> tuple[int, ...] | None:
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or ty.shape is None:
-        return None
-    try:
-        return tuple(int(d) for d in ty.shape.values)
-    except (TypeError, ValueError):
-        return None
-
-
-def dtype_of(expr) -> str | None:
-    ty = expr.ty
-    return str(ty.dtype) if isinstance(ty, relax.TensorType) else None
 
 
 # Data-movement ops evaluated in numpy when all their inputs are weights.
@@ -164,8 +91,9 @@ class Graph:
 
     def weight_of(self, expr) -> WeightRef | None:
         """The weight an operand expression refers to (parameter, binding, or constant)."""
-        if isinstance(expr, tvm.ir.GenericConst) and isinstance(expr.value, tvm.runtime.Tensor):
-            return WeightRef(expr.value.numpy(), None)
+        arr = const_array(expr)
+        if arr is not None:
+            return WeightRef(arr, None)
         if isinstance(expr, relax.Var):
             return self.weights.get(expr)
         return None
@@ -180,19 +108,10 @@ class Graph:
         return self.ids.items()
 
 
-def with_main(mod: tvm.IRModule, func: relax.Function, name: str = "main") -> tvm.IRModule:
-    """A copy of ``mod`` whose ``name`` function is ``func``, keeping its other functions
-    (PrimFuncs called by ``call_tir``, e.g. an imported ONNX ``Pad``) and attributes."""
-    out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
-    out[name] = func
-    return out
-
-
 def _flatten_bindings(func: relax.Function):
     body = func.body
     if not isinstance(body, relax.SeqExpr):
         return [], body
-    out = []
     for block in body.blocks:
         for b in block.bindings:
             if not isinstance(b, relax.VarBinding):
@@ -200,8 +119,7 @@ def _flatten_bindings(func: relax.Function):
                     "autoq needs a function of plain bindings; found a match_cast binding "
                     f"for {b.var.name}: run relax.transform.Normalize / fix input shapes first"
                 )
-            out.append((b.var, b.value))
-    return out, body.body
+    return bindings(func), body.body
 
 
 def prepare(mod: tvm.IRModule, params: dict | None = None, func_name: str = "main") -> Graph:
@@ -265,8 +183,9 @@ def prepare(mod: tvm.IRModule, params: dict | None = None, func_name: str = "mai
 
 
 def _maybe_fold_weight(g: Graph, var, value) -> None:
-    if isinstance(value, tvm.ir.GenericConst) and isinstance(value.value, tvm.runtime.Tensor):
-        g.weights[var] = WeightRef(value.value.numpy(), None)
+    arr = const_array(value)
+    if arr is not None:
+        g.weights[var] = WeightRef(arr, None)
         return
     if isinstance(value, relax.Var) and value in g.weights:
         g.weights[var] = g.weights[value]

@@ -11,16 +11,19 @@ both when ``Config.skip_unbounded`` is on (the default) and says which layers it
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import warnings
 
 import numpy as np
 from tvm import relax
 
 from .calibrate import fp32_slot_runner, samples_for
+from .config import Config
 from .registry import slot_id_of
 from .simulate import SimResult
 
-__all__ = ["UNBOUNDED", "layers_using", "unbounded_slots"]
+__all__ = ["UNBOUNDED", "keep_unbounded_in_fp32", "layers_using", "unbounded_slots"]
 
 #: |value| at or above this (or inf/nan) is a sentinel, not data
 UNBOUNDED = 1e30
@@ -67,3 +70,23 @@ def layers_using(sim: SimResult, slots) -> list[str]:
         if touched & slots:
             out.append(m.layer)
     return out
+
+
+def keep_unbounded_in_fp32(
+    sim: SimResult, dataset, config: Config, target=None
+) -> tuple[Config, list[str]]:
+    """``config`` with the layers reading or writing unbounded activations of ``sim`` added
+    to its fallback ids (with a warning naming them and their ranges), and those layers."""
+    bad = unbounded_slots(sim, dataset, target)
+    layers = [x for x in layers_using(sim, bad) if x not in config.fallback.ids]
+    if not layers:
+        return config, []
+    ranges = ", ".join(f"{s} [{lo:.3g}, {hi:.3g}]" for s, (lo, hi) in bad.items())
+    warnings.warn(
+        f"keeping {len(layers)} layer(s) in fp32 because their activations are unbounded "
+        f"(masking constants?): {', '.join(layers)}; ranges: {ranges}. "
+        "Set Config(skip_unbounded=False) to quantize them anyway.",
+        stacklevel=3,
+    )
+    fb = dataclasses.replace(config.fallback, ids=(*config.fallback.ids, *layers))
+    return config.replace(fallback=fb), layers

@@ -70,12 +70,14 @@ import tvm
 from tvm import relax
 
 from . import qnn
+from .allow_list import ALLOW_LIST
 from .config import Config, Fallback
-from .graph import Graph, dtype_of, op_name, remap_expr, with_main
+from .graph import Graph
 from .qparams import QParam, QParams
-from .realize import _scalar, propagate, realize
-from .registry import ALLOW_LIST, Match, slot_id_of
+from .realize import propagate, realize
+from .registry import Match, slot_id_of
 from .simulate import SimResult, simulate
+from .toolkit import BindingWriter, bindings, const_array, dtype_of, op_name, remap_expr, with_main
 
 __all__ = [
     "ImportReport",
@@ -1026,7 +1028,7 @@ def _on_grid(value) -> bool:
     if not isinstance(value, tvm.ir.Call):
         return False
     rule = ALLOW_LIST.get(op_name(value))
-    if rule is None or rule.kind != "commute" or not rule.dequantize:
+    if rule is None or rule.kind != "commute" or not rule.dequantize_below:
         return False
     if op_name(value) == "relax.nn.pad":
         return str(value.attrs.pad_mode) == "constant" and float(value.attrs.pad_value) == 0.0
@@ -1229,7 +1231,7 @@ def _rebuild(
     (qparams ``fq_of[var]``) read by the bindings ``fq_users[var]`` instead of ``var``, and
     per output ``outputs[k]``: ("raw", None), ("fq", qp) the fake-quantized value, or
     ("int", qp) the quantized integers."""
-    bb = relax.BlockBuilder()
+    w = BindingWriter()
     vmap: dict = {}
     fqvar: dict = {}
 
@@ -1241,10 +1243,9 @@ def _rebuild(
 
     def emit_fq(v, qp: FileQ):
         s, z = consts(qp)
-        q = bb.emit(qnn.quantize(v, s, z, out_dtype=qp.dtype))
-        return bb.emit(qnn.dequantize(q, s, z))
+        q = w.emit(qnn.quantize(v, s, z, out_dtype=qp.dtype))
+        return w.emit(qnn.dequantize(q, s, z))
 
-    bb._begin_dataflow_block()
     out_var = g.output if isinstance(g.output, relax.Var) and g.output in g.value else None
     for p in g.inputs:
         if p in fq_of:
@@ -1256,7 +1257,7 @@ def _rebuild(
         for u in fqvar:
             if var in fq_users.get(u, ()):
                 local[u] = fqvar[u]
-        nv = bb.emit(remap_expr(value, local), name_hint=var.name)
+        nv = w.emit(remap_expr(value, local), var.name)
         vmap[var] = nv
         if var in fq_of:
             fqvar[var] = emit_fq(nv, fq_of[var])
@@ -1266,28 +1267,21 @@ def _rebuild(
         if kind == "fq":
             new_fields.append(fqvar[e] if e in fqvar else emit_fq(base, qp))
         elif kind == "int" and qp.dtype == "int32":  # an exact accumulator (unit scale)
-            new_fields.append(bb.emit(relax.op.astype(base, "int32")))
+            new_fields.append(w.emit(relax.op.astype(base, "int32")))
         elif kind == "int":
             s, z = consts(qp)
-            new_fields.append(bb.emit(qnn.quantize(base, s, z, out_dtype=qp.dtype)))
+            new_fields.append(w.emit(qnn.quantize(base, s, z, out_dtype=qp.dtype)))
         else:
             new_fields.append(base)
-    out = bb.emit_output(relax.Tuple(new_fields))
-    block = bb._end_block()
-    params = list(g.inputs) + list(g.weight_params)
-    func = relax.Function(params, bb.normalize(relax.SeqExpr([block], out)), out.ty)
+    func = w.finish(list(g.inputs) + list(g.weight_params), relax.Tuple(new_fields))
     return with_main(mod, func.with_attr("global_symbol", "main"))
-
-
-def _bindings(func: relax.Function) -> list[tuple[relax.Var, relax.Expr]]:
-    return [(b.var, b.value) for blk in func.body.blocks for b in blk.bindings]
 
 
 def _finish(mod: tvm.IRModule, split: SplitResult, rounding: str) -> tvm.IRModule:
     """Drop the extra outputs, give integer inputs back their dtype, remove
     ``astype(int32, qnn.dequantize(int32 x, 1.0, 0))``, and propagate/merge again."""
     func = mod["main"]
-    bb = relax.BlockBuilder()
+    w = BindingWriter()
     vmap: dict = {}
     new_value: dict = {}
     params = []
@@ -1301,14 +1295,13 @@ def _finish(mod: tvm.IRModule, split: SplitResult, rounding: str) -> tvm.IRModul
             pre.append((p, nv, qp))
         else:
             params.append(p)
-    bb._begin_dataflow_block()
     for p, nv, qp in pre:
         s = relax.const(np.asarray(qp.scale, np.float32))
         z = relax.const(np.asarray(qp.zero_point, np.int32))
-        vmap[p] = bb.emit(qnn.dequantize(nv, s, z))
-    bindings = _bindings(func)
-    values = dict(bindings)
-    for var, value in bindings:
+        vmap[p] = w.emit(qnn.dequantize(nv, s, z))
+    pairs = bindings(func)
+    values = dict(pairs)
+    for var, value in pairs:
         value = remap_expr(value, vmap)
         if (
             isinstance(value, tvm.ir.Call)
@@ -1319,7 +1312,7 @@ def _finish(mod: tvm.IRModule, split: SplitResult, rounding: str) -> tvm.IRModul
             if _is_unit_dequantize(src):
                 vmap[var] = src.args[0]
                 continue
-        nv = bb.emit(value, name_hint=var.name)
+        nv = w.emit(value, var.name)
         new_value[nv] = value
         vmap[var] = nv
     body = func.body.body
@@ -1328,9 +1321,7 @@ def _finish(mod: tvm.IRModule, split: SplitResult, rounding: str) -> tvm.IRModul
     fields = list(body.fields) if isinstance(body, relax.Tuple) else [body]
     fields = [remap_expr(f, vmap) for f in fields[: split.n_outputs]]
     result = fields[0] if split.n_outputs == 1 else relax.Tuple(fields)
-    out = bb.emit_output(result)
-    block = bb._end_block()
-    new = relax.Function(params, bb.normalize(relax.SeqExpr([block], out)), out.ty)
+    new = w.finish(params, result)
     new = relax.analysis.remove_all_unused(new.with_attr("global_symbol", "main"))
     mod = propagate(with_main(mod, new), rounding)
     func = relax.analysis.remove_all_unused(mod["main"])
@@ -1342,7 +1333,7 @@ def _finish(mod: tvm.IRModule, split: SplitResult, rounding: str) -> tvm.IRModul
 def _is_unit_dequantize(e) -> bool:
     if not (isinstance(e, tvm.ir.Call) and op_name(e) == "qnn.dequantize"):
         return False
-    s, z = _scalar(e.args[1]), _scalar(e.args[2])
+    s, z = const_array(e.args[1]), const_array(e.args[2])
     return (
         dtype_of(e.args[0]) == "int32"
         and s is not None
@@ -1498,7 +1489,7 @@ def _float_ops(sim: SimResult, tens: _Tensors, split: SplitResult) -> dict[str, 
         rule = ALLOW_LIST.get(op_name(value))
         if rule is None or rule.kind != "commute":
             return False
-        return rule.dequantize or tens.name.get(v) in split.activations
+        return rule.dequantize_below or tens.name.get(v) in split.activations
 
     for name, var in tens.var.items():
         if not integer(var):

@@ -1,81 +1,187 @@
-"""``autoq.quantize``: simulate -> calibrate -> realize in one call."""
+"""The one quantization pipeline: every entry point (``autoq.quantize``, ``autoq quantize``,
+the demo, the benchmarks) runs :class:`Quantizer`.
+
+``Quantizer(config).run(mod, params, dataset)`` does, in order:
+
+1. **match** the patterns once (:func:`autoq.matching.match`); every later stage reuses it;
+2. read the **dataset** once into one validated, repeatable view
+   (:func:`autoq.dataset.as_dataset`) that every stage iterates;
+3. the **unbounded-activation guard** (``Config.skip_unbounded``): layers touching attention
+   masks of ``finfo.min`` stay fp32, with a warning (:mod:`autoq.guard`);
+4. **calibrate** (:mod:`autoq.calibrate`), or with ``Config(fallback=AutoFallback(...))``
+   calibrate + analyze + search (:mod:`autoq.auto_fallback`);
+5. **realize** the int8 module (:mod:`autoq.realize`);
+6. optionally the per-layer **report** (:mod:`autoq.analysis`).
+
+It returns a :class:`QuantizeResult`: the module, the qparams, the fallback decision, the
+per-stage timings and every warning raised on the way.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+import time
 import warnings
+from dataclasses import dataclass, field
 
 import tvm
 
-from .calibrate import calibrate
+from .analysis import Analysis
+from .auto_fallback import FallbackDecision, auto_fallback
+from .build import default_target
+from .calibrate import calibrate, samples_for
 from .config import AutoFallback, Config
-from .guard import layers_using, unbounded_slots
+from .guard import keep_unbounded_in_fp32
+from .matching import Matched, match
+from .qparams import QParams
 from .realize import realize
-from .simulate import SimResult, simulate
+from .report import Report
+from .simulate import simulate
 
-__all__ = ["quantize"]
+__all__ = ["QuantizeResult", "Quantizer", "quantize"]
+
+
+@dataclass
+class QuantizeResult:
+    """What :meth:`Quantizer.run` produced.
+
+    ``module``: the int8 IRModule (``main`` takes the model inputs; the qparams, the
+    fallback decision and the unbounded layers are attached as ``attrs``). ``config``: the
+    configuration that was realized (an ``AutoFallback`` replaced by the plain fallback it
+    chose). ``fp32_layers``: every layer left in fp32, with why. ``report``: the per-layer
+    analysis when asked for (``Quantizer(report=True)``) or made by the automatic fallback.
+    ``timings``: seconds per stage. ``warnings``: the text of every warning raised."""
+
+    module: tvm.IRModule
+    qparams: QParams
+    config: Config
+    matched: Matched
+    int8_layers: list[str]
+    fp32_layers: dict[str, str]
+    decision: FallbackDecision | None = None
+    report: Report | None = None
+    #: the compiled per-layer analysis behind ``report`` (run more trials on it)
+    analysis: Analysis | None = None
+    samples: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+class Quantizer:
+    """simulate -> calibrate -> realize with the guard, the automatic fallback and the
+    report (see the module docstring). ``target``: where calibration runs (default: this
+    CPU). ``report``: also run the per-layer analysis on the calibration data."""
+
+    def __init__(self, config: Config | None = None, *, target=None, report: bool = False):
+        self.config = config or Config()
+        self.target = target or default_target()
+        self.want_report = report
+
+    def run(self, mod: tvm.IRModule, params: dict | None, dataset) -> QuantizeResult:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = self._run(mod, params, dataset)
+        for w in caught:  # re-raise for the caller's filters, after the run is complete
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        result.warnings = [str(w.message) for w in caught]
+        return result
+
+    def _run(self, mod, params, dataset) -> QuantizeResult:
+        timings: dict[str, float] = {}
+        clock = _Clock(timings)
+        config = self.config
+        with clock("match"):
+            matched = match(mod, params, config)
+            matched.active(config.fallback)  # fallback rules checked before any data work
+            samples = samples_for(dataset, matched.graph.inputs)
+        reasons = {x: "fallback rule" for x in matched.kept_float(config.fallback)}
+        sim = None
+        if config.skip_unbounded:
+            with clock("guard"):
+                sim = simulate(matched, None, _fixed(config))
+                config, skipped = keep_unbounded_in_fp32(sim, samples, config, self.target)
+            reasons.update(dict.fromkeys(skipped, "unbounded activations (guard)"))
+            if skipped:  # the new fallback changes the simulated graph
+                sim = None
+        decision = report = analysis = None
+        if isinstance(config.fallback, AutoFallback):
+            with clock("calibrate"):
+                if sim is None:
+                    sim = simulate(matched, None, _fixed(config))
+                qparams = calibrate(sim, None, samples, _fixed(config), target=self.target)
+            with clock("auto_fallback"):
+                out = auto_fallback(matched, None, samples, config, qparams, target=self.target)
+            config, qparams, decision = out.config, out.qparams, out.decision
+            report, analysis = out.report, out.analysis
+            reasons.update(dict.fromkeys(decision.layers, f"automatic ({decision.precision})"))
+            if decision.precision != "fp32":
+                reasons = {k: v for k, v in reasons.items() if k not in decision.layers}
+        else:
+            with clock("calibrate"):
+                if sim is None:
+                    sim = simulate(matched, None, config)
+                qparams = calibrate(sim, None, samples, config, target=self.target)
+        with clock("realize"):
+            module = realize(matched, None, qparams, config)
+        if self.want_report and report is None:
+            with clock("report"):
+                analysis = Analysis(matched, None, samples, qparams, config, self.target)
+                report = analysis.report()
+        module = _attach(module, qparams, decision, [k for k, v in reasons.items() if "guard" in v])
+        int8 = [m.layer for m in matched.active(config.fallback)]
+        return QuantizeResult(
+            module, qparams, config, matched, int8, reasons, decision, report, analysis,
+            samples=samples.num_samples or 0, timings=timings,
+        )  # fmt: skip
+
+
+def _fixed(config: Config) -> Config:
+    """``config`` with an ``AutoFallback`` replaced by its fixed rules."""
+    fb = config.fallback
+    return config.replace(fallback=fb.fixed()) if isinstance(fb, AutoFallback) else config
+
+
+def _attach(module, qparams: QParams, decision, skipped: list[str]) -> tvm.IRModule:
+    module = module.with_attr("autoq.qparams", qparams.dumps())
+    if decision is not None:
+        module = module.with_attr("autoq.fallback", decision.dumps())
+    if skipped:
+        module = module.with_attr("autoq.skipped_unbounded", ",".join(skipped))
+    return module
+
+
+class _Clock:
+    """``with clock("stage"):`` adds the block's wall time to ``timings["stage"]``."""
+
+    def __init__(self, timings: dict[str, float]):
+        self.timings = timings
+        self._stage = ""
+        self._t0 = 0.0
+
+    def __call__(self, stage: str) -> _Clock:
+        self._stage = stage
+        return self
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        dt = time.perf_counter() - self._t0
+        self.timings[self._stage] = self.timings.get(self._stage, 0.0) + dt
+        return False
 
 
 def quantize(
     mod: tvm.IRModule, params: dict | None, dataset, config: Config | None = None, target=None
 ) -> tvm.IRModule:
-    """Quantize an fp32 Relax module with a representative dataset.
+    """Quantize an fp32 Relax module with a representative dataset: the int8 module of
+    ``Quantizer(config, target=target).run(mod, params, dataset)``.
 
     ``params``: weight arrays by function-parameter name (None when the weights are bound as
     constants). ``dataset``: an iterable of ``{input_name: array}`` dicts, or of arrays for a
-    single-input model. Returns the int8 module (``main`` takes only the model inputs); the
-    calibration result is attached as ``result.attrs["autoq.qparams"]`` (JSON text).
-
-    With ``config.fallback = AutoFallback(...)`` the layers to keep in fp32 (or int16) are
-    chosen automatically after calibration (see :mod:`autoq.analyze`); the decision is
-    attached as ``result.attrs["autoq.fallback"]`` (JSON text, load it with
-    ``autoq.FallbackDecision.loads``) and the result is realized with it as an ordinary
-    ``Fallback(ids=...)`` / int16 overrides and the calibrated qparams.
+    single-input model (read once). Returns the int8 module (``main`` takes only the model
+    inputs); the calibration result is attached as ``result.attrs["autoq.qparams"]`` (JSON
+    text), an automatic fallback decision as ``result.attrs["autoq.fallback"]`` (load it with
+    ``autoq.FallbackDecision.loads``) and the layers the unbounded-activation guard kept in
+    fp32 as ``result.attrs["autoq.skipped_unbounded"]``.
     """
-    config = config or Config()
-    skipped: list[str] = []
-    sim = None
-    if config.skip_unbounded:
-        sim = simulate(mod, params, config)
-        config, skipped = skip_unbounded_layers(mod, params, dataset, config, target, sim=sim)
-        if skipped:  # the new fallback changes the graph
-            sim = None
-    if isinstance(config.fallback, AutoFallback):
-        from .analyze import auto_fallback
-
-        final_cfg, qparams, decision, _report = auto_fallback(
-            mod, params, dataset, config, target=target
-        )
-        out = realize(mod, params, qparams, final_cfg)
-        out = out.with_attr("autoq.qparams", qparams.dumps())
-        return out.with_attr("autoq.fallback", decision.dumps())
-    if sim is None:
-        sim = simulate(mod, params, config)
-    qparams = calibrate(sim, params, dataset, config, target=target)
-    out = realize(mod, params, qparams, config)
-    if skipped:
-        out = out.with_attr("autoq.skipped_unbounded", ",".join(skipped))
-    return out.with_attr("autoq.qparams", qparams.dumps())
-
-
-def skip_unbounded_layers(
-    mod, params, dataset, config: Config, target=None, *, sim: SimResult | None = None
-) -> tuple[Config, list[str]]:
-    """``config`` with the layers reading or writing unbounded activations (attention masks
-    of ``finfo.min``, see :mod:`autoq.guard`) added to its fallback ids, and those layers.
-    ``sim``: ``simulate(mod, params, config)`` when the caller has it already."""
-    if sim is None:
-        sim = simulate(mod, params, config)
-    bad = unbounded_slots(sim, dataset, target)
-    layers = [x for x in layers_using(sim, bad) if x not in config.fallback.ids]
-    if not layers:
-        return config, []
-    ranges = ", ".join(f"{s} [{lo:.3g}, {hi:.3g}]" for s, (lo, hi) in bad.items())
-    warnings.warn(
-        f"keeping {len(layers)} layer(s) in fp32 because their activations are unbounded "
-        f"(masking constants?): {', '.join(layers)}; ranges: {ranges}. "
-        "Set Config(skip_unbounded=False) to quantize them anyway.",
-        stacklevel=3,
-    )
-    fb = dataclasses.replace(config.fallback, ids=(*config.fallback.ids, *layers))
-    return config.replace(fallback=fb), layers
+    return Quantizer(config, target=target).run(mod, params, dataset).module

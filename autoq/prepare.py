@@ -33,7 +33,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .graph import with_main
+from .toolkit import with_main
 
 __all__ = ["drop_unused_params", "fold_affine", "fold_batch_norm", "rebind", "rename_params"]
 

@@ -32,7 +32,7 @@ __all__ = ["QParam", "QParams", "SlotInfo", "load_qparams"]
 FORMAT_VERSION = 1
 
 
-def _f32_list(a) -> Any:
+def f32_list(a) -> Any:
     a = np.asarray(a, dtype=np.float32)
     if a.ndim == 0:
         return float(a)
@@ -131,13 +131,13 @@ class QParam:
         d: dict[str, Any] = {
             "dtype": self.dtype,
             "axis": self.axis,
-            "scale": _f32_list(self.scale),
+            "scale": f32_list(self.scale),
             "zero_point": self.zero_point.tolist(),
         }
         if self.rmin is not None:
-            d["rmin"] = _f32_list(self.rmin)
+            d["rmin"] = f32_list(self.rmin)
         if self.rmax is not None:
-            d["rmax"] = _f32_list(self.rmax)
+            d["rmax"] = f32_list(self.rmax)
         return d
 
     @classmethod

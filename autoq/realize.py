@@ -27,20 +27,27 @@ from tvm import relax
 
 from . import primitives as P
 from . import qnn
+from .allow_list import ALLOW_LIST, AllowRule, Grid, grid_point
 from .config import Config
-from .graph import Graph, dtype_of, op_name, prepare, remap_expr, with_main
+from .graph import Graph
+from .matching import as_matched
 from .qparams import QParam, QParams
-from .registry import ALLOW_LIST, Match, find_matches, slot_id_of
+from .registry import Match, slot_id_of
 from .simulate import build_function
+from .toolkit import (
+    BindingWriter,
+    bindings,
+    const,
+    const_array,
+    dtype_of,
+    free_vars,
+    is_call,
+    op_name,
+    remap_expr,
+    with_main,
+)
 
 __all__ = ["RealizeContext", "propagate", "realize"]
-
-
-def _const(a, dtype=None) -> relax.Expr:
-    a = np.asarray(a)
-    if dtype is not None:
-        a = a.astype(dtype)
-    return relax.const(a, str(a.dtype))
 
 
 class RealQ:
@@ -51,8 +58,8 @@ class RealQ:
         self.scale = qp.scale
         self.zero_point = qp.zero_point
         self.dtype = qp.dtype
-        self.scale_c = _const(qp.scale, "float32")
-        self.zero_point_c = _const(qp.zero_point, "int32")
+        self.scale_c = const(qp.scale, "float32")
+        self.zero_point_c = const(qp.zero_point, "int32")
         self._real = None
 
     @property
@@ -68,21 +75,44 @@ class RealQ:
 class RealizeContext:
     """What a pattern's ``realize`` callback can ask for (see autoq.registry)."""
 
-    def __init__(self, g: Graph, config: Config, qparams: QParams, matches: list[Match]):
+    def __init__(
+        self,
+        g: Graph,
+        config: Config,
+        qparams: QParams,
+        matches: list[Match],
+        rounding_points: dict | None = None,
+    ):
         self.g, self.config, self.qparams = g, config, qparams
         self.rounding = config.rounding
-        self.bb = relax.BlockBuilder()
+        self.writer = BindingWriter()
         self.vmap: dict = {}
         self.match: Match | None = None
         self.tensor_id = slot_id_of(g, matches)
         self._acts: dict[str, RealQ] = {}
         self.warnings: list[str] = []
+        self._points = dict(rounding_points or {})
+        self._rounded: dict = {}
 
     def emit(self, expr, name: str | None = None) -> relax.Var:
-        return self.bb.emit(expr, name_hint=name or "")
+        return self.writer.emit(expr, name or "")
 
     def value(self, expr) -> relax.Expr:
         return remap_expr(expr, self.vmap)
+
+    def copy(self, expr) -> relax.Expr:
+        """A binding outside every match, its operands mapped; an operand that is a rounding
+        point (see :func:`realize`) is read through its quantize -> dequantize pair."""
+        local = dict(self.vmap)
+        for u in free_vars(expr):
+            if u in self._points:
+                if u not in self._rounded:
+                    qp = self._points[u]
+                    s, z = const(qp.scale, "float32"), const(qp.zero_point, "int32")
+                    q = self.emit(qnn.quantize(self.value(u), s, z, out_dtype=qp.dtype))
+                    self._rounded[u] = self.emit(qnn.dequantize(q, s, z))
+                local[u] = self._rounded[u]
+        return remap_expr(expr, local)
 
     @property
     def layer(self) -> str:
@@ -107,8 +137,8 @@ class RealizeContext:
             q = self.emit(
                 qnn.quantize(
                     self.value(expr),
-                    _const(qp.scale, "float32"),
-                    _const(qp.zero_point, "int32"),
+                    const(qp.scale, "float32"),
+                    const(qp.zero_point, "int32"),
                     out_dtype=qp.dtype,
                 ),
                 f"{sid}.q",
@@ -129,7 +159,7 @@ class RealizeContext:
             q = np.ascontiguousarray(np.transpose(q, transpose))
             new_axis = None if qp.axis is None else list(transpose).index(qp.axis)
             qp = QParam(qp.scale, qp.zero_point, qp.dtype, new_axis, qp.rmin, qp.rmax)
-        return RealQ(self, _const(q), qp)
+        return RealQ(self, const(q), qp)
 
     def bias(
         self, expr, acc_scale: np.ndarray, out_shape: list[int], channel_axis: int
@@ -147,7 +177,7 @@ class RealizeContext:
             values = r.values
         shape = [1] * len(out_shape)
         shape[channel_axis] = arr.size
-        return _const(values.reshape(shape), "int32")
+        return const(values.reshape(shape), "int32")
 
     def _given(self, key: str, shape: tuple[int, ...], dtypes: tuple[str, ...]):
         """The integer tensor ``qparams.values[key]`` fixed by the source (a pre-quantized
@@ -174,201 +204,193 @@ class RealizeContext:
         qp = self._qparam(sid)
         yv = self.emit(y, f"{sid}.q")
         self._acts[sid] = RealQ(self, yv, qp)
-        return qnn.dequantize(yv, _const(qp.scale, "float32"), _const(qp.zero_point, "int32"))
+        return qnn.dequantize(yv, const(qp.scale, "float32"), const(qp.zero_point, "int32"))
 
 
 # --------------------------------------------------------------------------- propagation
 
 
-def _is(value, name: str) -> bool:
-    return isinstance(value, tvm.ir.Call) and op_name(value) == name
-
-
-def _scalar(e) -> np.ndarray | None:
-    if isinstance(e, tvm.ir.GenericConst) and isinstance(e.value, tvm.runtime.Tensor):
-        return e.value.numpy()
-    return None
-
-
-def _qattrs(call):
-    a = call.attrs
-    return {k: a[k] for k in a.keys()} if a is not None else {}
+def _per_tensor(e) -> bool:
+    v = const_array(e)
+    return v is not None and v.ndim == 0
 
 
 @dataclass
-class _Q:
-    """A per-tensor quantize's parameters (constants)."""
+class _Quantize:
+    """A per-tensor ``qnn.quantize`` with constant qparams being moved."""
 
     scale: relax.Expr
     zp: relax.Expr
     dtype: str
 
+    @staticmethod
+    def of_call(call) -> _Quantize:
+        return _Quantize(call.args[1], call.args[2], str(call.attrs["out_dtype"]))
+
     def q(self, x):
         return qnn.quantize(x, self.scale, self.zp, out_dtype=self.dtype)
 
-    def of(self, real: float) -> int:
-        lo, hi = P.qrange(self.dtype)
-        v = np.rint(np.float32(real) / _scalar(self.scale)) + int(_scalar(self.zp))
-        return int(np.clip(v, lo, hi))
+    @property
+    def grid(self) -> Grid:
+        zp = int(const_array(self.zp))
+        return Grid(zp, self.dtype, grid_point(const_array(self.scale), zp, self.dtype))
 
-
-def _int_op(op: str, call, x, qz: int, dtype: str, quant: _Q | None):
-    """The integer version of a commute op applied to ``x`` (zero point ``qz``)."""
-    if op == "relax.nn.relu":
-        return relax.op.maximum(x, _const(np.array(qz), dtype))
-    if op == "relax.clip":
-        lo, hi = float(call.args[1].value), float(call.args[2].value)
-        return relax.op.maximum(
-            relax.op.minimum(x, _const(np.array(quant.of(hi)), dtype)),
-            _const(np.array(quant.of(lo)), dtype),
-        )
-    if op == "relax.nn.pad":
-        a = call.attrs
-        if str(a.pad_mode) != "constant":
-            return None
-        pv = float(a.pad_value)
-        value = qz if pv == 0.0 else (quant.of(pv) if quant is not None else None)
-        if value is None:
-            return None
-        return relax.op.nn.pad(x, [int(v) for v in a.pad_width], "constant", float(value))
-    return tvm.ir.Call(call.op, [x, *call.args[1:]], call.attrs, list(call.ty_args))
-
-
-def _per_tensor(e) -> bool:
-    v = _scalar(e)
-    return v is not None and v.ndim == 0
+    def same_as_dequantize(self, deq) -> bool:
+        w, s1, z1 = deq.args
+        return (
+            _per_tensor(s1) and _per_tensor(z1) and dtype_of(w) == self.dtype
+            and float(const_array(s1)) == float(const_array(self.scale))
+            and int(const_array(z1)) == int(const_array(self.zp))
+        )  # fmt: skip
 
 
 def propagate(mod: tvm.IRModule, rounding: str = "float", max_rounds: int = 1000) -> tvm.IRModule:
-    """Push quantize/dequantize through allow-listed ops and merge them (module doc)."""
+    """Push quantize up and dequantize down through the allow-list and merge them (module
+    doc), to a fixed point."""
     func = mod["main"]
     for phase in ("up", "down"):
         for _ in range(max_rounds):
-            func, changed = _rewrite_round(func, phase, rounding)
+            func, changed = _Round(phase, rounding).run(func)
             if not changed:
                 break
     return with_main(mod, func)
 
 
-def _rewrite_round(func: relax.Function, phase: str, rounding: str):
-    bb = relax.BlockBuilder()
-    vmap: dict = {}
-    new_value: dict = {}
-    changed = False
-    bindings = [(b.var, b.value) for block in func.body.blocks for b in block.bindings]
-    bb._begin_dataflow_block()
+class _Round:
+    """One rewriting pass over ``main``'s bindings (phase "up" or "down")."""
 
-    def emit(expr, name=""):
-        v = bb.emit(expr, name_hint=name)
-        new_value[v] = bb.lookup_binding(v) if hasattr(bb, "lookup_binding") else expr
+    def __init__(self, phase: str, rounding: str):
+        self.phase, self.rounding = phase, rounding
+        self.w = BindingWriter()
+        self.new_value: dict = {}
+
+    def emit(self, expr, name: str = "") -> relax.Var:
+        v = self.w.emit(expr, name)
+        self.new_value[v] = self.w.lookup(v)
         return v
 
-    def val(e):
-        return new_value.get(e, e) if isinstance(e, relax.Var) else e
+    def val(self, e):
+        return self.new_value.get(e, e) if isinstance(e, relax.Var) else e
 
-    for var, value in bindings:
-        value = remap_expr(value, vmap)
-        out = None
-        if _is(value, "qnn.quantize") and _per_tensor(value.args[1]):
-            src = val(value.args[0])
-            quant = _Q(value.args[1], value.args[2], str(value.attrs["out_dtype"]))
-            qz = int(_scalar(quant.zp))
-            if _is(src, "qnn.dequantize"):
-                w, s1, z1 = src.args
-                same = (
-                    _per_tensor(s1) and _per_tensor(z1) and dtype_of(w) == quant.dtype
-                    and float(_scalar(s1)) == float(_scalar(quant.scale)) and int(_scalar(z1)) == qz
-                )  # fmt: skip
-                if same:
-                    out = w
-                else:
-                    out = qnn.requantize(
-                        w,
-                        s1,
-                        z1,
-                        quant.scale,
-                        quant.zp,
-                        axis=int(src.attrs["axis"]),
-                        out_dtype=quant.dtype,
-                        rounding=rounding,
-                    )
-            elif phase == "up" and isinstance(src, tvm.ir.Call) and op_name(src) in ALLOW_LIST:
-                op = op_name(src)
-                if ALLOW_LIST[op].kind == "commute":
-                    # an integer op that is the identity is not emitted: the quantize takes
-                    # the binding's place (and its name, a slot's "<slot>.q")
-                    if op == "relax.nn.relu" and qz <= P.qrange(quant.dtype)[0]:
-                        out = quant.q(src.args[0])
-                    elif op == "relax.concat":
-                        fields = val(src.args[0])
-                        if isinstance(fields, relax.Tuple):
-                            qf = [emit(quant.q(f)) for f in fields.fields]
-                            out = relax.op.concat(qf, axis=int(src.attrs.axis))
-                    elif op != "relax.split":
-                        qi = emit(quant.q(src.args[0]))
-                        out = _int_op(op, src, qi, qz, quant.dtype, quant)
-            elif phase == "up" and isinstance(src, relax.TupleGetItem):
-                tup = val(src.tuple_value)
-                if _is(tup, "relax.split"):
-                    qi = emit(quant.q(tup.args[0]))
-                    sp = emit(tvm.ir.Call(tup.op, [qi], tup.attrs))
-                    out = relax.TupleGetItem(sp, src.index)
-        elif (
-            phase == "down"
-            and isinstance(value, tvm.ir.Call)
-            and op_name(value) in ALLOW_LIST
-            and value.args
-        ):
-            op = op_name(value)
-            rule = ALLOW_LIST[op]
-            src = val(value.args[0])
-            if rule.kind == "commute" and rule.dequantize and _is(src, "qnn.dequantize"):
-                w, s, z = src.args
-                zv = _scalar(z)
-                per_tensor = _per_tensor(s) and zv is not None and zv.ndim == 0
-                uniform_zp = zv is not None and np.all(zv == zv.reshape(-1)[0])
-                if (per_tensor or (rule.per_axis_ok and uniform_zp)) and zv is not None:
-                    qz = int(zv.reshape(-1)[0])
-                    iv = _int_op(op, value, w, qz, dtype_of(w), None)
-                    if iv is not None:
-                        wi = emit(iv)
-                        out = qnn.dequantize(wi, s, z, axis=int(src.attrs["axis"]))
-        if out is not None:
-            changed = True
-            nv = out if isinstance(out, relax.Var) else emit(out, var.name)
-        else:
-            nv = emit(value, var.name)
-        vmap[var] = nv
-    ret = bb.emit_output(remap_expr(func.body.body, vmap))
-    block = bb._end_block()
-    new = relax.Function(func.params, relax.SeqExpr([block], ret), ret.ty, attrs=func.attrs)
-    new = relax.analysis.remove_all_unused(new)
-    return new, changed
+    def run(self, func: relax.Function):
+        vmap: dict = {}
+        changed = False
+        for var, value in bindings(func):
+            value = remap_expr(value, vmap)
+            out = self.rewrite(value)
+            changed |= out is not None
+            if out is None:
+                out = value
+            vmap[var] = out if isinstance(out, relax.Var) else self.emit(out, var.name)
+        new = self.w.finish(func.params, remap_expr(func.body.body, vmap), func.attrs)
+        return relax.analysis.remove_all_unused(new), changed
+
+    def rewrite(self, value):
+        """The replacement of one binding's value, or None to keep it."""
+        if is_call(value, "qnn.quantize") and _per_tensor(value.args[1]):
+            return self.quantize(value)
+        if self.phase == "down" and is_call(value) and value.args:
+            return self.dequantize_below(value)
+        return None
+
+    def quantize(self, value):
+        src = self.val(value.args[0])
+        quant = _Quantize.of_call(value)
+        if is_call(src, "qnn.dequantize"):
+            if quant.same_as_dequantize(src):
+                return src.args[0]
+            w, s1, z1 = src.args
+            axis = int(src.attrs["axis"])
+            return qnn.requantize(
+                w, s1, z1, quant.scale, quant.zp, axis=axis, out_dtype=quant.dtype,
+                rounding=self.rounding,
+            )  # fmt: skip
+        if self.phase != "up":
+            return None
+        if isinstance(src, relax.TupleGetItem):
+            tup = self.val(src.tuple_value)
+            rule = ALLOW_LIST.get(op_name(tup))
+            if rule is None or rule.operands != "tuple":
+                return None
+            qi = self.emit(quant.q(tup.args[0]))
+            sp = self.emit(tvm.ir.Call(tup.op, [qi], tup.attrs))
+            return relax.TupleGetItem(sp, src.index)
+        rule = ALLOW_LIST.get(op_name(src))
+        if rule is None or rule.kind != "commute" or rule.operands == "tuple":
+            return None
+        return self.move_above(src, rule, quant)
+
+    def move_above(self, src, rule: AllowRule, quant: _Quantize):
+        grid = quant.grid
+        if rule.operands == "fields":
+            fields = self.val(src.args[0])
+            if not isinstance(fields, relax.Tuple):
+                return None
+            return rule.integer(src, [self.emit(quant.q(f)) for f in fields.fields], grid)
+        x = src.args[0]
+        placeholder = relax.Var("x", relax.TensorType(None, quant.dtype))
+        out = rule.integer(src, placeholder, grid)
+        if out is None:
+            return None
+        if out is placeholder:  # the identity: the quantize takes the binding's place
+            return quant.q(x)
+        return remap_expr(out, {placeholder: self.emit(quant.q(x))})
+
+    def dequantize_below(self, value):
+        rule = ALLOW_LIST.get(op_name(value))
+        src = self.val(value.args[0])
+        if rule is None or rule.kind != "commute" or not rule.dequantize_below:
+            return None
+        if not is_call(src, "qnn.dequantize"):
+            return None
+        w, s, z = src.args
+        zv = const_array(z)
+        if zv is None:
+            return None
+        per_tensor = _per_tensor(s) and zv.ndim == 0
+        uniform_zp = bool(np.all(zv == zv.reshape(-1)[0]))
+        if not (per_tensor or (rule.per_axis and uniform_zp)):
+            return None
+        iv = rule.integer(value, w, Grid(int(zv.reshape(-1)[0]), dtype_of(w)))
+        if iv is None:
+            return None
+        wi = iv if iv is w else self.emit(iv)
+        return qnn.dequantize(wi, s, z, axis=int(src.attrs["axis"]))
 
 
 # ------------------------------------------------------------------------------ realize
 
 
 def realize(
-    mod: tvm.IRModule,
+    model,
     params: dict | None,
     qparams: QParams,
     config: Config | None = None,
+    *,
+    rounding_points: dict | None = None,
 ) -> tvm.IRModule:
-    """The int8 module for ``mod`` with ``qparams`` (from :func:`autoq.calibrate` or
-    :func:`autoq.load_qparams`), using the same patterns and fallback as ``config``."""
+    """The int8 module for ``model`` with ``qparams`` (from :func:`autoq.calibrate` or
+    :func:`autoq.load_qparams`), using the same patterns and fallback as ``config``.
+
+    ``model``: the fp32 ``IRModule`` (matched here), or the :class:`autoq.matching.Matched`
+    / :class:`autoq.simulate.SimResult` of it (its matches are reused, nothing is matched
+    again; ``params`` is then ignored). ``rounding_points``: ``{tensor: QParam}`` for tensors
+    (Vars of the prepared graph) that a pre-quantized source rounds: a binding outside the
+    integer layers that reads one gets ``dequantize(quantize(tensor))`` with those qparams
+    (see :mod:`autoq.import_quantized`)."""
     config = config or Config()
-    g = prepare(mod, params)
-    matches = find_matches(g, config)
-    ctx = RealizeContext(g, config, qparams, matches)
-    func = build_function(g, ctx, matches, "realize", [])
-    out = propagate(with_main(mod, func), config.rounding)
+    matched = as_matched(model, params, config)
+    g = matched.graph
+    matches = matched.active(config.fallback)
+    ctx = RealizeContext(g, config, qparams, matches, rounding_points)
+    func = build_function(g, ctx, matches, "realize")
+    out = propagate(with_main(g.module, func), config.rounding)
     func = out["main"]
     if g.weight_params:
         bind = {p.name: tvm.runtime.tensor(g.params[p.name]) for p in g.weight_params}
         func = func.bind_params(bind)
         func = relax.Function(list(g.inputs), func.body, func.ret_ty, attrs=func.attrs)
     func = relax.analysis.remove_all_unused(func)
-    result = with_main(mod, func.with_attr("global_symbol", "main"))
+    result = with_main(g.module, func.with_attr("global_symbol", "main"))
     result = relax.transform.CanonicalizeBindings()(relax.transform.Normalize()(result))
     return result

@@ -32,19 +32,13 @@ from tvm import relax
 
 from . import qnn
 from .config import Config, QuantSpec, compile_rule
-from .graph import Graph, WeightRef, prepare, remap_expr, shape_of, with_main
+from .graph import Graph, WeightRef
+from .matching import Matched, as_matched, closest
 from .qparams import SlotInfo
-from .registry import Match, find_matches, slot_id_of
+from .registry import Match, slot_id_of
+from .toolkit import BindingWriter, const, is_call, remap_expr, shape_of, with_main
 
 __all__ = ["SimContext", "SimResult", "SlotPlan", "simulate"]
-
-
-def _f32(v) -> relax.Expr:
-    return relax.const(np.asarray(v, dtype=np.float32))
-
-
-def _i32(v) -> relax.Expr:
-    return relax.const(np.asarray(v, dtype=np.int32))
 
 
 @dataclass
@@ -71,7 +65,7 @@ class _LazyQ:
     def centered(self) -> relax.Expr:
         """``q - zero_point`` (integer-valued float32)."""
         if self._centered is None:
-            one = _f32(1.0)
+            one = const(1.0, "float32")
             ax = -1 if self.axis is None else self.axis
             self._centered = self._ctx.emit(
                 qnn.simulated_dequantize(self.q, one, self.zero_point, axis=ax)
@@ -90,12 +84,7 @@ class _LazyQ:
 
 
 def _is_unswitched_sq(expr) -> bool:
-    return (
-        isinstance(expr, tvm.ir.Call)
-        and isinstance(expr.op, tvm.ir.Op)
-        and expr.op.name == "qnn.simulated_quantize"
-        and len(expr.args) == 3
-    )
+    return is_call(expr, "qnn.simulated_quantize") and len(expr.args) == 3
 
 
 def _with_switch(call, enable) -> relax.Expr:
@@ -112,7 +101,7 @@ class SimContext:
         self.switch_vars: dict[str, relax.Var] = {}
         #: layer -> the slots it reads or writes (activations, weight, output), in order
         self.layer_slots: dict[str, list[str]] = {}
-        self.bb = relax.BlockBuilder()
+        self.writer = BindingWriter()
         self.vmap: dict = {}
         self.plan = SlotPlan()
         self.qparam_vars: dict[str, tuple[relax.Var, relax.Var]] = {}
@@ -127,7 +116,7 @@ class SimContext:
     def emit(self, expr, name: str | None = None) -> relax.Var:
         if self.switches and self.match is not None and _is_unswitched_sq(expr):
             expr = _with_switch(expr, self._switch())
-        return self.bb.emit(expr, name_hint=name or "")
+        return self.writer.emit(expr, name or "")
 
     def _switch(self) -> relax.Var:
         layer = self.layer
@@ -143,6 +132,10 @@ class SimContext:
 
     def value(self, expr) -> relax.Expr:
         """The simulated-graph value of an operand of the original graph."""
+        return remap_expr(expr, self.vmap)
+
+    def copy(self, expr) -> relax.Expr:
+        """A binding outside every match, its operands mapped."""
         return remap_expr(expr, self.vmap)
 
     @property
@@ -231,7 +224,7 @@ class SimContext:
         ref = self.g.weight_of(expr)
         n = int(np.prod(ref.array.shape))
         flat = self.emit(relax.op.reshape(self.value(expr), [n]))
-        zeros = _i32(np.zeros([n] if acc_scale.ty.ndim == 1 else [], np.int32))
+        zeros = const(np.zeros([n] if acc_scale.ty.ndim == 1 else [], np.int32))
         q = self.emit(qnn.simulated_quantize(flat, acc_scale, zeros, axis=0, dtype="int32"))
         shape = [1] * len(out_shape)
         shape[channel_axis] = n
@@ -272,6 +265,8 @@ class SimResult:
     values: dict = field(default_factory=dict)
     #: layer -> the slots it reads or writes
     layer_slots: dict[str, list[str]] = field(default_factory=dict)
+    #: every match of the model (fallback not applied): realize and the analysis reuse it
+    matched: Matched | None = None
 
     @property
     def slots(self) -> dict[str, SlotInfo]:
@@ -293,70 +288,69 @@ def _validate_overrides(config: Config, matches: list[Match]) -> None:
     for o in config.overrides:
         rule = compile_rule(o.match)
         if not any(rule(x) for x in layers):
-            import difflib
-
-            close = difflib.get_close_matches(o.match.removeprefix("re:"), layers, n=5, cutoff=0.3)
             raise ValueError(
-                f"override {o.match!r} matches no quantized layer; closest layer ids: {', '.join(close) or ', '.join(layers[:8])}"
+                f"override {o.match!r} matches no quantized layer; closest layer ids: "
+                f"{closest(o.match.removeprefix('re:'), layers)}"
             )
 
 
 def build_function(
-    g: Graph, ctx: Any, matches: list[Match], callback: str, extra_params: list
+    g: Graph, ctx: Any, matches: list[Match], callback: str, extra_params=lambda: []
 ) -> relax.Function:
     """Shared by simulate and realize: walk the bindings in topological order, emit every
-    match through its callback and copy every other binding, then wrap in a function."""
+    match through its callback and copy every other binding (``ctx.copy``), then wrap in a
+    function of the graph's inputs, weights and ``extra_params()`` (known after the walk)."""
     by_root = {m.root: m for m in matches}
     interior = {v for m in matches for v in m.covered if not v.same_as(m.root)}
-    bb = ctx.bb
-    bb._begin_dataflow_block()
-    for var, value in g.bindings:
-        if var in interior:
-            continue
-        if var in by_root:
-            m = by_root[var]
-            ctx.match = m
-            new = getattr(m.pattern, callback)(ctx, m)
-            ctx.match = None
-            nv = bb.emit(new, name_hint=var.name) if not isinstance(new, relax.Var) else new
-        else:
-            nv = bb.emit(remap_expr(value, ctx.vmap), name_hint=var.name)
-        ctx.vmap[var] = nv
-    out = bb.emit_output(remap_expr(g.output, ctx.vmap))
-    block = bb._end_block()
-    params = list(g.inputs) + list(g.weight_params) + list(extra_params)
-    func = relax.Function(params, bb.normalize(relax.SeqExpr([block], out)), out.ty)
+    try:
+        for var, value in g.bindings:
+            if var in interior:
+                continue
+            if var in by_root:
+                m = by_root[var]
+                ctx.match = m
+                new = getattr(m.pattern, callback)(ctx, m)
+                ctx.match = None
+                nv = new if isinstance(new, relax.Var) else ctx.emit(new, var.name)
+            else:
+                nv = ctx.emit(ctx.copy(value), var.name)
+            ctx.vmap[var] = nv
+    except BaseException:
+        ctx.writer.abandon()
+        raise
+    params = list(g.inputs) + list(g.weight_params) + list(extra_params())
+    func = ctx.writer.finish(params, remap_expr(g.output, ctx.vmap))
     return func.with_attr("global_symbol", "main")
 
 
 def simulate(
-    mod: tvm.IRModule,
+    model,
     params: dict | None = None,
     config: Config | None = None,
     switches: bool = False,
 ) -> SimResult:
-    """Rewrite ``mod`` into its simulated-quantized form (see the module docstring).
+    """Rewrite ``model`` into its simulated-quantized form (see the module docstring).
 
-    ``switches=True`` adds a runtime ``<layer>.enable`` input per layer (module docstring);
-    slots, qparam inputs and, with every switch at 1, all values are those of the default
-    graph."""
+    ``model``: the fp32 ``IRModule`` (matched here) or its :class:`autoq.matching.Matched`
+    (reused: nothing is matched again). ``switches=True`` adds a runtime ``<layer>.enable``
+    input per layer (module docstring); slots, qparam inputs and, with every switch at 1,
+    all values are those of the default graph."""
     config = config or Config()
-    g = prepare(mod, params)
+    matched = as_matched(model, params, config)
+    g = matched.graph
     if not g.inputs:
         raise ValueError("the model has no data inputs (every parameter is in params)")
-    matches = find_matches(g, config)
+    matches = matched.active(config.fallback)
     _validate_overrides(config, matches)
     ctx = SimContext(g, config, matches, switches=switches)
-    # the function's qparam parameters are only known after the walk
-    func = build_function(g, ctx, matches, "simulate", [])
-    qvars = [v for pair in ctx.qparam_vars.values() for v in pair]
-    qvars += [ctx.switch_vars[m.layer] for m in matches if m.layer in ctx.switch_vars]
-    func = relax.Function(list(func.params) + qvars, func.body, func.ret_ty).with_attr(
-        "global_symbol", "main"
-    )
-    out = with_main(g.module, func)
+
+    def qparam_inputs():
+        qvars = [v for pair in ctx.qparam_vars.values() for v in pair]
+        return qvars + [ctx.switch_vars[m.layer] for m in matches if m.layer in ctx.switch_vars]
+
+    func = build_function(g, ctx, matches, "simulate", qparam_inputs)
     return SimResult(
-        out,
+        with_main(g.module, func),
         g,
         matches,
         ctx.plan,
@@ -365,4 +359,5 @@ def simulate(
         switch_vars=dict(ctx.switch_vars),
         values=dict(ctx.vmap),
         layer_slots=dict(ctx.layer_slots),
+        matched=matched,
     )

@@ -37,7 +37,8 @@ MODEL = "resnet50"
 
 
 def calibrate_child(model: str, calib_path: str, method: str, mode: str, budget_mb: float) -> dict:
-    """In a fresh process: import, simulate and calibrate; return calibrate's own statistics."""
+    """In a fresh process: import and quantize (autoq.Quantizer); return calibrate's own
+    statistics."""
     import autoq
     from autoq import frontends
 
@@ -50,10 +51,10 @@ def calibrate_child(model: str, calib_path: str, method: str, mode: str, budget_
         memory_budget_mb=budget_mb,
         progress=False,
     )
-    sim = autoq.simulate(mod, params, cfg)
-    qp = autoq.calibrate(sim, params, samples, cfg)
-    # (run_measured adds wall_s: the whole process, start to exit)
-    return {"slots": len(qp), **qp.meta["stats"]}
+    res = autoq.Quantizer(cfg).run(mod, params, samples)
+    qp = res.qparams
+    # calibrate's own statistics (run_measured adds wall_s: the whole process, start to exit)
+    return {"slots": len(qp), "stage_s": res.timings["calibrate"], **qp.meta["stats"]}
 
 
 def autoq_row(

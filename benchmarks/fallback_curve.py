@@ -2,19 +2,19 @@
 
 For each model (PP-OCRv4 detector, ResNet-50 open_nsfw) this
 
-1. imports the ONNX file with ``autoq.frontends.from_onnx`` and calibrates with the default
-   ``Config`` on ``--calib`` real samples (``common.make_dataset``);
-2. builds the analysis (``autoq.Analysis``: one compile of the fp32 graph, the switched
-   simulated graph and one small function per layer) and runs the per-layer report
-   (printed sorted by damage, written as JSON and, with matplotlib, a PNG);
-3. runs the automatic search (``AutoFallback(min_sqnr=--min-sqnr)``) and times it;
+1. imports the ONNX file with ``autoq.frontends.from_onnx`` and runs the pipeline
+   (``autoq.Quantizer``) with ``Config(fallback=AutoFallback(min_sqnr=--min-sqnr))`` on
+   ``--calib`` real samples (``common.make_dataset``): calibration, then the analysis
+   (``autoq.Analysis``: one compile of the fp32 graph, the switched simulated graph and one
+   small function per layer) with its per-layer report (printed sorted by damage, written
+   as JSON and, with matplotlib, a PNG), then the automatic search, each timed;
 4. prints the curve: for ``k = 0 .. --max-k`` most sensitive layers kept in fp32 (the
    search's ranking), the output SQNR on the calibration samples (what the search sees) and,
    on the disjoint ``--eval`` samples, SQNR, cosine and the task agreement of
    ``common.fidelity`` (top-1 for ResNet-50, IoU of the text maps for the detector). Each
    point is a run of the already compiled switched simulated graph (the realized int8 graph
    computes the same up to float32 rounding in the fp32 layers; ``--realize`` checks the
-   chosen point on the realized module).
+   pipeline's realized module).
 
 Run:  /work/venv/bin/python benchmarks/fallback_curve.py [--models ppocr_det,resnet50]
       [--calib 8] [--eval 8] [--det-size 320] [--max-k 10] [--min-sqnr 30] [--realize]
@@ -76,8 +76,8 @@ def _first(o):
 
 def bench(name: str, args) -> dict:
     import autoq
-    from autoq.analyze import Analysis, remap_qparams, search_fallback, sqnr_db
     from autoq.frontends import from_onnx
+    from autoq.metrics import sqnr_db
 
     log = lambda msg: print(f"[{name}] {msg}", flush=True)  # noqa: E731
     target = common.tvm_target()
@@ -92,17 +92,18 @@ def bench(name: str, args) -> dict:
     t0 = time.perf_counter()
     mod, params = from_onnx(str(info.path), dict(info.input_shapes))
     t_import = time.perf_counter() - t0
-    cfg = autoq.Config(progress=False)
-    t0 = time.perf_counter()
-    sim = autoq.simulate(mod, params, cfg)
-    qparams = autoq.calibrate(sim, params, calib.samples, cfg, target=target)
-    t_calib = time.perf_counter() - t0
-    log(f"import {t_import:.1f} s, calibrate {t_calib:.1f} s, {len(sim.layers)} layers")
-    t0 = time.perf_counter()
-    an = Analysis(mod, params, calib.samples, qparams, cfg, target=target)
-    t_build = time.perf_counter() - t0
-    report = an.report()
+    # ---- the pipeline with the automatic search (what autoq.quantize runs)
+    fb = autoq.AutoFallback(
+        min_sqnr=args.min_sqnr, max_fp32_layers=args.max_fp32, ranking=args.ranking
+    )
+    cfg = autoq.Config(progress=False, fallback=fb)
+    res = autoq.Quantizer(cfg, target=target).run(mod, params, calib.samples)
+    an, report, decision = res.analysis, res.report, res.decision
+    t_calib = res.timings["calibrate"]
+    t_build = an.timings["build_s"] + an.timings["compile_s"]
     t_report = an.timings["report_s"]
+    t_search = decision.seconds
+    log(f"import {t_import:.1f} s, calibrate {t_calib:.1f} s, {len(res.matched.layers)} layers")
     log(f"analysis: build+compile {t_build:.1f} s, report {t_report:.1f} s")
     print(report.table())
     OUT_DIR.mkdir(parents=True, exist_ok=True)
@@ -110,14 +111,6 @@ def bench(name: str, args) -> dict:
     png = report.plot(OUT_DIR / f"sqnr_{name}.png", title=f"{common.MODEL_TITLES[name]}")
     if png:
         log(f"plot: {png}")
-
-    # ---- the automatic search (what autoq.quantize runs after calibration)
-    fb = autoq.AutoFallback(
-        min_sqnr=args.min_sqnr, max_fp32_layers=args.max_fp32, ranking=args.ranking
-    )
-    t0 = time.perf_counter()
-    decision = search_fallback(an, fb, report)
-    t_search = time.perf_counter() - t0
     log(f"search: {t_search:.1f} s, {decision.evaluations} runs over the calibration data")
     print(decision.summary())
 
@@ -177,12 +170,9 @@ def bench(name: str, args) -> dict:
         "decision": decision.to_json(),
         "curve": raw,
     }
-    if args.realize:
-        final_cfg = decision.config(cfg)
-        final_qp = remap_qparams(sim, qparams, autoq.simulate(mod, params, final_cfg))
+    if args.realize:  # the pipeline's own int8 module with the chosen fallback
         t0 = time.perf_counter()
-        real = autoq.realize(mod, params, final_qp, final_cfg)
-        runner = common.TvmRunner(real, list(info.input_shapes), target)
+        runner = common.TvmRunner(res.module, list(info.input_shapes), target)
         outs = [runner.run(s) for s in evalset.samples]
         fid = common.fidelity(info.kind, ref_eval_1, outs, thresh)
         s = sqnr_db(ref_eval_1, outs)

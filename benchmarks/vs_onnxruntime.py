@@ -97,29 +97,24 @@ def autoq_quantize_child(model: str, calib_path: str, out_dir: str, method: str,
     cfg = autoq.Config(
         activation=autoq.QuantSpec(calibrator=method), calibration=mode, progress=False
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cfg, skipped = autoq.pipeline.skip_unbounded_layers(mod, params, samples, cfg)
-    t2 = time.perf_counter()
-    sim = autoq.simulate(mod, params, cfg)
-    qp = autoq.calibrate(sim, params, samples, cfg)
-    t3 = time.perf_counter()
-    real = autoq.realize(mod, params, qp, cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # kept in res.warnings
+        res = autoq.Quantizer(cfg).run(mod, params, samples)
     t4 = time.perf_counter()
     out = Path(out_dir)
-    qp.save(out / "qparams.json")
-    autoq.export_library(real, out / "model.so")
+    res.qparams.save(out / "qparams.json")
+    autoq.export_library(res.module, out / "model.so")
     t5 = time.perf_counter()
     return {
-        "calib_s": t3 - t2,
+        "calib_s": res.timings["calibrate"],
         "import_s": t1 - t0,
-        "guard_s": t2 - t1,
-        "realize_s": t4 - t3,
+        "guard_s": res.timings.get("guard", 0.0),
+        "realize_s": res.timings["realize"],
         "compile_s": t5 - t4,
-        "layers": len(sim.layers),
-        "fp32_layers": list(skipped),
-        "warnings": [str(w.message)[:200] for w in caught],
-        "input_names": [v.name for v in sim.graph.inputs],
+        "layers": len(res.matched.layers),
+        "fp32_layers": list(res.fp32_layers),
+        "warnings": [w[:200] for w in res.warnings],
+        "input_names": [v.name for v in res.matched.graph.inputs],
     }
 
 

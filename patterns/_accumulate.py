@@ -22,8 +22,8 @@ from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
 from autoq import qnn
-from autoq.graph import dtype_of, op_name, shape_of
 from autoq.registry import Pattern
+from autoq.toolkit import dtype_of, op_name, shape_of
 
 #: kind -> (Relax op, weight output-channel axis, whether the rhs is a weight)
 KINDS = {

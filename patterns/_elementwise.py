@@ -12,8 +12,8 @@ from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
 from autoq import qnn
-from autoq.graph import dtype_of
 from autoq.registry import Pattern
+from autoq.toolkit import dtype_of
 
 _RELAX = {"add": relax.op.add, "subtract": relax.op.subtract, "multiply": relax.op.multiply}
 _QNN = {"add": qnn.add, "subtract": qnn.subtract, "multiply": qnn.multiply}

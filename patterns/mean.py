@@ -13,8 +13,9 @@ from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
 from autoq import qnn
-from autoq.graph import dtype_of, shape_of
-from autoq.registry import ALLOW_LIST, Pattern, register
+from autoq.allow_list import ALLOW_LIST
+from autoq.registry import Pattern, register
+from autoq.toolkit import dtype_of, shape_of
 
 
 def _axes(g, nodes):

@@ -33,9 +33,10 @@ from autoq import (
     simulate,
 )
 from autoq import primitives as P
-from autoq.analyze import remap_qparams, sqnr_db
+from autoq.auto_fallback import remap_qparams
 from autoq.calibrate import samples_for
 from autoq.fidelity import compare
+from autoq.metrics import sqnr_db
 from models import TARGET, Builder, Runner, conv, image_data, run_tuple, small_cnn
 
 FACTOR = 50.0
@@ -278,7 +279,7 @@ def test_autofallback_within_budget_keeps_everything_int8_and_respects_the_cap()
         target=TARGET,
     )
     rep = an.report()
-    from autoq.analyze import search_fallback
+    from autoq.auto_fallback import search_fallback
 
     d = search_fallback(an, AutoFallback(min_sqnr=0.0), rep)
     assert d.layers == [] and d.met and len(d.trials) == 1

@@ -333,7 +333,7 @@ def test_internal_error_exit_1(files, capsys, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("realize exploded")
 
-    monkeypatch.setattr(autoq, "realize", boom)
+    monkeypatch.setattr(autoq.pipeline, "realize", boom)  # the stage the pipeline runs
     code, _, err = run(
         capsys, "quantize", model, "--calib", d / "calib.npz", "--out", d / "boom",
         "--no-progress", "--target", TARGET,

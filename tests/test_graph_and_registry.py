@@ -9,7 +9,8 @@ from tvm.relax.dpl import is_op, wildcard
 
 from autoq import Config, Fallback
 from autoq.graph import GraphError, prepare
-from autoq.registry import PATTERNS, Pattern, find_matches, layer_ids, ordered_patterns, register
+from autoq.matching import find_matches, layer_ids
+from autoq.registry import PATTERNS, Pattern, ordered_patterns, register
 from models import Builder, conv, small_cnn
 
 

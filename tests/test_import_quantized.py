@@ -531,9 +531,9 @@ def test_residual_layer_follows_the_files_quantization_points(tmp_path):
     assert report.layers["c3"] == "conv2d_bias" and report.layers["add_3"] == "add"
     _, sim = _autoq_quantize(model, shape)
     assert {m.layer: m.pattern.name for m in sim.matches}["c3"] == "conv2d_bias_add"
-    from autoq.registry import PATTERNS, _load_patterns
+    from autoq.registry import PATTERNS, load_patterns
 
-    _load_patterns()
+    load_patterns()
     no_add = tuple(sorted(p for p in PATTERNS if not p.endswith("_add")))
     ours, sim = _autoq_quantize(model, shape, Config(progress=False, patterns=no_add))
     assert report.layers == {m.layer: m.pattern.name for m in sim.matches}

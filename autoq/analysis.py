@@ -1,0 +1,432 @@
+"""Which layer hurts? The per-layer error analysis engine.
+
+:func:`analyze` returns a :class:`autoq.report.Report`: for every quantized tensor (slot) and every layer,
+the SQNR (dB) and cosine of the quantized value against the fp32 value, measured two ways,
+
+* **alone**: only this slot / layer is quantized, its inputs are the fp32 values;
+* **upstream**: everything up to and including it is quantized (the deployed graph);
+
+plus each slot's chosen range, scale, zero point and fraction of clipped values, and each
+accumulating layer's headroom: the largest |int32 accumulator| seen and how many values
+would overflow a narrower accumulator (``accumulator="int16"`` by default).
+
+**How it is computed (cost: about three passes of the graph over the data, one compile).**
+One module is compiled with
+
+* ``fp32``: the float graph returning every slot tensor and layer output;
+* ``sim``: the simulated graph built with per-layer switches (``simulate(...,
+  switches=True)``: an ``enable`` input of ``qnn.simulated_quantize`` per layer, see
+  :mod:`autoq.simulate`), returning each slot's float input to its quantize, each layer's
+  output and accumulator. With every switch on it computes exactly the calibrated
+  simulated graph (which the realized graph equals bit for bit), so **one** run gives every
+  "upstream" number;
+* ``layer_<i>``: each layer's own part of the simulated graph (a slice from its output back
+  to the activations it reads), run on the fp32 values of those activations: every "alone"
+  number without re-running the graph per layer. A slot's "alone" numbers are the
+  quantize/dequantize of its fp32 tensor, computed in numpy.
+
+Statistics stream over the samples (sums of squares, products, counts); nothing is kept
+per sample. SQNR = ``10 log10(sum(ref^2) / sum((ref - q)^2))`` over the whole dataset,
+cosine likewise over all elements.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from . import primitives as P
+from .build import default_target
+from .calibrate import calibrate, samples_for
+from .config import AutoFallback, Config
+from .metrics import ErrorStats, fake_quant
+from .qparams import QParams, f32_list
+from .report import LayerStats, Report, SlotStats
+from .simulate import SimResult, simulate
+from .toolkit import (
+    as_list,
+    bindings,
+    compile_vm,
+    free_vars,
+    is_call,
+    make_function,
+    output_fields,
+    slice_bindings,
+)
+
+__all__ = ["Analysis", "analyze"]
+
+
+def _as_outputs(vals: list, n: int):
+    out = [v.numpy() for v in vals[:n]]
+    return out[0] if n == 1 else out
+
+
+@dataclass
+class _LayerPlan:
+    name: str
+    pattern: str
+    index: int
+    root: relax.Var  # fp32 graph Var
+    sim_root: relax.Var
+    acc: relax.Var | None
+    inputs: list  # segment function inputs (sim Vars / params)
+    feeds: list  # for each input: ("fp32", orig var) or ("param", param var)
+    outputs: list
+
+
+def _layer_plans(sim: SimResult) -> list[_LayerPlan]:
+    """Per layer: its root and accumulator in the simulated graph, and the inputs of its
+    own slice of that graph (fp32 tensors of the float graph, or parameters)."""
+    g = sim.graph
+    value_of = dict(bindings(sim.mod["main"]))
+    stop = {
+        sv: v
+        for v, sv in sim.values.items()
+        if isinstance(sv, relax.Var) and g.is_data_dependent(v)
+    }
+    stop.update({v: v for v in g.inputs})
+    plans: list[_LayerPlan] = []
+    for i, m in enumerate(sim.matches):
+        sroot = sim.values[m.root]
+        acc = None
+        rv = value_of.get(sroot)
+        if is_call(rv, "qnn.simulated_dequantize") and isinstance(rv.args[0], relax.Var):
+            a = rv.args[0]
+            if a in value_of and not is_call(value_of[a], "qnn.simulated_quantize"):
+                acc = a
+        inputs, seen = [], set()
+        stack = [sroot]
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if not v.same_as(sroot) and v in stop:
+                inputs.append(v)
+            elif v in value_of:
+                stack.extend(free_vars(value_of[v]))
+            else:
+                inputs.append(v)  # a parameter: weight, qparam, switch
+        inputs.sort(key=lambda v: v.name)
+        feeds = [("fp32", stop[v]) if v in stop else ("param", v) for v in inputs]
+        outs = [sroot] + ([acc] if acc is not None else [])
+        plans.append(
+            _LayerPlan(m.layer, m.pattern.name, i, m.root, sroot, acc, inputs, feeds, outs)
+        )
+        if not any(f[0] == "param" and f[1].name.endswith(".enable") for f in feeds):
+            raise RuntimeError(f"internal error: layer {m.layer} has no switch")
+    return plans
+
+
+class Analysis:
+    """The compiled analysis of one model + qparams (see the module docstring): build it
+    once, then :meth:`report` and any number of :meth:`run` trials."""
+
+    def __init__(
+        self,
+        mod,
+        params: dict | None,
+        dataset,
+        qparams: QParams | Callable[[SimResult], QParams],
+        config: Config | None = None,
+        target=None,
+        accumulator: str = "int16",
+    ):
+        """``mod``: the fp32 IRModule or its :class:`autoq.matching.Matched`; ``qparams``:
+        calibrated for ``config``, or a function of this analysis' simulated graph that
+        returns them (qparams of another config, re-keyed)."""
+        t0 = time.perf_counter()
+        self.config = config or Config()
+        self.target = target or default_target()
+        P.qrange(accumulator)
+        self.accumulator = accumulator
+        sim = self.sim = simulate(mod, params, self._sim_config(), switches=True)
+        qparams = self.qparams = qparams(sim) if callable(qparams) else qparams
+        missing = [s for s in sim.slots if s not in qparams]
+        if missing:
+            raise KeyError(
+                f"the qparams lack slots {missing[:5]} of this model/config: calibrate with the "
+                "same config"
+            )
+        g = sim.graph
+        self.samples = samples_for(dataset, g.inputs)
+        self.layers = [m.layer for m in sim.matches]
+        self._weights = {
+            p.name: tvm.runtime.tensor(np.ascontiguousarray(g.params[p.name]))
+            for p in g.weight_params
+        }
+        self._qvals: dict[str, tvm.runtime.Tensor] = {}
+        for sid, (s, z) in sim.qparam_vars.items():
+            self._qvals[s.name] = tvm.runtime.tensor(np.asarray(qparams[sid].scale, np.float32))
+            self._qvals[z.name] = tvm.runtime.tensor(np.asarray(qparams[sid].zero_point, np.int32))
+        self._on = tvm.runtime.tensor(np.float32(1.0))
+        self._off = tvm.runtime.tensor(np.float32(0.0))
+        self.act_slots = sim.activation_slots()
+        self._plans = _layer_plans(sim)
+        functions = self._functions()
+        t1 = time.perf_counter()
+        self.vm = compile_vm(functions, self.target, sim.mod)
+        self.timings = {"build_s": t1 - t0, "compile_s": time.perf_counter() - t1}
+        self._fp32_outputs: list | None = None
+
+    def _functions(self) -> dict[str, relax.Function]:
+        """``fp32`` (model outputs + every tensor compared or fed), ``sim`` (model outputs,
+        slot pre-quantize inputs, layer outputs and accumulators), ``layer_<i>``."""
+        sim, g = self.sim, self.sim.graph
+        func = sim.mod["main"]
+        pairs = bindings(func)
+        value_of = dict(pairs)
+        out_fields = output_fields(g.output)
+        self.n_out = len(out_fields)
+        fp_vars: list = [sim.plan.tensors[sid] for sid in self.act_slots]
+        for p in self._plans:
+            fp_vars.append(p.root)
+            fp_vars.extend(f[1] for f in p.feeds if f[0] == "fp32")
+        self._fp_vars = list(dict.fromkeys(fp_vars))  # Vars hash and compare by identity
+        fp_params = list(g.inputs) + list(g.weight_params)
+        functions = {
+            "fp32": make_function("fp32", fp_params, g.bindings, out_fields + self._fp_vars)
+        }
+        self._pre = [value_of[sim.sq_vars[sid]].args[0] for sid in self.act_slots]
+        sim_outs = (
+            output_fields(func.body.body)
+            + self._pre
+            + [p.sim_root for p in self._plans]
+            + [p.acc for p in self._plans if p.acc is not None]
+        )
+        self._sim_params = list(func.params)
+        functions["sim"] = make_function("sim", self._sim_params, pairs, sim_outs)
+        for p in self._plans:
+            functions[f"layer_{p.index}"] = make_function(
+                f"layer_{p.index}", p.inputs, slice_bindings(pairs, p.outputs, p.inputs), p.outputs
+            )
+        return functions
+
+    # ---- helpers
+    def _sim_config(self) -> Config:
+        fb = self.config.fallback
+        if isinstance(fb, AutoFallback):
+            return self.config.replace(fallback=fb.fixed())
+        return self.config
+
+    def _param_value(self, v, enable: dict | None = None):
+        name = v.name
+        if name in self._weights:
+            return self._weights[name]
+        if name in self._qvals:
+            return self._qvals[name]
+        if name.endswith(".enable"):
+            layer = name[: -len(".enable")]
+            return self._off if enable is not None and layer in enable else self._on
+        raise KeyError(f"internal error: no value for parameter {name!r}")
+
+    def _sim_args(self, sample: dict, disabled=()) -> list:
+        g = self.sim.graph
+        dis = set(disabled)
+        inputs = {v.name for v in g.inputs}
+        args = []
+        for p in self._sim_params:
+            if p.name in inputs:
+                args.append(tvm.runtime.tensor(sample[p.name]))
+            else:
+                args.append(self._param_value(p, dis))
+        return args
+
+    def _fp32_args(self, sample: dict) -> list:
+        g = self.sim.graph
+        return [tvm.runtime.tensor(sample[v.name]) for v in g.inputs] + [
+            self._weights[p.name] for p in g.weight_params
+        ]
+
+    # ---- public
+    def run(self, disabled: Iterable[str] = (), samples=None) -> list:
+        """Model outputs of the calibrated simulated graph with the ``disabled`` layers in
+        fp32, one per sample (an array, or a list for several outputs); ``samples``
+        defaults to the analysis dataset."""
+        disabled = set(disabled)
+        unknown = disabled - set(self.layers)
+        if unknown:
+            raise ValueError(f"unknown layers {sorted(unknown)}")
+        data = self.samples if samples is None else samples_for(samples, self.sim.graph.inputs)
+        f = self.vm["sim"]
+        return [_as_outputs(as_list(f(*self._sim_args(s, disabled))), self.n_out) for s in data]
+
+    def run_fp32(self, samples=None) -> list:
+        """Model outputs of the fp32 graph (cached for the analysis dataset)."""
+        if samples is None and self._fp32_outputs is not None:
+            return self._fp32_outputs
+        data = self.samples if samples is None else samples_for(samples, self.sim.graph.inputs)
+        f = self.vm["fp32"]
+        outs = [_as_outputs(as_list(f(*self._fp32_args(s))), self.n_out) for s in data]
+        if samples is None:
+            self._fp32_outputs = outs
+        return outs
+
+    def runner(self, disabled: Iterable[str] = ()) -> Callable:
+        """``run(samples) -> outputs`` for a metric callable (``disabled`` layers fp32)."""
+        disabled = tuple(disabled)
+        return lambda samples: self.run(disabled, samples)
+
+    def report(self) -> Report:
+        """Run the analysis over the dataset (see the module docstring)."""
+        t0 = time.perf_counter()
+        sim = self.sim
+        qp = self.qparams
+        nfp = len(self._fp_vars)
+        slot_alone = {s: ErrorStats() for s in self.act_slots}
+        slot_up = {s: ErrorStats() for s in self.act_slots}
+        slot_clip = dict.fromkeys(self.act_slots, 0)
+        slot_n = dict.fromkeys(self.act_slots, 0)
+        lay_alone = {p.name: ErrorStats() for p in self._plans}
+        lay_up = {p.name: ErrorStats() for p in self._plans}
+        acc_max = {p.name: 0.0 for p in self._plans if p.acc is not None}
+        acc_ovf = {p.name: 0 for p in self._plans if p.acc is not None}
+        acc_n = {p.name: 0 for p in self._plans if p.acc is not None}
+        lo, hi = P.qrange(self.accumulator)
+        out_err = ErrorStats()
+        fp32_outs = []
+        fsim, ffp = self.vm["sim"], self.vm["fp32"]
+        n = 0
+        for sample in self.samples:
+            n += 1
+            fo = as_list(ffp(*self._fp32_args(sample)))
+            fp_out = [o.numpy() for o in fo[: self.n_out]]
+            fp32_outs.append(fp_out[0] if self.n_out == 1 else fp_out)
+            fpv = dict(zip(self._fp_vars, fo[self.n_out : self.n_out + nfp], strict=True))
+            so = as_list(fsim(*self._sim_args(sample)))
+            k = self.n_out
+            for a, b in zip(fp_out, so[:k], strict=True):
+                out_err.add(a, b.numpy())
+            pre = so[k : k + len(self.act_slots)]
+            k += len(self.act_slots)
+            roots = so[k : k + len(self._plans)]
+            k += len(self._plans)
+            accs = so[k:]
+            for sid, pv in zip(self.act_slots, pre, strict=True):
+                ref = fpv[sim.plan.tensors[sid]].numpy()
+                dq, _ = fake_quant(ref, qp[sid])
+                slot_alone[sid].add(ref, dq)
+                dq, clipped = fake_quant(pv.numpy(), qp[sid])
+                slot_up[sid].add(ref, dq)
+                slot_clip[sid] += clipped
+                slot_n[sid] += dq.size
+            ai = 0
+            for p, rv in zip(self._plans, roots, strict=True):
+                ref = fpv[p.root].numpy()
+                lay_up[p.name].add(ref, rv.numpy())
+                if p.acc is not None:
+                    a = accs[ai].numpy()
+                    ai += 1
+                    acc_max[p.name] = max(acc_max[p.name], float(np.abs(a).max(initial=0.0)))
+                    acc_ovf[p.name] += int(np.count_nonzero((a > hi) | (a < lo)))
+                    acc_n[p.name] += a.size
+                args = [fpv[f[1]] if f[0] == "fp32" else self._param_value(f[1]) for f in p.feeds]
+                seg = as_list(self.vm[f"layer_{p.index}"](*args))
+                lay_alone[p.name].add(ref, seg[0].numpy())
+        self._fp32_outputs = fp32_outs
+        slots = []
+        for sid, info in sim.slots.items():
+            q = qp[sid]
+            if info.kind == "weight":
+                arr, _axis = sim.plan.weights[sid]
+                dq, clipped = fake_quant(arr, q)
+                e = ErrorStats()
+                e.add(arr, dq)
+                sa, ca, su, cu, clip, elems = (
+                    e.sqnr,
+                    e.cos,
+                    e.sqnr,
+                    e.cos,
+                    clipped / arr.size,
+                    arr.size,
+                )
+            else:
+                sa, ca = slot_alone[sid].sqnr, slot_alone[sid].cos
+                su, cu = slot_up[sid].sqnr, slot_up[sid].cos
+                elems = slot_n[sid]
+                clip = slot_clip[sid] / max(elems, 1)
+            slots.append(
+                SlotStats(
+                    slot=sid,
+                    kind=info.kind,
+                    layer=info.layer,
+                    dtype=q.dtype,
+                    scale=f32_list(q.scale),
+                    zero_point=q.zero_point.tolist(),  # as in QParam.to_json
+                    rmin=None if q.rmin is None else f32_list(q.rmin),
+                    rmax=None if q.rmax is None else f32_list(q.rmax),
+                    elements=int(elems),
+                    sqnr_alone=sa,
+                    cos_alone=ca,
+                    sqnr_upstream=su,
+                    cos_upstream=cu,
+                    clipped=float(clip),
+                )
+            )
+        layers = [
+            LayerStats(
+                layer=p.name,
+                pattern=p.pattern,
+                index=p.index,
+                slots=list(sim.layer_slots.get(p.name, [])),
+                elements=lay_up[p.name].n,
+                sqnr_alone=lay_alone[p.name].sqnr,
+                cos_alone=lay_alone[p.name].cos,
+                sqnr_upstream=lay_up[p.name].sqnr,
+                cos_upstream=lay_up[p.name].cos,
+                acc_max=acc_max.get(p.name),
+                acc_overflow=acc_ovf.get(p.name),
+                acc_elements=acc_n.get(p.name),
+            )
+            for p in self._plans
+        ]
+        self.timings["report_s"] = time.perf_counter() - t0
+        return Report(
+            layers=layers,
+            slots=slots,
+            output_sqnr=out_err.sqnr,
+            output_cos=out_err.cos,
+            accumulator=self.accumulator,
+            samples=n,
+            meta={"timings": dict(self.timings)},
+        )
+
+
+def _qparams_for(mod, params, dataset, qparams_or_config, config, target):
+    if isinstance(qparams_or_config, QParams):
+        return qparams_or_config, config or Config()
+    cfg = qparams_or_config if isinstance(qparams_or_config, Config) else config
+    cfg = cfg or Config()
+    if isinstance(cfg.fallback, AutoFallback):
+        cfg = cfg.replace(fallback=cfg.fallback.fixed())
+    sim = simulate(mod, params, cfg)
+    return calibrate(sim, params, dataset, cfg, target=target), cfg
+
+
+def analyze(
+    mod: tvm.IRModule,
+    params: dict | None,
+    dataset,
+    qparams_or_config: QParams | Config | None = None,
+    *,
+    config: Config | None = None,
+    accumulator: str = "int16",
+    target=None,
+) -> Report:
+    """Per-layer error analysis of ``mod`` quantized with ``qparams_or_config``.
+
+    ``qparams_or_config``: calibrated :class:`QParams` (then ``config`` must be the config
+    they were calibrated with, default ``Config()``), or a :class:`Config` (calibrated here
+    on ``dataset`` first), or None (default config). ``dataset``: samples as for
+    :func:`autoq.calibrate` (usually the calibration data or a held-out part of it).
+    ``accumulator``: the narrower accumulator dtype the overflow counts refer to.
+    """
+    target = target or default_target()
+    qp, cfg = _qparams_for(mod, params, dataset, qparams_or_config, config, target)
+    return Analysis(mod, params, dataset, qp, cfg, target, accumulator).report()

@@ -1,0 +1,351 @@
+"""Automatic fallback: find the fewest layers to keep in fp32 (or int16).
+
+``Config(fallback=AutoFallback(...))`` makes the pipeline (:class:`autoq.pipeline.Quantizer`)
+call :func:`auto_fallback` after calibration. :func:`search_fallback` ranks the layers by
+their "alone" SQNR (or, ``ranking="revert"``, by the metric with only that layer reverted to
+fp32), then switches off ``k = 0, 1, 2, ...`` of the most sensitive in the compiled
+simulated graph of an :class:`autoq.analysis.Analysis` until the metric meets the budget.
+A trial is one run of that function over the calibration samples: no recalibration, no
+recompilation. The chosen layers become an ordinary ``Fallback(ids=...)`` (or int16
+overrides) with the calibrated qparams carried over (:func:`remap_qparams`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from . import primitives as P
+from .analysis import Analysis
+from .build import default_target
+from .calibrate import calibrate
+from .config import AutoFallback, Config, Fallback, Override, QuantSpec
+from .metrics import sqnr_db
+from .qparams import QParam, QParams
+from .report import Report, fmt_db, json_float, json_num, sort_key
+from .simulate import SimResult, simulate
+
+__all__ = [
+    "FallbackDecision",
+    "FallbackOutcome",
+    "auto_fallback",
+    "remap_qparams",
+    "search_fallback",
+]
+
+
+@dataclass
+class FallbackDecision:
+    """What :func:`search_fallback` chose and why.
+
+    ``layers``: the layers kept out of int8 (most sensitive first), ``precision``: what they
+    got (``fp32`` or ``int16``), ``met``: whether the budget was met, ``metric`` the final
+    metric value and ``reference`` the fp32 one (``inf`` for SQNR), ``budget`` the
+    condition in words, ``ranking`` every candidate with its score and reason, ``trials``
+    one entry per evaluated fallback set (``k``, layers, metric), ``seconds`` the time of
+    the ranking + search (``analysis_seconds``: compile + report)."""
+
+    layers: list[str]
+    precision: str
+    met: bool
+    metric_name: str
+    metric: float
+    reference: float
+    budget: str
+    ranking: list[dict]
+    trials: list[dict]
+    seconds: float
+    analysis_seconds: float
+    int16_metric: float | None = None
+    #: runs of the model over the data: trials + the per-layer runs of ``ranking="revert"``
+    evaluations: int = 0
+
+    def fallback(self, base: Fallback | None = None) -> Fallback:
+        """The plain :class:`Fallback` that realizes this decision (``precision="fp32"``)."""
+        base = base.fixed() if isinstance(base, AutoFallback) else (base or Fallback())
+        if self.precision != "fp32":
+            return base
+        return Fallback(
+            tuple(base.ids) + tuple(self.layers), base.op_types, base.patterns, base.validate
+        )
+
+    def config(self, config: Config) -> Config:
+        """``config`` with the decision applied (fallback ids or int16 overrides)."""
+        overrides = tuple(config.overrides)
+        if self.precision == "int16":
+            overrides = _int16_overrides(config, self.layers)
+        return config.replace(fallback=self.fallback(config.fallback), overrides=overrides)
+
+    def to_json(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k in ("metric", "reference", "int16_metric"):
+            d[k] = json_num(d[k])
+        d["trials"] = [dict(t, metric=json_num(t["metric"])) for t in self.trials]
+        d["ranking"] = [dict(r, score=json_num(r["score"])) for r in self.ranking]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> FallbackDecision:
+        d = dict(d)
+        for k in ("metric", "reference", "int16_metric"):
+            d[k] = json_float(d.get(k))
+        d["trials"] = [dict(t, metric=json_float(t["metric"])) for t in d["trials"]]
+        d["ranking"] = [dict(r, score=json_float(r["score"])) for r in d["ranking"]]
+        return cls(**d)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    @classmethod
+    def loads(cls, s: str) -> FallbackDecision:
+        return cls.from_json(json.loads(s))
+
+    def summary(self) -> str:
+        what = "fp32" if self.precision == "fp32" else "int16 activations"
+        lines = [
+            f"{len(self.layers)} layer(s) in {what}: {', '.join(self.layers) or '-'}; "
+            f"{self.metric_name} {fmt_db(self.metric)} ({self.budget}: "
+            f"{'met' if self.met else 'NOT met'}); {self.evaluations} runs, {self.seconds:.1f} s"
+        ]
+        for r in self.ranking[: max(len(self.layers), 1) + 2]:
+            mark = "*" if r["layer"] in self.layers else " "
+            lines.append(f" {mark} {r['layer']}: {r['reason']}")
+        return "\n".join(lines)
+
+
+def _int16_spec(act: QuantSpec) -> QuantSpec:
+    return QuantSpec(
+        dtype="int16",
+        symmetric=act.symmetric,
+        narrow_range=act.narrow_range,
+        reduce_range=act.reduce_range,
+        per_channel=False,
+        calibrator=act.calibrator,
+    )
+
+
+def _int16_overrides(config: Config, layers: Sequence[str]) -> tuple[Override, ...]:
+    """``config.overrides`` plus int16 activation overrides for ``layers``."""
+    spec = _int16_spec(config.activation)
+    return (*config.overrides, *(Override(layer, activation=spec) for layer in layers))
+
+
+def _evaluator(an: Analysis, fb: AutoFallback):
+    """(name, reference, score(disabled_layers), within(score), budget text) for
+    ``fb.metric``."""
+    if fb.metric == "sqnr":
+        ref_outs = an.run_fp32()
+
+        def score_sqnr(disabled):
+            return sqnr_db(ref_outs, an.run(disabled))
+
+        return (
+            "output SQNR (dB)",
+            float("inf"),
+            score_sqnr,
+            lambda v: v >= fb.min_sqnr,
+            f"SQNR >= {fb.min_sqnr:g} dB",
+        )
+    metric = fb.metric
+    reference = float(metric(an.run_fp32))
+
+    def score_user(disabled):
+        return float(metric(an.runner(disabled)))
+
+    return (
+        getattr(metric, "__name__", "metric"),
+        reference,
+        score_user,
+        lambda v: reference - v <= fb.max_drop,
+        f"drop <= {fb.max_drop:g} from fp32 {reference:.6g}",
+    )
+
+
+def search_fallback(
+    an: Analysis, fb: AutoFallback, report: Report | None = None
+) -> FallbackDecision:
+    """Rank the layers of ``an`` and find the fewest to keep in fp32 (module docstring)."""
+    t0 = time.perf_counter()
+    report = report or an.report()
+    name, reference, score, within, budget = _evaluator(an, fb)
+    trials: list[dict] = []
+
+    def trial(layers: list[str]) -> float:
+        v = score(layers)
+        trials.append({"k": len(layers), "layers": list(layers), "metric": v, "met": within(v)})
+        return v
+
+    base = trial([])
+    if fb.ranking == "revert":
+        scored = []
+        for s in report.layers:
+            v = score([s.layer])
+            scored.append((s, v))
+        # most improvement first (higher metric when reverted)
+        scored.sort(key=lambda t: (-sort_key(t[1]), t[0].index))
+        ranking = [
+            {
+                "layer": s.layer,
+                "score": v,
+                "reason": f"{name} {fmt_db(v)} with this layer alone in fp32 "
+                f"(all int8: {fmt_db(base)}; its own SQNR {fmt_db(s.sqnr_alone)} dB)",
+            }
+            for s, v in scored
+        ]
+    else:
+        ranking = [
+            {
+                "layer": s.layer,
+                "score": s.sqnr_alone,
+                "reason": f"SQNR {fmt_db(s.sqnr_alone)} dB when only this layer is quantized "
+                f"(cos {s.cos_alone:.5f}); {fmt_db(s.sqnr_upstream)} dB with everything upstream",
+            }
+            for s in report.ranked()
+        ]
+    order = [r["layer"] for r in ranking]
+    # k: the chosen number of fp32 layers (the first within budget, else the best trial)
+    k, value, met = 0, base, within(base)
+    if not met:
+        for n in range(1, min(fb.max_fp32_layers, len(order)) + 1):
+            v = trial(order[:n])
+            if within(v):
+                k, value, met = n, v, True
+                break
+            if sort_key(v) > sort_key(value):
+                k, value = n, v
+    layers = order[:k]
+    if not met:
+        warnings.warn(
+            f"AutoFallback: {budget} not reached with up to {fb.max_fp32_layers} fp32 layers; "
+            f"using the best trial ({k} layers, {name} {fmt_db(value)})",
+            stacklevel=2,
+        )
+    return FallbackDecision(
+        layers=layers,
+        precision="fp32",
+        met=met,
+        metric_name=name,
+        metric=value,
+        reference=reference,
+        budget=budget,
+        ranking=ranking,
+        trials=trials,
+        seconds=time.perf_counter() - t0,
+        analysis_seconds=an.timings.get("compile_s", 0.0) + an.timings.get("report_s", 0.0),
+        evaluations=len(trials) + (len(report.layers) if fb.ranking == "revert" else 0),
+    )
+
+
+def remap_qparams(src: SimResult, qparams: QParams, dst: SimResult) -> QParams:
+    """``qparams`` (calibrated for ``src``) re-keyed for ``dst``, the same model with
+    other fallback/override choices: activation slots are matched by the tensor they
+    quantize (a slot id can change when its producer layer falls back), weights by id.
+    An activation slot whose dtype changed (an int16 override) gets qparams for the new
+    dtype from the same calibrated range."""
+    by_tensor = {src.graph.ids[t]: sid for sid, t in src.plan.tensors.items()}
+    out: dict[str, QParam] = {}
+    for sid, info in dst.slots.items():
+        if info.kind == "weight":
+            old = sid
+        else:
+            old = by_tensor.get(dst.graph.ids[dst.plan.tensors[sid]])
+        if old is None or old not in qparams:
+            raise KeyError(f"no calibrated qparams for slot {sid!r}")
+        q = qparams[old]
+        spec = dst.plan.specs[sid]
+        if spec.dtype != q.dtype:
+            lo = q.rmin if q.rmin is not None else P.dequantize(q.qmin, q.scale, q.zero_point)
+            hi = q.rmax if q.rmax is not None else P.dequantize(q.qmax, q.scale, q.zero_point)
+            q = QParam.from_range(
+                lo,
+                hi,
+                spec.dtype,
+                spec.symmetric,
+                spec.narrow_range,
+                spec.reduce_range,
+                axis=q.axis,
+            )
+        out[sid] = q
+    meta = dict(qparams.meta)
+    meta["specs"] = {s: sp.to_json() for s, sp in dst.plan.specs.items()}
+    return QParams(params=out, slots=dict(dst.slots), meta=meta)
+
+
+@dataclass
+class FallbackOutcome:
+    """What :func:`auto_fallback` returns: the ``config`` to realize with (a plain
+    ``Fallback`` / int16 overrides), its ``qparams``, the ``decision``, the ``report`` of the
+    all-int8 model and the compiled ``analysis`` the search ran on (for more trials)."""
+
+    config: Config
+    qparams: QParams
+    decision: FallbackDecision
+    report: Report
+    analysis: Analysis
+
+
+def auto_fallback(
+    model,
+    params: dict | None,
+    dataset,
+    config: Config,
+    qparams: QParams | None = None,
+    target=None,
+) -> FallbackOutcome:
+    """Run :class:`AutoFallback` end to end: calibrate (unless ``qparams`` are given),
+    analyze, search, and (``precision="int16"``) check the int16 alternative.
+    ``model``: the fp32 ``IRModule`` or its :class:`autoq.matching.Matched` (reused, not
+    matched again)."""
+    fb = config.fallback
+    if not isinstance(fb, AutoFallback):
+        raise TypeError("config.fallback must be an AutoFallback")
+    target = target or default_target()
+    base_cfg = config.replace(fallback=fb.fixed())
+    if qparams is None:
+        sim = simulate(model, params, base_cfg)
+        qparams = calibrate(sim, params, dataset, base_cfg, target=target)
+    an = Analysis(model, params, dataset, qparams, base_cfg, target)
+    report = an.report()
+    decision = search_fallback(an, fb, report)
+    final_cfg, final_qp = decision.config(base_cfg), None
+    if fb.precision == "int16" and decision.layers:
+        final_cfg, final_qp = _try_int16(an, model, params, dataset, fb, decision, final_cfg)
+    if final_qp is None:  # the switched graph has the same slots as the plain one
+        final_qp = remap_qparams(an.sim, qparams, simulate(model, params, final_cfg))
+    final_qp.meta["fallback"] = decision.to_json()
+    return FallbackOutcome(final_cfg, final_qp, decision, report, an)
+
+
+def _try_int16(an: Analysis, model, params, dataset, fb, decision, fp32_cfg):
+    """The chosen layers with int16 activations instead of fp32: kept (and ``decision``
+    updated) when that meets the budget, or beats the fp32 trial when neither does."""
+    t0 = time.perf_counter()
+    base_cfg = an.config
+    cfg16 = base_cfg.replace(overrides=_int16_overrides(base_cfg, decision.layers))
+    an16 = Analysis(
+        model,
+        params,
+        dataset,
+        lambda sim16: remap_qparams(an.sim, an.qparams, sim16),
+        cfg16,
+        an.target,
+    )
+    _name, _ref, score, within, _b = _evaluator(an16, fb)
+    v16 = score([])
+    ok16 = within(v16)
+    decision.int16_metric = v16
+    decision.evaluations += 1
+    decision.trials.append(
+        {"k": len(decision.layers), "layers": list(decision.layers), "metric": v16,
+         "met": ok16, "precision": "int16"}
+    )  # fmt: skip
+    decision.seconds += time.perf_counter() - t0
+    if ok16 or (not decision.met and sort_key(v16) >= sort_key(decision.metric)):
+        decision.precision = "int16"
+        decision.metric = v16
+        decision.met = ok16
+        return cfg16, an16.qparams
+    return fp32_cfg, None
