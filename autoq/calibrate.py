@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import tvm
 
+from . import calibrators
 from .build import default_target
 from .config import Config, QuantSpec
 from .dataset import InputSpec, as_dataset
@@ -72,16 +73,10 @@ def observe(
     cal = spec.calibrator
     data_range = None
     if getattr(cal, "needs_range", False):
-        lo = hi = None
+        first = calibrators.range_observer(axis)  # mergeable, like every observer
         for x in batches:
-            rows = np.asarray(x) if axis is None else np.moveaxis(np.asarray(x), axis, 0)
-            rows = rows.reshape(1, -1) if axis is None else rows.reshape(rows.shape[0], -1)
-            blo, bhi = rows.min(axis=1), rows.max(axis=1)
-            lo = blo if lo is None else np.minimum(lo, blo)
-            hi = bhi if hi is None else np.maximum(hi, bhi)
-        if lo is None:
-            raise ValueError("no data to calibrate on")
-        data_range = (lo[0], hi[0]) if axis is None else (lo, hi)
+            first.update(np.asarray(x))
+        data_range = first.data_range()
         batches = replay()
     obs = cal.observer(axis=axis, data_range=data_range)
     for x in batches:

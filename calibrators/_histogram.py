@@ -5,7 +5,10 @@ tensor (scalars, or one value per channel), gathered by the calibrate driver in 
 min/max pass. Its bins are therefore fixed before any data arrives: counts are integers
 added batch by batch, so the histogram does not depend on the order of the batches, two
 shards merge exactly (same range, add the counts), and memory is ``bins`` integers per
-channel and per kind, whatever the number of batches.
+channel and per kind, whatever the number of batches. Each value's bin depends on that value
+alone, so the counts do not depend on how the data is batched either; the calibrators'
+``choose_range`` is a function of the counts and the range only, so it runs once, where the
+states are merged. :meth:`HistogramObserver.state` is the range and the int64 counts.
 
 Two kinds of histogram, each a ``(C, bins)`` int64 array (``C = 1`` per-tensor):
 
@@ -15,7 +18,9 @@ Two kinds of histogram, each a ``(C, bins)`` int64 array (``C = 1`` per-tensor):
 Binning is exactly :func:`numpy.histogram` with ``range=`` in float64: edges
 ``np.linspace(lo, hi, bins + 1)``, bin ``k`` holds ``edges[k] <= v < edges[k + 1]`` and the
 last bin also holds ``hi``; a degenerate range ``lo == hi`` is widened to
-``[lo - 0.5, hi + 0.5]`` as numpy does (the calibrators return such a range unchanged).
+``[lo - 0.5, hi + 0.5]`` as numpy does, or by one ulp where ``0.5`` would be lost to
+rounding (``|lo| >= 2**52``) and numpy's bins would be empty intervals (the calibrators return
+such a range unchanged).
 Compared with ONNX Runtime, TensorRT and torch, which grow or re-bin their histograms when a
 later batch exceeds the range seen so far (order-dependent, or approximate in torch's
 upsampled re-binning), nothing here is approximate; and unlike ONNX Runtime no activation is
@@ -31,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ._common import as_channels, batch_minmax, no_data, range_qparam
+from ._common import as_channels, batch_minmax, check_state, no_data, range_qparam
 
 __all__ = ["HistogramObserver", "check_bins", "histogram"]
 
@@ -113,8 +118,8 @@ class HistogramObserver:
             raise ValueError(f"data_range has {self.lo.size} channels, the batch has {channels}")
         for kind in self.calibrator.kinds:
             lo, hi = self.bounds(kind)
-            same = lo == hi
-            lo, hi = np.where(same, lo - 0.5, lo), np.where(same, hi + 0.5, hi)
+            pad = np.where(lo == hi, np.maximum(0.5, np.spacing(np.abs(lo))), 0.0)
+            lo, hi = lo - pad, hi + pad
             self.edges[kind] = np.linspace(lo, hi, self.calibrator.bins + 1, axis=-1)
         self.counts = {k: np.zeros((channels, self.calibrator.bins), np.int64) for k in self.edges}
 
@@ -148,17 +153,41 @@ class HistogramObserver:
             and other.axis == self.axis
         ):
             raise TypeError("can only merge histogram observers of the same calibrator and axis")
-        if other.counts is None:
+        self.merge_state(other.state())
+
+    def state(self) -> dict[str, np.ndarray]:
+        """``{"lo", "hi": float64 (C,), "counts.<kind>": int64 (C, bins)}``; the counts
+        have ``C = 0`` rows before any data. The edges are not sent: they follow from the
+        range and ``bins``."""
+        bins = self.calibrator.bins
+        out = {"lo": self.lo.copy(), "hi": self.hi.copy()}
+        for kind in self.calibrator.kinds:
+            counts = None if self.counts is None else self.counts[kind]
+            out[f"counts.{kind}"] = (
+                np.zeros((0, bins), np.int64) if counts is None else counts.copy()
+            )
+        return out
+
+    def merge_state(self, state: dict[str, np.ndarray]) -> None:
+        keys = ("lo", "hi", *(f"counts.{k}" for k in self.calibrator.kinds))
+        state = check_state(self, state, keys)
+        channels = state[keys[2]].shape[0]
+        if channels == 0:
             return
+        if any(state[k].shape != (channels, self.calibrator.bins) for k in keys[2:]):
+            raise ValueError(
+                f"{self.calibrator.name}: cannot merge histograms of shape "
+                f"{state[keys[2]].shape} into {self.calibrator.bins} bins"
+            )
         if self.counts is None:
-            self._start(other.channels)
-        if not (np.array_equal(self.lo, other.lo) and np.array_equal(self.hi, other.hi)):
+            self._start(channels)
+        if not (np.array_equal(self.lo, state["lo"]) and np.array_equal(self.hi, state["hi"])):
             raise ValueError(
                 "cannot merge histograms over different data ranges: give every shard the "
                 "global data_range"
             )
-        for kind in self.counts:
-            self.counts[kind] += other.counts[kind]
+        for kind in self.calibrator.kinds:
+            self.counts[kind] += state[f"counts.{kind}"].astype(np.int64)
 
     def compute(self, spec):
         if self.counts is None:

@@ -7,8 +7,8 @@ dtype / symmetric / narrow_range / reduce_range.
 
 Same as ONNX Runtime's ``MinMax`` (without ``moving_average``), TensorRT's max calibration and
 torch's ``MinMaxObserver`` / ``PerChannelMinMaxObserver``. min and max are exact and
-associative, so the result never depends on batch order or sharding. State: two numbers
-per channel.
+associative, so the result never depends on batch order, batching or sharding. State
+(:meth:`MaxObserver.state`): ``{"lo", "hi"}``, two float64 per channel.
 """
 
 from __future__ import annotations
@@ -16,40 +16,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
-
 from . import register
-from ._common import as_channels, batch_minmax, no_data, range_qparam
+from ._common import MinMaxState, as_channels, batch_minmax, no_data, range_qparam
 
 
-class MaxObserver:
-    """Running per-channel minimum and maximum."""
+class MaxObserver(MinMaxState):
+    """Running per-channel minimum and maximum (also the range pass of the histogram
+    calibrators: see :func:`autoq.calibrators.range_observer`)."""
 
     def __init__(self, axis: int | None) -> None:
         self.axis = axis
-        self.lo: np.ndarray | None = None  # float64, shape (C,)
-        self.hi: np.ndarray | None = None
-
-    def _absorb(self, lo: np.ndarray, hi: np.ndarray) -> None:
-        if self.lo is None:
-            self.lo, self.hi = lo, hi
-            return
-        if lo.shape != self.lo.shape:
-            raise ValueError(f"channel count changed from {self.lo.size} to {lo.size}")
-        self.lo = np.minimum(self.lo, lo)
-        self.hi = np.maximum(self.hi, hi)
 
     def update(self, x) -> None:
         rows = as_channels(x, self.axis)
         if rows.size == 0:
             return
-        self._absorb(*batch_minmax(rows))
+        self.absorb(*batch_minmax(rows))
 
     def merge(self, other: MaxObserver) -> None:
         if not isinstance(other, MaxObserver) or other.axis != self.axis:
             raise TypeError("can only merge a MaxObserver with the same axis")
-        if other.lo is not None:
-            self._absorb(other.lo, other.hi)
+        self.merge_state(other.state())
+
+    def data_range(self) -> tuple:
+        """``(lo, hi)``: float64 scalars per-tensor, ``(C,)`` arrays per-channel; the
+        ``data_range`` a histogram calibrator's observer is created with."""
+        if self.lo is None:
+            raise no_data()
+        if self.axis is None:
+            return self.lo[0], self.hi[0]
+        return self.lo.copy(), self.hi.copy()
 
     def compute(self, spec):
         if self.lo is None:

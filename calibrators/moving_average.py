@@ -4,7 +4,10 @@ Each ``update(x)`` takes the minimum and maximum of that batch (per channel when
 given); ``compute`` uses ``[mean of the minima, mean of the maxima]``. Averaging damps
 rare extreme batches, so the range is tighter than ``max`` when outliers come and go.
 "Per batch" means per call to ``update``: the result depends on how the driver batches
-the data (as it does in ONNX Runtime), not on the order of the batches.
+the data (as it does in ONNX Runtime), not on the order of the batches nor on how the
+batches are split into shards. The batching is part of the method's definition (a batch of
+32 images has a wider range than each image); autoq's calibrate driver makes one batch per
+dataset sample, in-process and distributed alike, so sharding the samples never changes it.
 
 Why not an EMA. ONNX Runtime's ``MinMax(moving_average=True)`` (and torch's
 ``MovingAverageMinMaxObserver``) keep an exponential moving average
@@ -18,7 +21,10 @@ Exactness. The sums are kept as Python integers in units of 2**-1074 (every fini
 an integer multiple of it), so addition is exact and associative: shuffled batches and
 merged shards give bit-identical results, and the mean is the correctly rounded quotient.
 State: two integers per channel and a count (the integers grow by one bit each time the
-number of batches doubles, i.e. logarithmically, never with the data).
+number of batches doubles, i.e. logarithmically, never with the data). :meth:`state` writes
+the integers as little-endian two's complement bytes, one ``uint8`` row per channel (at most
+~270 bytes: 2**-1074 to 2**1024 plus the count's bits), so it crosses process boundaries
+as plain numpy and merges exactly.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import ClassVar
 import numpy as np
 
 from . import register
-from ._common import as_channels, batch_minmax, no_data, range_qparam
+from ._common import as_channels, batch_minmax, check_state, no_data, range_qparam
 
 _SHIFT = 1074  # 2**-1074 is the smallest positive double: every double is k * 2**-1074
 
@@ -43,6 +49,24 @@ def _exact(v: float) -> int:
 
 def _mean(total: int, count: int) -> float:
     return float(Fraction(total, count << _SHIFT))
+
+
+def to_bytes(values: list[int]) -> np.ndarray:
+    """Integers as a ``(len, width)`` uint8 array of little-endian two's complement rows.
+
+    >>> to_bytes([1, -2, 256]).tolist()
+    [[1, 0], [254, 255], [0, 1]]
+    >>> from_bytes(to_bytes([1, -2, 256]))
+    [1, -2, 256]
+    """
+    width = max([1] + [(v.bit_length() + 8) // 8 for v in values])  # + 1 sign bit
+    raw = b"".join(v.to_bytes(width, "little", signed=True) for v in values)
+    return np.frombuffer(raw, np.uint8).reshape(len(values), width).copy()
+
+
+def from_bytes(rows: np.ndarray) -> list[int]:
+    """The inverse of :func:`to_bytes`."""
+    return [int.from_bytes(r.tobytes(), "little", signed=True) for r in rows.astype(np.uint8)]
 
 
 class MovingAverageObserver:
@@ -74,8 +98,22 @@ class MovingAverageObserver:
     def merge(self, other: MovingAverageObserver) -> None:
         if not isinstance(other, MovingAverageObserver) or other.axis != self.axis:
             raise TypeError("can only merge a MovingAverageObserver with the same axis")
-        if other.count:
-            self._absorb(other.sum_lo, other.sum_hi, other.count)
+        self.merge_state(other.state())
+
+    def state(self) -> dict[str, np.ndarray]:
+        """``{"count": int64 (), "sum_lo", "sum_hi": uint8 (C, width)}`` (see the module
+        docstring); ``C = 0`` before any data."""
+        return {
+            "count": np.array(self.count, np.int64),
+            "sum_lo": to_bytes(self.sum_lo),
+            "sum_hi": to_bytes(self.sum_hi),
+        }
+
+    def merge_state(self, state: dict[str, np.ndarray]) -> None:
+        state = check_state(self, state, ("count", "sum_lo", "sum_hi"))
+        count = int(state["count"])
+        if count:
+            self._absorb(from_bytes(state["sum_lo"]), from_bytes(state["sum_hi"]), count)
 
     def compute(self, spec):
         if self.count == 0:
