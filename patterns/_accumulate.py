@@ -1,4 +1,5 @@
-"""Shared simulate/realize for layers that accumulate in int32: conv2d, dense, matmul.
+"""Shared simulate/realize for layers that accumulate in int32. The kinds (conv2d, dense,
+matmul) are a table, ``patterns/_kinds.py``: a new kind is one module and one row there.
 
 Simulated form (float32 holding integers, exact while |acc| < 2**24)::
 
@@ -17,89 +18,83 @@ Realized (canonical) form::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
 from autoq import qnn
 from autoq.registry import Pattern
-from autoq.toolkit import dtype_of, op_name, shape_of
-
-#: kind -> (Relax op, weight output-channel axis, whether the rhs is a weight)
-KINDS = {
-    "conv2d": ("relax.nn.conv2d", 0, True),
-    "dense": ("relax.matmul", 1, True),
-    "matmul": ("relax.matmul", None, False),
-}
+from autoq.toolkit import dtype_of, shape_of
 
 
-def _ints(v) -> list[int]:
-    return [int(x) for x in v]
+@dataclass(frozen=True)
+class Kind:
+    """An accumulating op kind (see ``patterns/_kinds.py`` for the table).
+
+    ``op``: the Relax op the pattern's core matches. ``weight_axis``: the output-channel
+    axis of its constant weight operand, or None when the second operand is an activation.
+    ``check(g, nodes, core_value)``: kind-specific reason to reject, or None.
+    ``realize(ctx, match, core_value, x) -> (int32 accumulator call, weight RealQ)``: the
+    qnn op on the quantized activation ``x``. ``channel_axis(rank)``: the output's channel
+    axis (where a bias and per-channel scales apply)."""
+
+    name: str
+    op: str
+    weight_axis: int | None
+    check: Callable
+    realize: Callable
+    channel_axis: Callable[[int], int]
 
 
-def _is_act(g, e) -> bool:
+def is_activation(g, e) -> bool:
+    """A float32 tensor computed from the data (not a weight)."""
     return isinstance(e, relax.Var) and g.is_data_dependent(e) and dtype_of(e) == "float32"
 
 
-def _out_channels(kind, g, nodes) -> int | None:
-    shape = shape_of(nodes["core"])
-    if shape is None:
-        return None
-    return shape[1] if kind == "conv2d" else shape[-1]
-
-
-def _check(kind: str, bias: bool, residual: bool):
+def _check(kind: Kind, bias: bool, residual: bool):
     def check(g, nodes):
         core = g.value.get(nodes["core"])
         if core is None or dtype_of(nodes["core"]) != "float32":
             return "not a float32 op"
-        if not _is_act(g, nodes["data"]):
+        if not is_activation(g, nodes["data"]):
             return "data is not a float32 activation"
         out_shape = shape_of(nodes["core"])
         if out_shape is None:
             return "output shape is not static"
-        if kind == "conv2d":
-            a = core.attrs
-            if (a.data_layout, a.kernel_layout, a.out_layout) != ("NCHW", "OIHW", "NCHW"):
-                return "only NCHW/OIHW conv2d"
-            ref = g.weight_of(nodes["weight"])
-            if ref is None or ref.array.ndim != 4 or ref.array.dtype != np.float32:
-                return "weight is not a constant float32 OIHW tensor"
-        elif kind == "dense":
-            ref = g.weight_of(nodes["weight"])
-            if ref is None or ref.array.ndim != 2 or ref.array.dtype != np.float32:
-                return "rhs is not a constant 2-D float32 weight"
-            if len(shape_of(nodes["data"]) or ()) < 1:
-                return "data has no static shape"
-        else:
-            if not _is_act(g, nodes["weight"]):
-                return "rhs is not an activation (use dense for weights)"
-            if len(shape_of(nodes["data"]) or ()) < 2 or len(shape_of(nodes["weight"]) or ()) < 2:
-                return "matmul operands must have rank >= 2"
-        if bias:
-            ref = g.weight_of(nodes["bias"])
-            ch = _out_channels(kind, g, nodes)
-            if ref is None or ref.array.dtype != np.float32 or kind == "matmul":
-                return "bias is not a constant float32 tensor"
-            b = ref.array.shape
-            ch_axis = 1 if kind == "conv2d" else len(out_shape) - 1
-            # per-channel bias: every dim 1 except the channel dim (aligned to the output)
-            if ref.array.size != ch or len(b) > len(out_shape):
-                return "bias is not per output channel"
-            aligned = (1,) * (len(out_shape) - len(b)) + tuple(b)
-            if any(d != 1 for i, d in enumerate(aligned) if i != ch_axis):
-                return "bias is not per output channel"
-        if residual:
+        reason = kind.check(g, nodes, core)
+        if reason is None and bias:
+            reason = _check_bias(g, nodes, kind, out_shape)
+        if reason is None and residual:
             r = nodes["residual"]
-            if not _is_act(g, r) or shape_of(r) != shape_of(nodes.get("biased", nodes["core"])):
-                return "residual is not a float32 activation of the output's shape"
-        return None
+            if not is_activation(g, r) or shape_of(r) != shape_of(
+                nodes.get("biased", nodes["core"])
+            ):
+                reason = "residual is not a float32 activation of the output's shape"
+        return reason
 
     return check
 
 
-def _build(kind: str, bias: bool, residual: bool):
-    op = KINDS[kind][0]
+def _check_bias(g, nodes, kind: Kind, out_shape) -> str | None:
+    ref = g.weight_of(nodes["bias"])
+    if ref is None or ref.array.dtype != np.float32 or kind.weight_axis is None:
+        return "bias is not a constant float32 tensor"
+    ch_axis = kind.channel_axis(len(out_shape))
+    b = ref.array.shape
+    # per-channel bias: every dim 1 except the channel dim (aligned to the output)
+    if ref.array.size != out_shape[ch_axis] or len(b) > len(out_shape):
+        return "bias is not per output channel"
+    aligned = (1,) * (len(out_shape) - len(b)) + tuple(b)
+    if any(d != 1 for i, d in enumerate(aligned) if i != ch_axis):
+        return "bias is not per output channel"
+    return None
+
+
+def _build(kind: Kind, bias: bool, residual: bool):
+    op = kind.op
     orders = ((0, 1), (1, 0))
 
     def build():
@@ -128,20 +123,16 @@ def _build(kind: str, bias: bool, residual: bool):
     return build
 
 
-def _channel_axis(kind, out_shape):
-    return 1 if kind == "conv2d" else len(out_shape) - 1
-
-
-def _simulate(kind: str):
-    w_axis = KINDS[kind][1]
-
+def _simulate(kind: Kind):
     def simulate(ctx, m):
-        g = ctx.g
-        core = g.value[m["core"]]
+        core = ctx.g.value[m["core"]]
         out_shape = list(shape_of(m.root))
-        ch_axis = _channel_axis(kind, out_shape)
+        ch_axis = kind.channel_axis(len(out_shape))
         x = ctx.activation(m["data"])
-        w = ctx.weight(m["weight"], w_axis) if KINDS[kind][2] else ctx.activation(m["weight"])
+        if kind.weight_axis is None:
+            w = ctx.activation(m["weight"])
+        else:
+            w = ctx.weight(m["weight"], kind.weight_axis)
         acc = ctx.emit(relax.Call(core.op, [x.centered, w.centered], core.attrs))
         s_acc = ctx.emit(relax.op.multiply(x.scale, w.scale))
         zeros = relax.const(np.zeros(shape_of(s_acc), np.int32))
@@ -156,29 +147,13 @@ def _simulate(kind: str):
     return simulate
 
 
-def _realize(kind: str):
-    w_axis = KINDS[kind][1]
-
+def _realize(kind: Kind):
     def realize(ctx, m):
-        g = ctx.g
-        core = g.value[m["core"]]
+        core = ctx.g.value[m["core"]]
         out_shape = list(shape_of(m.root))
-        ch_axis = _channel_axis(kind, out_shape)
+        ch_axis = kind.channel_axis(len(out_shape))
         x = ctx.activation(m["data"])
-        if kind == "conv2d":
-            w = ctx.weight(m["weight"], w_axis)
-            a = core.attrs
-            acc = qnn.conv2d(
-                x.q, w.q, x.scale_c, x.zero_point_c, w.scale_c, w.zero_point_c,
-                strides=_ints(a.strides), padding=_ints(a.padding), dilation=_ints(a.dilation),
-                groups=int(a.groups),
-            )  # fmt: skip
-        elif kind == "dense":
-            w = ctx.weight(m["weight"], w_axis, transpose=(1, 0))
-            acc = qnn.dense(x.q, w.q, x.scale_c, x.zero_point_c, w.scale_c, w.zero_point_c)
-        else:
-            w = ctx.activation(m["weight"])
-            acc = qnn.matmul(x.q, w.q, x.scale_c, x.zero_point_c, w.scale_c, w.zero_point_c)
+        acc, w = kind.realize(ctx, m, core, x)
         acc = ctx.emit(acc)
         s_acc = (x.scale * w.scale).astype(np.float32)
         zeros = np.zeros(s_acc.shape, np.int32)
@@ -199,21 +174,21 @@ def _realize(kind: str):
 
 
 def make(
-    name: str, kind: str, bias: bool = False, residual: bool = False, doc: str = ""
+    name: str, kind: Kind, bias: bool = False, residual: bool = False, doc: str = ""
 ) -> Pattern:
-    """The pattern ``name``: ``kind`` (conv2d, dense, matmul) with optional bias and residual."""
-    priority = 1 + int(bias) + int(residual)
+    """The pattern ``name``: ``kind`` (a row of ``patterns._kinds.KINDS``) with an optional
+    bias and residual add."""
     return Pattern(
         name=name,
-        priority=priority,
+        priority=1 + int(bias) + int(residual),
         build=_build(kind, bias, residual),
         check=_check(kind, bias, residual),
         simulate=_simulate(kind),
         realize=_realize(kind),
-        weight="weight" if KINDS[kind][2] else None,
+        weight=None if kind.weight_axis is None else "weight",
         anchor="core",
         doc=doc,
     )
 
 
-__all__ = ["KINDS", "make", "op_name"]
+__all__ = ["Kind", "is_activation", "make"]

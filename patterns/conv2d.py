@@ -3,11 +3,12 @@
 from autoq.registry import register
 
 from ._accumulate import make
+from ._kinds import KINDS
 
 PATTERN = register(
     make(
         "conv2d",
-        "conv2d",
+        KINDS["conv2d"],
         bias=False,
         residual=False,
         doc="nn.conv2d with a constant weight (groups and depthwise included)",

@@ -3,11 +3,12 @@
 from autoq.registry import register
 
 from ._accumulate import make
+from ._kinds import KINDS
 
 PATTERN = register(
     make(
         "conv2d_bias_add",
-        "conv2d",
+        KINDS["conv2d"],
         bias=True,
         residual=True,
         doc="conv2d + bias + residual activation",

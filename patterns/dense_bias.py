@@ -3,7 +3,8 @@
 from autoq.registry import register
 
 from ._accumulate import make
+from ._kinds import KINDS
 
 PATTERN = register(
-    make("dense_bias", "dense", bias=True, residual=False, doc="dense + per-channel bias")
+    make("dense_bias", KINDS["dense"], bias=True, residual=False, doc="dense + per-channel bias")
 )

@@ -3,11 +3,12 @@
 from autoq.registry import register
 
 from ._accumulate import make
+from ._kinds import KINDS
 
 PATTERN = register(
     make(
         "dense_bias_add",
-        "dense",
+        KINDS["dense"],
         bias=True,
         residual=True,
         doc="dense + bias + residual activation (transformer blocks)",

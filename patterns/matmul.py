@@ -3,11 +3,12 @@
 from autoq.registry import register
 
 from ._accumulate import make
+from ._kinds import KINDS
 
 PATTERN = register(
     make(
         "matmul",
-        "matmul",
+        KINDS["matmul"],
         bias=False,
         residual=False,
         doc="matmul of two activations (attention scores, attention x values)",
