@@ -6,13 +6,17 @@ quantization error of every upstream choice, at the cost of **one** pass of the 
 graph over the dataset:
 
 1. the simulated ``main`` is cut into a prologue (everything that depends on weights only,
-   computed once) and segments, one starting at each activation slot's quantize;
+   computed once) and segments, one starting at each activation slot's quantize
+   (:mod:`autoq.calibration_plan`);
 2. all of them are compiled once, in one module (qparams are runtime inputs);
-3. the segments run in order over the whole dataset; the values still needed later are
-   cached per sample (:class:`ValueCache`: RAM up to ``memory_budget_mb``, then ``.npy``
+3. a :class:`autoq.shard_runner.ShardRunner` holds the samples and runs the segments in
+   order over all of them; the values still needed later are cached per sample
+   (:class:`autoq.value_cache.ValueCache`: RAM up to ``memory_budget_mb``, then ``.npy``
    files in ``cache_dir`` or a temporary directory) and freed after their last use;
-4. before a segment runs, the observers of the slots it starts with see the cached input
-   tensor of every sample, and compute the qparams the segment then uses.
+4. before a segment runs, the coordinator (:func:`run_plan`) asks the runner for the
+   statistics of the slots it starts with (their cached input tensor on every sample) and
+   computes the qparams the segment then uses (:func:`choose_qparams`). With several
+   runners (one per shard of the data), their statistics merge exactly first.
 
 ``calibration="fp32"`` instead runs the float graph once (twice for histogram
 calibrators, whose bins need the range first) with every slot's tensor as an output and
@@ -21,26 +25,32 @@ feeds the observers batch by batch, like ONNX Runtime does.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import tvm
 
 from . import calibrators
 from .build import default_target
+from .calibration_plan import CalibrationPlan, build_plan
 from .config import Config, QuantSpec
 from .dataset import InputSpec, as_dataset
 from .qparams import QParam, QParams
 from .registry import slot_id_of
+from .shard_runner import ShardRunner
 from .simulate import SimResult
-from .toolkit import as_list, bindings, compile_vm, free_vars, make_function, slice_bindings
+from .toolkit import as_list, compile_vm, make_function
 
-__all__ = ["ValueCache", "calibrate", "calibrate_weights", "default_target"]
+__all__ = [
+    "calibrate",
+    "calibrate_weights",
+    "choose_qparams",
+    "fp32_slot_runner",
+    "observe",
+    "run_plan",
+    "samples_for",
+]
 
 
 # ------------------------------------------------------------------- dataset
@@ -105,136 +115,6 @@ def calibrate_weights(sim: SimResult) -> dict[str, QParam]:
         channels = None if axis is None else arr.shape[axis]
         out[sid] = observe(spec, [arr], axis, lambda arr=arr: [arr], channels)
     return out
-
-
-# ------------------------------------------------------------------ value cache
-
-
-class ValueCache:
-    """Per-sample values of graph variables, in RAM up to a budget, then on disk.
-
-    Values are kept as numpy copies: a tensor returned by the VM can keep a whole pooled
-    storage block alive (measured: 3.8x the tensor's size on PP-OCRv4), so holding VM
-    outputs would blow the budget it accounts for."""
-
-    def __init__(self, budget_bytes: float, cache_dir: str | None = None):
-        self.budget = budget_bytes
-        self.ram: dict[tuple, object] = {}
-        self.disk: dict[tuple, Path] = {}
-        self.nbytes = 0
-        self.peak = 0
-        self.spilled = 0
-        self._dir_arg = cache_dir
-        self._dir: Path | None = None
-        self._own_dir = False
-
-    def _path(self, key) -> Path:
-        if self._dir is None:
-            if self._dir_arg:
-                self._dir = Path(self._dir_arg)
-                self._dir.mkdir(parents=True, exist_ok=True)
-            else:
-                self._dir = Path(tempfile.mkdtemp(prefix="autoq-calib-"))
-                self._own_dir = True
-        return self._dir / f"v{abs(hash(key))}_{len(self.disk)}.npy"
-
-    def put(self, key, value) -> None:
-        arr = value.numpy() if hasattr(value, "numpy") else np.ascontiguousarray(value)
-        nb = arr.nbytes
-        if self.nbytes + nb <= self.budget:
-            self.ram[key] = (arr, nb)
-            self.nbytes += nb
-            self.peak = max(self.peak, self.nbytes)
-        else:
-            p = self._path(key)
-            np.save(p, arr)
-            self.disk[key] = p
-            self.spilled += nb
-
-    def get(self, key):
-        """The value as a tvm tensor (a fresh copy)."""
-        return tvm.runtime.tensor(self.get_numpy(key))
-
-    def get_numpy(self, key) -> np.ndarray:
-        if key in self.ram:
-            return self.ram[key][0]
-        return np.load(self.disk[key], mmap_mode="r")
-
-    def drop(self, key) -> None:
-        if key in self.ram:
-            self.nbytes -= self.ram.pop(key)[1]
-        elif key in self.disk:
-            self.disk.pop(key).unlink(missing_ok=True)
-
-    def close(self) -> None:
-        for p in self.disk.values():
-            p.unlink(missing_ok=True)
-        self.ram.clear()
-        self.disk.clear()
-        if self._own_dir and self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-
-
-# ---------------------------------------------------------------- segmentation
-
-
-@dataclass
-class _Segment:
-    name: str
-    heads: list[str]  # activation slots whose quantize starts this segment
-    bindings: list = field(default_factory=list)
-    inputs: list = field(default_factory=list)
-    outputs: list = field(default_factory=list)
-
-
-def _plan(sim: SimResult):
-    """Prologue (weight-only values), segments cut at activation quantizes, liveness."""
-    func = sim.mod["main"]
-    pairs = bindings(func)
-    act_slots = sim.activation_slots()
-    act_qvars = {v for s in act_slots for v in sim.qparam_vars[s]}
-    names = {p.name: p for p in func.params}
-    inputs = [names[v.name] for v in sim.graph.inputs]
-    sq_slot = {sim.sq_vars[sid]: sid for sid in act_slots}
-    dynamic_roots = set(inputs) | {names[v.name] for v in act_qvars}
-    dynamic: set = set()
-    for var, value in pairs:
-        if any(u in dynamic or u in dynamic_roots for u in free_vars(value)):
-            dynamic.add(var)
-    # only what feeds an activation quantize is needed
-    needed = {v for v, _ in slice_bindings(pairs, sq_slot)}
-    prologue = [(v, e) for v, e in pairs if v in needed and v not in dynamic]
-    segs: list[_Segment] = []
-    for var, value in pairs:
-        if var not in needed or var not in dynamic:
-            continue
-        if var in sq_slot:
-            if not segs or (segs[-1].bindings and segs[-1].bindings[-1][0] not in sq_slot):
-                segs.append(_Segment(f"seg_{len(segs)}", []))
-            segs[-1].heads.append(sq_slot[var])
-        elif not segs:
-            segs.append(_Segment("seg_0", []))
-        segs[-1].bindings.append((var, value))
-    # inputs/outputs of every segment
-    defined_in = {}
-    for i, s in enumerate(segs):
-        for v, _ in s.bindings:
-            defined_in[v] = i
-    last_use: dict = {}
-    for i, s in enumerate(segs):
-        seen = []
-        for _, value in s.bindings:
-            for u in free_vars(value):
-                if defined_in.get(u) != i and not any(u.same_as(x) for x in seen):
-                    seen.append(u)
-                last_use[u] = i
-        s.inputs = seen
-    for i, s in enumerate(segs):
-        s.outputs = [v for v, _ in s.bindings if last_use.get(v, -1) > i]
-    prologue_vars = {v for v, _ in prologue}
-    prologue_out = [v for v in prologue_vars if any(v in s.inputs for s in segs)]
-    prologue_out.sort(key=lambda v: v.name)
-    return func, inputs, prologue, prologue_out, segs, last_use, sq_slot
 
 
 # ------------------------------------------------------------------- calibrate
@@ -322,87 +202,69 @@ def fit_bias_scales(sim: SimResult, result: dict[str, QParam]) -> list[str]:
     return changed
 
 
-def _calibrate_topological(sim, samples, weight_qp, config, target, stats) -> dict[str, QParam]:
-    func, inputs, prologue, prologue_out, segs, last_use, sq_slot = _plan(sim)
-    params_by_name = {p.name: p for p in func.params}
+def _static_values(sim: SimResult, plan: CalibrationPlan, weight_qp: dict) -> dict:
+    """key -> array: the weights and the weight qparams (inputs of the prologue)."""
     g = sim.graph
-    weight_vals = {}
-    for p in g.weight_params:
-        weight_vals[params_by_name[p.name]] = tvm.runtime.tensor(
-            np.ascontiguousarray(g.params[p.name])
-        )
-    qvals: dict = {}
+    static = {k: g.params[name] for k, name in plan.weight_keys.items()}
     for sid, qp in weight_qp.items():
-        s, z = sim.qparam_vars[sid]
-        qvals[params_by_name[s.name]] = tvm.runtime.tensor(qp.scale)
-        qvals[params_by_name[z.name]] = tvm.runtime.tensor(qp.zero_point)
-    pro_in = sorted(
-        {u for _, e in prologue for u in free_vars(e) if u in params_by_name.values()},
-        key=lambda v: v.name,
-    )
-    functions = {"prologue": make_function("prologue", pro_in, prologue, prologue_out)}
-    for s in segs:
-        functions[s.name] = make_function(s.name, s.inputs, s.bindings, s.outputs)
+        s_key, z_key = plan.qparam_keys[sid]
+        static[s_key], static[z_key] = qp.scale, qp.zero_point
+    return static
+
+
+def _merged(observers: list):
+    """One observer holding the exact merge of the shards' observers."""
+    first = observers[0]
+    for o in observers[1:]:
+        first.merge(o)
+    return first
+
+
+def choose_qparams(runners: list, slot: str, spec: QuantSpec) -> QParam:
+    """``slot``'s qparams from the merged statistics of every shard (a range pass first
+    for histogram calibrators): the only place activation qparams are chosen."""
+    cal = spec.calibrator
+    data_range = None
+    if getattr(cal, "needs_range", False):
+        data_range = _merged([r.range_observer(slot) for r in runners]).data_range()
+    return _merged([r.observer(slot, cal, data_range) for r in runners]).compute(spec)
+
+
+def run_plan(plan: CalibrationPlan, runners: list, specs: dict, config: Config) -> dict:
+    """The coordinator loop: for each segment, choose its heads' qparams from every
+    shard's statistics, then let every shard run it with them."""
+    result: dict[str, QParam] = {}
+    n = sum(r.n for r in runners)
+    bar = _progress(config, len(plan.segments) * n, "calibrating")
+    try:
+        for j, seg in enumerate(plan.segments):
+            chosen = {}
+            for sid in seg.heads:
+                qp = result[sid] = choose_qparams(runners, sid, specs[sid])
+                chosen[sid] = (qp.scale, qp.zero_point)
+            bar.set_postfix_str(",".join(seg.heads)[:40])
+            for r in runners:
+                r.run_segment(j, chosen, progress=lambda: bar.update(1))
+    finally:
+        bar.close()
+    return result
+
+
+def _calibrate_topological(sim, samples, weight_qp, config, target, stats) -> dict[str, QParam]:
+    plan, functions = build_plan(sim)
     t0 = time.perf_counter()
     vm = compile_vm(functions, target, sim.mod)
     stats["compile_s"] = time.perf_counter() - t0
-    stats["segments"] = len(segs)
-    run_s = observe_s = 0.0
-    static = dict(weight_vals)
-    static.update(qvals)
-    pro_vals = as_list(vm["prologue"](*[static[v] for v in pro_in]))
-    static.update(dict(zip(prologue_out, pro_vals, strict=True)))
-
-    cache = ValueCache(config.memory_budget_mb * 2**20, config.cache_dir)
-    result: dict[str, QParam] = {}
+    stats["segments"] = len(plan.segments)
+    budget = config.memory_budget_mb * 2**20
+    runner = ShardRunner(vm, plan, _static_values(sim, plan, weight_qp), budget, config.cache_dir)
     try:
-        for i, sample in enumerate(samples):
-            for v in inputs:
-                cache.put((v, i), sample[v.name])
-        n = samples.num_samples
-        sq_input = {}
-        value_of = {v: e for s in segs for v, e in s.bindings}
-        for var, sid in sq_slot.items():
-            sq_input[sid] = value_of[var].args[0]
-        bar = _progress(config, len(segs) * n, "calibrating")
-        for j, seg in enumerate(segs):
-            for sid in seg.heads:
-                t = sq_input[sid]
-                spec = sim.plan.specs[sid]
-
-                def batches(t=t):
-                    return (cache.get_numpy((t, i)) for i in range(n))
-
-                t1 = time.perf_counter()
-                qp = observe(spec, batches(), None, batches)
-                observe_s += time.perf_counter() - t1
-                result[sid] = qp
-                s, z = sim.qparam_vars[sid]
-                static[params_by_name[s.name]] = tvm.runtime.tensor(qp.scale)
-                static[params_by_name[z.name]] = tvm.runtime.tensor(qp.zero_point)
-            bar.set_postfix_str(",".join(seg.heads)[:40])
-            f = vm[seg.name]
-            t1 = time.perf_counter()
-            for i in range(n):
-                args = [static[v] if v in static else cache.get((v, i)) for v in seg.inputs]
-                outs = as_list(f(*args))
-                for v, o in zip(seg.outputs, outs, strict=True):
-                    cache.put((v, i), o)
-                bar.update(1)
-            run_s += time.perf_counter() - t1
-            for v in seg.inputs:
-                if last_use.get(v) == j and v not in static:
-                    for i in range(n):
-                        cache.drop((v, i))
-        bar.close()
-        stats.update(
-            run_s=run_s,
-            observe_s=observe_s,
-            cache_peak_mb=cache.peak / 2**20,
-            spilled_mb=cache.spilled / 2**20,
-        )
+        runner.load(samples)
+        runner.run_prologue()
+        result = run_plan(plan, [runner], sim.plan.specs, config)
+        stats.update(runner.stats, **runner.cache_stats())
     finally:
-        cache.close()
+        runner.close()
     missing = [s for s in sim.activation_slots() if s not in result]
     if missing:
         raise RuntimeError(f"internal error: activation slots {missing} were never calibrated")
@@ -435,15 +297,13 @@ def _calibrate_fp32(sim, samples, config, target, stats) -> dict[str, QParam]:
     specs = [sim.plan.specs[s] for s in slots]
     needs = [getattr(sp.calibrator, "needs_range", False) for sp in specs]
     ranges: list = [None] * len(slots)
-    if any(needs):
-        lo = [None] * len(slots)
-        hi = [None] * len(slots)
+    if any(needs):  # a first pass: the exact ranges the histogram bins are fixed on
+        first = [calibrators.range_observer(None) if nd else None for nd in needs]
         for outs in run(samples):
-            for k, x in enumerate(outs):
-                if needs[k]:
-                    lo[k] = x.min() if lo[k] is None else min(lo[k], x.min())
-                    hi[k] = x.max() if hi[k] is None else max(hi[k], x.max())
-        ranges = [(lo[k], hi[k]) if needs[k] else None for k in range(len(slots))]
+            for obs, x in zip(first, outs, strict=True):
+                if obs is not None:
+                    obs.update(x)
+        ranges = [None if obs is None else obs.data_range() for obs in first]
     observers = [
         sp.calibrator.observer(axis=None, data_range=r) for sp, r in zip(specs, ranges, strict=True)
     ]

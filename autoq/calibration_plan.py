@@ -1,0 +1,141 @@
+"""The plan of topological calibration: the simulated graph cut into segments.
+
+:func:`build_plan` cuts the simulated ``main`` into a **prologue** (everything that depends
+on weights and weight qparams only, computed once) and **segments**, one starting at each
+activation slot's ``qnn.simulated_quantize``, and works out which values each segment reads
+and writes and after which segment a value is no longer needed. It returns the plan as
+plain data (:class:`CalibrationPlan`: graph values are integer *keys*, slots are strings)
+plus the Relax functions to compile, so that the plan can be shipped to another process (a
+Dask worker, see :mod:`autoq.shard_runner`) with the compiled library.
+
+Keys: the simulated function's parameters are ``0 .. P-1`` in order, its bindings ``P + i``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tvm import relax
+
+from .simulate import SimResult
+from .toolkit import bindings, free_vars, make_function, slice_bindings
+
+__all__ = ["CalibrationPlan", "Segment", "build_plan"]
+
+
+@dataclass
+class Segment:
+    """``name`` (its compiled function), ``heads`` (the activation slots whose quantize
+    starts it: their qparams are chosen just before it runs), ``inputs``/``outputs`` (keys,
+    in the function's order) and ``drop`` (keys last read here: freed after it runs)."""
+
+    name: str
+    heads: list[str] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+    drop: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CalibrationPlan:
+    """Plain data describing a topological calibration (see the module docstring)."""
+
+    #: (model input name, key) in the model's input order
+    inputs: list[tuple[str, int]]
+    #: keys the prologue reads (weights, weight qparams) and writes
+    prologue_inputs: list[int]
+    prologue_outputs: list[int]
+    segments: list[Segment]
+    #: activation slot -> key of the float tensor its quantize reads
+    head_tensor: dict[str, int]
+    #: slot -> (scale key, zero point key) of its qparam inputs
+    qparam_keys: dict[str, tuple[int, int]]
+    #: key -> weight parameter name
+    weight_keys: dict[int, str]
+
+
+def _keys(func: relax.Function) -> tuple[dict, list]:
+    pairs = bindings(func)
+    key = {p: i for i, p in enumerate(func.params)}
+    key.update({v: len(func.params) + i for i, (v, _) in enumerate(pairs)})
+    return key, pairs
+
+
+def _cut(pairs, needed: set, dynamic: set, sq_slot: dict) -> list[tuple[Segment, list]]:
+    """Segments (with their bindings) of the needed dynamic bindings, a new one at every
+    run of activation quantizes."""
+    segs: list[tuple[Segment, list]] = []
+    for var, value in pairs:
+        if var not in needed or var not in dynamic:
+            continue
+        if var in sq_slot:
+            if not segs or (segs[-1][1] and segs[-1][1][-1][0] not in sq_slot):
+                segs.append((Segment(f"seg_{len(segs)}"), []))
+            segs[-1][0].heads.append(sq_slot[var])
+        elif not segs:
+            segs.append((Segment("seg_0"), []))
+        segs[-1][1].append((var, value))
+    return segs
+
+
+def _liveness(segs: list[tuple[Segment, list]]) -> tuple[list[list], list[list], dict]:
+    """Per segment: the vars it reads from outside (first-use order) and the vars it
+    defines that a later segment reads; and each var's last reading segment."""
+    defined_in = {v: i for i, (_, b) in enumerate(segs) for v, _ in b}
+    last_use: dict = {}
+    ins: list[list] = []
+    for i, (_, b) in enumerate(segs):
+        seen: list = []
+        for _, value in b:
+            for u in free_vars(value):
+                if defined_in.get(u) != i and not any(u.same_as(x) for x in seen):
+                    seen.append(u)
+                last_use[u] = i
+        ins.append(seen)
+    outs = [[v for v, _ in b if last_use.get(v, -1) > i] for i, (_, b) in enumerate(segs)]
+    return ins, outs, last_use
+
+
+def build_plan(sim: SimResult) -> tuple[CalibrationPlan, dict[str, relax.Function]]:
+    """The plan of ``sim``'s topological calibration and the functions to compile
+    (``prologue`` and one per segment)."""
+    func = sim.mod["main"]
+    key, pairs = _keys(func)
+    names = {p.name: p for p in func.params}
+    act_slots = sim.activation_slots()
+    inputs = [names[v.name] for v in sim.graph.inputs]
+    sq_slot = {sim.sq_vars[sid]: sid for sid in act_slots}
+    roots = set(inputs) | {names[v.name] for s in act_slots for v in sim.qparam_vars[s]}
+    dynamic: set = set()
+    for var, value in pairs:
+        if any(u in dynamic or u in roots for u in free_vars(value)):
+            dynamic.add(var)
+    needed = {v for v, _ in slice_bindings(pairs, sq_slot)}  # only what feeds a quantize
+    prologue = [(v, e) for v, e in pairs if v in needed and v not in dynamic]
+    segs = _cut(pairs, needed, dynamic, sq_slot)
+    ins, outs, last_use = _liveness(segs)
+    pro_vars = {v for v, _ in prologue}
+    pro_out = sorted((v for v in pro_vars if any(v in s for s in ins)), key=lambda v: v.name)
+    params = set(func.params)
+    pro_in = sorted({u for _, e in prologue for u in free_vars(e) if u in params}, key=key.get)
+    functions = {"prologue": make_function("prologue", pro_in, prologue, pro_out)}
+    static = (params - set(inputs)) | pro_vars  # never cached per sample
+    for i, (seg, b) in enumerate(segs):
+        functions[seg.name] = make_function(seg.name, ins[i], b, outs[i])
+        seg.inputs = [key[v] for v in ins[i]]
+        seg.outputs = [key[v] for v in outs[i]]
+        seg.drop = [key[v] for v in ins[i] if last_use.get(v) == i and v not in static]
+    value_of = dict(pairs)
+    weights = {p.name for p in sim.graph.weight_params}
+    plan = CalibrationPlan(
+        inputs=[(v.name, key[v]) for v in inputs],
+        prologue_inputs=[key[v] for v in pro_in],
+        prologue_outputs=[key[v] for v in pro_out],
+        segments=[s for s, _ in segs],
+        head_tensor={sid: key[value_of[var].args[0]] for var, sid in sq_slot.items()},
+        qparam_keys={
+            sid: (key[names[s.name]], key[names[z.name]]) for sid, (s, z) in sim.qparam_vars.items()
+        },
+        weight_keys={key[p]: p.name for p in func.params if p.name in weights},
+    )
+    return plan, functions
