@@ -276,125 +276,124 @@ class Analysis:
     def report(self) -> Report:
         """Run the analysis over the dataset (see the module docstring)."""
         t0 = time.perf_counter()
-        sim = self.sim
-        qp = self.qparams
-        nfp = len(self._fp_vars)
-        slot_alone = {s: ErrorStats() for s in self.act_slots}
-        slot_up = {s: ErrorStats() for s in self.act_slots}
-        slot_clip = dict.fromkeys(self.act_slots, 0)
-        slot_n = dict.fromkeys(self.act_slots, 0)
-        lay_alone = {p.name: ErrorStats() for p in self._plans}
-        lay_up = {p.name: ErrorStats() for p in self._plans}
-        acc_max = {p.name: 0.0 for p in self._plans if p.acc is not None}
-        acc_ovf = {p.name: 0 for p in self._plans if p.acc is not None}
-        acc_n = {p.name: 0 for p in self._plans if p.acc is not None}
-        lo, hi = P.qrange(self.accumulator)
-        out_err = ErrorStats()
+        tally = _Tally(self.act_slots, self._plans, P.qrange(self.accumulator))
         fp32_outs = []
-        fsim, ffp = self.vm["sim"], self.vm["fp32"]
-        n = 0
         for sample in self.samples:
-            n += 1
-            fo = as_list(ffp(*self._fp32_args(sample)))
-            fp_out = [o.numpy() for o in fo[: self.n_out]]
-            fp32_outs.append(fp_out[0] if self.n_out == 1 else fp_out)
-            fpv = dict(zip(self._fp_vars, fo[self.n_out : self.n_out + nfp], strict=True))
-            so = as_list(fsim(*self._sim_args(sample)))
-            k = self.n_out
-            for a, b in zip(fp_out, so[:k], strict=True):
-                out_err.add(a, b.numpy())
-            pre = so[k : k + len(self.act_slots)]
-            k += len(self.act_slots)
-            roots = so[k : k + len(self._plans)]
-            k += len(self._plans)
-            accs = so[k:]
-            for sid, pv in zip(self.act_slots, pre, strict=True):
-                ref = fpv[sim.plan.tensors[sid]].numpy()
-                dq, _ = fake_quant(ref, qp[sid])
-                slot_alone[sid].add(ref, dq)
-                dq, clipped = fake_quant(pv.numpy(), qp[sid])
-                slot_up[sid].add(ref, dq)
-                slot_clip[sid] += clipped
-                slot_n[sid] += dq.size
-            ai = 0
-            for p, rv in zip(self._plans, roots, strict=True):
-                ref = fpv[p.root].numpy()
-                lay_up[p.name].add(ref, rv.numpy())
-                if p.acc is not None:
-                    a = accs[ai].numpy()
-                    ai += 1
-                    acc_max[p.name] = max(acc_max[p.name], float(np.abs(a).max(initial=0.0)))
-                    acc_ovf[p.name] += int(np.count_nonzero((a > hi) | (a < lo)))
-                    acc_n[p.name] += a.size
-                args = [fpv[f[1]] if f[0] == "fp32" else self._param_value(f[1]) for f in p.feeds]
-                seg = as_list(self.vm[f"layer_{p.index}"](*args))
-                lay_alone[p.name].add(ref, seg[0].numpy())
+            fp32_outs.append(self._report_sample(sample, tally))
         self._fp32_outputs = fp32_outs
-        slots = []
-        for sid, info in sim.slots.items():
-            q = qp[sid]
-            if info.kind == "weight":
-                arr, _axis = sim.plan.weights[sid]
-                dq, clipped = fake_quant(arr, q)
-                e = ErrorStats()
-                e.add(arr, dq)
-                sa, ca, su, cu, clip, elems = (
-                    e.sqnr,
-                    e.cos,
-                    e.sqnr,
-                    e.cos,
-                    clipped / arr.size,
-                    arr.size,
-                )
-            else:
-                sa, ca = slot_alone[sid].sqnr, slot_alone[sid].cos
-                su, cu = slot_up[sid].sqnr, slot_up[sid].cos
-                elems = slot_n[sid]
-                clip = slot_clip[sid] / max(elems, 1)
-            slots.append(
-                SlotStats(
-                    slot=sid,
-                    kind=info.kind,
-                    layer=info.layer,
-                    dtype=q.dtype,
-                    scale=f32_list(q.scale),
-                    zero_point=q.zero_point.tolist(),  # as in QParam.to_json
-                    rmin=None if q.rmin is None else f32_list(q.rmin),
-                    rmax=None if q.rmax is None else f32_list(q.rmax),
-                    elements=int(elems),
-                    sqnr_alone=sa,
-                    cos_alone=ca,
-                    sqnr_upstream=su,
-                    cos_upstream=cu,
-                    clipped=float(clip),
-                )
-            )
-        layers = [
-            LayerStats(
-                layer=p.name,
-                pattern=p.pattern,
-                index=p.index,
-                slots=list(sim.layer_slots.get(p.name, [])),
-                elements=lay_up[p.name].n,
-                sqnr_alone=lay_alone[p.name].sqnr,
-                cos_alone=lay_alone[p.name].cos,
-                sqnr_upstream=lay_up[p.name].sqnr,
-                cos_upstream=lay_up[p.name].cos,
-                acc_max=acc_max.get(p.name),
-                acc_overflow=acc_ovf.get(p.name),
-                acc_elements=acc_n.get(p.name),
-            )
-            for p in self._plans
-        ]
+        slots = [self._slot_stats(sid, info, tally) for sid, info in self.sim.slots.items()]
+        layers = [tally.layer_stats(p, self.sim.layer_slots.get(p.name, [])) for p in self._plans]
         self.timings["report_s"] = time.perf_counter() - t0
         return Report(
             layers=layers,
             slots=slots,
-            output_sqnr=out_err.sqnr,
-            output_cos=out_err.cos,
+            output_sqnr=tally.output.sqnr,
+            output_cos=tally.output.cos,
             accumulator=self.accumulator,
-            samples=n,
+            samples=len(fp32_outs),
             meta={"timings": dict(self.timings)},
+        )
+
+    def _report_sample(self, sample, tally: _Tally):
+        """One sample's fp32 and simulated runs, added to ``tally``; its fp32 outputs."""
+        qp, nfp, n_out = self.qparams, len(self._fp_vars), self.n_out
+        fo = as_list(self.vm["fp32"](*self._fp32_args(sample)))
+        fp_out = [o.numpy() for o in fo[:n_out]]
+        fpv = dict(zip(self._fp_vars, fo[n_out : n_out + nfp], strict=True))
+        so = as_list(self.vm["sim"](*self._sim_args(sample)))
+        for a, b in zip(fp_out, so[:n_out], strict=True):
+            tally.output.add(a, b.numpy())
+        k = n_out + len(self.act_slots)
+        for sid, pv in zip(self.act_slots, so[n_out:k], strict=True):
+            tally.slot(sid, fpv[self.sim.plan.tensors[sid]].numpy(), pv.numpy(), qp[sid])
+        accs = iter(so[k + len(self._plans) :])
+        for p, rv in zip(self._plans, so[k : k + len(self._plans)], strict=True):
+            args = [fpv[f[1]] if f[0] == "fp32" else self._param_value(f[1]) for f in p.feeds]
+            alone = as_list(self.vm[f"layer_{p.index}"](*args))[0].numpy()
+            acc = next(accs).numpy() if p.acc is not None else None
+            tally.layer(p.name, fpv[p.root].numpy(), rv.numpy(), alone, acc)
+        return fp_out[0] if n_out == 1 else fp_out
+
+    def _slot_stats(self, sid: str, info, tally: _Tally) -> SlotStats:
+        q = self.qparams[sid]
+        if info.kind == "weight":
+            arr, _axis = self.sim.plan.weights[sid]
+            dq, clipped = fake_quant(arr, q)
+            e = ErrorStats()
+            e.add(arr, dq)
+            alone = up = e
+            clip, elems = clipped / arr.size, arr.size
+        else:
+            alone, up = tally.slot_alone[sid], tally.slot_up[sid]
+            elems = tally.slot_n[sid]
+            clip = tally.slot_clip[sid] / max(elems, 1)
+        return SlotStats(
+            slot=sid,
+            kind=info.kind,
+            layer=info.layer,
+            dtype=q.dtype,
+            scale=f32_list(q.scale),
+            zero_point=q.zero_point.tolist(),  # as in QParam.to_json
+            rmin=None if q.rmin is None else f32_list(q.rmin),
+            rmax=None if q.rmax is None else f32_list(q.rmax),
+            elements=int(elems),
+            sqnr_alone=alone.sqnr,
+            cos_alone=alone.cos,
+            sqnr_upstream=up.sqnr,
+            cos_upstream=up.cos,
+            clipped=float(clip),
+        )
+
+
+class _Tally:
+    """The report's streaming sums: per slot and layer, alone and upstream."""
+
+    def __init__(self, act_slots, plans, acc_range):
+        self.output = ErrorStats()
+        self.slot_alone = {s: ErrorStats() for s in act_slots}
+        self.slot_up = {s: ErrorStats() for s in act_slots}
+        self.slot_clip = dict.fromkeys(act_slots, 0)
+        self.slot_n = dict.fromkeys(act_slots, 0)
+        self.lay_alone = {p.name: ErrorStats() for p in plans}
+        self.lay_up = {p.name: ErrorStats() for p in plans}
+        accumulating = [p.name for p in plans if p.acc is not None]
+        self.acc_max = dict.fromkeys(accumulating, 0.0)
+        self.acc_ovf = dict.fromkeys(accumulating, 0)
+        self.acc_n = dict.fromkeys(accumulating, 0)
+        self.lo, self.hi = acc_range
+
+    def slot(self, sid: str, ref, pre, qp) -> None:
+        """``ref``: the fp32 tensor; ``pre``: the simulated graph's input to the quantize."""
+        dq, _ = fake_quant(ref, qp)
+        self.slot_alone[sid].add(ref, dq)
+        dq, clipped = fake_quant(pre, qp)
+        self.slot_up[sid].add(ref, dq)
+        self.slot_clip[sid] += clipped
+        self.slot_n[sid] += dq.size
+
+    def layer(self, name: str, ref, up, alone, acc) -> None:
+        self.lay_up[name].add(ref, up)
+        self.lay_alone[name].add(ref, alone)
+        if acc is not None:
+            self.acc_max[name] = max(self.acc_max[name], float(np.abs(acc).max(initial=0.0)))
+            self.acc_ovf[name] += int(np.count_nonzero((acc > self.hi) | (acc < self.lo)))
+            self.acc_n[name] += acc.size
+
+    def layer_stats(self, p: _LayerPlan, slots) -> LayerStats:
+        up, alone = self.lay_up[p.name], self.lay_alone[p.name]
+        return LayerStats(
+            layer=p.name,
+            pattern=p.pattern,
+            index=p.index,
+            slots=list(slots),
+            elements=up.n,
+            sqnr_alone=alone.sqnr,
+            cos_alone=alone.cos,
+            sqnr_upstream=up.sqnr,
+            cos_upstream=up.cos,
+            acc_max=self.acc_max.get(p.name),
+            acc_overflow=self.acc_ovf.get(p.name),
+            acc_elements=self.acc_n.get(p.name),
         )
 
 
