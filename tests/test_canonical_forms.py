@@ -162,4 +162,4 @@ def test_a_fallback_layer_stays_float_between_its_neighbours():
         "relax.matmul",
     ]  # fmt: skip
     w2_const = real["main"].body.blocks[0].bindings[-2].value.args[0]
-    np.testing.assert_array_equal(w2_const.data.numpy(), w2.astype(np.float32))
+    np.testing.assert_array_equal(w2_const.value.numpy(), w2.astype(np.float32))
