@@ -67,7 +67,9 @@ __all__ = [
     "UnsupportedOpsError",
     "from_onnx",
     "from_torch",
+    "load_onnx",
     "onnx_input_shapes",
+    "strip_fusion_prefix",
     "unsupported_onnx_ops",
 ]
 
@@ -105,7 +107,9 @@ _EXTERNAL_DATA_BYTES = 1 << 30
 # --------------------------------------------------------------------------------------------
 
 
-def _load_onnx(path_or_model):
+def load_onnx(path_or_model, caller: str = "from_onnx"):
+    """An ``onnx.ModelProto`` from a path, a ModelProto (copied: the caller's model is never
+    modified) or serialized bytes; ``caller`` names the public function in the errors."""
     import onnx
 
     if isinstance(path_or_model, onnx.ModelProto):
@@ -120,7 +124,7 @@ def _load_onnx(path_or_model):
             raise FileNotFoundError(f"no ONNX file at {str(path)!r}")
         return onnx.load(str(path))
     raise TypeError(
-        f"from_onnx takes a path, an onnx.ModelProto or bytes, got {type(path_or_model).__name__}"
+        f"{caller} takes a path, an onnx.ModelProto or bytes, got {type(path_or_model).__name__}"
     )
 
 
@@ -151,7 +155,7 @@ def _fmt_dims(dims) -> str:
 
 def onnx_input_shapes(path_or_model) -> dict[str, tuple]:
     """The declared shapes of an ONNX model's data inputs (symbolic dims as names or None)."""
-    model = _load_onnx(path_or_model)
+    model = load_onnx(path_or_model)
     return {i.name: tuple(_declared(i) or ()) for i in _data_inputs(model)}
 
 
@@ -296,7 +300,7 @@ def unsupported_onnx_ops(path_or_model) -> dict[str, list[str]]:
     """
     from tvm.relax.frontend.onnx import onnx_frontend
 
-    model = _load_onnx(path_or_model)
+    model = load_onnx(path_or_model)
     supported = set(onnx_frontend._get_convert_map()) | {"Constant", "If"}
     out: dict[str, list[str]] = {}
     for k, node in enumerate(_walk_nodes(model.graph)):
@@ -421,14 +425,20 @@ def _inline_non_weights(model) -> None:
     model.graph.node.extend(nodes + rest)
 
 
+def strip_fusion_prefix(name: str) -> str:
+    """An initializer name without the prefixes ONNX Runtime's fusions add
+    (``ConvAddFusion_Add_B_conv1.bias`` -> ``conv1.bias``)."""
+    while _ORT_FUSION_PREFIX.match(name):
+        name = _ORT_FUSION_PREFIX.sub("", name, count=1)
+    return name
+
+
 def _display_names(names: list[str]) -> dict[str, str]:
     """Undo ONNX Runtime's fusion prefixes when the original name is free."""
     taken = set(names)
     out = {}
     for n in names:
-        stripped = n
-        while _ORT_FUSION_PREFIX.match(stripped):
-            stripped = _ORT_FUSION_PREFIX.sub("", stripped, count=1)
+        stripped = strip_fusion_prefix(n)
         if stripped != n and stripped not in taken:
             taken.add(stripped)
             out[n] = stripped
@@ -595,7 +605,7 @@ def from_onnx(
         if verbose:
             print(f"[from_onnx] {step}: {time.perf_counter() - t0:.2f} s")
 
-    model = _load_onnx(path_or_model)
+    model = load_onnx(path_or_model)
     shapes = _resolve_shapes(model, input_shapes)
     _check_supported(model)
     _check_not_quantized(model, allow_quantized)

@@ -377,8 +377,11 @@ def realize(
     again; ``params`` is then ignored). ``rounding_points``: ``{tensor: QParam}`` for tensors
     (Vars of the prepared graph) that a pre-quantized source rounds: a binding outside the
     integer layers that reads one gets ``dequantize(quantize(tensor))`` with those qparams
-    (see :mod:`autoq.import_quantized`)."""
+    (see :mod:`autoq.import_quantized`); by default those ``model`` carries, if any (the
+    ``float_mod`` of an import report)."""
     config = config or Config()
+    if rounding_points is None:
+        rounding_points = getattr(model, "rounding_points", None)
     matched = as_matched(model, params, config)
     g = matched.graph
     matches = matched.active(config.fallback)
