@@ -44,6 +44,7 @@ from . import primitives as P
 from .build import default_target
 from .calibrate import calibrate, samples_for
 from .config import AutoFallback, Config
+from .exits import int32_carriers
 from .metrics import ErrorStats, fake_quant
 from .qparams import QParams, f32_list
 from .report import LayerStats, Report, SlotStats
@@ -78,6 +79,19 @@ class _LayerPlan:
     inputs: list  # segment function inputs (sim Vars / params)
     feeds: list  # for each input: ("fp32", orig var) or ("param", param var)
     outputs: list
+
+
+def _feeders(sim: SimResult) -> dict[str, list[str]]:
+    """Layer -> the layers whose int32 results it reads as activations."""
+    carriers = int32_carriers(sim.graph, sim.matches)
+    out: dict[str, list[str]] = {}
+    for m in sim.matches:
+        covered = set(m.covered)
+        for v in m.nodes.values():
+            p = carriers.get(v) if isinstance(v, relax.Var) and v not in covered else None
+            if p is not None and p.layer != m.layer and p.layer not in out.get(m.layer, []):
+                out.setdefault(m.layer, []).append(p.layer)
+    return out
 
 
 def _layer_plans(sim: SimResult) -> list[_LayerPlan]:
@@ -169,6 +183,8 @@ class Analysis:
         self._off = tvm.runtime.tensor(np.float32(0.0))
         self.act_slots = sim.activation_slots()
         self._plans = _layer_plans(sim)
+        #: layer -> the layers whose int32 result it reads (autoq.exits)
+        self.feeders = _feeders(sim)
         functions = self._functions()
         t1 = time.perf_counter()
         self.vm = compile_vm(functions, self.target, sim.mod)

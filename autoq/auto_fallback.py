@@ -2,9 +2,13 @@
 
 ``Config(fallback=AutoFallback(...))`` makes the pipeline (:class:`autoq.pipeline.Quantizer`)
 call :func:`auto_fallback` after calibration. :func:`search_fallback` ranks the layers by
-their "alone" SQNR (or, ``ranking="revert"``, by the metric with only that layer reverted to
-fp32), then switches off ``k = 0, 1, 2, ...`` of the most sensitive in the compiled
+their "alone" SQNR (or, ``ranking="revert"``, by the metric with that layer reverted to
+fp32), then switches off the most sensitive ones, one after the other, in the compiled
 simulated graph of an :class:`autoq.analysis.Analysis` until the metric meets the budget.
+Since every layer exits as int8 (:mod:`autoq.exits`), a layer kept in fp32 still reads the
+int8 output of a layer that feeds it an int32 result; so a layer goes to fp32 *with* those
+feeders (its group: ``c3`` with ``c2`` when ``c2``'s conv feeds ``c3``), and the budget
+``max_fp32_layers`` counts every layer of the groups.
 A trial is one run of that function over the calibration samples: no recalibration, no
 recompilation. The chosen layers become an ordinary ``Fallback(ids=...)`` (or int16
 overrides) with the calibrated qparams carried over (:func:`remap_qparams`).
@@ -164,6 +168,51 @@ def _evaluator(an: Analysis, fb: AutoFallback):
     )
 
 
+def _group(an: Analysis, layer: str) -> list[str]:
+    """``layer`` and the layers whose int32 result it reads: every layer exits as int8
+    (autoq.exits), so a layer in fp32 reads un-rounded inputs only if those go too."""
+    return [layer, *an.feeders.get(layer, [])]
+
+
+def _ranking(an: Analysis, report: Report, fb: AutoFallback, score, name: str, base: float):
+    if fb.ranking != "revert":
+        return [
+            {
+                "layer": s.layer,
+                "score": s.sqnr_alone,
+                "reason": f"SQNR {fmt_db(s.sqnr_alone)} dB when only this layer is quantized "
+                f"(cos {s.cos_alone:.5f}); {fmt_db(s.sqnr_upstream)} dB with everything upstream",
+            }
+            for s in report.ranked()
+        ]
+    scored = [(s, score(_group(an, s.layer))) for s in report.layers]
+    scored.sort(key=lambda t: (-sort_key(t[1]), t[0].index))  # most improvement first
+    return [
+        {
+            "layer": s.layer,
+            "score": v,
+            "reason": f"{name} {fmt_db(v)} with {' + '.join(_group(an, s.layer))} in fp32 "
+            f"(all int8: {fmt_db(base)}; its own SQNR {fmt_db(s.sqnr_alone)} dB)",
+        }
+        for s, v in scored
+    ]
+
+
+def _steps(an: Analysis, order: list[str], cap: int) -> list[list[str]]:
+    """The fp32 sets tried: the ranked layers' groups added one by one, at most ``cap``
+    layers."""
+    steps, chosen = [], []
+    for layer in order:
+        new = [x for x in _group(an, layer) if x not in chosen]
+        if not new:
+            continue
+        if len(chosen) + len(new) > cap:
+            continue  # too big for what is left of the budget: try the next one
+        chosen = chosen + new
+        steps.append(list(chosen))
+    return steps
+
+
 def search_fallback(
     an: Analysis, fb: AutoFallback, report: Report | None = None
 ) -> FallbackDecision:
@@ -179,48 +228,21 @@ def search_fallback(
         return v
 
     base = trial([])
-    if fb.ranking == "revert":
-        scored = []
-        for s in report.layers:
-            v = score([s.layer])
-            scored.append((s, v))
-        # most improvement first (higher metric when reverted)
-        scored.sort(key=lambda t: (-sort_key(t[1]), t[0].index))
-        ranking = [
-            {
-                "layer": s.layer,
-                "score": v,
-                "reason": f"{name} {fmt_db(v)} with this layer alone in fp32 "
-                f"(all int8: {fmt_db(base)}; its own SQNR {fmt_db(s.sqnr_alone)} dB)",
-            }
-            for s, v in scored
-        ]
-    else:
-        ranking = [
-            {
-                "layer": s.layer,
-                "score": s.sqnr_alone,
-                "reason": f"SQNR {fmt_db(s.sqnr_alone)} dB when only this layer is quantized "
-                f"(cos {s.cos_alone:.5f}); {fmt_db(s.sqnr_upstream)} dB with everything upstream",
-            }
-            for s in report.ranked()
-        ]
-    order = [r["layer"] for r in ranking]
-    # k: the chosen number of fp32 layers (the first within budget, else the best trial)
-    k, value, met = 0, base, within(base)
+    ranking = _ranking(an, report, fb, score, name, base)
+    # the chosen fp32 set: the first within budget, else the best trial
+    layers, value, met = [], base, within(base)
     if not met:
-        for n in range(1, min(fb.max_fp32_layers, len(order)) + 1):
-            v = trial(order[:n])
+        for step in _steps(an, [r["layer"] for r in ranking], fb.max_fp32_layers):
+            v = trial(step)
             if within(v):
-                k, value, met = n, v, True
+                layers, value, met = step, v, True
                 break
             if sort_key(v) > sort_key(value):
-                k, value = n, v
-    layers = order[:k]
+                layers, value = step, v
     if not met:
         warnings.warn(
             f"AutoFallback: {budget} not reached with up to {fb.max_fp32_layers} fp32 layers; "
-            f"using the best trial ({k} layers, {name} {fmt_db(value)})",
+            f"using the best trial ({len(layers)} layers, {name} {fmt_db(value)})",
             stacklevel=2,
         )
     return FallbackDecision(

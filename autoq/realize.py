@@ -29,6 +29,7 @@ from . import primitives as P
 from . import qnn
 from .allow_list import ALLOW_LIST, AllowRule, Grid, grid_point
 from .config import Config
+from .exits import exit_tensors
 from .graph import Graph
 from .matching import as_matched
 from .qparams import QParam, QParams
@@ -82,6 +83,7 @@ class RealizeContext:
         qparams: QParams,
         matches: list[Match],
         rounding_points: dict | None = None,
+        exits: dict | None = None,
     ):
         self.g, self.config, self.qparams = g, config, qparams
         self.rounding = config.rounding
@@ -93,6 +95,8 @@ class RealizeContext:
         self.warnings: list[str] = []
         self._points = dict(rounding_points or {})
         self._rounded: dict = {}
+        #: tensor -> producing layer, for the exit slots (see autoq.exits)
+        self.exits = dict(exits or {})
 
     def emit(self, expr, name: str | None = None) -> relax.Var:
         return self.writer.emit(expr, name or "")
@@ -101,18 +105,37 @@ class RealizeContext:
         return remap_expr(expr, self.vmap)
 
     def copy(self, expr) -> relax.Expr:
-        """A binding outside every match, its operands mapped; an operand that is a rounding
-        point (see :func:`realize`) is read through its quantize -> dequantize pair."""
+        """A binding outside every match, its operands mapped: an operand with an exit slot
+        is read through it, one that is a rounding point (see :func:`realize`) through its
+        quantize -> dequantize pair."""
         local = dict(self.vmap)
         for u in free_vars(expr):
-            if u in self._points:
-                if u not in self._rounded:
-                    qp = self._points[u]
-                    s, z = const(qp.scale, "float32"), const(qp.zero_point, "int32")
-                    q = self.emit(qnn.quantize(self.value(u), s, z, out_dtype=qp.dtype))
-                    self._rounded[u] = self.emit(qnn.dequantize(q, s, z))
-                local[u] = self._rounded[u]
+            if u in self.exits:
+                local[u] = self.exit_real(u)
+            elif u in self._points:
+                local[u] = self._rounding_point(u)
         return remap_expr(expr, local)
+
+    def copy_result(self, expr) -> relax.Expr:
+        """The function's result: outputs with an exit slot are read through it."""
+        local = {u: self.exit_real(u) for u in free_vars(expr) if u in self.exits}
+        return remap_expr(expr, {**self.vmap, **local})
+
+    def exit_real(self, var) -> relax.Expr:
+        """``dequantize(quantize(var))`` with ``var``'s exit slot (autoq.exits)."""
+        prev, self.match = self.match, self.exits[var]
+        try:
+            return self.activation(var).real
+        finally:
+            self.match = prev
+
+    def _rounding_point(self, u) -> relax.Expr:
+        if u not in self._rounded:
+            qp = self._points[u]
+            s, z = const(qp.scale, "float32"), const(qp.zero_point, "int32")
+            q = self.emit(qnn.quantize(self.value(u), s, z, out_dtype=qp.dtype))
+            self._rounded[u] = self.emit(qnn.dequantize(q, s, z))
+        return self._rounded[u]
 
     @property
     def layer(self) -> str:
@@ -368,6 +391,7 @@ def realize(
     config: Config | None = None,
     *,
     rounding_points: dict | None = None,
+    exits: bool | None = None,
 ) -> tvm.IRModule:
     """The int8 module for ``model`` with ``qparams`` (from :func:`autoq.calibrate` or
     :func:`autoq.load_qparams`), using the same patterns and fallback as ``config``.
@@ -378,14 +402,19 @@ def realize(
     (Vars of the prepared graph) that a pre-quantized source rounds: a binding outside the
     integer layers that reads one gets ``dequantize(quantize(tensor))`` with those qparams
     (see :mod:`autoq.import_quantized`); by default those ``model`` carries, if any (the
-    ``float_mod`` of an import report)."""
+    ``float_mod`` of an import report). ``exits``: give every int32 result that a float op
+    reads its exit slot (:mod:`autoq.exits`), as :func:`autoq.simulate` does; default: yes,
+    unless there are rounding points (a pre-quantized file fixes its own rounding)."""
     config = config or Config()
     if rounding_points is None:
         rounding_points = getattr(model, "rounding_points", None)
+    if exits is None:
+        exits = getattr(model, "exits", not rounding_points)
     matched = as_matched(model, params, config)
     g = matched.graph
     matches = matched.active(config.fallback)
-    ctx = RealizeContext(g, config, qparams, matches, rounding_points)
+    exit_map = exit_tensors(g, matches, config.int8_outputs) if exits else None
+    ctx = RealizeContext(g, config, qparams, matches, rounding_points, exit_map)
     func = build_function(g, ctx, matches, "realize")
     out = propagate(with_main(g.module, func), config.rounding)
     func = out["main"]

@@ -50,6 +50,9 @@ class Pattern:
     #: named part whose binding id names the layer when there is no weight name
     anchor: str = "root"
     doc: str = ""
+    #: the realized result is already int8 (own output qparams, e.g. qnn.add); otherwise it
+    #: is an int32 accumulator and gets an exit slot where a float op reads it (autoq.exits)
+    int8_output: bool = False
 
 
 @dataclass

@@ -32,11 +32,12 @@ from tvm import relax
 
 from . import qnn
 from .config import Config, QuantSpec, compile_rule
+from .exits import exit_tensors, int32_carriers
 from .graph import Graph, WeightRef
 from .matching import Matched, as_matched, closest
 from .qparams import SlotInfo
 from .registry import Match, slot_id_of
-from .toolkit import BindingWriter, const, is_call, remap_expr, shape_of, with_main
+from .toolkit import BindingWriter, const, free_vars, is_call, remap_expr, shape_of, with_main
 
 __all__ = ["SimContext", "SimResult", "SlotPlan", "simulate"]
 
@@ -94,8 +95,19 @@ def _with_switch(call, enable) -> relax.Expr:
 class SimContext:
     """What a pattern's ``simulate`` callback can ask for (see autoq.registry)."""
 
-    def __init__(self, g: Graph, config: Config, matches: list[Match], switches: bool = False):
+    def __init__(
+        self,
+        g: Graph,
+        config: Config,
+        matches: list[Match],
+        switches: bool = False,
+        exits: dict | None = None,
+    ):
         self.g, self.config = g, config
+        #: tensor -> producing layer, for the exit slots (see autoq.exits)
+        self.exits = dict(exits or {})
+        #: tensors carrying a layer's int32 result -> that layer (switch mode, see below)
+        self.carriers = int32_carriers(g, matches) if switches else {}
         self.switches = switches
         #: layer -> its ``<layer>.enable`` parameter (switch mode only)
         self.switch_vars: dict[str, relax.Var] = {}
@@ -113,16 +125,26 @@ class SimContext:
         self._consumer: dict[str, str] = {}
 
     # ---- generic
-    def emit(self, expr, name: str | None = None) -> relax.Var:
+    def emit(self, expr, name: str | None = None, switch=None) -> relax.Var:
         if self.switches and self.match is not None and _is_unswitched_sq(expr):
-            expr = _with_switch(expr, self._switch())
+            expr = _with_switch(expr, switch if switch is not None else self._switch())
         return self.writer.emit(expr, name or "")
 
-    def _switch(self) -> relax.Var:
-        layer = self.layer
+    def _switch(self, layer: str | None = None) -> relax.Var:
+        layer = layer or self.layer
         if layer not in self.switch_vars:
             self.switch_vars[layer] = relax.Var(f"{layer}.enable", relax.TensorType([], "float32"))
         return self.switch_vars[layer]
+
+    def _input_switch(self, expr):
+        """The switch of this layer's quantize of ``expr``: its own, or, when ``expr`` is
+        another layer's int32 result, on while either layer is on (that layer exits as
+        int8 even into a layer kept in fp32: see autoq.exits)."""
+        producer = self.carriers.get(expr)
+        if producer is None or producer.layer == self.layer:
+            return None
+        both = relax.op.maximum(self._switch(producer.layer), self._switch())
+        return self.writer.emit(both, f"{self.layer}.enable_{producer.layer}")
 
     def _uses(self, sid: str) -> None:
         if self.match is not None:
@@ -135,8 +157,21 @@ class SimContext:
         return remap_expr(expr, self.vmap)
 
     def copy(self, expr) -> relax.Expr:
-        """A binding outside every match, its operands mapped."""
-        return remap_expr(expr, self.vmap)
+        """A binding outside every match (or the function's result), its operands mapped;
+        an operand with an exit slot is read quantized-dequantized (see autoq.exits)."""
+        local = {u: self.exit_real(u) for u in free_vars(expr) if u in self.exits}
+        return remap_expr(expr, {**self.vmap, **local})
+
+    copy_result = copy
+
+    def exit_real(self, var) -> relax.Expr:
+        """The exit slot's dequantized value of ``var`` (its slot belongs to the layer that
+        produced it: that layer's spec, switch and slot list)."""
+        prev, self.match = self.match, self.exits[var]
+        try:
+            return self.activation(var).real
+        finally:
+            self.match = prev
 
     @property
     def layer(self) -> str:
@@ -176,6 +211,7 @@ class SimContext:
                 q = self.emit(
                     qnn.simulated_quantize(self.value(expr), s, z, dtype=dtype),
                     f"{sid}.q_{self.layer}",
+                    switch=self._input_switch(expr),
                 )
                 self._acts[key] = _LazyQ(self, q, s, z)
             return self._acts[key]
@@ -185,7 +221,11 @@ class SimContext:
         s, z = self._new_slot(
             sid, "activation", spec, None, None, None, shape_of(expr), self.match.pattern.name
         )
-        q = self.emit(qnn.simulated_quantize(self.value(expr), s, z, dtype=spec.dtype), f"{sid}.q")
+        q = self.emit(
+            qnn.simulated_quantize(self.value(expr), s, z, dtype=spec.dtype),
+            f"{sid}.q",
+            switch=self._input_switch(expr) if self.switches else None,
+        )
         self.plan.tensors[sid] = expr
         self.sq_vars[sid] = q
         handle = _LazyQ(self, q, s, z)
@@ -315,11 +355,12 @@ def build_function(
             else:
                 nv = ctx.emit(ctx.copy(value), var.name)
             ctx.vmap[var] = nv
+        result = ctx.copy_result(g.output)  # (may create exit slots: before the params)
     except BaseException:
         ctx.writer.abandon()
         raise
     params = list(g.inputs) + list(g.weight_params) + list(extra_params())
-    func = ctx.writer.finish(params, remap_expr(g.output, ctx.vmap))
+    func = ctx.writer.finish(params, result)
     return func.with_attr("global_symbol", "main")
 
 
@@ -328,13 +369,17 @@ def simulate(
     params: dict | None = None,
     config: Config | None = None,
     switches: bool = False,
+    *,
+    exits: bool = True,
 ) -> SimResult:
     """Rewrite ``model`` into its simulated-quantized form (see the module docstring).
 
     ``model``: the fp32 ``IRModule`` (matched here) or its :class:`autoq.matching.Matched`
     (reused: nothing is matched again). ``switches=True`` adds a runtime ``<layer>.enable``
     input per layer (module docstring); slots, qparam inputs and, with every switch at 1,
-    all values are those of the default graph."""
+    all values are those of the default graph. ``exits``: give every int32 result a float
+    op reads an exit slot (:mod:`autoq.exits`; off for a pre-quantized file, which fixes
+    its own rounding points)."""
     config = config or Config()
     matched = as_matched(model, params, config)
     g = matched.graph
@@ -342,7 +387,13 @@ def simulate(
         raise ValueError("the model has no data inputs (every parameter is in params)")
     matches = matched.active(config.fallback)
     _validate_overrides(config, matches)
-    ctx = SimContext(g, config, matches, switches=switches)
+    ctx = SimContext(
+        g,
+        config,
+        matches,
+        switches,
+        exit_tensors(g, matches, config.int8_outputs) if exits else None,
+    )
 
     def qparam_inputs():
         qvars = [v for pair in ctx.qparam_vars.values() for v in pair]

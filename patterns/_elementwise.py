@@ -48,4 +48,7 @@ def make(kind: str, doc: str = "") -> Pattern:
         )  # fmt: skip
         return ctx.output(y)
 
-    return Pattern(kind, 1, build, check, simulate, realize, weight=None, anchor="root", doc=doc)
+    return Pattern(
+        kind, 1, build, check, simulate, realize, weight=None, anchor="root", doc=doc,
+        int8_output=True,
+    )  # fmt: skip

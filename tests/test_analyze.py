@@ -249,11 +249,14 @@ def test_autofallback_keeps_exactly_the_outlier_layer_in_fp32():
         mod, params, data, cfg(fallback=AutoFallback(min_sqnr=38.0)), target=TARGET
     )
     d = decision_of(out)
-    assert d.layers == ["c3"] and d.precision == "fp32" and d.met
+    # c3 (whose input holds the outlier channel) ranks first; since every layer exits as
+    # int8 (autoq.exits), c3 in fp32 still reads c2's int8 output: the outlier's producer
+    # c2 must go to fp32 too, and the search finds exactly that pair
+    assert d.layers == ["c3", "c2"] and d.precision == "fp32" and d.met
     assert d.ranking[0]["layer"] == "c3" and "SQNR" in d.ranking[0]["reason"]
-    assert [t["k"] for t in d.trials] == [0, 1]
+    assert [t["layers"] for t in d.trials] == [[], ["c3", "c2"]]
     assert d.trials[0]["metric"] < 38.0 <= d.trials[1]["metric"] == d.metric
-    assert count_ops(plain, "qnn.conv2d") == 4 and count_ops(out, "qnn.conv2d") == 3
+    assert count_ops(plain, "qnn.conv2d") == 4 and count_ops(out, "qnn.conv2d") == 2
     # the realized module is what the trial measured, and much closer to fp32
     fp, q0, q1 = Runner(mod, params), Runner(plain), Runner(out)
     ref = np.stack([fp(x) for x in test])
@@ -264,7 +267,8 @@ def test_autofallback_keeps_exactly_the_outlier_layer_in_fp32():
     assert got == pytest.approx(d.metric, abs=0.05)
     # the qparams attached are those of the realized model (c3's input slot is gone)
     qp = autoq.QParams.loads(str(out.attrs["autoq.qparams"]))
-    assert "relu_1" not in qp and "c3.weight" not in qp and "relu_2" in qp
+    assert "relu_1" not in qp and "c3.weight" not in qp and "c2.weight" not in qp
+    assert "relu_2" in qp
 
 
 def test_autofallback_within_budget_keeps_everything_int8_and_respects_the_cap():
@@ -285,10 +289,12 @@ def test_autofallback_within_budget_keeps_everything_int8_and_respects_the_cap()
     assert d.layers == [] and d.met and len(d.trials) == 1
     with pytest.warns(UserWarning, match="not reached"):
         d = search_fallback(an, AutoFallback(min_sqnr=500.0, max_fp32_layers=2), rep)
-    assert not d.met and len(d.layers) <= 2 and len(d.trials) == 3
-    # "revert" ranking: one trial per layer, c3 still first
+    # trials: all int8, then c3 with c2 (its int32 feeder): the cap of 2 layers stops there
+    assert not d.met and len(d.layers) <= 2 and [len(t["layers"]) for t in d.trials] == [0, 2]
+    # "revert" ranking: one trial per layer (with the layers feeding it int32 results), c3
+    # (with c2) still first
     d = search_fallback(an, AutoFallback(min_sqnr=38.0, ranking="revert"), rep)
-    assert d.ranking[0]["layer"] == "c3" and d.layers == ["c3"]
+    assert d.ranking[0]["layer"] == "c3" and d.layers == ["c3", "c2"]
 
 
 HELD_OUT = None
@@ -429,12 +435,15 @@ def test_autofallback_may_choose_int16():
         target=TARGET,
     )
     d = decision_of(out)
-    assert d.layers == ["c3"] and d.precision == "int16" and d.met
+    # c3 with its int32 feeder c2 (see test_autofallback_keeps_exactly_the_outlier_layer...)
+    assert d.layers == ["c3", "c2"] and d.precision == "int16" and d.met
     assert d.int16_metric == d.metric >= 38.0
     assert [t.get("precision", "fp32") for t in d.trials] == ["fp32", "fp32", "int16"]
     assert count_ops(out, "qnn.conv2d") == 4
     qp = autoq.QParams.loads(str(out.attrs["autoq.qparams"]))
-    assert qp["relu_1"].dtype == "int16" and qp["relu_2"].dtype == "int8"
+    # the inputs of c3 and c2 in int16 (c2 writes c3's input: its requantize goes to int16)
+    assert qp["relu_1"].dtype == "int16" and qp["relu_0"].dtype == "int16"
+    assert qp["relu_2"].dtype == "int8"
     # the int16 trial's number is what the realized module computes
     fp, q = Runner(mod, params), Runner(out)
     assert sqnr_db([fp(x) for x in data], [q(x) for x in data]) == pytest.approx(d.metric, abs=0.05)

@@ -130,11 +130,10 @@ def test_global_average_pool_is_an_integer_sum_with_the_scale_divided_by_n():
     same(real, expected_module({"x": (1, 2, 3, 3)}, body_expected))
 
 
-def test_a_fallback_layer_stays_float_between_its_neighbours():
-    """relu(fc1(x)) -> fc2 with fc2 kept in fp32: fc2 reads the dequantized output of fc1;
-    no quantize of a constant appears and fc2's weight stays a float constant. (Today fc1's
-    int32 accumulator leaves the layer through dequantize with the relu on int32; the
-    accelerator-ready form requantizes it to an int8 slot first.)"""
+def test_a_fallback_layer_reads_the_int8_exit_of_its_int32_producer():
+    """relu(fc1(x)) -> fc2 with fc2 kept in fp32: fc1's int32 accumulator is requantized to
+    int8 (relu's exit slot, zero point -128: the relu disappears) before fc2 reads it
+    dequantized (autoq.exits); fc2's weight stays a float constant."""
     b = Builder(0)
     x = b.input("x", (1, 2))
     w1 = np.array([[1.0, -1.0], [0.5, 0.25]])
@@ -150,16 +149,27 @@ def test_a_fallback_layer_stays_float_between_its_neighbours():
     mod, params = b.build(body)
     cfg = Config(progress=False, fallback=Fallback(ids=("fc2",)))
     s_w = np.array([1 / 127, 0.5 / 127], np.float32)
-    chosen = {"x": pt(0.1, 0), "fc1.weight": QParam(s_w, np.zeros(2, np.int32), "int8", axis=1)}
+    chosen = {
+        "x": pt(0.1, 0),
+        "fc1.weight": QParam(s_w, np.zeros(2, np.int32), "int8", axis=1),
+        "relu_0": pt(0.02, -128),
+    }
     real = realize(mod, params, hand_qparams(mod, params, cfg, chosen), cfg)
-    seq = [
-        (b.value.op.name if isinstance(b.value, relax.Call) else type(b.value).__name__)
-        for blk in real["main"].body.blocks
-        for b in blk.bindings
-    ]
-    assert seq == [
-        "qnn.quantize", "qnn.dense", "relax.maximum", "qnn.dequantize", "relax.permute_dims",
-        "relax.matmul",
-    ]  # fmt: skip
-    w2_const = real["main"].body.blocks[0].bindings[-2].value.args[0]
-    np.testing.assert_array_equal(w2_const.value.numpy(), w2.astype(np.float32))
+    s_acc = (np.float32(0.1) * s_w).astype(np.float32)
+    w1_int8 = np.clip(np.rint(w1.astype(np.float32) / s_w[:, None]), -127, 127).astype(np.int8)
+
+    def body_expected(bb, x):
+        qx = bb.emit(qnn.quantize(x, c(0.1, F32), c(0, "int32"), out_dtype="int8"))
+        acc = bb.emit(
+            qnn.dense(qx, c(w1_int8, "int8"), c(0.1, F32), c(0, "int32"), c(s_w, F32),
+                      c(np.zeros(2), "int32"))
+        )  # fmt: skip
+        wt = bb.emit(relax.op.permute_dims(c(w2, F32), [1, 0]))  # (fc2 runs in fp32)
+        q = bb.emit(
+            qnn.requantize(acc, c(s_acc, F32), c(np.zeros(2), "int32"), c(0.02, F32),
+                           c(-128, "int32"), axis=1, out_dtype="int8")
+        )  # fmt: skip
+        h = bb.emit(qnn.dequantize(q, c(0.02, F32), c(-128, "int32")))
+        return relax.op.matmul(h, wt)
+
+    same(real, expected_module({"x": (1, 2)}, body_expected))

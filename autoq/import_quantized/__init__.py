@@ -91,11 +91,13 @@ def _layers(
     """Stage 4: match once, decide the fallback in one pass, find the rounding points."""
     matched = match(mod, params, config)  # the only pattern matching of this import
     view = FileView(Tensors(matched.graph, names, split), bind_params(split, params))
-    sim = simulate(matched, None, config)
+    sim = simulate(matched, None, config, exits=False)
     report.fallback = fallback_reasons(view, sim)
     cfg = merge_fallback(config, report.fallback)
     if report.fallback:
-        sim = simulate(matched, None, cfg)  # the same matches, filtered: slots without them
+        sim = simulate(
+            matched, None, cfg, exits=False
+        )  # the same matches, filtered: slots without them
     report.layers = {m.layer: m.pattern.name for m in sim.matches}
     report.float_ops = float_ops(view, sim)
     return FloatModel(matched, rounding_points(view, sim.matches)), view, sim, cfg

@@ -47,6 +47,8 @@ class FloatModel:
 
     matched: Matched
     rounding_points: dict[relax.Var, QParam] = field(default_factory=dict)
+    #: the file fixes every rounding point: no exit slots of autoq's own (autoq.exits)
+    exits: bool = False
 
     @property
     def mod(self) -> tvm.IRModule:
@@ -56,7 +58,9 @@ class FloatModel:
 
 def realize_file(model: FloatModel, qparams: QParams, config: Config) -> tvm.IRModule:
     """``realize`` of the file's float model with its qparams (outputs not restored yet)."""
-    return realize(model.matched, None, qparams, config, rounding_points=model.rounding_points)
+    return realize(
+        model.matched, None, qparams, config, rounding_points=model.rounding_points, exits=False
+    )
 
 
 def _is_unit_dequantize(e) -> bool:
