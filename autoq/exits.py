@@ -69,7 +69,7 @@ def exit_tensors(g: Graph, matches: list[Match], outputs: bool = False) -> dict[
     covered = {v for m in matches for v in m.covered}
     out_vars = set(g.output_vars()) if outputs else set()
     exits: dict[relax.Var, Match] = {}
-    for var, value in g.bindings:
+    for var, _ in g.bindings:
         if var not in carrier:
             continue
         for user in g.users.get(var, []):
