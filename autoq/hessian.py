@@ -150,13 +150,14 @@ class Hessian:
     >>> h.matrix()[0]          # 2/2 * [[1+1, 0+2], [0+2, 0+4]]
     array([[2., 2.],
            [2., 4.]])
-    >>> h.rows
-    2
+    >>> h.rows, h.mean()[0].tolist()
+    (2, [1.0, 1.0])
     """
 
     def __init__(self, groups: int, size: int, geom: ConvGeometry | None = None):
         self.geom = geom
         self.sum = np.zeros((groups, size, size), np.float64)
+        self.row_sum = np.zeros((groups, size), np.float64)
         self.rows = 0
 
     @classmethod
@@ -184,13 +185,23 @@ class Hessian:
     def update(self, x: np.ndarray) -> None:
         rows = self.rows_of(x)
         self.sum += np.matmul(rows.transpose(0, 2, 1), rows)
+        self.row_sum += rows.sum(axis=1)
         self.rows += rows.shape[1]
 
     def matrix(self) -> np.ndarray:
         """``(G, K, K)`` float64; raises before any update."""
+        self._check()
+        return 2.0 * self.sum / self.rows
+
+    def mean(self) -> np.ndarray:
+        """``(G, K)``: the mean input row (patch), so that ``W_flat @ mean`` is the mean
+        output per channel without bias (what bias correction needs)."""
+        self._check()
+        return self.row_sum / self.rows
+
+    def _check(self) -> None:
         if self.rows == 0:
             raise ValueError("no data: call update() with the layer's inputs first")
-        return 2.0 * self.sum / self.rows
 
 
 def output_error(dw: np.ndarray, h: np.ndarray) -> np.ndarray:

@@ -72,6 +72,9 @@ def test_output_error_is_the_conv_output_mse(name):
     ref = 2.0 / rows * (y**2).sum(axis=(0, 2, 3))
     np.testing.assert_allclose(err, ref, rtol=1e-10)
     assert h.rows == rows
+    # the mean patch gives the mean output of each channel
+    mean_out = np.einsum("gok,gk->go", flatten_conv_weight(dw, geom.groups), h.mean()).reshape(-1)
+    np.testing.assert_allclose(mean_out, y.mean(axis=(0, 2, 3)), rtol=1e-9, atol=1e-15)
 
 
 def test_dense_hessian_and_errors():
