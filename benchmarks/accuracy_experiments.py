@@ -117,19 +117,23 @@ def round_layer(w, groups, h, scale, method: str):
     return gptq(wf, h.matrix(), scale, act_order=method == "gptq_act").q.reshape(w.shape)
 
 
-def weight_variants(path, layers, hs):
+VARIANTS = ("rtn", "search", "gptq", "gptq_act", "search+gptq_act")
+
+
+def weight_variants(path, layers, hs, names=VARIANTS):
     """name -> {weight name: (int weights, scale)} for the weight-rounding variants."""
     from autoq.scale_search import search_scales
 
     ws = A.conv_weights(path)
     searched = {}
+    t_search = time.perf_counter()
     for ly in layers:
         w, g = ws[ly.weight]
         searched[ly.weight] = search_scales(
             w.reshape(g, w.shape[0] // g, -1), hs[ly.weight].matrix()
         ).scale
     variants = {}
-    timings = {}
+    timings = {"search": time.perf_counter() - t_search}
     for name, method, scales in [
         ("rtn", "rtn", None),
         ("search", "rtn", searched),
@@ -137,6 +141,8 @@ def weight_variants(path, layers, hs):
         ("gptq_act", "gptq_act", None),
         ("search+gptq_act", "gptq_act", searched),
     ]:
+        if name not in names:
+            continue
         t0 = time.perf_counter()
         out = {}
         for ly in layers:
@@ -144,7 +150,7 @@ def weight_variants(path, layers, hs):
             s = A.max_scales(w) if scales is None else scales[ly.weight]
             out[ly.weight] = (round_layer(w, g, hs[ly.weight], s, method), s)
         variants[name] = out
-        timings[name] = time.perf_counter() - t0
+        timings[name] = time.perf_counter() - t0 + (timings["search"] if scales else 0.0)
     return variants, timings
 
 
@@ -174,8 +180,18 @@ def bias_corrected(path, layers, hs, ints, input_scales) -> dict[str, np.ndarray
     return out
 
 
-def _layer_of(weight_name: str) -> str:
-    return weight_name[: -len(".weight")]
+def _keep_widened(q, s, calibrated, w):
+    """Channels whose scale calibration widened (dead filters with a large bias, see
+    ``calibrate.fit_bias_scales``) keep that scale, rounded to nearest."""
+    from autoq.gptq import rtn
+
+    wide = calibrated > A.max_scales(w) * np.float32(1.000001)
+    if not np.any(wide):
+        return q, s
+    s = np.where(wide, calibrated, s).astype(np.float32)
+    q = q.copy()
+    q[wide] = rtn(w[wide].reshape(int(wide.sum()), -1), s[wide]).reshape(q[wide].shape)
+    return q, s
 
 
 def int8_rows(info, mod, params, calib, evals, ref, layers, hs, variants, timings):
@@ -194,15 +210,20 @@ def int8_rows(info, mod, params, calib, evals, ref, layers, hs, variants, timing
     for m in sim.matches:
         if f"{m.layer}.weight" in qp and "data" in m.nodes:
             input_scales[f"{m.layer}.weight"] = qp[sid(m["data"])].scale
+    weights = A.conv_weights(info.path)
     rows = []
     for name, ints in variants.items():
+        ints = {k: _keep_widened(q, s, qp[k].scale, weights[k][0]) for k, (q, s) in ints.items()}
         for bc in (False, True):
             params_new = dict(qp.params)
             values = {}
             for wname, (q, s) in ints.items():
                 old = qp[wname]
                 params_new[wname] = QParam(s, old.zero_point, old.dtype, old.axis)
-                values[wname] = q.astype(np.int8)
+                # values are in the layout of the prepared graph's weight, which may be
+                # transposed (a Gemm's weight folds to (in, out))
+                shape = sim.plan.weights[wname][0].shape
+                values[wname] = (q if q.shape == shape else q.T).astype(np.int8)
             if bc:
                 for bname, v in bias_corrected(info.path, layers, hs, ints, input_scales).items():
                     values[bname] = v
@@ -368,6 +389,11 @@ def main(argv=None) -> None:
     ap.add_argument("--calib", type=int, default=64)
     ap.add_argument("--eval", type=int, default=160)
     ap.add_argument("--skip", nargs="*", default=[], choices=["weights", "int8", "cle"])
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--relu", action="store_true", help="also CLE with ReLU6 -> ReLU (DFQ)")
+    ap.add_argument(
+        "--weight-per-tensor", action="store_true", help="CLE rows with per-tensor int8 weights"
+    )
     args = ap.parse_args(argv)
     print(common.machine_summary())
     info, mod, params, calib, evals, ref = A.load(args.calib, args.eval)
@@ -382,7 +408,7 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         A.ort_outputs(info.path, calib)
         ort_pass = time.perf_counter() - t0
-        variants, timings = weight_variants(info.path, layers, hs)
+        variants, timings = weight_variants(info.path, layers, hs, args.variants)
         print(
             f"Hessians: {h_s:.1f} s ({len(layers)} layers, {len(calib)} samples; one ORT fp32 pass {ort_pass:.1f} s);"
             f" rounding: {', '.join(f'{k} {v:.1f} s' for k, v in timings.items())}",
@@ -410,7 +436,15 @@ def main(argv=None) -> None:
             rows += r
     if "cle" not in args.skip:
         with tempfile.TemporaryDirectory() as tmp:
-            for absorb, relu in ((False, False), (True, False), (False, True), (True, True)):
+            cfg = autoq.Config(progress=False)
+            if args.weight_per_tensor:
+                cfg = cfg.replace(weight=autoq.QuantSpec(symmetric=True, narrow_range=True))
+                rows.append(
+                    A.quantize_row("int8 per-tensor w", mod, params, calib, evals, ref, cfg, "")
+                )
+            cases = [(False, False), (True, False)]
+            cases += [(False, True), (True, True)] if args.relu else []
+            for absorb, relu in cases:
                 t0 = time.perf_counter()
                 path, stats = equalized_model(
                     info, calib, Path(tmp) / "cle.onnx", absorb=absorb, relu=relu
@@ -423,18 +457,9 @@ def main(argv=None) -> None:
                     A.Row(f"fp32 {label}", fp, secs, f"float model after the transform: {stats}")
                 )
                 m2, p2 = autoq.from_onnx(str(path), {A.INPUT: A.SHAPE})
-                rows.append(
-                    A.quantize_row(
-                        f"int8 {label}",
-                        m2,
-                        p2,
-                        calib,
-                        evals,
-                        ref,
-                        autoq.Config(progress=False),
-                        "default config",
-                    )
-                )
+                label += " per-tensor w" if args.weight_per_tensor else ""
+                row = A.quantize_row(f"int8 {label}", m2, p2, calib, evals, ref, cfg, "")
+                rows.append(row)
                 for r in rows[-2:]:
                     print(f"  {r.name}: {r.metrics}", flush=True)
     print()
