@@ -88,7 +88,7 @@ def capture(path, tensors: list[str], samples):
             yield dict(zip(tensors, sess.run(tensors, s), strict=True))
 
 
-def hessians(path, layers: list[OnnxLayer], calib):
+def hessians(path, layers: list[OnnxLayer], calib, max_rows: int | None = None):
     from autoq.hessian import Hessian
 
     inits = A.conv_weights(path)
@@ -98,7 +98,7 @@ def hessians(path, layers: list[OnnxLayer], calib):
         hs[ly.weight] = (
             Hessian.dense(w.shape[1])
             if ly.geom is None
-            else Hessian.conv2d(ly.geom, w.shape[1] * ly.geom.groups)
+            else Hessian.conv2d(ly.geom, w.shape[1] * ly.geom.groups, max_rows)
         )
     for outs in capture(path, [ly.node.input[0] for ly in layers], calib):
         for ly in layers:
@@ -391,6 +391,7 @@ def main(argv=None) -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=["weights", "int8", "cle"])
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--relu", action="store_true", help="also CLE with ReLU6 -> ReLU (DFQ)")
+    ap.add_argument("--max-rows", type=int, help="Hessian rows kept per image and layer")
     ap.add_argument(
         "--weight-per-tensor", action="store_true", help="CLE rows with per-tensor int8 weights"
     )
@@ -403,7 +404,7 @@ def main(argv=None) -> None:
 
         layers = onnx_layers(onnx.load(str(info.path)))
         t0 = time.perf_counter()
-        hs = hessians(info.path, layers, calib)
+        hs = hessians(info.path, layers, calib, args.max_rows)
         h_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         A.ort_outputs(info.path, calib)

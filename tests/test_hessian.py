@@ -56,6 +56,9 @@ def test_unfold_times_weight_is_the_convolution(name):
     n, o, oh, ow = ref.shape
     y = y.reshape(geom.groups, n, oh, ow, o // geom.groups).transpose(1, 0, 4, 2, 3)
     np.testing.assert_allclose(y.reshape(ref.shape), ref, rtol=1e-12, atol=1e-12)
+    # gathering a subset of the rows gives exactly those rows of the full unfold
+    keep = Hm.even_rows(patches.shape[1], 7)
+    np.testing.assert_array_equal(conv_unfold(x, geom, max_rows=7), patches[:, keep])
 
 
 @pytest.mark.parametrize("name", ["plain 3x3", "groups 2", "depthwise 5x5 stride 2"])
@@ -75,6 +78,20 @@ def test_output_error_is_the_conv_output_mse(name):
     # the mean patch gives the mean output of each channel
     mean_out = np.einsum("gok,gk->go", flatten_conv_weight(dw, geom.groups), h.mean()).reshape(-1)
     np.testing.assert_allclose(mean_out, y.mean(axis=(0, 2, 3)), rtol=1e-9, atol=1e-15)
+
+
+def test_max_rows_keeps_evenly_spaced_rows():
+    geom, x, _ = _case(GEOMETRIES["plain 3x3"], seed=5, n=1)
+    full, sub = Hessian.conv2d(geom, 3), Hessian.conv2d(geom, 3, max_rows=10)
+    full.update(x)
+    sub.update(x)
+    rows = conv_unfold(x, geom)[0]  # 42 rows
+    keep = rows[np.linspace(0, len(rows) - 1, 10).round().astype(int)]
+    assert sub.rows == 10 and full.rows == len(rows)
+    np.testing.assert_allclose(sub.matrix()[0], 2 * keep.T @ keep / 10, rtol=1e-12)
+    same = Hessian.conv2d(geom, 3, max_rows=1000)
+    same.update(x)
+    np.testing.assert_array_equal(same.matrix(), full.matrix())
 
 
 def test_dense_hessian_and_errors():
