@@ -371,11 +371,32 @@ EVAL_IMAGES = (
 )
 
 
-def load_image(name: str) -> np.ndarray:
-    """An ``skimage.data`` image as HxWx3 uint8 RGB (gray replicated, alpha over white)."""
+def _raw_image(name: str) -> np.ndarray:
+    """``skimage.data.<name>()``, or a photo that ships in another package:
+    ``sklearn:china`` / ``sklearn:flower`` (scikit-learn's sample images),
+    ``mpl:grace_hopper`` (matplotlib's sample data), ``motorcycle_left`` / ``motorcycle_right``
+    (the two views of ``skimage.data.stereo_motorcycle``)."""
+    if name.startswith("sklearn:"):
+        from sklearn.datasets import load_sample_image
+
+        return load_sample_image(name.split(":", 1)[1] + ".jpg")
+    if name.startswith("mpl:"):
+        import matplotlib.cbook
+        from PIL import Image
+
+        with matplotlib.cbook.get_sample_data(name.split(":", 1)[1] + ".jpg") as f:
+            return np.asarray(Image.open(f).convert("RGB"))
     import skimage.data
 
-    img = np.asarray(getattr(skimage.data, name)())
+    if name in ("motorcycle_left", "motorcycle_right"):
+        return skimage.data.stereo_motorcycle()[0 if name.endswith("left") else 1]
+    return getattr(skimage.data, name)()
+
+
+def load_image(name: str) -> np.ndarray:
+    """An image (see ``_raw_image`` for the names) as HxWx3 uint8 RGB (gray replicated, alpha
+    over white)."""
+    img = np.asarray(_raw_image(name))
     if img.dtype == bool:
         img = img.astype(np.uint8) * 255
     if img.dtype != np.uint8:

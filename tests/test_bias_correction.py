@@ -1,0 +1,80 @@
+"""autoq.bias_correction: on a real int8 layer (integer accumulation in numpy int64), the
+corrected int32 bias removes the per-channel mean shift to within half an accumulator step."""
+
+from __future__ import annotations
+
+import doctest
+
+import numpy as np
+import pytest
+from reference_ops import conv2d_loops
+
+import autoq.bias_correction as B
+from autoq import primitives as P
+
+
+def test_doctests():
+    res = doctest.testmod(B)
+    assert res.attempted >= 5 and res.failed == 0
+
+
+def test_channel_mean_streams_like_numpy():
+    rng = np.random.default_rng(0)
+    batches = [rng.normal(size=(n, 3, 4, 5)) for n in (1, 2, 4)]
+    m = B.ChannelMean(axis=1)
+    for b in batches:
+        m.update(b)
+    ref = np.concatenate(batches).mean(axis=(0, 2, 3))
+    np.testing.assert_allclose(m.mean(), ref, rtol=1e-12)
+    dense = B.ChannelMean(axis=-1)
+    dense.update(np.arange(6.0).reshape(3, 2))
+    assert dense.mean().tolist() == [2.0, 3.0]
+    with pytest.raises(ValueError, match="2 channels, earlier batches had 3"):
+        m.update(np.zeros((1, 2, 1, 1)))
+
+
+def _int8_depthwise(x, w, b, s_x, s_w):
+    """A depthwise 3x3 layer as the realized graph computes it: int8 input and weights,
+    int32 bias, integer accumulation; returns the accumulator in real units."""
+    xq = P.quantize(x, s_x, 0, "int8").astype(np.int64)
+    wq = P.quantize(w, s_w, 0, "int8", axis=0).astype(np.int64)
+    acc_scale = (np.float32(s_x) * s_w).astype(np.float32)
+    bq = P.quantize_bias(b, s_x, s_w).values
+    acc = np.rint(conv2d_loops(xq, wq, padding=(1, 1, 1, 1), groups=4)).astype(np.int64)
+    return acc, bq, acc_scale
+
+
+def test_correction_cancels_the_mean_shift_of_an_int8_depthwise_layer():
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(4, 1, 3, 3)) * np.array([1.0, 0.05, 0.3, 2.0]).reshape(-1, 1, 1, 1)
+    b = rng.normal(size=4)
+    x = np.abs(rng.normal(size=(8, 4, 6, 6))) + 0.5  # post-ReLU-like, non-zero mean
+    s_x = np.float32(x.max() / 127)
+    s_w = (np.abs(w).reshape(4, -1).max(axis=1) / 40).astype(np.float32)  # a coarse grid
+    y_fp = conv2d_loops(x, w, b, padding=(1, 1, 1, 1), groups=4)
+    acc, bq, acc_scale = _int8_depthwise(x, w, b, s_x, s_w)
+
+    def mean_real(bias_q):
+        return ((acc + bias_q.reshape(1, -1, 1, 1)) * acc_scale.reshape(1, -1, 1, 1)).mean(
+            axis=(0, 2, 3)
+        )
+
+    m_fp = B.ChannelMean()
+    m_fp.update(y_fp)
+    shift = np.abs(m_fp.mean() - mean_real(bq))
+    r = B.correct_bias(m_fp.mean(), mean_real(bq), acc_scale, bq)
+    left = np.abs(m_fp.mean() - mean_real(r.values))
+    assert r.values.dtype == np.int32 and r.saturated == 0
+    assert np.all(left <= 0.5 * acc_scale + 1e-9)
+    assert np.all(shift > 2 * acc_scale)  # the uncorrected layer was off by several steps
+    # the bias never moves the other moments: the corrected outputs differ by a constant
+    np.testing.assert_array_equal(r.values - bq, r.delta)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="positive"):
+        B.correct_bias([1.0], [0.0], 0.0)
+    with pytest.raises(ValueError, match="2 values for 1 channels"):
+        B.correct_bias([1.0], [0.0], 1.0, np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="no data"):
+        B.ChannelMean().mean()
