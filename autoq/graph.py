@@ -20,6 +20,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .canonicalize import canonicalize
 from .toolkit import bindings, const_array, free_vars, op_name, shape_of, short_op_name, with_main
 
 __all__ = ["Graph", "GraphError", "WeightRef", "prepare"]
@@ -123,7 +124,8 @@ def _flatten_bindings(func: relax.Function):
 
 
 def prepare(mod: tvm.IRModule, params: dict | None = None, func_name: str = "main") -> Graph:
-    """Normalize ``mod[func_name]`` and build its :class:`Graph`.
+    """Normalize ``mod[func_name]`` (constants folded, every decomposition in its canonical
+    form: :mod:`autoq.canonicalize`) and build its :class:`Graph`.
 
     ``params`` maps function parameter names to weight arrays (numpy or tvm tensors);
     parameters not in ``params`` are the model's data inputs. ``params`` may be None when
@@ -159,7 +161,7 @@ def prepare(mod: tvm.IRModule, params: dict | None = None, func_name: str = "mai
             relax.transform.FoldConstant(),
         ]
     )
-    mod = seq(with_main(mod, func, func_name))
+    mod = canonicalize(seq(with_main(mod, func, func_name)), func_name, set(params))
     func = mod[func_name]
     bindings, output = _flatten_bindings(func)
     inputs = [p for p in func.params if p.name not in params]
