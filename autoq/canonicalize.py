@@ -179,11 +179,20 @@ def _hardswish():
     return torch_form | onnx_form, p
 
 
-def _rewrite_hardswish(m, p):
-    scale = _hard_scale(m, p)
-    if (scale == 6.0 and _close(_scalar(m, p["six"]), 6.0)) or (scale == 1.0 and p["six"] not in m):
-        return hardswish(m[p["x"]])
-    return None
+def _rewrite_hard(op: Callable[[relax.Expr], relax.Call]):
+    """The rewrite into ``op`` when the constants are hardsigmoid's: torch's core still to be
+    divided by 6, or ONNX's core (already scaled, no division)."""
+
+    def rewrite(m, p):
+        scale = _hard_scale(m, p)
+        six = _close(_scalar(m, p["six"]), 6.0)
+        return (
+            op(m[p["x"]])
+            if (scale == 6.0 and six) or (scale == 1.0 and p["six"] not in m)
+            else None
+        )
+
+    return rewrite
 
 
 def _hardsigmoid():
@@ -192,13 +201,6 @@ def _hardsigmoid():
     six = is_const()
     p["six"] = six
     return is_op("relax.divide")(torch_core, six) | onnx_core, p
-
-
-def _rewrite_hardsigmoid(m, p):
-    scale = _hard_scale(m, p)
-    if (scale == 6.0 and _close(_scalar(m, p["six"]), 6.0)) or (scale == 1.0 and p["six"] not in m):
-        return hardsigmoid(m[p["x"]])
-    return None
 
 
 def _silu():
@@ -342,8 +344,8 @@ def _canonical_leaky(m, p):
 #: the rewrite table, applied in order, each to a fixed point
 RULES: list[Rule] = [
     Rule("clip_chain", _clip_chain, _merge_clips),
-    Rule("hardswish", _hardswish, _rewrite_hardswish),
-    Rule("hardsigmoid", _hardsigmoid, _rewrite_hardsigmoid),
+    Rule("hardswish", _hardswish, _rewrite_hard(hardswish)),
+    Rule("hardsigmoid", _hardsigmoid, _rewrite_hard(hardsigmoid)),
     Rule("silu", _silu, lambda m, p: relax.op.nn.silu(m[p["x"]])),
     Rule("gelu_erf", _gelu_erf, _rewrite_gelu_erf),
     Rule("gelu_tanh", _gelu_tanh, _rewrite_gelu_tanh),
