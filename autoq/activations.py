@@ -32,7 +32,7 @@ import numpy as np
 
 from .primitives import qrange
 
-__all__ = ["ACTIVATIONS", "Activation", "LUT_DTYPES", "lut_table"]
+__all__ = ["ACTIVATIONS", "LUT_DTYPES", "Activation", "lut_table"]
 
 #: input/output dtypes a lookup table covers (256 entries)
 LUT_DTYPES = ("int8", "uint8")
