@@ -31,10 +31,12 @@ import tvm
 from tvm import relax
 
 from . import qnn
+from .activations import LUT_DTYPES, lut_table
 from .config import Config, QuantSpec, compile_rule
 from .exits import exit_tensors, int32_carriers
 from .graph import Graph, WeightRef
 from .matching import Matched, as_matched, closest
+from .primitives import qrange
 from .qparams import SlotInfo
 from .registry import Match, slot_id_of
 from .toolkit import BindingWriter, const, free_vars, is_call, remap_expr, shape_of, with_main
@@ -52,6 +54,8 @@ class SlotPlan:
     tensors: dict[str, relax.Var] = field(default_factory=dict)
     #: weight slot -> float array and its per-channel axis (None = per-tensor)
     weights: dict[str, tuple[np.ndarray, int | None]] = field(default_factory=dict)
+    #: layer -> (input slot, output slot, activation) of its lookup table (autoq.activations)
+    tables: dict[str, tuple[str, str, str]] = field(default_factory=dict)
 
 
 class _LazyQ:
@@ -117,6 +121,8 @@ class SimContext:
         self.vmap: dict = {}
         self.plan = SlotPlan()
         self.qparam_vars: dict[str, tuple[relax.Var, relax.Var]] = {}
+        #: layer -> its ``<layer>.table`` input (lookup-table activations)
+        self.table_vars: dict[str, relax.Var] = {}
         self.sq_vars: dict[str, relax.Var] = {}
         self._acts: dict[str, _LazyQ] = {}
         self.match: Match | None = None
@@ -270,6 +276,43 @@ class SimContext:
         shape[channel_axis] = n
         return self.emit(relax.op.reshape(q, shape))
 
+    def lut_output(self, x: _LazyQ, real: relax.Expr, activation: str) -> relax.Expr:
+        """The current match's result as a table lookup of its input ``x`` (an 8-bit slot
+        of this layer): ``real`` (the float activation of ``x.real``) is what the output
+        slot's calibrator observes; the output integers are ``table[x - qmin]``, the table
+        a runtime input ``<layer>.table`` computed from both slots' qparams
+        (:func:`autoq.activations.lut_table`), so the realized ``qnn.lut`` is predicted bit
+        for bit. Falls back to :meth:`output` (float activation, then quantize) when either
+        slot is not 8-bit."""
+        m = self.match
+        in_sid = self.tensor_id(m["data"])
+        spec = self.spec("activation", m.layer)
+        in_dtype = self.plan.specs[in_sid].dtype
+        if spec.dtype not in LUT_DTYPES or in_dtype not in LUT_DTYPES:
+            return self.output(real)
+        sid = m.layer
+        self._uses(sid)
+        s, z = self._new_slot(
+            sid, "activation", spec, None, None, None, shape_of(m.root), m.pattern.name
+        )
+        pre = self.emit(real, f"{sid}.pre")
+        observed = self.emit(qnn.simulated_quantize(pre, s, z, dtype=spec.dtype), f"{sid}.sq")
+        table = relax.Var(f"{m.layer}.table", relax.TensorType([256], "float32"))
+        self.table_vars[m.layer] = table
+        self.plan.tables[m.layer] = (in_sid, sid, activation)
+        qmin = qrange(in_dtype)[0]
+        idx = self.emit(relax.op.astype(relax.op.subtract(x.q, const(qmin, "float32")), "int32"))
+        q = relax.op.take(table, idx, axis=0, mode="clip")
+        if self.switches:  # switched off: the float activation, unrounded
+            on = relax.op.greater(self._switch(), const(0.0, "float32"))
+            q = relax.op.where(on, self.emit(q), observed)
+        q = self.emit(q, f"{sid}.q")
+        self.plan.tensors[sid] = m.root
+        self.sq_vars[sid] = observed
+        handle = _LazyQ(self, q, s, z)
+        self._acts[sid] = handle
+        return handle.real
+
     def output(self, real: relax.Expr) -> relax.Expr:
         """Quantize the current match's result with its own slot (ops with an int8 output);
         later consumers of the root tensor reuse this slot."""
@@ -307,6 +350,26 @@ class SimResult:
     layer_slots: dict[str, list[str]] = field(default_factory=dict)
     #: every match of the model (fallback not applied): realize and the analysis reuse it
     matched: Matched | None = None
+    #: layer -> its ``<layer>.table`` input (see :meth:`SimContext.lut_output`)
+    table_vars: dict[str, relax.Var] = field(default_factory=dict)
+
+    def input_values(self, qparams) -> dict[str, np.ndarray]:
+        """The value of every qparam and table input of ``mod["main"]``, by parameter name,
+        for ``qparams`` (switches and weights not included)."""
+        out: dict[str, np.ndarray] = {}
+        for sid, (s, z) in self.qparam_vars.items():
+            out[s.name] = np.asarray(qparams[sid].scale, np.float32)
+            out[z.name] = np.asarray(qparams[sid].zero_point, np.int32)
+        for layer, var in self.table_vars.items():
+            out[var.name] = self.table(layer, qparams)
+        return out
+
+    def table(self, layer: str, qparams) -> np.ndarray:
+        """``layer``'s lookup table (float32 integers) for ``qparams``."""
+        in_sid, out_sid, act = self.plan.tables[layer]
+        a, b = qparams[in_sid], qparams[out_sid]
+        t = lut_table(act, a.scale, a.zero_point, a.dtype, b.scale, b.zero_point, b.dtype)
+        return t.astype(np.float32)
 
     @property
     def slots(self) -> dict[str, SlotInfo]:
@@ -397,6 +460,7 @@ def simulate(
 
     def qparam_inputs():
         qvars = [v for pair in ctx.qparam_vars.values() for v in pair]
+        qvars += list(ctx.table_vars.values())
         return qvars + [ctx.switch_vars[m.layer] for m in matches if m.layer in ctx.switch_vars]
 
     func = build_function(g, ctx, matches, "simulate", qparam_inputs)
@@ -411,4 +475,5 @@ def simulate(
         values=dict(ctx.vmap),
         layer_slots=dict(ctx.layer_slots),
         matched=matched,
+        table_vars=dict(ctx.table_vars),
     )
