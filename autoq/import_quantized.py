@@ -991,7 +991,7 @@ def _bind_params(split: SplitResult, params: dict[str, np.ndarray]) -> None:
     layer uses the integers only if the parameter still holds the file's dequantized values
     in some layout (checked by :func:`_weight_layout`).
     """
-    from .frontends import _ORT_FUSION_PREFIX
+    from .frontends import ORT_FUSION_PREFIX as _ORT_FUSION_PREFIX
 
     def strip(name: str) -> str:
         while _ORT_FUSION_PREFIX.match(name):
