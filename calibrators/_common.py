@@ -2,16 +2,20 @@
 
 * :func:`as_channels` views a batch as ``(C, M)``: one row per channel (``C = 1`` per-tensor);
 * :func:`batch_minmax` is the per-row min and max of a batch, checked to be finite;
-* :func:`range_qparam` turns a chosen real range into a :class:`QParam` for a ``QuantSpec``.
+* :func:`range_qparam` turns a chosen real range into a :class:`QParam` for a ``QuantSpec``;
+* :class:`AxisCalibrator` is the base of the calibrators without options whose observer
+  needs only the axis (``max``, ``moving_average``).
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import numpy as np
 
 from autoq.qparams import QParam
 
-__all__ = ["as_channels", "batch_minmax", "no_data", "range_qparam"]
+__all__ = ["AxisCalibrator", "as_channels", "batch_minmax", "no_data", "range_qparam"]
 
 
 def as_channels(x, axis: int | None) -> np.ndarray:
@@ -52,3 +56,15 @@ def range_qparam(rmin, rmax, spec, axis: int | None) -> QParam:
     return QParam.from_range(
         rmin, rmax, spec.dtype, spec.symmetric, spec.narrow_range, spec.reduce_range, axis
     )
+
+
+class AxisCalibrator:
+    """Base of a calibrator without options (a frozen dataclass without fields) whose
+    observer, ``observer_type(axis)``, needs no data range."""
+
+    name: ClassVar[str]
+    needs_range: ClassVar[bool] = False
+    observer_type: ClassVar[type]
+
+    def observer(self, axis: int | None = None, data_range=None):
+        return self.observer_type(axis)

@@ -19,7 +19,7 @@ from typing import ClassVar
 import numpy as np
 
 from . import register
-from ._common import as_channels, batch_minmax, no_data, range_qparam
+from ._common import AxisCalibrator, as_channels, batch_minmax, no_data, range_qparam
 
 
 class MaxObserver:
@@ -59,11 +59,7 @@ class MaxObserver:
 
 @register("max")
 @dataclass(frozen=True)
-class Max:
+class Max(AxisCalibrator):
     """Global min/max (no options)."""
 
-    name: ClassVar[str]
-    needs_range: ClassVar[bool] = False
-
-    def observer(self, axis: int | None = None, data_range=None) -> MaxObserver:
-        return MaxObserver(axis)
+    observer_type: ClassVar[type] = MaxObserver
