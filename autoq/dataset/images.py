@@ -155,7 +155,7 @@ def _resize_and_crop(img, size: tuple[int, int], resize):
     return img.crop((left, top, left + out_w, top + out_h))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Preprocess:
     """Reads one image file and turns it into a model input (see :func:`from_image_folder`)."""
 

@@ -53,7 +53,13 @@ from __future__ import annotations
 
 from .errors import FrontendError, QuantizedModelError, UnsupportedOpsError
 from .onnx import from_onnx
-from .onnx_model import ORT_FUSION_PREFIX, load_onnx, onnx_input_shapes, unsupported_onnx_ops
+from .onnx_model import (
+    ORT_FUSION_PREFIX,
+    load_onnx,
+    onnx_input_shapes,
+    strip_ort_fusion_prefix,
+    unsupported_onnx_ops,
+)
 from .torch import from_torch
 
 __all__ = [
@@ -65,5 +71,6 @@ __all__ = [
     "from_torch",
     "load_onnx",
     "onnx_input_shapes",
+    "strip_ort_fusion_prefix",
     "unsupported_onnx_ops",
 ]
