@@ -33,7 +33,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .toolkit import with_main
+from .toolkit import bindings, const_array, op_name, shape_of, with_main
 
 __all__ = ["drop_unused_params", "fold_affine", "fold_batch_norm", "rebind", "rename_params"]
 
@@ -47,41 +47,7 @@ _CONV_OPS = {
 _RESHAPE_OPS = ("relax.reshape", "relax.expand_dims")
 
 
-def _as_numpy(v) -> np.ndarray:
-    return v.numpy() if hasattr(v, "numpy") else np.asarray(v)
-
-
-def _op_name(expr) -> str | None:
-    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
-        return str(expr.op.name)
-    return None
-
-
-def _const_array(expr) -> np.ndarray | None:
-    if isinstance(expr, tvm.ir.GenericConst) and isinstance(expr.value, tvm.runtime.Tensor):
-        return expr.value.numpy()
-    return None
-
-
-def _shape(expr) -> tuple[int, ...] | None:
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or ty.shape is None:
-        return None
-    try:
-        return tuple(int(d) for d in ty.shape.values)
-    except (TypeError, AttributeError):
-        return None
-
-
-def _flatten(func: relax.Function) -> list:
-    out = []
-    if isinstance(func.body, relax.SeqExpr):
-        for block in func.body.blocks:
-            out.extend(block.bindings)
-    return out
-
-
-def _uses(func: relax.Function, bindings) -> dict[relax.Var, list]:
+def _uses(func: relax.Function, pairs) -> dict[relax.Var, list]:
     """For every var, the list of its users: binding vars, or None for the function result.
 
     A var used twice by one expression (``add(x, x)``) appears twice.
@@ -94,8 +60,8 @@ def _uses(func: relax.Function, bindings) -> dict[relax.Var, list]:
             for v in relax.analysis.free_vars(part):
                 users.setdefault(v, []).append(user)
 
-    for b in bindings:
-        record(b.value, b.var)
+    for var, value in pairs:
+        record(value, var)
     body = func.body.body if isinstance(func.body, relax.SeqExpr) else func.body
     record(body, None)
     return users
@@ -250,17 +216,99 @@ def _finish(mod, func_name: str, func: relax.Function, after: dict, params: dict
     return with_main(mod, func, func_name), params
 
 
-def _scan(mod: tvm.IRModule, params: dict, func_name: str):
+@dataclass
+class _Conv:
+    """A foldable convolution: its output var, weight parameter and output-channel layout."""
+
+    var: relax.Var
+    weight: str  # parameter name
+    axis: int  # output-channel axis of the result
+    shape: tuple[int, ...]  # of the result
+    weight_axis: int  # output-channel axis of the kernel
+
+    @property
+    def channels(self) -> int:
+        return self.shape[self.axis]
+
+
+@dataclass
+class _Scan:
     """What both folding passes read: numpy params, the function, each bound var's value,
     each var's users, the weight parameters (var -> name) and the taken parameter names."""
-    params = {k: _as_numpy(v) for k, v in params.items()}
+
+    params: dict[str, np.ndarray]
+    func: relax.Function
+    value_of: dict
+    users: dict[relax.Var, list]
+    pvar: dict[relax.Var, str]
+    taken: set[str]
+
+    def only_user(self, var, user) -> bool:
+        return self.users.get(var, []) == [user]
+
+    def is_reshape(self, var) -> bool:
+        return isinstance(var, relax.Var) and op_name(self.value_of.get(var)) in _RESHAPE_OPS
+
+    def value_array(self, expr) -> np.ndarray | None:
+        """Array of a param or constant operand, through reshape/expand_dims bindings."""
+        if isinstance(expr, relax.Var) and expr in self.pvar:
+            return self.params[self.pvar[expr]]
+        arr = const_array(expr)
+        if arr is not None:
+            return arr
+        if self.is_reshape(expr):
+            inner = self.value_array(self.value_of[expr].args[0])
+            shape = shape_of(expr)
+            if inner is not None and shape is not None:
+                return inner.reshape(shape)
+        return None
+
+    def conv(self, var) -> _Conv | None:
+        """``var`` as a foldable convolution: a float conv (transposed only with groups 1)
+        with a known output-channel axis and shape, whose weight parameter it alone uses."""
+        conv = self.value_of.get(var)
+        op = op_name(conv)
+        if op not in _CONV_OPS or (_CONV_OPS[op] and int(conv.attrs.groups) != 1):
+            return None
+        out_dtype = str(var.ty.dtype) if isinstance(var.ty, relax.TensorType) else ""
+        axis = _out_channel_axis(str(conv.attrs.out_layout or conv.attrs.data_layout))
+        shape = shape_of(var)
+        kernel_layout = str(conv.attrs.kernel_layout)
+        w = conv.args[1]
+        if (
+            not out_dtype.startswith("float")
+            or axis is None
+            or shape is None
+            or kernel_layout.count("O") != 1
+            or not (isinstance(w, relax.Var) and w in self.pvar and self.only_user(w, var))
+        ):
+            return None
+        return _Conv(var, self.pvar[w], axis, shape, kernel_layout.index("O"))
+
+    def scaled_weight(self, conv: _Conv, scale: np.ndarray) -> np.ndarray:
+        """The weight times ``scale`` along its output channels (float64, then its dtype)."""
+        warr = self.params[conv.weight]
+        wshape = [1] * warr.ndim
+        wshape[conv.weight_axis] = conv.channels
+        return (warr.astype(np.float64) * scale.reshape(wshape)).astype(warr.dtype)
+
+    def new_bias(self, conv: _Conv) -> relax.Var:
+        """A new bias parameter for ``conv``, named after its weight."""
+        name = _bias_param_name(conv.weight, self.taken)
+        dtype = str(self.params[conv.weight].dtype)
+        return relax.Var(name, relax.TensorType([conv.channels], dtype))
+
+
+def _scan(mod: tvm.IRModule, params: dict, func_name: str) -> _Scan:
+    params = {k: v.numpy() if hasattr(v, "numpy") else np.asarray(v) for k, v in params.items()}
     func = mod[func_name]
-    bindings = _flatten(func)
-    value_of = {b.var: b.value for b in bindings if isinstance(b, relax.VarBinding)}
-    users = _uses(func, bindings)
+    pairs = bindings(func)
     pvar = {p: p.name for p in func.params if p.name in params}
     taken = {p.name for p in func.params}
-    return params, func, value_of, users, pvar, taken
+    return _Scan(params, func, dict(pairs), _uses(func, pairs), pvar, taken)
+
+
+# ----------------------------------------------------------------------------- batch norm
 
 
 def fold_batch_norm(
@@ -272,153 +320,22 @@ def fold_batch_norm(
     Returns a new module and a new params dict (numpy arrays); the inputs are not modified.
     See the module docstring for exactly what is folded and how parameters are named.
     """
-    params, func, value_of, users, pvar, taken = _scan(mod, params, func_name)
-
-    def only_user(var, user) -> bool:
-        return users.get(var, []) == [user]
-
-    def value_array(expr) -> np.ndarray | None:
-        """Array of a param or constant operand, through reshape/expand_dims bindings."""
-        if isinstance(expr, relax.Var) and expr in pvar:
-            return params[pvar[expr]]
-        arr = _const_array(expr)
-        if arr is not None:
-            return arr
-        if isinstance(expr, relax.Var) and _op_name(value_of.get(expr)) in _RESHAPE_OPS:
-            inner = value_array(value_of[expr].args[0])
-            shape = _shape(expr)
-            if inner is not None and shape is not None:
-                return inner.reshape(shape)
-        return None
-
+    scan = _scan(mod, params, func_name)
     folds: list[_Fold] = []
     updates: dict[str, np.ndarray] = {}
-    for bn_var, call in list(value_of.items()):
-        if _op_name(call) != "relax.nn.batch_norm" or bool(call.attrs.training):
+    for bn_var, call in list(scan.value_of.items()):
+        if op_name(call) != "relax.nn.batch_norm" or bool(call.attrs.training):
             continue
-        # every user must take the normalized tensor (item 0); unused reads of the running
-        # statistics (the ONNX importer emits them) are dropped with the batch norm
-        bn_users = users.get(bn_var, [])
-        dead = [
-            u
-            for u in bn_users
-            if u is not None
-            and isinstance(value_of.get(u), relax.TupleGetItem)
-            and value_of[u].index != 0
-            and not users.get(u)
-        ]
-        if not bn_users or any(
-            u not in dead
-            and (
-                u is None
-                or not (isinstance(value_of.get(u), relax.TupleGetItem) and value_of[u].index == 0)
-            )
-            for u in bn_users
-        ):
-            continue
-        data = call.args[0]
-        if not isinstance(data, relax.Var) or data not in value_of or not only_user(data, bn_var):
-            continue
-        # optional bias add between the convolution and the batch norm
-        bias_expr = None
-        conv_var = data
-        if _op_name(value_of[data]) == "relax.add":
-            lhs, rhs = value_of[data].args
-            for c, other in ((lhs, rhs), (rhs, lhs)):
-                if isinstance(c, relax.Var) and _op_name(value_of.get(c)) in _CONV_OPS:
-                    conv_var, bias_expr = c, other
-                    break
-            else:
-                continue
-            if not only_user(conv_var, data):
-                continue
-        conv = value_of.get(conv_var)
-        op = _op_name(conv)
-        if op not in _CONV_OPS:
-            continue
-        attrs = conv.attrs
-        if _CONV_OPS[op] and int(attrs.groups) != 1:
-            continue
-        out_dtype = str(conv_var.ty.dtype) if isinstance(conv_var.ty, relax.TensorType) else ""
-        if not out_dtype.startswith("float"):
-            continue
-        axis = _out_channel_axis(str(attrs.out_layout or attrs.data_layout))
-        out_shape = _shape(conv_var)
-        if axis is None or out_shape is None or int(call.attrs.axis) % len(out_shape) != axis:
-            continue
-        w = conv.args[1]
-        if not isinstance(w, relax.Var) or w not in pvar or not only_user(w, conv_var):
-            continue
-        kernel_layout = str(attrs.kernel_layout)
-        if kernel_layout.count("O") != 1:
-            continue
-        channels = out_shape[axis]
-        stats = [value_array(a) for a in call.args[1:5]]
-        if any(s is None or s.size != channels for s in stats):
-            continue
-        gamma, beta, mean, var = (s.reshape(channels).astype(np.float64) for s in stats)
-        if not bool(call.attrs.scale):
-            gamma = np.ones(channels)
-        if not bool(call.attrs.center):
-            beta = np.zeros(channels)
-
-        bias = np.zeros(channels)
-        fold = _Fold(bn_var, data, None, channels, axis, len(out_shape), pvar[w], dead)
-        bias_param = None
-        if bias_expr is not None:
-            barr = value_array(bias_expr)
-            if barr is None or barr.ndim > len(out_shape):
-                continue
-            bshape = (1,) * (len(out_shape) - barr.ndim) + barr.shape
-            if any(d != 1 for i, d in enumerate(bshape) if i != axis):
-                continue
-            if barr.size not in (1, channels):
-                continue
-            bias = np.broadcast_to(barr.reshape(-1), (channels,)).astype(np.float64)
-            # the bias is a parameter, possibly reshaped by bindings used only here ...
-            root, user, ok = bias_expr, data, True
-            while isinstance(root, relax.Var) and root not in pvar:
-                if not only_user(root, user) or _op_name(value_of.get(root)) not in _RESHAPE_OPS:
-                    ok = False
-                    break
-                user, root = root, value_of[root].args[0]
-            if not ok:
-                continue
-            if isinstance(root, relax.Var):
-                if not only_user(root, user) or params[pvar[root]].size != channels:
-                    continue
-                bias_param = pvar[root]
-            elif _const_array(bias_expr) is not None:
-                # ... or a constant operand of the add: replaced by the folded constant
-                idx = next(i for i, a in enumerate(value_of[data].args) if a.same_as(bias_expr))
-                const_shape = (*bshape[:axis], channels, *bshape[axis + 1 :])
-            else:
-                continue
-        scale = gamma / np.sqrt(var + float(call.attrs.epsilon))
-        new_bias_f64 = (bias - mean) * scale + beta
-        wname = pvar[w]
-        warr = params[wname]
-        wshape = [1] * warr.ndim
-        wshape[kernel_layout.index("O")] = channels
-        updates[wname] = (warr.astype(np.float64) * scale.reshape(wshape)).astype(warr.dtype)
-        new_bias = new_bias_f64.astype(warr.dtype)
-        if bias_param is not None:
-            updates[bias_param] = new_bias.reshape(params[bias_param].shape)
-        elif bias_expr is not None:
-            const = relax.const(new_bias.reshape(const_shape), str(new_bias.dtype))
-            fold.arg_replace[data] = {idx: const}
-        else:
-            name = _bias_param_name(wname, taken)
-            nv = relax.Var(name, relax.TensorType([channels], str(warr.dtype)))
-            updates[name] = new_bias
-            fold.new_bias = nv
-        folds.append(fold)
+        found = _batch_norm_fold(scan, bn_var, call)
+        if found is not None:
+            folds.append(found[0])
+            updates.update(found[1])
 
     if not folds:
-        return mod, params
-    new_params = dict(params)
+        return mod, scan.params
+    new_params = dict(scan.params)
     new_params.update(updates)
-    mutated = _FoldMutator(folds).visit_expr(func)
+    mutated = _FoldMutator(folds).visit_expr(scan.func)
     # new bias parameters go right after their weight, so parameters read layer by layer
     after = {f.weight_name: f.new_bias for f in folds if f.new_bias is not None}
     out, new_params = _finish(mod, func_name, mutated, after, new_params)
@@ -426,6 +343,116 @@ def fold_batch_norm(
     out = relax.transform.CanonicalizeBindings()(out)
     return out, new_params
 
+
+def _batch_norm_fold(scan: _Scan, bn_var, call):
+    """``(fold, parameter updates)`` for one batch norm, or None when it is not foldable."""
+    dead = _dead_statistics(scan, bn_var)
+    data = call.args[0]
+    if dead is None or not (
+        isinstance(data, relax.Var) and data in scan.value_of and scan.only_user(data, bn_var)
+    ):
+        return None
+    below = _conv_and_bias(scan, data)
+    conv = scan.conv(below[0]) if below is not None else None
+    if conv is None or int(call.attrs.axis) % len(conv.shape) != conv.axis:
+        return None
+    stats = [scan.value_array(a) for a in call.args[1:5]]
+    if any(s is None or s.size != conv.channels for s in stats):
+        return None
+    gamma, beta, mean, var = (s.reshape(conv.channels).astype(np.float64) for s in stats)
+    if not bool(call.attrs.scale):
+        gamma = np.ones(conv.channels)
+    if not bool(call.attrs.center):
+        beta = np.zeros(conv.channels)
+    bias_expr = below[1]
+    bias = (
+        _Bias(np.zeros(conv.channels)) if bias_expr is None else _bias(scan, conv, data, bias_expr)
+    )
+    if bias is None:
+        return None
+    scale = gamma / np.sqrt(var + float(call.attrs.epsilon))
+    fold = _Fold(bn_var, data, None, conv.channels, conv.axis, len(conv.shape), conv.weight, dead)
+    updates = {conv.weight: scan.scaled_weight(conv, scale)}
+    new_bias = ((bias.values - mean) * scale + beta).astype(updates[conv.weight].dtype)
+    if bias.param is not None:
+        updates[bias.param] = new_bias.reshape(scan.params[bias.param].shape)
+    elif bias.const_arg is not None:
+        idx, shape = bias.const_arg
+        const = relax.const(new_bias.reshape(shape), str(new_bias.dtype))
+        fold.arg_replace[data] = {idx: const}
+    else:
+        fold.new_bias = scan.new_bias(conv)
+        updates[fold.new_bias.name] = new_bias
+    return fold, updates
+
+
+def _dead_statistics(scan: _Scan, bn_var) -> list | None:
+    """The unused reads of the batch norm's running statistics (the ONNX importer emits them:
+    they go with it), or None when a user takes anything but the normalized tensor."""
+    bn_users = scan.users.get(bn_var, [])
+
+    def index(u) -> int | None:
+        v = scan.value_of.get(u)
+        return v.index if isinstance(v, relax.TupleGetItem) else None
+
+    dead = [u for u in bn_users if index(u) not in (None, 0) and not scan.users.get(u)]
+    if not bn_users or any(u not in dead and index(u) != 0 for u in bn_users):
+        return None
+    return dead
+
+
+def _conv_and_bias(scan: _Scan, data):
+    """``(conv var, bias operand or None)`` under a batch norm's input: the convolution
+    itself, or an ``add`` of it and a bias that only the batch norm reads."""
+    value = scan.value_of[data]
+    if op_name(value) != "relax.add":
+        return data, None
+    lhs, rhs = value.args
+    for c, other in ((lhs, rhs), (rhs, lhs)):
+        if isinstance(c, relax.Var) and op_name(scan.value_of.get(c)) in _CONV_OPS:
+            return (c, other) if scan.only_user(c, data) else None
+    return None
+
+
+@dataclass
+class _Bias:
+    """The bias of a folded convolution: its values, and where the folded values go: a
+    parameter (``param``), or a constant operand (``const_arg``: argument index, shape)."""
+
+    values: np.ndarray
+    param: str | None = None
+    const_arg: tuple[int, tuple[int, ...]] | None = None
+
+
+def _bias(scan: _Scan, conv: _Conv, data, bias_expr) -> _Bias | None:
+    """The per-channel bias added between the convolution and the batch norm (``data`` is
+    the add), or None when it is anything else."""
+    barr = scan.value_array(bias_expr)
+    ndim, axis, channels = len(conv.shape), conv.axis, conv.channels
+    if barr is None or barr.ndim > ndim:
+        return None
+    bshape = (1,) * (ndim - barr.ndim) + barr.shape
+    if any(d != 1 for i, d in enumerate(bshape) if i != axis) or barr.size not in (1, channels):
+        return None
+    values = np.broadcast_to(barr.reshape(-1), (channels,)).astype(np.float64)
+    # the bias is a parameter, possibly reshaped by bindings used only here ...
+    root, user = bias_expr, data
+    while isinstance(root, relax.Var) and root not in scan.pvar:
+        if not scan.only_user(root, user) or not scan.is_reshape(root):
+            return None
+        user, root = root, scan.value_of[root].args[0]
+    if isinstance(root, relax.Var):
+        if not scan.only_user(root, user) or scan.params[scan.pvar[root]].size != channels:
+            return None
+        return _Bias(values, param=scan.pvar[root])
+    if const_array(bias_expr) is not None:
+        # ... or a constant operand of the add: replaced by the folded constant
+        idx = next(i for i, a in enumerate(scan.value_of[data].args) if a.same_as(bias_expr))
+        return _Bias(values, const_arg=(idx, (*bshape[:axis], channels, *bshape[axis + 1 :])))
+    return None
+
+
+# --------------------------------------------------------------------------- affine chains
 
 _AFFINE_OPS = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide")
 
@@ -443,121 +470,123 @@ def fold_affine(
     the bias reuses the chain's bias parameter if it had one (else a new ``<layer>.bias``).
     A chain that is only a bias add is left alone. Computed in float64.
     """
-    params, func, value_of, users, pvar, taken = _scan(mod, params, func_name)
-
-    def channel_vector(expr, ndim: int, axis: int, channels: int):
-        """(vector of length channels, parameter name or None) for a per-channel operand."""
-        if isinstance(expr, relax.Var) and expr in pvar:
-            arr, name = params[pvar[expr]], pvar[expr]
-        else:
-            arr, name = _const_array(expr), None
-            if arr is None and isinstance(expr, relax.Var):
-                v = value_of.get(expr)  # reshape(param) bound just before, used only here
-                if _op_name(v) in _RESHAPE_OPS and len(users.get(expr, [])) == 1:
-                    inner = v.args[0]
-                    if isinstance(inner, relax.Var) and inner in pvar:
-                        if len(users.get(inner, [])) == 1 and _shape(expr) is not None:
-                            arr = params[pvar[inner]].reshape(_shape(expr))
-                            name = pvar[inner]
-        if arr is None or arr.ndim > ndim or not np.issubdtype(arr.dtype, np.floating):
-            return None
-        full = (1,) * (ndim - arr.ndim) + arr.shape
-        if any(d != 1 for i, d in enumerate(full) if i != axis) or full[axis] not in (1, channels):
-            return None
-        if name is not None and len(users.get(expr, [])) != 1:
-            return None
-        vec = np.broadcast_to(arr.reshape(-1).astype(np.float64), (channels,))
-        return vec, name
-
+    scan = _scan(mod, params, func_name)
     values: dict[relax.Var, relax.Expr] = {}
     drop: set[relax.Var] = set()
     updates: dict[str, np.ndarray] = {}
     new_vars: list[tuple[str, relax.Var]] = []
-    for conv_var, conv in value_of.items():
-        op = _op_name(conv)
-        if op not in _CONV_OPS or (_CONV_OPS[op] and int(conv.attrs.groups) != 1):
+    for conv_var in scan.value_of:
+        conv = scan.conv(conv_var)
+        chain = _affine_chain(scan, conv) if conv is not None else None
+        if chain is None or not chain.vars or chain.kinds == ["relax.add"]:
             continue
-        w = conv.args[1]
-        if not isinstance(w, relax.Var) or w not in pvar or users.get(w) != [conv_var]:
-            continue
-        axis = _out_channel_axis(str(conv.attrs.out_layout or conv.attrs.data_layout))
-        shape = _shape(conv_var)
-        kernel_layout = str(conv.attrs.kernel_layout)
-        if axis is None or shape is None or kernel_layout.count("O") != 1:
-            continue
-        if not str(conv_var.ty.dtype).startswith("float"):
-            continue
-        channels = shape[axis]
-        a, b = np.ones(channels), np.zeros(channels)
-        chain: list[relax.Var] = []
-        bias_name = None
-        kinds = []
-        cur = conv_var
-        while True:
-            us = users.get(cur, [])
-            if len(us) != 1 or us[0] is None or _op_name(value_of.get(us[0])) not in _AFFINE_OPS:
-                break
-            nxt = us[0]
-            call = value_of[nxt]
-            if _shape(nxt) != shape:
-                break
-            lhs, rhs = call.args
-            x_left = lhs.same_as(cur)
-            other = rhs if x_left else lhs
-            got = channel_vector(other, len(shape), axis, channels)
-            if got is None:
-                break
-            c, name = got
-            kind = _op_name(call)
-            if kind == "relax.add":
-                b = b + c
-                if name is not None and bias_name is None and not kinds:
-                    bias_name = name  # the convolution's own bias
-            elif kind == "relax.subtract":
-                if x_left:
-                    b = b - c
-                else:
-                    a, b = -a, c - b
-            elif kind == "relax.multiply":
-                a, b = a * c, b * c
-            elif x_left and np.all(c != 0):
-                a, b = a / c, b / c
-            else:
-                break
-            kinds.append(kind)
-            chain.append(nxt)
-            cur = nxt
-        if not chain or kinds == ["relax.add"]:
-            continue
-        wname = pvar[w]
-        warr = params[wname]
-        wshape = [1] * warr.ndim
-        wshape[kernel_layout.index("O")] = channels
-        updates[wname] = (warr.astype(np.float64) * a.reshape(wshape)).astype(warr.dtype)
-        if bias_name is None:
-            bias_name = _bias_param_name(wname, taken)
-            bvar = relax.Var(bias_name, relax.TensorType([channels], str(warr.dtype)))
-            new_vars.append((wname, bvar))
-            updates[bias_name] = b.astype(warr.dtype)
+        updates[conv.weight] = scan.scaled_weight(conv, chain.a)
+        dtype = updates[conv.weight].dtype
+        if chain.bias_name is None:
+            bvar = scan.new_bias(conv)
+            new_vars.append((conv.weight, bvar))
+            updates[bvar.name] = chain.b.astype(dtype)
         else:
-            bvar = next(p for p in pvar if pvar[p] == bias_name)
-            updates[bias_name] = b.astype(warr.dtype).reshape(params[bias_name].shape)
-        bshape = [1] * len(shape)
-        bshape[axis] = channels
-        values[chain[-1]] = relax.op.add(conv_var, relax.op.reshape(bvar, bshape))
-        for v in chain[:-1]:
-            drop.add(v)
-            # reshape bindings of the chain's operands go too (they were used only here)
-            for arg in value_of[v].args:
-                if isinstance(arg, relax.Var) and _op_name(value_of.get(arg)) in _RESHAPE_OPS:
-                    drop.add(arg)
-        for arg in value_of[chain[-1]].args:
-            if isinstance(arg, relax.Var) and _op_name(value_of.get(arg)) in _RESHAPE_OPS:
-                drop.add(arg)
+            bvar = next(p for p in scan.pvar if scan.pvar[p] == chain.bias_name)
+            bias_shape = scan.params[chain.bias_name].shape
+            updates[chain.bias_name] = chain.b.astype(dtype).reshape(bias_shape)
+        bshape = [1] * len(conv.shape)
+        bshape[conv.axis] = conv.channels
+        values[chain.vars[-1]] = relax.op.add(conv_var, relax.op.reshape(bvar, bshape))
+        drop.update(_chain_bindings(scan, chain.vars))
 
     if not values:
-        return mod, params
-    new_params = dict(params)
+        return mod, scan.params
+    new_params = dict(scan.params)
     new_params.update(updates)
-    func = rebind(func, values, drop)
+    func = rebind(scan.func, values, drop)
     return _finish(mod, func_name, func, dict(new_vars), new_params)
+
+
+@dataclass
+class _Chain:
+    """An affine chain ``a * conv + b`` after a convolution (per output channel)."""
+
+    a: np.ndarray
+    b: np.ndarray
+    vars: list[relax.Var] = field(default_factory=list)  # the chain's bindings, in order
+    kinds: list[str] = field(default_factory=list)  # their ops
+    bias_name: str | None = None  # the convolution's own bias parameter, if the chain adds one
+
+
+def _affine_chain(scan: _Scan, conv: _Conv) -> _Chain:
+    """Follow single-user add/subtract/multiply/divide bindings with per-channel operands."""
+    chain = _Chain(np.ones(conv.channels), np.zeros(conv.channels))
+    cur = conv.var
+    while True:
+        us = scan.users.get(cur, [])
+        if len(us) != 1 or us[0] is None or op_name(scan.value_of.get(us[0])) not in _AFFINE_OPS:
+            break
+        nxt = us[0]
+        call = scan.value_of[nxt]
+        if shape_of(nxt) != conv.shape:
+            break
+        lhs, rhs = call.args
+        x_left = lhs.same_as(cur)
+        got = _channel_vector(scan, rhs if x_left else lhs, conv)
+        if got is None or not _apply(chain, op_name(call), x_left, *got):
+            break
+        chain.kinds.append(op_name(call))
+        chain.vars.append(nxt)
+        cur = nxt
+    return chain
+
+
+def _apply(chain: _Chain, kind: str, x_left: bool, c: np.ndarray, name: str | None) -> bool:
+    """Compose one affine op with operand ``c`` into ``chain`` (False: not affine in x)."""
+    a, b = chain.a, chain.b
+    if kind == "relax.add":
+        b = b + c
+        if name is not None and chain.bias_name is None and not chain.kinds:
+            chain.bias_name = name  # the convolution's own bias
+    elif kind == "relax.subtract":
+        if x_left:
+            b = b - c
+        else:
+            a, b = -a, c - b
+    elif kind == "relax.multiply":
+        a, b = a * c, b * c
+    elif x_left and np.all(c != 0):
+        a, b = a / c, b / c
+    else:
+        return False
+    chain.a, chain.b = a, b
+    return True
+
+
+def _channel_vector(scan: _Scan, expr, conv: _Conv):
+    """(vector of length channels, parameter name or None) for a per-channel operand."""
+    ndim, axis, channels = len(conv.shape), conv.axis, conv.channels
+    if isinstance(expr, relax.Var) and expr in scan.pvar:
+        arr, name = scan.params[scan.pvar[expr]], scan.pvar[expr]
+    else:
+        arr, name = const_array(expr), None
+        if arr is None and scan.is_reshape(expr) and len(scan.users.get(expr, [])) == 1:
+            inner = scan.value_of[expr].args[0]  # reshape(param) bound just before, used only here
+            if isinstance(inner, relax.Var) and inner in scan.pvar:
+                if len(scan.users.get(inner, [])) == 1 and shape_of(expr) is not None:
+                    arr = scan.params[scan.pvar[inner]].reshape(shape_of(expr))
+                    name = scan.pvar[inner]
+    if arr is None or arr.ndim > ndim or not np.issubdtype(arr.dtype, np.floating):
+        return None
+    full = (1,) * (ndim - arr.ndim) + arr.shape
+    if any(d != 1 for i, d in enumerate(full) if i != axis) or full[axis] not in (1, channels):
+        return None
+    if name is not None and len(scan.users.get(expr, [])) != 1:
+        return None
+    vec = np.broadcast_to(arr.reshape(-1).astype(np.float64), (channels,))
+    return vec, name
+
+
+def _chain_bindings(scan: _Scan, chain: list[relax.Var]) -> set[relax.Var]:
+    """What goes with a folded chain: its bindings but the last (which is rebound), and the
+    reshape bindings of the operands (they were used only here)."""
+    out = set(chain[:-1])
+    for v in chain:
+        out.update(a for a in scan.value_of[v].args if scan.is_reshape(a))
+    return out

@@ -22,13 +22,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 __all__ = [
+    "ELEMENTWISE_TIES",
+    "INT_RANGES",
     "ROUNDING_MODES",
     "BiasQuantization",
     "choose_qparams",
     "dequantize",
     "elementwise",
+    "elementwise_accumulator",
     "elementwise_multipliers",
     "fixed_point_multiply",
     "qrange",
@@ -60,7 +64,8 @@ ROUNDING_MODES: tuple[str, ...] = (
     "tflite_single",
 )
 
-_INT_RANGES = {
+#: ``(qmin, qmax)`` of every integer dtype autoq quantizes to (see :func:`qrange`).
+INT_RANGES = {
     "int4": (-8, 7),
     "uint4": (0, 15),
     "int8": (-128, 127),
@@ -87,11 +92,11 @@ def qrange(dtype: str, narrow_range: bool = False, reduce_range: bool = False) -
     ...
     ValueError: unsupported quantized dtype 'float16'; expected one of int4, uint4, int8, uint8, int16, uint16, int32
     """
-    if dtype not in _INT_RANGES:
+    if dtype not in INT_RANGES:
         raise ValueError(
-            f"unsupported quantized dtype {dtype!r}; expected one of {', '.join(_INT_RANGES)}"
+            f"unsupported quantized dtype {dtype!r}; expected one of {', '.join(INT_RANGES)}"
         )
-    qmin, qmax = _INT_RANGES[dtype]
+    qmin, qmax = INT_RANGES[dtype]
     if reduce_range:
         qmin, qmax = qmin // 2, qmax // 2
     if narrow_range and qmin < 0:
@@ -104,8 +109,8 @@ def _as_f32(x) -> np.ndarray:
 
 
 def choose_qparams(
-    rmin,
-    rmax,
+    rmin: ArrayLike,
+    rmax: ArrayLike,
     dtype: str = "int8",
     symmetric: bool = False,
     narrow_range: bool = False,
@@ -178,6 +183,12 @@ def choose_qparams(
         safe = np.where(scale < np.finfo(np.float32).tiny, np.float32(1.0), scale)
         zp = qmin - np.rint(rmin.astype(np.float32) / safe)
         zero_point = np.clip(zp, qmin, qmax).astype(np.int32)
+    return _unit_scale_if_degenerate(scale, zero_point, qmin, qmax, symmetric)
+
+
+def _unit_scale_if_degenerate(scale, zero_point, qmin: int, qmax: int, symmetric: bool):
+    """Scale 1 (and the zero point that maps 0 exactly) where the scale is below the smallest
+    normal float32: an all-zero tensor or channel never divides by zero."""
     degenerate = scale < np.finfo(np.float32).tiny
     if np.any(degenerate):
         scale = np.where(degenerate, np.float32(1.0), scale).astype(np.float32)
@@ -336,11 +347,6 @@ def _srdhm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(overflow, np.int64(2**31 - 1), q)
 
 
-def _rounding_divide_by_pot(x: np.ndarray, exponent: np.ndarray) -> np.ndarray:
-    """gemmlowp RoundingDivideByPOT: round to nearest, ties away from zero."""
-    return rounding_right_shift(x, exponent, "half_away")
-
-
 def fixed_point_multiply(x, multiplier, shift, rounding: str = "tflite") -> np.ndarray:
     """``x * multiplier * 2**(shift - 31)`` rounded to an integer, integer arithmetic only.
 
@@ -372,7 +378,8 @@ def fixed_point_multiply(x, multiplier, shift, rounding: str = "tflite") -> np.n
         left = np.maximum(shift, 0)
         right = np.maximum(-shift, 0)
         xs = np.clip(x << left, -(2**31), 2**31 - 1)
-        return _rounding_divide_by_pot(_srdhm(xs, np.broadcast_to(m, xs.shape)), right)
+        # then gemmlowp's RoundingDivideByPOT: round to nearest, ties away from zero
+        return rounding_right_shift(_srdhm(xs, np.broadcast_to(m, xs.shape)), right, "half_away")
     total = 31 - shift
     prod = x * m  # |x| < 2**31, m < 2**31: exact in int64
     if rounding == "tflite_single":
@@ -435,6 +442,10 @@ def requantize(
     return np.clip(y, qmin, qmax).astype(dtype)
 
 
+#: The tie rule of the one rounding that integer-only elementwise ops make, where it is not
+#: the rounding mode's own name: ``tflite`` rounds ties away from zero, ``tflite_single`` up.
+ELEMENTWISE_TIES = {"tflite": "half_away", "tflite_single": "half_up"}
+
 _ELEMENTWISE = {
     "add": lambda x, y: x + y,
     "subtract": lambda x, y: x - y,
@@ -471,6 +482,22 @@ def elementwise_multipliers(kind: str, lhs_scale, rhs_scale, out_scale) -> tuple
     if not 0 <= shift <= 62:
         raise ValueError(f"scale ratio {max(reals)} is out of the range integer {kind} supports")
     return int(ms[0]), int(ms[1]), shift
+
+
+def elementwise_accumulator(kind: str, da, db, ma: int, mb: int, const=np.int64):
+    """What integer-only add / subtract / multiply round: ``da * ma +/- db * mb`` or
+    ``da * db * ma``; ``da``/``db`` are the operands minus their zero points, ``ma``/``mb`` from
+    :func:`elementwise_multipliers`. ``const`` makes the int64 multipliers (numpy here, a TIR
+    constant in the ``qnn`` legalization: both build the same expression).
+
+    >>> da, db = np.array([2, -3]), np.array([4, 5])
+    >>> [elementwise_accumulator(k, da, db, 3, 2).tolist() for k in ("add", "subtract", "multiply")]
+    [[14, 1], [-2, -19], [24, -45]]
+    """
+    if kind == "multiply":
+        return da * db * const(ma)
+    sign = 1 if kind == "add" else -1
+    return da * const(ma) + db * const(sign * mb)
 
 
 def elementwise(
@@ -514,12 +541,9 @@ def elementwise(
     ma, mb, shift = elementwise_multipliers(kind, lhs_scale, rhs_scale, out_scale)
     da = np.asarray(lhs, np.int64) - np.int64(lhs_zero_point)
     db = np.asarray(rhs, np.int64) - np.int64(rhs_zero_point)
-    if kind == "multiply":
-        acc = da * db * np.int64(ma)
-    else:
-        acc = da * np.int64(ma) + (1 if kind == "add" else -1) * db * np.int64(mb)
-    mode = {"tflite": "half_away", "tflite_single": "half_up"}.get(rounding, rounding)
-    y = rounding_right_shift(acc, shift, mode) + np.int64(out_zero_point)
+    acc = elementwise_accumulator(kind, da, db, ma, mb)
+    tie = ELEMENTWISE_TIES.get(rounding, rounding)
+    y = rounding_right_shift(acc, shift, tie) + np.int64(out_zero_point)
     qmin, qmax = qrange(dtype)
     return np.clip(y, qmin, qmax).astype(dtype)
 

@@ -52,7 +52,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from ._common import MinMaxState
+from ._common import MaxObserver, MinMaxState
 
 __all__ = [
     "REGISTRY",
@@ -224,8 +224,6 @@ def range_observer(axis: int | None = None) -> Observer:
     """The first pass of a ``needs_range`` calibrator: the exact per-channel min/max (a
     ``max`` observer); its ``data_range()`` is the ``data_range`` to create the calibrator's
     observer with, and its state merges like any other."""
-    from .max import MaxObserver
-
     return MaxObserver(axis)
 
 

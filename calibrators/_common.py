@@ -6,15 +6,30 @@
 * :func:`check_state` validates a state received from another observer (another process);
 * :class:`MinMaxState` is the running per-channel (min, max) and its state, shared by the
   ``max`` observer, the range pass of histogram calibrators and user range functions.
+* :class:`MaxObserver` is the ``max`` calibrator's observer and the range pass of the
+  histogram calibrators;
+* :class:`AxisCalibrator` is the base of the calibrators without options whose observer
+  needs only the axis (``max``, ``moving_average``).
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import numpy as np
 
 from autoq.qparams import QParam
 
-__all__ = ["MinMaxState", "as_channels", "batch_minmax", "check_state", "no_data", "range_qparam"]
+__all__ = [
+    "AxisCalibrator",
+    "MaxObserver",
+    "MinMaxState",
+    "as_channels",
+    "batch_minmax",
+    "check_state",
+    "no_data",
+    "range_qparam",
+]
 
 
 def as_channels(x, axis: int | None) -> np.ndarray:
@@ -117,3 +132,48 @@ class MinMaxState:
         state = check_state(self, state, ("lo", "hi"))
         if state["lo"].size:
             self.absorb(state["lo"].astype(np.float64), state["hi"].astype(np.float64))
+
+
+class AxisCalibrator:
+    """Base of a calibrator without options (a frozen dataclass without fields) whose
+    observer, ``observer_type(axis)``, needs no data range."""
+
+    name: ClassVar[str]
+    needs_range: ClassVar[bool] = False
+    observer_type: ClassVar[type]
+
+    def observer(self, axis: int | None = None, data_range=None):
+        return self.observer_type(axis)
+
+
+class MaxObserver(MinMaxState):
+    """Running per-channel minimum and maximum (also the range pass of the histogram
+    calibrators: see :func:`autoq.calibrators.range_observer`)."""
+
+    def __init__(self, axis: int | None) -> None:
+        self.axis = axis
+
+    def update(self, x) -> None:
+        rows = as_channels(x, self.axis)
+        if rows.size == 0:
+            return
+        self.absorb(*batch_minmax(rows))
+
+    def merge(self, other: MaxObserver) -> None:
+        if not isinstance(other, MaxObserver) or other.axis != self.axis:
+            raise TypeError("can only merge a MaxObserver with the same axis")
+        self.merge_state(other.state())
+
+    def data_range(self) -> tuple:
+        """``(lo, hi)``: float64 scalars per-tensor, ``(C,)`` arrays per-channel; the
+        ``data_range`` a histogram calibrator's observer is created with."""
+        if self.lo is None:
+            raise no_data()
+        if self.axis is None:
+            return self.lo[0], self.hi[0]
+        return self.lo.copy(), self.hi.copy()
+
+    def compute(self, spec):
+        if self.lo is None:
+            raise no_data()
+        return range_qparam(self.lo, self.hi, spec, self.axis)

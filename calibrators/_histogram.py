@@ -27,18 +27,28 @@ upsampled re-binning), nothing here is approximate; and unlike ONNX Runtime no a
 ever stored.
 
 The calibrator owning the observer provides ``bins``, ``kinds`` and
-``choose_range(observer, spec) -> (rmin, rmax)`` (arrays of shape ``(C,)``).
+``choose_range(observer, spec) -> (rmin, rmax)`` (arrays of shape ``(C,)``); what every
+histogram calibrator shares (``needs_range``, the observer, the ``bins`` check) is
+:class:`HistogramMethod`, and :class:`HistogramCalibrator` is the frozen dataclass for the
+methods whose only option is ``bins``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ._common import as_channels, batch_minmax, check_state, no_data, range_qparam
 
-__all__ = ["HistogramObserver", "check_bins", "histogram"]
+__all__ = [
+    "HistogramCalibrator",
+    "HistogramMethod",
+    "HistogramObserver",
+    "check_bins",
+    "histogram",
+]
 
 
 def check_bins(owner: Any, bins: Any) -> None:
@@ -194,3 +204,27 @@ class HistogramObserver:
             raise no_data()
         rmin, rmax = self.calibrator.choose_range(self, spec)
         return range_qparam(rmin, rmax, spec, self.axis)
+
+
+class HistogramMethod:
+    """Mixed into every histogram calibrator (a frozen dataclass with a ``bins`` option and
+    the class attribute ``kinds``, the histograms it reads in ``choose_range``): it needs the
+    data range, observes with a :class:`HistogramObserver` and checks ``bins``."""
+
+    name: ClassVar[str]
+    needs_range: ClassVar[bool] = True
+    kinds: ClassVar[tuple[str, ...]]
+
+    def __post_init__(self) -> None:
+        check_bins(self, self.bins)
+
+    def observer(self, axis: int | None = None, data_range=None) -> HistogramObserver:
+        return HistogramObserver(self, axis, data_range)
+
+
+@dataclass(frozen=True)
+class HistogramCalibrator(HistogramMethod):
+    """A histogram method whose only option is ``bins``: subclasses add ``kinds`` and
+    ``choose_range`` and stay frozen dataclasses without a decorator of their own."""
+
+    bins: int = 2048

@@ -42,7 +42,6 @@ slower. NVIDIA uses 256 levels for unsigned quantizers; here ``L`` follows the d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -50,7 +49,7 @@ import numpy as np
 from autoq.primitives import qrange
 
 from . import register
-from ._histogram import HistogramObserver, check_bins
+from ._histogram import HistogramCalibrator, HistogramObserver
 
 TIE = 1e-9
 
@@ -103,20 +102,10 @@ def kl_threshold_bins(hist: np.ndarray, levels: int) -> int:
 
 
 @register("kl")
-@dataclass(frozen=True)
-class KL:
+class KL(HistogramCalibrator):
     """Entropy (KL divergence) calibration (see the module docstring)."""
 
-    bins: int = 2048
-    name: ClassVar[str]
-    needs_range: ClassVar[bool] = True
     kinds: ClassVar[tuple[str, ...]] = ("abs",)
-
-    def __post_init__(self) -> None:
-        check_bins(self, self.bins)
-
-    def observer(self, axis: int | None = None, data_range=None) -> HistogramObserver:
-        return HistogramObserver(self, axis, data_range)
 
     def choose_range(self, obs: HistogramObserver, spec) -> tuple[np.ndarray, np.ndarray]:
         qmin, qmax = qrange(spec.dtype)

@@ -17,49 +17,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from . import register
-from ._common import MinMaxState, as_channels, batch_minmax, no_data, range_qparam
-
-
-class MaxObserver(MinMaxState):
-    """Running per-channel minimum and maximum (also the range pass of the histogram
-    calibrators: see :func:`autoq.calibrators.range_observer`)."""
-
-    def __init__(self, axis: int | None) -> None:
-        self.axis = axis
-
-    def update(self, x) -> None:
-        rows = as_channels(x, self.axis)
-        if rows.size == 0:
-            return
-        self.absorb(*batch_minmax(rows))
-
-    def merge(self, other: MaxObserver) -> None:
-        if not isinstance(other, MaxObserver) or other.axis != self.axis:
-            raise TypeError("can only merge a MaxObserver with the same axis")
-        self.merge_state(other.state())
-
-    def data_range(self) -> tuple:
-        """``(lo, hi)``: float64 scalars per-tensor, ``(C,)`` arrays per-channel; the
-        ``data_range`` a histogram calibrator's observer is created with."""
-        if self.lo is None:
-            raise no_data()
-        if self.axis is None:
-            return self.lo[0], self.hi[0]
-        return self.lo.copy(), self.hi.copy()
-
-    def compute(self, spec):
-        if self.lo is None:
-            raise no_data()
-        return range_qparam(self.lo, self.hi, spec, self.axis)
+from ._common import AxisCalibrator, MaxObserver
 
 
 @register("max")
 @dataclass(frozen=True)
-class Max:
+class Max(AxisCalibrator):
     """Global min/max (no options)."""
 
-    name: ClassVar[str]
-    needs_range: ClassVar[bool] = False
-
-    def observer(self, axis: int | None = None, data_range=None) -> MaxObserver:
-        return MaxObserver(axis)
+    observer_type: ClassVar[type] = MaxObserver

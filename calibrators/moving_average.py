@@ -36,7 +36,7 @@ from typing import ClassVar
 import numpy as np
 
 from . import register
-from ._common import as_channels, batch_minmax, check_state, no_data, range_qparam
+from ._common import AxisCalibrator, as_channels, batch_minmax, check_state, no_data, range_qparam
 
 _SHIFT = 1074  # 2**-1074 is the smallest positive double: every double is k * 2**-1074
 
@@ -125,11 +125,7 @@ class MovingAverageObserver:
 
 @register("moving_average")
 @dataclass(frozen=True)
-class MovingAverage:
+class MovingAverage(AxisCalibrator):
     """Mean of per-batch min and max (no options)."""
 
-    name: ClassVar[str]
-    needs_range: ClassVar[bool] = False
-
-    def observer(self, axis: int | None = None, data_range=None) -> MovingAverageObserver:
-        return MovingAverageObserver(axis)
+    observer_type: ClassVar[type] = MovingAverageObserver

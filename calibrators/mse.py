@@ -31,13 +31,12 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
 from . import register
-from ._histogram import HistogramObserver, check_bins
+from ._histogram import HistogramCalibrator, HistogramObserver
 
 STEPS = 100_000  # 1 / torch's stepsize 1e-5
 _ALPHA = np.arange(STEPS + 1) / STEPS  # alpha after a steps
@@ -110,20 +109,10 @@ def mse_span(hist: np.ndarray, width: float, dst_bins: int) -> tuple[int, int]:
 
 
 @register("mse")
-@dataclass(frozen=True)
-class MSE:
+class MSE(HistogramCalibrator):
     """torch HistogramObserver's L2 search (see the module docstring)."""
 
-    bins: int = 2048
-    name: ClassVar[str]
-    needs_range: ClassVar[bool] = True
     kinds: ClassVar[tuple[str, ...]] = ("signed",)
-
-    def __post_init__(self) -> None:
-        check_bins(self, self.bins)
-
-    def observer(self, axis: int | None = None, data_range=None) -> HistogramObserver:
-        return HistogramObserver(self, axis, data_range)
 
     def choose_range(self, obs: HistogramObserver, spec) -> tuple[np.ndarray, np.ndarray]:
         qmin, qmax = spec.qrange

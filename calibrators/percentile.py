@@ -29,7 +29,7 @@ from typing import ClassVar
 import numpy as np
 
 from . import register
-from ._histogram import HistogramObserver, check_bins
+from ._histogram import HistogramMethod, HistogramObserver
 
 
 def upper_bin(counts: np.ndarray, fraction: float) -> np.ndarray:
@@ -41,13 +41,11 @@ def upper_bin(counts: np.ndarray, fraction: float) -> np.ndarray:
 
 @register("percentile")
 @dataclass(frozen=True)
-class Percentile:
+class Percentile(HistogramMethod):
     """Histogram percentile (see the module docstring)."""
 
     percentile: float = 99.99
     bins: int = 2048
-    name: ClassVar[str]
-    needs_range: ClassVar[bool] = True
     kinds: ClassVar[tuple[str, ...]] = ("abs", "signed")
 
     def __post_init__(self) -> None:
@@ -55,10 +53,7 @@ class Percentile:
         if isinstance(p, bool) or not isinstance(p, int | float) or not 50 <= p <= 100:
             raise ValueError(f"Percentile.percentile must be a number in [50, 100], got {p!r}")
         object.__setattr__(self, "percentile", float(p))
-        check_bins(self, self.bins)
-
-    def observer(self, axis: int | None = None, data_range=None) -> HistogramObserver:
-        return HistogramObserver(self, axis, data_range)
+        super().__post_init__()
 
     def choose_range(self, obs: HistogramObserver, spec) -> tuple[np.ndarray, np.ndarray]:
         q = self.percentile / 100.0

@@ -11,7 +11,7 @@ from onnx import helper, numpy_helper
 from tvm import relax
 
 from autoq import frontends
-from autoq.frontends import FrontendError, UnsupportedOpsError, from_onnx
+from autoq.frontends import FrontendError, UnsupportedOpsError, from_onnx, onnx_model
 from autoq.prepare import fold_batch_norm
 
 ort = pytest.importorskip("onnxruntime")
@@ -239,7 +239,7 @@ def test_input_model_is_not_modified_and_bytes_work(tmp_path):
 
 
 def test_large_model_path_through_external_data(monkeypatch):
-    monkeypatch.setattr(frontends, "_EXTERNAL_DATA_BYTES", 0)
+    monkeypatch.setattr(onnx_model, "EXTERNAL_DATA_BYTES", 0)
     model = conv_bn_relu_gemm()
     mod, params = from_onnx(model)
     x = _f32(1, 3, 8, 8)

@@ -26,7 +26,7 @@ from tvm import relax
 
 from .. import qnn
 from ..allow_list import ALLOW_LIST
-from ..frontends import strip_fusion_prefix
+from ..frontends import strip_ort_fusion_prefix
 from ..graph import Graph, WeightRef
 from ..toolkit import bindings, const, op_name, output_fields, remap_expr, with_main
 from .file_qparams import FileConst, FileQ, SplitResult
@@ -117,7 +117,7 @@ def bind_params(split: SplitResult, params: dict[str, np.ndarray]) -> dict[str, 
     (checked by :func:`weight_layout`)."""
 
     def strip(name: str) -> str:
-        return strip_fusion_prefix(name).removeprefix("onnx::")
+        return strip_ort_fusion_prefix(name).removeprefix("onnx::")
 
     by_stripped: dict[str, list[FileConst]] = defaultdict(list)
     for c in split.consts.values():

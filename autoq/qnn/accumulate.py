@@ -1,0 +1,328 @@
+"""The accumulating ops: ``qnn.conv2d``, ``qnn.dense``, ``qnn.matmul`` and ``qnn.sum``.
+
+They return int32 with scale ``input_scale * weight_scale`` (per output channel) and zero
+point 0. With 8-bit operands and constant zero points the legalizations run on the 8-bit
+values and correct for the zero points afterwards (int32 accumulator); otherwise the
+operands are widened to int32 and centered first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from tvm import relax
+
+from ..toolkit import const_array
+from .checks import (
+    ACC_DTYPE,
+    ACC_INPUT_DTYPES,
+    attr,
+    broadcast_dims,
+    check_dtype,
+    check_qparams,
+    check_scalar,
+    dims,
+    fail,
+    static_int,
+    tensor_type,
+    type_of,
+)
+from .registration import make_call, register
+
+__all__ = ["conv2d", "dense", "matmul", "sum"]
+
+_INPUT = ("input_scale", "input_zero_point")
+_WEIGHT = ("weight_scale", "weight_zero_point")
+
+
+def _centered(x, zp, dtype="int32"):
+    """Relax expression ``int32(x) - zp`` (the zero-point-free integer operand)."""
+    xi = relax.op.astype(x, dtype)
+    z = const_array(zp)
+    if z is not None and np.all(z == 0):
+        return xi
+    return relax.op.subtract(xi, zp)
+
+
+def _scalar_zp(zp) -> int | None:
+    """The zero point as a Python int when it is a constant with one value, else None."""
+    z = const_array(zp)
+    if z is None or (z.size > 1 and not np.all(z == z.reshape(-1)[0])):
+        return None
+    return int(z.reshape(-1)[0])
+
+
+def _int8_direct(data, weight, z_w) -> bool:
+    """The fast lowering applies: 8-bit operands and an all-zero constant weight zero point
+    (symmetric weights, the default): the op runs on the int8 values themselves."""
+    return (
+        str(type_of(data).dtype) in ("int8", "uint8")
+        and str(type_of(weight).dtype) in ("int8", "uint8")
+        and _scalar_zp(z_w) == 0
+    )
+
+
+def _zp_correction(bb, weight, zx: int, axes, shape):
+    """``zx * sum(weight, axes)`` reshaped to broadcast over the accumulator (int32); folded
+    to a constant when the weight is one."""
+    w = const_array(weight)
+    if w is not None:
+        return relax.const(
+            (zx * w.astype(np.int64).sum(axis=tuple(axes))).astype(np.int32).reshape(shape)
+        )
+    wsum = bb.emit(relax.op.sum(relax.op.astype(weight, "int32"), axis=list(axes)))
+    return relax.op.reshape(bb.emit(relax.op.multiply(wsum, relax.const(np.int32(zx)))), shape)
+
+
+def _weighted(name: str, data, weight, qparams: Sequence, attrs: dict) -> relax.Call:
+    """A call of an accumulating op of two operands, each followed by its scale and zero point."""
+    return make_call(name, [data, weight, *qparams], {**attrs, "out_dtype": ACC_DTYPE})
+
+
+# ------------------------------------------------------------------------------- conv2d
+
+
+def conv2d(
+    data: relax.Expr,
+    weight: relax.Expr,
+    input_scale: relax.Expr,
+    input_zero_point: relax.Expr,
+    weight_scale: relax.Expr,
+    weight_zero_point: relax.Expr,
+    strides=(1, 1),
+    padding=(0, 0, 0, 0),
+    dilation=(1, 1),
+    groups: int = 1,
+    data_layout: str = "NCHW",
+    kernel_layout: str = "OIHW",
+) -> relax.Call:
+    """int32 ``conv2d(data - input_zero_point, weight - weight_zero_point)``.
+
+    Padding pads the *real* value 0, i.e. the integer ``input_zero_point``. The result has
+    scale ``input_scale * weight_scale`` (per output channel) and zero point 0.
+    """
+    padding = list(padding)
+    if len(padding) == 2:
+        padding = padding * 2
+    qparams = [input_scale, input_zero_point, weight_scale, weight_zero_point]
+    attrs = {
+        "strides": list(strides),
+        "padding": padding,
+        "dilation": list(dilation),
+        "groups": int(groups),
+        "data_layout": data_layout,
+        "kernel_layout": kernel_layout,
+    }
+    return _weighted("qnn.conv2d", data, weight, qparams, attrs)
+
+
+def _infer_conv2d(op, call):
+    data, weight, s_x, z_x, s_w, z_w = call.args
+    xdt = check_dtype(op, "data", data, ACC_INPUT_DTYPES)
+    wdt = check_dtype(op, "weight", weight, ACC_INPUT_DTYPES)
+    layouts = (attr(call, "data_layout"), attr(call, "kernel_layout"))
+    if layouts != ("NCHW", "OIHW"):
+        fail(op, "data_layout/kernel_layout", "NCHW/OIHW", layouts)
+    xd, wd = dims(data), dims(weight)
+    if xd is not None and len(xd) != 4:
+        fail(op, "data", "a 4-D NCHW tensor", f"{len(xd)}-D")
+    if wd is not None and len(wd) != 4:
+        fail(op, "weight", "a 4-D OIHW tensor", f"{len(wd)}-D")
+    check_qparams(op, s_x, z_x, xdt, None, None, _INPUT)
+    check_qparams(op, s_w, z_w, wdt, wd, 0, _WEIGHT)
+    for name, e in zip(_INPUT, (s_x, z_x), strict=True):
+        check_scalar(op, name, e, "activations are quantized per tensor")
+    if xd is None or wd is None:
+        return relax.TensorType(dtype=ACC_DTYPE, ndim=4)
+    groups = attr(call, "groups")
+    cin, ci_w = static_int(xd[1]), static_int(wd[1])
+    if cin is not None and ci_w is not None and cin != ci_w * groups:
+        fail(op, "weight", f"of shape [O, {cin}/groups={cin // max(groups, 1)}, kH, kW]", wd)
+    st, pad, dil = attr(call, "strides"), attr(call, "padding"), attr(call, "dilation")
+    oh = (xd[2] + pad[0] + pad[2] - dil[0] * (wd[2] - 1) - 1) // st[0] + 1
+    ow = (xd[3] + pad[1] + pad[3] - dil[1] * (wd[3] - 1) - 1) // st[1] + 1
+    return relax.TensorType([xd[0], wd[0], oh, ow], ACC_DTYPE)
+
+
+def _relax_conv2d(call, x, w, padding):
+    """``relax.op.nn.conv2d`` with the qnn call's attributes, int32 out."""
+    return relax.op.nn.conv2d(
+        x,
+        w,
+        strides=attr(call, "strides"),
+        padding=padding,
+        dilation=attr(call, "dilation"),
+        groups=attr(call, "groups"),
+        out_dtype=ACC_DTYPE,
+    )
+
+
+def _legalize_conv2d(bb, call):
+    data, weight, _s_x, z_x, _s_w, z_w = call.args
+    zx = _scalar_zp(z_x)
+    if zx is None or not _int8_direct(data, weight, z_w):
+        x = _centered(data, z_x)
+        zw = relax.op.reshape(z_w, [-1, 1, 1, 1]) if type_of(z_w).ndim == 1 else z_w
+        return _relax_conv2d(call, x, _centered(weight, zw), attr(call, "padding"))
+    # conv(x - zx, w) = conv(pad_zx(x), w) - zx * sum(w): int8 operands, int32 accumulator
+    # (about 2x faster than widening first). Padding must hold the zero point, so it is
+    # done explicitly when zx != 0.
+    pad = attr(call, "padding")
+    x = data
+    if zx != 0 and any(pad):
+        x = relax.op.nn.pad(
+            data, [0, 0, 0, 0, pad[0], pad[2], pad[1], pad[3]], "constant", float(zx)
+        )
+        pad = [0, 0, 0, 0]
+    acc = _relax_conv2d(call, x, weight, pad)
+    if zx == 0:
+        return acc
+    return relax.op.subtract(acc, _zp_correction(bb, weight, zx, (1, 2, 3), [1, -1, 1, 1]))
+
+
+register(conv2d, _infer_conv2d, _legalize_conv2d)
+
+
+# -------------------------------------------------------------------------------- dense
+
+
+def dense(
+    data, weight, input_scale, input_zero_point, weight_scale, weight_zero_point
+) -> relax.Call:
+    """int32 ``(data - input_zp) @ (weight - weight_zp).T``; ``weight`` is ``[N, K]``.
+
+    The weight's per-channel parameters index N (its axis 0). Scale of the result:
+    ``input_scale * weight_scale`` along the last axis.
+    """
+    qparams = [input_scale, input_zero_point, weight_scale, weight_zero_point]
+    return _weighted("qnn.dense", data, weight, qparams, {})
+
+
+def _infer_dense(op, call):
+    data, weight, s_x, z_x, s_w, z_w = call.args
+    xdt = check_dtype(op, "data", data, ACC_INPUT_DTYPES)
+    wdt = check_dtype(op, "weight", weight, ACC_INPUT_DTYPES)
+    xd, wd = dims(data), dims(weight)
+    if wd is not None and len(wd) != 2:
+        fail(op, "weight", "a 2-D [N, K] tensor", f"{len(wd)}-D")
+    check_qparams(op, s_x, z_x, xdt, None, None, _INPUT)
+    check_qparams(op, s_w, z_w, wdt, wd, 0, _WEIGHT)
+    if xd is None or wd is None:
+        return relax.TensorType(dtype=ACC_DTYPE, ndim=-1)
+    k, kw = static_int(xd[-1]), static_int(wd[1])
+    if k is not None and kw is not None and k != kw:
+        fail(op, "weight", f"of shape [N, {k}] (K must match the data's last dimension)", wd)
+    return relax.TensorType([*xd[:-1], wd[0]], ACC_DTYPE)
+
+
+def _legalize_dense(bb, call):
+    data, weight, _s_x, z_x, _s_w, z_w = call.args
+    zx = _scalar_zp(z_x)
+    if zx is not None and _int8_direct(data, weight, z_w):
+        # (x - zx) @ w.T = x @ w.T - zx * sum_k(w): 8-bit operands, int32 accumulator
+        acc = relax.op.matmul(data, relax.op.permute_dims(weight, [1, 0]), out_dtype=ACC_DTYPE)
+        if zx == 0:
+            return acc
+        return relax.op.subtract(acc, _zp_correction(bb, weight, zx, (1,), [-1]))
+    w = _centered(weight, relax.op.reshape(z_w, [-1, 1]) if type_of(z_w).ndim == 1 else z_w)
+    return relax.op.matmul(
+        _centered(data, z_x), relax.op.permute_dims(w, [1, 0]), out_dtype=ACC_DTYPE
+    )
+
+
+register(dense, _infer_dense, _legalize_dense)
+
+
+# ------------------------------------------------------------------------------- matmul
+
+
+def matmul(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point) -> relax.Call:
+    """int32 ``(lhs - lhs_zp) @ (rhs - rhs_zp)`` for two activations (per-tensor params)."""
+    return _weighted(
+        "qnn.matmul", lhs, rhs, [lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point], {}
+    )
+
+
+def _infer_matmul(op, call):
+    a, b, s_a, z_a, s_b, z_b = call.args
+    adt = check_dtype(op, "lhs", a, ACC_INPUT_DTYPES)
+    bdt = check_dtype(op, "rhs", b, ACC_INPUT_DTYPES)
+    check_qparams(op, s_a, z_a, adt, None, None, ("lhs_scale", "lhs_zero_point"))
+    check_qparams(op, s_b, z_b, bdt, None, None, ("rhs_scale", "rhs_zero_point"))
+    for name, e in (("lhs_scale", s_a), ("rhs_scale", s_b)):
+        check_scalar(op, name, e, "qnn.matmul is per-tensor; use qnn.dense for weights")
+    ad, bd = dims(a), dims(b)
+    if ad is None or bd is None:
+        return relax.TensorType(dtype=ACC_DTYPE, ndim=-1)
+    if len(ad) < 2 or len(bd) < 2:
+        fail(op, "lhs/rhs", "tensors of rank >= 2", (ad, bd))
+    k1, k2 = static_int(ad[-1]), static_int(bd[-2])
+    if k1 is not None and k2 is not None and k1 != k2:
+        fail(op, "rhs", f"of shape [..., {k1}, N]", bd)
+    batch = broadcast_dims(op, ad[:-2], bd[:-2])
+    return relax.TensorType([*batch, ad[-2], bd[-1]], ACC_DTYPE)
+
+
+def _legalize_matmul(bb, call):
+    a, b, _s_a, z_a, _s_b, z_b = call.args
+    za, zb = _scalar_zp(z_a), _scalar_zp(z_b)
+    eight_bit = all(str(type_of(t).dtype) in ("int8", "uint8") for t in (a, b))
+    k = static_int(dims(a)[-1]) if dims(a) is not None else None
+    if za is None or zb is None or not eight_bit or (za and zb and k is None):
+        # int16 operands, per-axis or unknown zero points, unknown K: widen to int32 first
+        return relax.op.matmul(_centered(a, z_a), _centered(b, z_b), out_dtype=ACC_DTYPE)
+    # (a - za)(b - zb) = ab - zb * rowsum(a) - za * colsum(b) + K za zb, on the 8-bit values
+    acc = relax.op.matmul(a, b, out_dtype=ACC_DTYPE)
+    i32 = "int32"
+    if zb != 0:
+        rows = relax.op.sum(relax.op.astype(a, i32), axis=[-1], keepdims=True)
+        acc = relax.op.subtract(acc, relax.op.multiply(rows, relax.const(np.int32(zb))))
+    if za != 0:
+        cols = relax.op.sum(relax.op.astype(b, i32), axis=[-2], keepdims=True)
+        acc = relax.op.subtract(acc, relax.op.multiply(cols, relax.const(np.int32(za))))
+    if za != 0 and zb != 0:
+        acc = relax.op.add(acc, relax.const(np.int32(k * za * zb)))
+    return acc
+
+
+register(matmul, _infer_matmul, _legalize_matmul)
+
+
+# ---------------------------------------------------------------------------------- sum
+
+
+def sum(data, scale, zero_point, axis: Sequence[int], keepdims: bool = False) -> relax.Call:
+    """int32 ``sum(data - zero_point, axis)``; scale stays ``scale`` (a mean divides it by N)."""
+    return make_call(
+        "qnn.sum",
+        [data, scale, zero_point],
+        {"axis": [int(a) for a in axis], "keepdims": bool(keepdims), "out_dtype": ACC_DTYPE},
+    )
+
+
+def _infer_sum(op, call):
+    data, s, z = call.args
+    dt = check_dtype(op, "data", data, ["int8", "uint8", "int16"])
+    check_qparams(op, s, z, dt, None, None)
+    shape = dims(data)
+    if shape is None:
+        return relax.TensorType(dtype=ACC_DTYPE, ndim=-1)
+    axes = sorted(a % len(shape) for a in attr(call, "axis"))
+    keep = bool(attr(call, "keepdims"))
+    out = (
+        [1 if i in axes else d for i, d in enumerate(shape)]
+        if keep
+        else [d for i, d in enumerate(shape) if i not in axes]
+    )
+    return tensor_type(out, ACC_DTYPE)
+
+
+def _legalize_sum(bb, call):
+    data, _s, z = call.args
+    return relax.op.sum(
+        _centered(data, z), axis=attr(call, "axis"), keepdims=bool(attr(call, "keepdims"))
+    )
+
+
+register(sum, _infer_sum, _legalize_sum)

@@ -1,0 +1,170 @@
+"""``qnn.add``, ``qnn.subtract`` and ``qnn.multiply``: elementwise ops with their own output
+scale and zero point (per-tensor), in float32 or integer-only (see
+:func:`autoq.primitives.elementwise`)."""
+
+from __future__ import annotations
+
+from tvm import relax, te, tirx
+
+from .. import primitives as P
+from .checks import (
+    QDTYPES,
+    QnnError,
+    attr,
+    broadcast_dims,
+    check_dtype,
+    check_out_dtype,
+    check_qparams,
+    check_rounding,
+    check_scalar,
+    dims,
+    static_int,
+    tensor_type,
+    type_of,
+)
+from .quantize import constant_scales
+from .registration import make_call, register
+from .tensor_exprs import (
+    call_te,
+    clip_int64,
+    dequantize_value,
+    param_at,
+    quantize_value,
+    rshift_round,
+)
+
+__all__ = ["add", "multiply", "subtract"]
+
+_OPERANDS = (
+    ("lhs_scale", "lhs_zero_point"),
+    ("rhs_scale", "rhs_zero_point"),
+    ("output_scale", "output_zero_point"),
+)
+_FLOAT_FN = {
+    "add": lambda x, y: x + y,
+    "subtract": lambda x, y: x - y,
+    "multiply": lambda x, y: x * y,
+}
+
+
+def _builder(name):
+    def build(
+        lhs: relax.Expr,
+        rhs: relax.Expr,
+        lhs_scale: relax.Expr,
+        lhs_zero_point: relax.Expr,
+        rhs_scale: relax.Expr,
+        rhs_zero_point: relax.Expr,
+        output_scale: relax.Expr,
+        output_zero_point: relax.Expr,
+        out_dtype: str = "int8",
+        rounding: str = "float",
+    ) -> relax.Call:
+        qparams = [lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point]
+        return make_call(
+            "qnn." + name,
+            [lhs, rhs, *qparams, output_scale, output_zero_point],
+            {"out_dtype": out_dtype, "rounding": rounding},
+        )
+
+    build.__name__ = name
+    build.__doc__ = (
+        f"Quantized {name}: ``quantize(dequantize(lhs) {name} dequantize(rhs))`` with the output "
+        "scale/zero point (per-tensor); integer-only for rounding != 'float' "
+        "(see primitives.elementwise)."
+    )
+    return build
+
+
+add = _builder("add")
+subtract = _builder("subtract")
+multiply = _builder("multiply")
+
+
+def _infer_elementwise(op, call):
+    a, b, s_a, z_a, s_b, z_b, s_o, z_o = call.args
+    adt = check_dtype(op, "lhs", a, ["int8", "uint8", "int16"])
+    bdt = check_dtype(op, "rhs", b, ["int8", "uint8", "int16"])
+    out_dtype = attr(call, "out_dtype")
+    check_out_dtype(op, out_dtype, QDTYPES)
+    check_rounding(op, attr(call, "rounding"))
+    pairs = ((s_a, z_a), (s_b, z_b), (s_o, z_o))
+    for names, (s, z), dt in zip(_OPERANDS, pairs, (adt, bdt, out_dtype), strict=True):
+        check_qparams(op, s, z, dt, None, None, names)
+        check_scalar(op, names[0], s, "elementwise qnn ops are per-tensor")
+    return tensor_type(broadcast_dims(op, dims(a), dims(b)), out_dtype)
+
+
+def _broadcast_index(t, i, ndim):
+    """numpy broadcasting: ``t``'s element for output index ``i`` (of rank ``ndim``)."""
+    r = len(t.shape)
+    out = []
+    for k in range(r):
+        j = i[ndim - r + k]
+        out.append(0 if static_int(t.shape[k]) == 1 else j)
+    return t[tuple(out)]
+
+
+def _legalize_float(bb, call, out_shape, qmin, qmax):
+    op, out_dtype = call.op.name, attr(call, "out_dtype")
+    fn = _FLOAT_FN[op.split(".")[1]]
+    ndim = len(out_shape)
+
+    def f(a, b, sa, za, sb, zb, so, zo):
+        def g(*i):
+            ra = dequantize_value(
+                _broadcast_index(a, i, ndim), param_at(sa, i, 0), param_at(za, i, 0)
+            )
+            rb = dequantize_value(
+                _broadcast_index(b, i, ndim), param_at(sb, i, 0), param_at(zb, i, 0)
+            )
+            v = quantize_value(fn(ra, rb), param_at(so, i, 0), param_at(zo, i, 0), qmin, qmax)
+            return v.astype(out_dtype)
+
+        return te.compute(out_shape, g, name=op.replace(".", "_"))
+
+    return call_te(bb, f, [], list(call.args), op.replace(".", "_"))
+
+
+def _legalize_integer(bb, call, out_shape, qmin, qmax):
+    op, out_dtype, rounding = call.op.name, attr(call, "out_dtype"), attr(call, "rounding")
+    a, b, s_a, z_a, s_b, z_b, s_o, z_o = call.args
+    scales = constant_scales(
+        op,
+        {"lhs_scale": s_a, "rhs_scale": s_b, "output_scale": s_o},
+        "use rounding='float' for runtime scales",
+    )
+    kind = op.split(".")[1]
+    ma, mb, shift = P.elementwise_multipliers(kind, *scales)
+    mode = P.ELEMENTWISE_TIES.get(rounding, rounding)
+    ndim = len(out_shape)
+
+    def int64(v):
+        return tirx.const(int(v), "int64")
+
+    def f(a, b, za, zb, zo):
+        def g(*i):
+            da = _broadcast_index(a, i, ndim).astype("int64") - param_at(za, i, 0).astype("int64")
+            db = _broadcast_index(b, i, ndim).astype("int64") - param_at(zb, i, 0).astype("int64")
+            acc = P.elementwise_accumulator(kind, da, db, ma, mb, const=int64)
+            y = rshift_round(acc, int64(shift), mode) + param_at(zo, i, 0).astype("int64")
+            return clip_int64(y, qmin, qmax, out_dtype)
+
+        return te.compute(out_shape, g, name=op.replace(".", "_"))
+
+    return call_te(bb, f, [], [a, b, z_a, z_b, z_o], op.replace(".", "_"))
+
+
+def _legalize_elementwise(bb, call):
+    qmin, qmax = P.qrange(attr(call, "out_dtype"))
+    shape = type_of(call).shape
+    if shape is None:
+        raise QnnError(f"{call.op.name}: legalization needs a known output rank")
+    out_shape = list(shape.values)
+    if attr(call, "rounding") == "float":
+        return _legalize_float(bb, call, out_shape, qmin, qmax)
+    return _legalize_integer(bb, call, out_shape, qmin, qmax)
+
+
+for _builder_fn in (add, subtract, multiply):
+    register(_builder_fn, _infer_elementwise, _legalize_elementwise)

@@ -1,0 +1,144 @@
+"""The TE expressions the ``qnn.*`` legalizations are built from.
+
+The same expressions serve the real ops and the simulated ones, so that the simulated graph
+predicts the integer graph bit for bit; the integer requantize math mirrors
+:func:`autoq.primitives.fixed_point_multiply` and :func:`autoq.primitives.rounding_right_shift`.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from ..toolkit import const_array
+from .checks import QnnError, static_int
+
+__all__ = [
+    "call_te",
+    "clip_int64",
+    "dequantize_tensor",
+    "dequantize_value",
+    "fixed_point_multiply",
+    "param_at",
+    "quantize_tensor",
+    "quantize_value",
+    "rshift_round",
+]
+
+
+def param_at(p, idx, axis):
+    """Value of a scalar / per-axis parameter (TE tensor or Python number) at index idx."""
+    if not isinstance(p, te.Tensor):  # a Python number or an immediate
+        return p
+    if len(p.shape) == 0:
+        return p[()]
+    if static_int(p.shape[0]) == 1:
+        return p[0]
+    return p[idx[axis % len(idx)]]
+
+
+def _scalar_or_tensor(expr):
+    """Pass scalar constants to TE as immediates (simpler code), everything else as tensors."""
+    v = const_array(expr)
+    if v is not None and v.ndim == 0:
+        return tirx.const(v.item(), str(v.dtype))
+    return expr
+
+
+def call_te(bb, fn, data, params, name: str):
+    """``bb.call_te(fn, *data, *params)``: scalar constant ``params`` become immediates."""
+    args = [*data, *(_scalar_or_tensor(p) for p in params)]
+    return bb.call_te(fn, *args, primfunc_name_hint=name)
+
+
+def quantize_value(x, s, z, qmin, qmax, clip_dtype="float32"):
+    """float32 ``clip(round_half_even(x / s) + z, qmin, qmax)`` (still a float).
+
+    ``clip_dtype="float64"`` clips in float64, for int32 outputs: float32 cannot hold
+    2**31 - 1, and converting the float32 bound 2**31 to int32 overflows.
+    """
+    v = te.round(x / s) + z.astype("float32")
+    if clip_dtype != "float32":
+        v = v.astype(clip_dtype)
+    return te.max(
+        te.min(v, tirx.const(float(qmax), clip_dtype)), tirx.const(float(qmin), clip_dtype)
+    )
+
+
+def dequantize_value(q, s, z):
+    """``float32(q - z) * s``; q is any int dtype or an integral float.
+
+    The subtraction is exact: in int32 for 8/16-bit data, in int64 for int32 data (an int32
+    accumulator minus a zero point can leave the int32 range), like primitives.dequantize.
+    """
+    if "float" in str(q.dtype):
+        return (q - z.astype(q.dtype)).astype("float32") * s
+    wide = "int64" if str(q.dtype) == "int32" else "int32"
+    return (q.astype(wide) - z.astype(wide)).astype("float32") * s
+
+
+def quantize_tensor(x, s, z, axis, out_dtype, qmin, qmax):
+    def f(*i):
+        v = quantize_value(x[i], param_at(s, i, axis), param_at(z, i, axis), qmin, qmax)
+        return v.astype(out_dtype)
+
+    return te.compute(x.shape, f, name="quantize")
+
+
+def dequantize_tensor(q, s, z, axis):
+    return te.compute(
+        q.shape,
+        lambda *i: dequantize_value(q[i], param_at(s, i, axis), param_at(z, i, axis)),
+        name="dequantize",
+    )
+
+
+def clip_int64(y, qmin: int, qmax: int, out_dtype: str):
+    """An int64 value saturated to ``[qmin, qmax]`` and cast to ``out_dtype``."""
+    return te.max(te.min(y, tirx.const(qmax, "int64")), tirx.const(qmin, "int64")).astype(out_dtype)
+
+
+def rshift_round(x, shift, mode):
+    """int64 ``round(x / 2**shift)`` with a tie rule (shift >= 0, an int64 PrimExpr)."""
+    one = tirx.const(1, "int64")
+    zero = tirx.const(0, "int64")
+    floor = x >> shift
+    rem = x - (floor << shift)
+    # te.max keeps the shift amount non-negative in the branch Select does not take: with a
+    # constant shift of 0, ``one << (shift - one)`` would be folded to an invalid ``1 << -1``
+    half = tirx.Select(shift > zero, one << te.max(shift - one, zero), zero)
+    if mode == "half_up":
+        up = rem >= half
+    elif mode == "half_away":
+        up = tirx.Or(rem > half, tirx.And(rem == half, x >= zero))
+    elif mode == "half_even":
+        up = tirx.Or(rem > half, tirx.And(rem == half, (floor & one) == one))
+    else:
+        raise QnnError(f"unknown tie rule {mode!r}")
+    return floor + tirx.Select(tirx.And(up, shift > zero), one, zero)
+
+
+def fixed_point_multiply(x, m, shift, rounding):
+    """Mirror of :func:`autoq.primitives.fixed_point_multiply` on int64 PrimExprs."""
+    i64 = "int64"
+    x = x.astype(i64)
+    m = m.astype(i64)
+    shift = shift.astype(i64)
+    zero = tirx.const(0, i64)
+    if rounding == "tflite":
+        left = te.max(shift, zero)
+        right = te.max(-shift, zero)
+        lo, hi = tirx.const(-(2**31), i64), tirx.const(2**31 - 1, i64)
+        xs = te.max(te.min(x << left, hi), lo)
+        ab = xs * m
+        nudge = tirx.Select(ab >= zero, tirx.const(1 << 30, i64), tirx.const(1 - (1 << 30), i64))
+        high = tirx.truncdiv(ab + nudge, tirx.const(1 << 31, i64))
+        high = tirx.Select(tirx.And(xs == lo, m == lo), hi, high)
+        return rshift_round(high, right, "half_away")
+    mode = "half_up" if rounding == "tflite_single" else rounding
+    total = tirx.const(31, i64) - shift
+    prod = x * m
+    return tirx.Select(
+        total < zero,
+        prod << te.max(-total, zero),
+        rshift_round(prod, te.max(total, zero), mode),
+    )
