@@ -16,7 +16,6 @@ overrides) with the calibrated qparams carried over (:func:`remap_qparams`).
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from .analysis import Analysis
 from .build import default_target
 from .calibrate import calibrate
 from .config import AutoFallback, Config, Fallback, Override, QuantSpec
+from .json_document import JsonDocument
 from .metrics import sqnr_db
 from .qparams import QParam, QParams
 from .report import Report, fmt_db, json_float, json_num, sort_key
@@ -42,7 +42,7 @@ __all__ = [
 
 
 @dataclass
-class FallbackDecision:
+class FallbackDecision(JsonDocument):
     """What :func:`search_fallback` chose and why.
 
     ``layers``: the layers kept out of int8 (most sensitive first), ``precision``: what they
@@ -99,13 +99,6 @@ class FallbackDecision:
         d["trials"] = [dict(t, metric=json_float(t["metric"])) for t in d["trials"]]
         d["ranking"] = [dict(r, score=json_float(r["score"])) for r in d["ranking"]]
         return cls(**d)
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1)
-
-    @classmethod
-    def loads(cls, s: str) -> FallbackDecision:
-        return cls.from_json(json.loads(s))
 
     def summary(self) -> str:
         what = "fp32" if self.precision == "fp32" else "int16 activations"

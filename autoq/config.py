@@ -7,12 +7,12 @@ True
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from . import primitives as P
+from .json_document import JsonDocument
 
 __all__ = ["AutoFallback", "Config", "Fallback", "Override", "QuantSpec"]
 
@@ -196,7 +196,7 @@ def _default_weight() -> QuantSpec:
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(JsonDocument):
     """Everything ``autoq.quantize`` can be told.
 
     ``activation`` / ``weight``: default specs; ``overrides``: per-layer changes.
@@ -279,9 +279,6 @@ class Config:
             "int8_outputs": self.int8_outputs,
         }
 
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1)
-
     @classmethod
     def from_json(cls, d: dict) -> Config:
         d = dict(d)
@@ -299,10 +296,6 @@ class Config:
         if d.get("patterns") is not None:
             d["patterns"] = tuple(d["patterns"])
         return cls(**d)
-
-    @classmethod
-    def loads(cls, s: str) -> Config:
-        return cls.from_json(json.loads(s))
 
 
 AUTO_RANKINGS = ("local", "revert")

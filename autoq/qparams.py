@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import primitives as P
+from .json_document import JsonDocument
 
 __all__ = ["QParam", "QParams", "SlotInfo", "load_qparams"]
 
@@ -211,7 +212,7 @@ def _value_from_json(key: str, d: Mapping) -> np.ndarray:
 
 
 @dataclass
-class QParams(Mapping[str, QParam]):
+class QParams(JsonDocument, Mapping[str, QParam]):
     """Slot id -> :class:`QParam`, with slot descriptions; the result of calibration.
 
     ``values``: integer weights/biases fixed by the source (see the module docstring); not
@@ -273,16 +274,6 @@ class QParams(Mapping[str, QParam]):
             meta=dict(d.get("meta", {})),
             values={k: _value_from_json(k, v) for k, v in d.get("values", {}).items()},
         )
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1)
-
-    @classmethod
-    def loads(cls, text: str) -> QParams:
-        return cls.from_json(json.loads(text))
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.dumps())
 
     def replace(self, **updates: QParam) -> QParams:
         """A copy with some slots' qparams replaced (slot ids as keyword names or via dict)."""

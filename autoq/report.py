@@ -7,7 +7,6 @@ fraction, accumulator headroom; see :mod:`autoq.analysis` for how they are measu
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from dataclasses import dataclass, field, fields
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .json_document import JsonDocument
 
 __all__ = [
     "EXACT_LIMIT",
@@ -144,7 +145,7 @@ class LayerStats:
 
 
 @dataclass
-class Report:
+class Report(JsonDocument):
     """The result of :func:`analyze`: ``layers`` in topological order, ``slots`` in slot
     order, the model output's SQNR / cosine (everything quantized), the narrow accumulator
     dtype the overflow counts refer to, and the number of samples."""
@@ -231,18 +232,6 @@ class Report:
             samples=int(d.get("samples", 0)),
             meta=dict(d.get("meta", {})),
         )
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1)
-
-    @classmethod
-    def loads(cls, s: str) -> Report:
-        return cls.from_json(json.loads(s))
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.write_text(self.dumps())
-        return path
 
     def plot(self, path: str | Path, title: str | None = None) -> Path | None:
         """PNG of the SQNR per layer in topological order (alone and upstream). Needs

@@ -123,12 +123,26 @@ def _build(kind: Kind, bias: bool, residual: bool):
     return build
 
 
+def _frame(kind: Kind, ctx, m):
+    """(core op value, output shape, channel axis, quantized input) of a match."""
+    out_shape = list(shape_of(m.root))
+    x = ctx.activation(m["data"])
+    return ctx.g.value[m["core"]], out_shape, kind.channel_axis(len(out_shape)), x
+
+
+def _bias_and_residual(ctx, m, acc, s_acc, out_shape, ch_axis, residual_on_acc_grid):
+    """``acc`` + the int32 bias + the residual moved onto the accumulator's grid."""
+    if "bias" in m.nodes:
+        acc = ctx.emit(relax.op.add(acc, ctx.bias(m["bias"], s_acc, out_shape, ch_axis)))
+    if "residual" in m.nodes:
+        r = ctx.emit(residual_on_acc_grid(ctx.activation(m["residual"])))
+        acc = ctx.emit(relax.op.add(acc, r))
+    return acc
+
+
 def _simulate(kind: Kind):
     def simulate(ctx, m):
-        core = ctx.g.value[m["core"]]
-        out_shape = list(shape_of(m.root))
-        ch_axis = kind.channel_axis(len(out_shape))
-        x = ctx.activation(m["data"])
+        core, out_shape, ch_axis, x = _frame(kind, ctx, m)
         if kind.weight_axis is None:
             w = ctx.activation(m["weight"])
         else:
@@ -136,12 +150,11 @@ def _simulate(kind: Kind):
         acc = ctx.emit(relax.Call(core.op, [x.centered, w.centered], core.attrs))
         s_acc = ctx.emit(relax.op.multiply(x.scale, w.scale))
         zeros = relax.const(np.zeros(shape_of(s_acc), np.int32))
-        if "bias" in m.nodes:
-            acc = ctx.emit(relax.op.add(acc, ctx.bias(m["bias"], s_acc, out_shape, ch_axis)))
-        if "residual" in m.nodes:
-            r = ctx.activation(m["residual"])
-            ra = ctx.emit(qnn.simulated_quantize(r.real, s_acc, zeros, axis=ch_axis, dtype="int32"))
-            acc = ctx.emit(relax.op.add(acc, ra))
+
+        def residual(r):
+            return qnn.simulated_quantize(r.real, s_acc, zeros, axis=ch_axis, dtype="int32")
+
+        acc = _bias_and_residual(ctx, m, acc, s_acc, out_shape, ch_axis, residual)
         return qnn.simulated_dequantize(acc, s_acc, zeros, axis=ch_axis)
 
     return simulate
@@ -149,26 +162,20 @@ def _simulate(kind: Kind):
 
 def _realize(kind: Kind):
     def realize(ctx, m):
-        core = ctx.g.value[m["core"]]
-        out_shape = list(shape_of(m.root))
-        ch_axis = kind.channel_axis(len(out_shape))
-        x = ctx.activation(m["data"])
+        core, out_shape, ch_axis, x = _frame(kind, ctx, m)
         acc, w = kind.realize(ctx, m, core, x)
         acc = ctx.emit(acc)
         s_acc = (x.scale * w.scale).astype(np.float32)
-        zeros = np.zeros(s_acc.shape, np.int32)
-        if "bias" in m.nodes:
-            acc = ctx.emit(relax.op.add(acc, ctx.bias(m["bias"], s_acc, out_shape, ch_axis)))
-        if "residual" in m.nodes:
-            r = ctx.activation(m["residual"])
-            ra = ctx.emit(
-                qnn.requantize(
-                    r.q, r.scale_c, r.zero_point_c, relax.const(s_acc), relax.const(zeros),
-                    axis=ch_axis, out_dtype="int32", rounding=ctx.rounding,
-                )
+        zeros = relax.const(np.zeros(s_acc.shape, np.int32))
+
+        def residual(r):
+            return qnn.requantize(
+                r.q, r.scale_c, r.zero_point_c, relax.const(s_acc), zeros,
+                axis=ch_axis, out_dtype="int32", rounding=ctx.rounding,
             )  # fmt: skip
-            acc = ctx.emit(relax.op.add(acc, ra))
-        return qnn.dequantize(acc, relax.const(s_acc), relax.const(zeros), axis=ch_axis)
+
+        acc = _bias_and_residual(ctx, m, acc, s_acc, out_shape, ch_axis, residual)
+        return qnn.dequantize(acc, relax.const(s_acc), zeros, axis=ch_axis)
 
     return realize
 
