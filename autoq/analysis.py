@@ -175,10 +175,7 @@ class Analysis:
             p.name: tvm.runtime.tensor(np.ascontiguousarray(g.params[p.name]))
             for p in g.weight_params
         }
-        self._qvals: dict[str, tvm.runtime.Tensor] = {}
-        for sid, (s, z) in sim.qparam_vars.items():
-            self._qvals[s.name] = tvm.runtime.tensor(np.asarray(qparams[sid].scale, np.float32))
-            self._qvals[z.name] = tvm.runtime.tensor(np.asarray(qparams[sid].zero_point, np.int32))
+        self._qvals = {k: tvm.runtime.tensor(v) for k, v in sim.input_values(qparams).items()}
         self._on = tvm.runtime.tensor(np.float32(1.0))
         self._off = tvm.runtime.tensor(np.float32(0.0))
         self.act_slots = sim.activation_slots()

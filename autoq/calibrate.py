@@ -230,9 +230,12 @@ def choose_qparams(runners: list, slot: str, spec: QuantSpec) -> QParam:
     return _merged([r.observer(slot, cal, data_range) for r in runners]).compute(spec)
 
 
-def run_plan(plan: CalibrationPlan, runners: list, specs: dict, config: Config) -> dict:
+def run_plan(
+    plan: CalibrationPlan, runners: list, specs: dict, config: Config, sim: SimResult
+) -> dict:
     """The coordinator loop: for each segment, choose its heads' qparams from every
-    shard's statistics, then let every shard run it with them."""
+    shard's statistics (and the lookup tables they complete), then let every shard run it
+    with them."""
     result: dict[str, QParam] = {}
     n = sum(r.n for r in runners)
     bar = _progress(config, len(plan.segments) * n, "calibrating")
@@ -242,9 +245,14 @@ def run_plan(plan: CalibrationPlan, runners: list, specs: dict, config: Config) 
             for sid in seg.heads:
                 qp = result[sid] = choose_qparams(runners, sid, specs[sid])
                 chosen[sid] = (qp.scale, qp.zero_point)
+            tables = {
+                layer: sim.table(layer, result)
+                for layer, (_, out_sid, _) in sim.plan.tables.items()
+                if out_sid in chosen
+            }
             bar.set_postfix_str(",".join(seg.heads)[:40])
             for r in runners:
-                r.run_segment(j, chosen, progress=lambda: bar.update(1))
+                r.run_segment(j, chosen, progress=lambda: bar.update(1), tables=tables)
     finally:
         bar.close()
     return result
@@ -261,7 +269,7 @@ def _calibrate_topological(sim, samples, weight_qp, config, target, stats) -> di
     try:
         runner.load(samples)
         runner.run_prologue()
-        result = run_plan(plan, [runner], sim.plan.specs, config)
+        result = run_plan(plan, [runner], sim.plan.specs, config, sim)
         stats.update(runner.stats, **runner.cache_stats())
     finally:
         runner.close()

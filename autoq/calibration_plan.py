@@ -52,6 +52,8 @@ class CalibrationPlan:
     qparam_keys: dict[str, tuple[int, int]]
     #: key -> weight parameter name
     weight_keys: dict[int, str]
+    #: layer -> key of its lookup-table input (computed once its output slot is chosen)
+    table_keys: dict[str, int] = field(default_factory=dict)
 
 
 def _keys(func: relax.Function) -> tuple[dict, list]:
@@ -106,6 +108,7 @@ def build_plan(sim: SimResult) -> tuple[CalibrationPlan, dict[str, relax.Functio
     inputs = [names[v.name] for v in sim.graph.inputs]
     sq_slot = {sim.sq_vars[sid]: sid for sid in act_slots}
     roots = set(inputs) | {names[v.name] for s in act_slots for v in sim.qparam_vars[s]}
+    roots |= {names[v.name] for v in sim.table_vars.values()}
     dynamic: set = set()
     for var, value in pairs:
         if any(u in dynamic or u in roots for u in free_vars(value)):
@@ -137,5 +140,6 @@ def build_plan(sim: SimResult) -> tuple[CalibrationPlan, dict[str, relax.Functio
             sid: (key[names[s.name]], key[names[z.name]]) for sid, (s, z) in sim.qparam_vars.items()
         },
         weight_keys={key[p]: p.name for p in func.params if p.name in weights},
+        table_keys={layer: key[names[v.name]] for layer, v in sim.table_vars.items()},
     )
     return plan, functions

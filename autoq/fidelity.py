@@ -95,12 +95,9 @@ def compare(
     common = [s for s in real_order if s in sim_order]
     g = sim.graph
     weights = [tvm.runtime.tensor(np.ascontiguousarray(g.params[p.name])) for p in g.weight_params]
-    qargs = []
-    for sid in sim.qparam_vars:
-        qargs += [
-            tvm.runtime.tensor(qparams[sid].scale),
-            tvm.runtime.tensor(qparams[sid].zero_point),
-        ]
+    values = sim.input_values(qparams)
+    n_fixed = len(g.inputs) + len(g.weight_params)
+    qargs = [tvm.runtime.tensor(values[p.name]) for p in sim.mod["main"].params[n_fixed:]]
     sim_feeds = [
         [tvm.runtime.tensor(s[v.name]) for v in g.inputs] + weights + qargs for s in samples
     ]

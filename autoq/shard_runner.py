@@ -88,15 +88,22 @@ class ShardRunner:
         return obs
 
     def run_segment(
-        self, j: int, qparams: dict[str, tuple], progress: Callable[[], None] | None = None
+        self,
+        j: int,
+        qparams: dict[str, tuple],
+        progress: Callable[[], None] | None = None,
+        tables: dict[str, np.ndarray] | None = None,
     ) -> None:
         """Run segment ``j`` on every sample with its heads' ``qparams`` (slot -> (scale,
-        zero point)), cache what later segments read, free what they do not."""
+        zero point)) and the lookup ``tables`` (layer -> table) they determine, cache what
+        later segments read, free what they do not."""
         seg = self.plan.segments[j]
         for sid, (scale, zp) in qparams.items():
             s_key, z_key = self.plan.qparam_keys[sid]
             self.static[s_key] = tvm.runtime.tensor(np.asarray(scale, np.float32))
             self.static[z_key] = tvm.runtime.tensor(np.asarray(zp, np.int32))
+        for layer, table in (tables or {}).items():
+            self.static[self.plan.table_keys[layer]] = tvm.runtime.tensor(table)
         f = self.vm[seg.name]
         t0 = time.perf_counter()
         for i in range(self.n):

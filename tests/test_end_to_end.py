@@ -124,12 +124,12 @@ OPS = {
     "subtract": (
         (2, 3, 4),
         lambda b, x: b.emit(relax.op.subtract(x, b.emit(relax.op.sigmoid(x)))),
-        [("subtract_0", "subtract")],
+        [("sigmoid_0", "sigmoid"), ("subtract_0", "subtract")],  # sigmoid: a lookup table
     ),
     "multiply": (
         (2, 3, 4),
         lambda b, x: b.emit(relax.op.multiply(x, b.emit(relax.op.tanh(x)))),
-        [("multiply_0", "multiply")],
+        [("tanh_0", "tanh"), ("multiply_0", "multiply")],  # tanh: a lookup table
     ),
     "mean": (
         (1, 4, 5, 5),

@@ -122,10 +122,12 @@ def test_one_import_matches_the_patterns_once(matcher_calls, fmt):
     assert report.format == fmt
     assert len(matcher_calls) == 1
     if fmt == "QDQ":  # the fallback was decided, and realized, without matching again
-        # (conv2d_add: the sigmoid output it adds is not quantized in the file)
+        # (conv2d_add: the sigmoid output it adds is not quantized in the file, and so the
+        # sigmoid's lookup-table pattern cannot take its output qparams from the file)
         assert report.fallback == {
+            "sigmoid_0": "its output is not quantized in the file",
             "w2": "its input sigmoid_0 (not an ONNX tensor the file quantizes) is not quantized "
-            "in the file"
+            "in the file",
         }
         assert report.float_ops  # the sigmoid reads the file's rounding of the conv output
     # realize of the report's float model reuses its matches and rounding points

@@ -8,7 +8,8 @@ One module per idea: :mod:`.checks` (dtype conventions, argument checks, :class:
 :mod:`.registration` (``register``, :data:`OPS`), :mod:`.tensor_exprs` (the TE expressions
 the legalizations share, integer requantize math included), :mod:`.quantize`
 (quantize/dequantize/requantize), :mod:`.simulated` (the float32 calibration-graph ops),
-:mod:`.accumulate` (conv2d/dense/matmul/sum) and :mod:`.elementwise` (add/subtract/multiply).
+:mod:`.accumulate` (conv2d/dense/matmul/sum), :mod:`.elementwise` (add/subtract/multiply)
+and :mod:`.lut` (8-bit activations as table lookups).
 
 One convention everywhere (see ``docs/ops.md`` for the table):
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 from .accumulate import conv2d, dense, matmul, sum
 from .checks import ACC_DTYPE, ACC_INPUT_DTYPES, QDTYPES, QnnError
 from .elementwise import add, multiply, subtract
+from .lut import lut
 from .quantize import dequantize, quantize, requantize
 from .registration import OPS
 from .simulated import simulated_dequantize, simulated_quantize
@@ -52,6 +54,7 @@ __all__ = [
     "conv2d",
     "dense",
     "dequantize",
+    "lut",
     "matmul",
     "multiply",
     "quantize",
