@@ -13,6 +13,7 @@ from .auto_fallback import FallbackDecision
 from .build import compile, default_target, export_library, load_library
 from .calibrate import calibrate
 from .config import AutoFallback, Config, Fallback, Override, QuantSpec
+from .errors import AutoqError, DatasetError, InputError
 from .frontends import from_onnx, from_torch
 from .import_quantized import import_quantized
 from .pipeline import Quantizer, QuantizeResult, quantize
@@ -26,9 +27,12 @@ __version__ = "0.1.0"
 __all__ = [
     "Analysis",
     "AutoFallback",
+    "AutoqError",
     "Config",
+    "DatasetError",
     "Fallback",
     "FallbackDecision",
+    "InputError",
     "Override",
     "QParam",
     "QParams",

@@ -57,6 +57,7 @@ class ShardRunner:
                 self.cache.put((key, i), sample[name])
             n = i + 1
         self.n = n
+        self.stats["samples"] = n
         return n
 
     def run_prologue(self) -> None:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import DatasetError
+
 __all__ = [
     "DatasetError",
     "InputSpec",
@@ -18,10 +20,6 @@ __all__ = [
     "input_specs",
     "validate_sample",
 ]
-
-
-class DatasetError(ValueError):
-    """The calibration data does not fit the model (the message says where and how)."""
 
 
 @dataclass(frozen=True)

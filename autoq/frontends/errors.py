@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 
+from ..errors import AutoqError
+
 __all__ = ["FrontendError", "QuantizedModelError", "UnsupportedOpsError", "warnings_quiet"]
 
 
-class FrontendError(RuntimeError):
+class FrontendError(AutoqError, RuntimeError):
     """A model could not be imported; the message says what blocked it and what to do."""
 
 
