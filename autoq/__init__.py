@@ -16,7 +16,7 @@ from .config import AutoFallback, Config, Fallback, Override, QuantSpec
 from .errors import AutoqError, DatasetError, InputError
 from .frontends import from_onnx, from_torch
 from .import_quantized import import_quantized
-from .pipeline import Quantizer, QuantizeResult, quantize
+from .pipeline import Quantizer, QuantizeResult, check_scales, quantize
 from .qparams import QParam, QParams, load_qparams
 from .realize import realize
 from .report import Report
@@ -43,6 +43,7 @@ __all__ = [
     "SimResult",
     "analyze",
     "calibrate",
+    "check_scales",
     "compile",
     "default_target",
     "export_library",

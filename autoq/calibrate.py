@@ -35,9 +35,10 @@ from . import calibrators
 from .build import default_target
 from .calibration_plan import CalibrationPlan, build_plan
 from .config import Config, QuantSpec
-from .dataset import InputSpec, as_dataset
+from .dataset import DatasetError, InputSpec, as_dataset
 from .qparams import QParam, QParams
 from .registry import slot_id_of
+from .scale_health import HealthCheck, SlotHealth, problem
 from .shard_runner import ShardRunner
 from .simulate import SimResult
 from .toolkit import as_list, compile_vm, make_function
@@ -114,7 +115,30 @@ def calibrate_weights(sim: SimResult) -> dict[str, QParam]:
         spec = sim.plan.specs[sid]
         channels = None if axis is None else arr.shape[axis]
         out[sid] = observe(spec, [arr], axis, lambda arr=arr: [arr], channels)
+    _fit_zero_weights(sim, out)
     return out
+
+
+def _fit_zero_weights(sim: SimResult, result: dict[str, QParam]) -> None:
+    """All-zero weight channels (pruned filters, a zeroed layer) get the degenerate scale 1,
+    which makes the bias step ``s_x * 1`` as coarse as the input's scale: give them
+    ``|bias| / 2**15`` instead, so the channel's output (its bias) is kept to 16 bits."""
+    for m in sim.matches:
+        wsid = f"{m.layer}.weight"
+        if "bias" not in m.nodes or wsid not in result:
+            continue
+        arr, axis = sim.plan.weights[wsid]
+        qp = result[wsid]
+        bias = np.abs(np.asarray(sim.graph.weight_of(m["bias"]).array, np.float64).reshape(-1))
+        if axis is None or qp.scale.ndim == 0:
+            zero, want = not np.any(arr), bias.max(initial=0.0) / 2**15
+        else:
+            zero = ~np.any(np.moveaxis(arr, axis, 0).reshape(arr.shape[axis], -1), axis=1)
+            want = np.broadcast_to(bias, zero.shape) / 2**15
+        if not np.any(zero & (want > 0)):
+            continue
+        fitted = np.where(zero & (want > 0), want, qp.scale).astype(np.float32)
+        result[wsid] = QParam(fitted, qp.zero_point, qp.dtype, qp.axis, qp.rmin, qp.rmax)
 
 
 # ------------------------------------------------------------------- calibrate
@@ -146,11 +170,13 @@ def calibrate(
     t0 = time.perf_counter()
     result = calibrate_weights(sim)
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
+    health: dict[str, SlotHealth] = {}
     if config.calibration == "fp32":
-        acts = _calibrate_fp32(sim, samples, config, target, stats)
+        acts = _calibrate_fp32(sim, samples, config, target, stats, health)
     else:
-        acts = _calibrate_topological(sim, samples, result, config, target, stats)
+        acts = _calibrate_topological(sim, samples, result, config, target, stats, health)
     stats["total_s"] = time.perf_counter() - t0
+    _refuse_constant_inputs(sim, health, samples.num_samples)
     result.update(acts)
     widened = fit_bias_scales(sim, result)
     return QParams(
@@ -161,9 +187,35 @@ def calibrate(
             "samples": samples.num_samples,
             "specs": {s: sp.to_json() for s, sp in sim.plan.specs.items()},
             "bias_widened": widened,
+            "scale_problems": scale_problems(health, result),
             "stats": {k: round(v, 4) for k, v in stats.items()},
         },
     )
+
+
+def scale_problems(health: dict, qparams: dict) -> dict[str, str]:
+    """slot -> why its chosen scale is unusable on its calibration values (see
+    :mod:`autoq.scale_health`); healthy slots are left out."""
+    out = {}
+    for sid, h in health.items():
+        why = problem(h, float(np.asarray(qparams[sid].scale).reshape(-1)[0]))
+        if why is not None:
+            out[sid] = why
+    return out
+
+
+def _refuse_constant_inputs(sim: SimResult, health: dict, n) -> None:
+    """A float model input that holds one value in every calibration sample is not
+    calibration data (all-zero images, a placeholder array): every scale chosen from it
+    would be a guess."""
+    for sid, h in health.items():
+        v = sim.plan.tensors.get(sid)
+        if h.constant and any(v is not None and v.same_as(x) for x in sim.graph.inputs):
+            raise DatasetError(
+                f"calibration input {v.name!r} holds the same value ({h.lo:g}) everywhere "
+                f"in all {n} sample(s): scales chosen from it would be guesses and real inputs "
+                "would be clipped; calibrate on real, representative data"
+            )
 
 
 #: |bias / (s_x * s_w)| must stay below this: the int32 bias then never saturates and the
@@ -231,11 +283,17 @@ def choose_qparams(runners: list, slot: str, spec: QuantSpec) -> QParam:
 
 
 def run_plan(
-    plan: CalibrationPlan, runners: list, specs: dict, config: Config, sim: SimResult
+    plan: CalibrationPlan,
+    runners: list,
+    specs: dict,
+    config: Config,
+    sim: SimResult,
+    health: dict | None = None,
 ) -> dict:
     """The coordinator loop: for each segment, choose its heads' qparams from every
     shard's statistics (and the lookup tables they complete), then let every shard run it
-    with them."""
+    with them. ``health`` (a dict) receives each head's :class:`SlotHealth` for its chosen
+    qparams on the same values."""
     result: dict[str, QParam] = {}
     n = sum(r.n for r in runners)
     bar = _progress(config, len(plan.segments) * n, "calibrating")
@@ -245,6 +303,9 @@ def run_plan(
             for sid in seg.heads:
                 qp = result[sid] = choose_qparams(runners, sid, specs[sid])
                 chosen[sid] = (qp.scale, qp.zero_point)
+                if health is not None:
+                    check = HealthCheck(qp)
+                    health[sid] = _merged([r.observer(sid, check) for r in runners]).compute()
             tables = {
                 layer: sim.table(layer, result)
                 for layer, (_, out_sid, _) in sim.plan.tables.items()
@@ -258,7 +319,9 @@ def run_plan(
     return result
 
 
-def _calibrate_topological(sim, samples, weight_qp, config, target, stats) -> dict[str, QParam]:
+def _calibrate_topological(
+    sim, samples, weight_qp, config, target, stats, health
+) -> dict[str, QParam]:
     plan, functions = build_plan(sim)
     t0 = time.perf_counter()
     vm = compile_vm(functions, target, sim.mod)
@@ -269,7 +332,7 @@ def _calibrate_topological(sim, samples, weight_qp, config, target, stats) -> di
     try:
         runner.load(samples)
         runner.run_prologue()
-        result = run_plan(plan, [runner], sim.plan.specs, config, sim)
+        result = run_plan(plan, [runner], sim.plan.specs, config, sim, health)
         stats.update(runner.stats, **runner.cache_stats())
     finally:
         runner.close()
@@ -297,7 +360,7 @@ def fp32_slot_runner(sim: SimResult, slots: list[str], target):
     return run
 
 
-def _calibrate_fp32(sim, samples, config, target, stats) -> dict[str, QParam]:
+def _calibrate_fp32(sim, samples, config, target, stats, health) -> dict[str, QParam]:
     slots = sim.activation_slots()
     t0 = time.perf_counter()
     run = fp32_slot_runner(sim, slots, target)
@@ -318,4 +381,10 @@ def _calibrate_fp32(sim, samples, config, target, stats) -> dict[str, QParam]:
     for outs in run(samples):
         for obs, x in zip(observers, outs, strict=True):
             obs.update(x)
-    return {s: obs.compute(sp) for s, obs, sp in zip(slots, observers, specs, strict=True)}
+    result = {s: obs.compute(sp) for s, obs, sp in zip(slots, observers, specs, strict=True)}
+    checks = [HealthCheck(result[s]).observer() for s in slots]
+    for outs in run(samples):  # the chosen scales against the values they represent
+        for obs, x in zip(checks, outs, strict=True):
+            obs.update(x)
+    health.update({s: obs.compute() for s, obs in zip(slots, checks, strict=True)})
+    return result

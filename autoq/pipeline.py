@@ -19,6 +19,7 @@ per-stage timings and every warning raised on the way.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -28,16 +29,18 @@ import tvm
 from .analysis import Analysis
 from .auto_fallback import FallbackDecision, auto_fallback
 from .build import default_target
-from .calibrate import calibrate, samples_for
+from .calibrate import calibrate, fp32_slot_runner, samples_for, scale_problems
 from .config import AutoFallback, Config
-from .guard import keep_unbounded_in_fp32
+from .errors import CalibrationError
+from .guard import keep_unbounded_in_fp32, layers_using
 from .matching import Matched, match
 from .qparams import QParams
 from .realize import realize
 from .report import Report
+from .scale_health import HealthCheck
 from .simulate import simulate
 
-__all__ = ["QuantizeResult", "Quantizer", "quantize"]
+__all__ = ["QuantizeResult", "Quantizer", "check_scales", "quantize"]
 
 
 @dataclass
@@ -105,9 +108,8 @@ class Quantizer:
         decision = report = analysis = None
         if isinstance(config.fallback, AutoFallback):
             with clock("calibrate"):
-                if sim is None:
-                    sim = simulate(matched, None, _fixed(config))
-                qparams = calibrate(sim, None, samples, _fixed(config), target=self.target)
+                config, qparams, unusable = self._calibrate(matched, sim, samples, config)
+            reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
             with clock("auto_fallback"):
                 out = auto_fallback(matched, None, samples, config, qparams, target=self.target)
             config, qparams, decision = out.config, out.qparams, out.decision
@@ -117,9 +119,8 @@ class Quantizer:
                 reasons = {k: v for k, v in reasons.items() if k not in decision.layers}
         else:
             with clock("calibrate"):
-                if sim is None:
-                    sim = simulate(matched, None, config)
-                qparams = calibrate(sim, None, samples, config, target=self.target)
+                config, qparams, unusable = self._calibrate(matched, sim, samples, config)
+            reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
         with clock("realize"):
             module = realize(matched, None, qparams, config)
         if self.want_report and report is None:
@@ -132,6 +133,31 @@ class Quantizer:
             module, qparams, config, matched, int8, reasons, decision, report, analysis,
             samples=samples.num_samples or 0, timings=timings,
         )  # fmt: skip
+
+    def _calibrate(self, matched, sim, samples, config):
+        """Calibrate; while some chosen activation scale is unusable on its own data (see
+        :mod:`autoq.scale_health`), keep the layers reading or writing it in fp32 (with a
+        warning naming them) and calibrate again. Returns (config, qparams, those layers)."""
+        moved: list[str] = []
+        while True:
+            if sim is None:
+                sim = simulate(matched, None, _fixed(config))
+            qparams = calibrate(sim, None, samples, _fixed(config), target=self.target)
+            bad = qparams.meta.get("scale_problems", {})
+            layers = [x for x in layers_using(sim, bad) if x not in config.fallback.ids]
+            if not layers:
+                return config, qparams, moved
+            warnings.warn(
+                f"keeping {len(layers)} layer(s) in fp32 because a chosen int8 scale cannot "
+                f"represent their calibration data: {', '.join(layers)}; "
+                + "; ".join(f"slot {s}: {why}" for s, why in bad.items())
+                + ". An extreme value in one sample? Remove it or use a percentile calibrator.",
+                stacklevel=4,
+            )
+            fb = config.fallback
+            config = config.replace(fallback=dataclasses.replace(fb, ids=(*fb.ids, *layers)))
+            moved += layers
+            sim = None
 
 
 def _fixed(config: Config) -> Config:
@@ -168,6 +194,30 @@ class _Clock:
         dt = time.perf_counter() - self._t0
         self.timings[self._stage] = self.timings.get(self._stage, 0.0) + dt
         return False
+
+
+def check_scales(
+    mod: tvm.IRModule, params: dict | None, qparams: QParams, dataset, config=None, target=None
+) -> None:
+    """Refuse qparams (a hand-edited or loaded file) whose activation scales cannot represent
+    ``dataset``: :class:`autoq.errors.CalibrationError` naming every such slot, with the
+    fraction of its fp32 values that round to the zero point or fall outside the grid (see
+    :mod:`autoq.scale_health`)."""
+    config = config or Config()
+    sim = simulate(match(mod, params, config), None, _fixed(config))
+    slots = [s for s in sim.activation_slots() if s in qparams]
+    run = fp32_slot_runner(sim, slots, target or default_target())
+    checks = [HealthCheck(qparams[s]).observer() for s in slots]
+    for outs in run(samples_for(dataset, sim.graph.inputs)):
+        for obs, x in zip(checks, outs, strict=True):
+            obs.update(x)
+    bad = scale_problems({s: o.compute() for s, o in zip(slots, checks, strict=True)}, qparams)
+    if bad:
+        raise CalibrationError(
+            "the qparams do not fit the data: "
+            + "; ".join(f"slot {s!r}: {why}" for s, why in bad.items())
+            + " (fix the scale in the qparams file or calibrate again)"
+        )
 
 
 def quantize(
