@@ -6,8 +6,9 @@ to it, swapped into place only when everything succeeded, and locked against a s
   cannot be created or written, or that is a non-empty folder autoq did not write (no
   :data:`MARKER` file and not only autoq's file names) unless ``force``. It does so on entry,
   before the model is imported or calibrated.
-* **Locked.** On entry it takes an exclusive ``flock`` on ``.<name>.autoq-lock`` next to
-  ``--out`` (the file holds the owner's pid); a second run on the same ``--out`` is refused
+* **Locked.** On entry it takes an exclusive ``flock`` on a lock file named by a hash of
+  ``--out``'s resolved path, in ``<tmp>/autoq-locks`` (the file holds the owner's pid; no file
+  is left in the user's folders); a second run on the same ``--out`` is refused
   at once, naming that pid, instead of interleaving its files with the first.
 * **Atomic.** Results are written into ``.<name>.autoq-tmp-*`` next to ``--out`` (same file
   system). :meth:`OutputDir.commit` writes :data:`MARKER` and exchanges the two folders with
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
 import shutil
@@ -30,7 +32,7 @@ from pathlib import Path
 
 from .errors import OutputError
 
-__all__ = ["MARKER", "OutputDir"]
+__all__ = ["MARKER", "OutputDir", "lock_path"]
 
 #: written into every result folder; its presence makes the folder replaceable
 MARKER = ".autoq-result"
@@ -88,8 +90,7 @@ class OutputDir:
     def _lock(self, parent: Path) -> None:
         import fcntl
 
-        lock = parent / f".{self.out.name}.autoq-lock"
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(lock_path(parent / self.out.name), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -130,6 +131,15 @@ class OutputDir:
             else:
                 staged.rename(out)
         self.path = None
+
+
+def lock_path(out: Path) -> Path:
+    """The lock file of the output folder ``out``: in the temporary folder (never in the
+    user's), named by a hash of the resolved path, kept (removing a lock file races)."""
+    folder = Path(tempfile.gettempdir()) / "autoq-locks"
+    folder.mkdir(exist_ok=True)
+    key = hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:20]
+    return folder / f"{key}.lock"
 
 
 def _exchange(a: Path, b: Path) -> bool:
