@@ -35,7 +35,8 @@ from . import calibrators
 from .build import default_target
 from .calibration_plan import CalibrationPlan, build_plan
 from .config import Config, QuantSpec
-from .dataset import DatasetError, InputSpec, as_dataset
+from .dataset import DatasetError, InputSpec, as_dataset, index_bounds
+from .errors import CalibratorError
 from .qparams import QParam, QParams
 from .registry import slot_id_of
 from .scale_health import HealthCheck, SlotHealth, problem
@@ -57,11 +58,16 @@ __all__ = [
 # ------------------------------------------------------------------- dataset
 
 
-def samples_for(dataset, inputs, cache: bool | str = "auto"):
+def samples_for(dataset, inputs, cache: bool | str = "auto", module=None):
     """The validated, repeatable view of ``dataset`` for a model's input Vars
-    (see :func:`autoq.dataset.as_dataset`: errors name the input and the sample)."""
+    (see :func:`autoq.dataset.as_dataset`: errors name the input and the sample). With the
+    ``module`` (its ``main``), integer inputs indexing a table are range-checked too."""
+    bounds = index_bounds(module["main"]) if module is not None else {}
     specs = [
-        InputSpec(v.name, tuple(int(d) for d in v.ty.shape.values), str(v.ty.dtype)) for v in inputs
+        InputSpec(
+            v.name, tuple(int(d) for d in v.ty.shape.values), str(v.ty.dtype), bounds.get(v.name)
+        )
+        for v in inputs
     ]
     return as_dataset(dataset, specs, cache=cache)
 
@@ -92,7 +98,7 @@ def observe(
     obs = cal.observer(axis=axis, data_range=data_range)
     for x in batches:
         obs.update(np.asarray(x))
-    qp = obs.compute(spec)
+    qp = checked_result(obs.compute(spec), cal, "weight")
     if axis is not None and (qp.axis != axis or qp.scale.ndim == 0):
 
         def rep(a):
@@ -166,7 +172,7 @@ def calibrate(
     config = config or Config()
     target = target or default_target()
     g = sim.graph
-    samples = samples_for(dataset, g.inputs)
+    samples = samples_for(dataset, g.inputs, module=g.module)
     t0 = time.perf_counter()
     result = calibrate_weights(sim)
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
@@ -279,7 +285,19 @@ def choose_qparams(runners: list, slot: str, spec: QuantSpec) -> QParam:
     data_range = None
     if getattr(cal, "needs_range", False):
         data_range = _merged([r.range_observer(slot) for r in runners]).data_range()
-    return _merged([r.observer(slot, cal, data_range) for r in runners]).compute(spec)
+    qp = _merged([r.observer(slot, cal, data_range) for r in runners]).compute(spec)
+    return checked_result(qp, cal, slot)
+
+
+def checked_result(qp, calibrator, slot: str) -> QParam:
+    """The calibrator contract's last clause: ``observer.compute(spec)`` returns a QParam."""
+    if not isinstance(qp, QParam):
+        raise CalibratorError(
+            f"calibrator contract: observer.compute(spec) must return an autoq.QParam; "
+            f"calibrator {getattr(calibrator, 'name', calibrator)!r} returned "
+            f"{type(qp).__name__} for slot {slot!r}"
+        )
+    return qp
 
 
 def run_plan(
@@ -381,7 +399,10 @@ def _calibrate_fp32(sim, samples, config, target, stats, health) -> dict[str, QP
     for outs in run(samples):
         for obs, x in zip(observers, outs, strict=True):
             obs.update(x)
-    result = {s: obs.compute(sp) for s, obs, sp in zip(slots, observers, specs, strict=True)}
+    result = {
+        s: checked_result(obs.compute(sp), sp.calibrator, s)
+        for s, obs, sp in zip(slots, observers, specs, strict=True)
+    }
     checks = [HealthCheck(result[s]).observer() for s in slots]
     for outs in run(samples):  # the chosen scales against the values they represent
         for obs, x in zip(checks, outs, strict=True):

@@ -106,7 +106,10 @@ def _import(model_path: Path, input_shapes: dict, optimize: bool):
     except DecodeError:
         raise UserError(f"{str(model_path)!r} is not a valid ONNX file") from None
     except (FrontendError, FileNotFoundError, ImportError, ValueError) as e:
-        raise UserError(f"cannot import {str(model_path)!r}: {one_line(e)}") from None
+        msg = one_line(e)  # an error that names the file already says where
+        raise UserError(
+            msg if str(model_path) in msg else f"cannot import {str(model_path)!r}: {msg}"
+        ) from None
 
 
 def _dataset(args, specs, image_options: dict):

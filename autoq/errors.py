@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "AutoqError",
     "CalibrationError",
+    "CalibratorError",
     "DatasetError",
     "InputError",
     "LibraryError",
@@ -37,6 +38,11 @@ class QParamsError(InputError):
 
 class CalibrationError(InputError):
     """Calibration cannot give a usable int8 model (the message names the slot/layer)."""
+
+
+class CalibratorError(InputError, TypeError):
+    """A user calibrator (function or object) breaks the calibrator contract; the message
+    names the contract and what the calibrator returned."""
 
 
 class LibraryError(InputError, OSError):

@@ -24,6 +24,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import tvm
 
 from .analysis import Analysis
@@ -31,7 +32,7 @@ from .auto_fallback import FallbackDecision, auto_fallback
 from .build import default_target
 from .calibrate import calibrate, fp32_slot_runner, samples_for, scale_problems
 from .config import AutoFallback, Config
-from .errors import CalibrationError
+from .errors import CalibrationError, InputError
 from .guard import keep_unbounded_in_fp32, layers_using
 from .matching import Matched, match
 from .qparams import QParams
@@ -94,8 +95,9 @@ class Quantizer:
         config = self.config
         with clock("match"):
             matched = match(mod, params, config)
+            check_weights(matched.graph.params)
             matched.active(config.fallback)  # fallback rules checked before any data work
-            samples = samples_for(dataset, matched.graph.inputs)
+            samples = samples_for(dataset, matched.graph.inputs, module=matched.graph.module)
         reasons = {x: "fallback rule" for x in matched.kept_float(config.fallback)}
         sim = None
         if config.skip_unbounded:
@@ -158,6 +160,21 @@ class Quantizer:
             config = config.replace(fallback=dataclasses.replace(fb, ids=(*fb.ids, *layers)))
             moved += layers
             sim = None
+
+
+def check_weights(weights: dict) -> None:
+    """A NaN or Inf in a float weight is an :class:`autoq.errors.InputError` naming the
+    weight (before any compile; the guard would otherwise keep its layer in fp32 silently)."""
+    for name, w in weights.items():
+        w = np.asarray(w)
+        if np.issubdtype(w.dtype, np.inexact) and not np.all(np.isfinite(w)):
+            n_nan = int(np.isnan(w).sum())
+            first = np.argwhere(~np.isfinite(w))[0].tolist()
+            raise InputError(
+                f"weight {name!r} {tuple(w.shape)} contains {n_nan} NaN and "
+                f"{int((~np.isfinite(w)).sum()) - n_nan} Inf value(s) (first at index {first}): "
+                "the model's weights are corrupt; fix or re-export the model"
+            )
 
 
 def _fixed(config: Config) -> Config:

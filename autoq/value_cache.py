@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import tvm
 
+from .errors import InputError
+
 __all__ = ["ValueCache"]
 
 
@@ -32,6 +34,11 @@ class ValueCache:
         self.nbytes = 0
         self.peak = 0
         self.spilled = 0
+        if cache_dir and Path(cache_dir).exists() and not Path(cache_dir).is_dir():
+            raise InputError(
+                f"Config.cache_dir {str(cache_dir)!r} is a file, not a folder: give a folder "
+                "(created if missing) or None for a temporary one"
+            )
         self._dir_arg = cache_dir
         self._dir: Path | None = None
         self._own_dir = False
