@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (quiet_startup runs before the slow imports)
 """autoq: post-training auto-quantization for Apache TVM Relax.
 
 ``autoq.quantize(mod, params, dataset, config)`` runs the three stages
@@ -6,6 +7,10 @@
 timings and warnings); the stages are exposed for users who need them, and calibration
 results are data (:class:`QParams`).
 """
+
+from .interrupts import quiet_startup
+
+quiet_startup()  # the ``autoq`` command: a Ctrl-C while importing prints one line
 
 from . import primitives, qnn  # noqa: F401  (importing qnn registers the qnn.* ops)
 from .analysis import Analysis, analyze

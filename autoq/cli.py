@@ -33,6 +33,7 @@ from .cli_inputs import (
     target_of,
 )
 from .errors import AutoqError
+from .interrupts import MESSAGE, cleanup_on_signals, exit_code
 from .output_dir import OutputDir
 
 __all__ = ["BUNDLED", "METHODS", "ROUNDINGS", "UserError", "main"]
@@ -255,6 +256,7 @@ COMMANDS = {"quantize": cmd_quantize, "inspect": cmd_inspect, "demo": cmd_demo}
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    cleanup_on_signals()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -268,9 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserError, AutoqError) as e:
         print(f"autoq: error: {one_line(e)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("autoq: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: clean-up ran in the finally blocks
+        print(MESSAGE, file=sys.stderr)
+        return exit_code(e)
     except Exception as e:
         traceback.print_exc()
         print(
