@@ -204,8 +204,12 @@ class Distributed:
     timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.scheduler is not None and (not isinstance(self.scheduler, str) or not self.scheduler):
-            raise TypeError(f"Distributed.scheduler must be an address string, got {self.scheduler!r}")
+        if self.scheduler is not None and (
+            not isinstance(self.scheduler, str) or not self.scheduler
+        ):
+            raise TypeError(
+                f"Distributed.scheduler must be an address string, got {self.scheduler!r}"
+            )
         for name in ("workers", "shards"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

@@ -286,7 +286,9 @@ def _fp32(sim, shard_set: ShardSet, target, stats) -> dict:
     specs = [sim.plan.specs[s] for s in slots]
     ranges: list = [None] * len(slots)
     if any(o is not None for o in fp32_observers(specs, None)):
-        first = _merge_passes(fp32_observers(specs, None), shard_set.call("fp32_states", specs, None))
+        first = _merge_passes(
+            fp32_observers(specs, None), shard_set.call("fp32_states", specs, None)
+        )
         ranges = [None if o is None else o.data_range() for o in first]
     merged = _merge_passes(
         fp32_observers(specs, ranges), shard_set.call("fp32_states", specs, ranges)
