@@ -263,9 +263,11 @@ def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats) -> 
     shard_set.call("start_topological", lib, plan, static_values(sim, plan, weight_qp))
     stats["start_s"] = time.perf_counter() - t0
     remotes = shard_set.remotes()
+    t0 = time.perf_counter()
     result = run_plan(plan, remotes, sim.plan.specs, config, sim)
     for r in remotes:
         r.wait()
+    stats["run_plan_s"] = time.perf_counter() - t0
     for i, d in enumerate(shard_set.call("finish_topological")):
         for k in ("run_s", "observe_s", "cache_peak_mb", "spilled_mb"):
             stats[f"shard{i}_{k}"] = d[k]

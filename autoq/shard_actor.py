@@ -56,6 +56,19 @@ def load_vm(lib: bytes) -> relax.VirtualMachine:
         os.unlink(path)
 
 
+def _peak_rss_mb() -> float:
+    """The process' resident-memory high-water mark: VmHWM on Linux (``ru_maxrss`` would
+    include the parent's before ``exec``), else ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 class ShardActor:
     """Shard ``index`` of ``count`` (see the module docstring). ``specs``: the model's
     inputs (samples are validated against them); ``budget_bytes``/``cache_dir``: the
@@ -103,9 +116,8 @@ class ShardActor:
             yield {s.name: self.store.get_numpy((s.name, i)) for s in self.specs}
 
     def info(self) -> dict:
-        """pid, samples held and this process' peak resident memory (MB)."""
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        return {"pid": os.getpid(), "samples": self.n, "peak_rss_mb": peak, "shard": self.name}
+        """pid, samples held and this worker process' peak resident memory (MB)."""
+        return {"pid": os.getpid(), "samples": self.n, "peak_rss_mb": _peak_rss_mb()}
 
     # ---- topological calibration
     def start_topological(self, lib: bytes, plan: CalibrationPlan, static: dict) -> float:

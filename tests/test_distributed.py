@@ -171,7 +171,8 @@ def _arm():
 
 
 def test_killed_worker_is_reported_with_its_shard(client, model):
-    """Runs last in the module: the nanny restarts the killed worker afterwards."""
+    """Runs last in the module (the nanny restarts the killed worker afterwards, with
+    nothing left to run on it)."""
     mod, params, data = model
     cfg = config(kill_on_second_shard)
     sim = simulate(mod, params, cfg)
@@ -179,4 +180,3 @@ def test_killed_worker_is_reported_with_its_shard(client, model):
     client.run(_arm, workers=[victim])
     with pytest.raises(ShardLostError, match=r"shard 2/2 \(samples 1, 3, \.\.\..*lost"):
         calibrate_distributed(sim, data, cfg, TARGET, client)
-    client.wait_for_workers(2, timeout=60)
