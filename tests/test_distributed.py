@@ -20,14 +20,14 @@ pytest.importorskip(
     "distributed", reason="dask[distributed] is not installed (pip install 'autoq[dask]')"
 )
 
-import autoq  # noqa: E402
-from autoq import Config, Distributed, QParams, QuantSpec, calibrate, simulate  # noqa: E402
-from autoq.calibrators.kl import KL  # noqa: E402
-from autoq.calibrators.mse import MSE  # noqa: E402
-from autoq.calibrators.percentile import Percentile  # noqa: E402
-from autoq.dataset import CallableShards, DatasetError, NpzShards  # noqa: E402
-from autoq.distributed import ShardLostError, calibrate_distributed  # noqa: E402
-from models import TARGET, small_cnn  # noqa: E402
+import autoq
+from autoq import Config, Distributed, QParams, QuantSpec, calibrate, simulate
+from autoq.calibrators.kl import KL
+from autoq.calibrators.mse import MSE
+from autoq.calibrators.percentile import Percentile
+from autoq.dataset import CallableShards, DatasetError, NpzShards
+from autoq.distributed import ShardLostError, calibrate_distributed
+from models import TARGET, small_cnn
 
 COORDINATOR = "AUTOQ_TEST_COORDINATOR_PID"
 os.environ.setdefault(COORDINATOR, str(os.getpid()))
