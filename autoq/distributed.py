@@ -58,6 +58,7 @@ __all__ = [
     "head_samples",
     "library_bytes",
     "open_client",
+    "report_distributed",
 ]
 
 #: samples sent to a shard per call when the coordinator streams the dataset
@@ -195,6 +196,13 @@ class ShardSet:
                 "restarted during loading"
             )
 
+    def order(self, source: bool) -> list[tuple[int, int]]:
+        """``(shard, index in shard)`` of every sample in dataset order: sample ``k`` of a
+        streamed dataset is ``(k % n, k // n)``; a shard source's order is shard by shard."""
+        if source:
+            return [(i, j) for i, c in enumerate(self.counts) for j in range(c)]
+        return [(k % self.count, k // self.count) for k in range(sum(self.counts))]
+
     def remotes(self) -> list[RemoteShard]:
         return [
             RemoteShard(a, name, c, f"samples {i}, {i + self.count}, ... of the dataset")
@@ -251,6 +259,26 @@ def calibrate_distributed(
     stats["total_s"] = time.perf_counter() - t0
     result.update(acts)
     return make_qparams(sim, result, config, n, stats)
+
+
+def report_distributed(analysis, mod, params, dataset, client, shards: int | None = None):
+    """:meth:`autoq.analysis.Analysis.report` with the samples' work on ``client``'s
+    workers: each shard compiles the analysis of ``mod`` (the model the analysis was built
+    from) and sends per-sample sums; the coordinator adds them in dataset order, so the
+    report equals the in-process one. ``analysis`` is the coordinator's (compiled) analysis."""
+    specs = list(analysis.samples.specs)
+    with ShardSet(client, specs, dataset, analysis.config, shards) as shard_set:
+        results = shard_set.call(
+            "analysis_sums",
+            mod,
+            params,
+            analysis.qparams,
+            analysis.config,
+            analysis.target,
+            analysis.accumulator,
+        )
+        order = shard_set.order(is_shard_source(dataset))
+    return analysis.report_from_shards(results, order)
 
 
 def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats) -> dict:

@@ -32,15 +32,25 @@ class ErrorStats:
         self.n = 0
         self.ref2 = self.err2 = self.q2 = self.dot = 0.0
 
-    def add(self, ref, q) -> None:
+    @staticmethod
+    def sums(ref, q) -> tuple[int, float, float, float, float]:
+        """What one :meth:`add` adds: ``(n, sum ref^2, sum (ref - q)^2, sum q^2, sum ref*q)``
+        (plain numbers: a worker of a distributed analysis sends them, and the coordinator
+        adds them in sample order with :meth:`add_sums`, the same float additions as here)."""
         r = np.asarray(ref, np.float64).ravel()
         t = np.asarray(q, np.float64).ravel()
         d = r - t
-        self.n += r.size
-        self.ref2 += float(r @ r)
-        self.err2 += float(d @ d)
-        self.q2 += float(t @ t)
-        self.dot += float(r @ t)
+        return r.size, float(r @ r), float(d @ d), float(t @ t), float(r @ t)
+
+    def add(self, ref, q) -> None:
+        self.add_sums(*self.sums(ref, q))
+
+    def add_sums(self, n: int, ref2: float, err2: float, q2: float, dot: float) -> None:
+        self.n += n
+        self.ref2 += ref2
+        self.err2 += err2
+        self.q2 += q2
+        self.dot += dot
 
     @property
     def sqnr(self) -> float:

@@ -32,7 +32,7 @@ from .build import default_target
 from .calibrate import calibrate, samples_for
 from .config import AutoFallback, Config
 from .dataset import is_shard_source
-from .distributed import calibrate_distributed, head_samples, open_client
+from .distributed import calibrate_distributed, head_samples, open_client, report_distributed
 from .guard import keep_unbounded_in_fp32
 from .matching import Matched, match
 from .qparams import QParams
@@ -115,8 +115,8 @@ class Quantizer:
             )
         if isinstance(self.config.fallback, AutoFallback) or self.want_report:
             raise ValueError(
-                "the automatic fallback and the report run in this process and need the "
-                f"samples here: give the dataset itself instead of {dataset.describe()}"
+                "the automatic fallback and the report need the samples in this process too: "
+                f"give the dataset itself instead of {dataset.describe()}"
             )
         return dataset
 
@@ -165,7 +165,10 @@ class Quantizer:
         if self.want_report and report is None:
             with clock("report"):
                 analysis = Analysis(matched, None, samples, qparams, config, self.target)
-                report = analysis.report()
+                if client is None:
+                    report = analysis.report()
+                else:  # the samples' work on the workers, the same report
+                    report = report_distributed(analysis, mod, params, samples, client)
         module = _attach(module, qparams, decision, [k for k, v in reasons.items() if "guard" in v])
         int8 = [m.layer for m in matched.active(config.fallback)]
         return QuantizeResult(

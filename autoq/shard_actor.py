@@ -173,6 +173,15 @@ class ShardActor:
         observers = feed_observers(fp32_observers(specs, ranges), self.fp32(self.samples()))
         return [None if o is None else o.state() for o in observers]
 
+    # ---- per-layer analysis
+    def analysis_sums(self, mod, params, qparams, config, target, accumulator: str) -> dict:
+        """Build the per-layer analysis of ``mod`` (compiled here) over this shard and
+        return its :meth:`autoq.analysis.Analysis.shard_sums`."""
+        from .analysis import Analysis
+
+        an = Analysis(mod, params, self.samples, qparams, config, target, accumulator)
+        return an.shard_sums()
+
     def close(self) -> None:
         self.close_runner()
         self.fp32 = None

@@ -129,6 +129,19 @@ def test_quantize_with_worker_side_sources(client, model, tmp_path):
     assert_identical(want, got.qparams)
 
 
+def test_report_fans_out(client, model):
+    """Quantizer(report=True) on the cluster: the per-layer analysis' samples run on the
+    workers and the report is the in-process one (same sums added in the same order)."""
+    mod, params, data = model
+    cfg = config("percentile")
+    want = autoq.Quantizer(cfg, target=TARGET, report=True).run(mod, params, data).report
+    got = autoq.Quantizer(cfg, target=TARGET, report=True, cluster=client).run(mod, params, data)
+    a, b = want.to_json(), got.report.to_json()
+    a.pop("meta"), b.pop("meta")
+    assert a == b
+    assert got.report.samples == 7 and np.isfinite(got.report.output_sqnr)
+
+
 def bad_second_shard(i: int, n: int):
     data = small_cnn()[2](4)
     return data if i == 0 else [np.zeros((1, 3, 8, 8), np.float32)]
