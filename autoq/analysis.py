@@ -319,11 +319,12 @@ class Analysis:
         in order, and the exact counters (clipped values, accumulator maxima, overflows)."""
         log: list = []
         tally = self._tally(lambda key: _LoggedStats(key, log))
-        per_sample = []
+        per_sample, fp32_outs = [], []
         for sample in self.samples:
             start = len(log)
-            self._report_sample(sample, tally)
+            fp32_outs.append(self._report_sample(sample, tally))
             per_sample.append(log[start:])
+        self._fp32_outputs = fp32_outs
         return {"sums": per_sample, "counts": tally.counts()}
 
     def report_from_shards(self, shards: list[dict], order: list[tuple[int, int]]) -> Report:

@@ -52,6 +52,7 @@ from .simulate import SimResult
 from .toolkit import compile_executable
 
 __all__ = [
+    "AnalysisFanOut",
     "ShardLostError",
     "ShardSet",
     "calibrate_distributed",
@@ -261,24 +262,66 @@ def calibrate_distributed(
     return make_qparams(sim, result, config, n, stats)
 
 
-def report_distributed(analysis, mod, params, dataset, client, shards: int | None = None):
-    """:meth:`autoq.analysis.Analysis.report` with the samples' work on ``client``'s
-    workers: each shard compiles the analysis of ``mod`` (the model the analysis was built
-    from) and sends per-sample sums; the coordinator adds them in dataset order, so the
-    report equals the in-process one. ``analysis`` is the coordinator's (compiled) analysis."""
-    specs = list(analysis.samples.specs)
-    with ShardSet(client, specs, dataset, analysis.config, shards) as shard_set:
-        results = shard_set.call(
-            "analysis_sums",
-            mod,
-            params,
+class AnalysisFanOut:
+    """The per-layer analysis and the automatic fallback's SQNR trials with the samples'
+    work on ``client``'s workers (``fan_out`` of :func:`autoq.auto_fallback.auto_fallback`).
+
+    Called with the coordinator's (compiled) :class:`autoq.analysis.Analysis` of ``mod``
+    (the model it was built from), it starts one analysis per shard (compiled there, kept
+    with its samples) and returns ``(report, sqnr)``: the report from the shards'
+    per-sample sums, added in dataset order, and ``sqnr(disabled)`` that runs a trial on
+    every shard and adds their output sums in dataset order. Both equal the in-process
+    results (the same float additions). A context manager: the shards are released on exit.
+    """
+
+    def __init__(self, client, mod, params, dataset, shards: int | None = None):
+        self.client, self.mod, self.params = client, mod, params
+        self.dataset, self.shards = dataset, shards
+        self.shard_set: ShardSet | None = None
+
+    def __call__(self, analysis):
+        from .metrics import sqnr_of_sums
+
+        self.close()
+        specs = list(analysis.samples.specs)
+        ss = self.shard_set = ShardSet(
+            self.client, specs, self.dataset, analysis.config, self.shards
+        )
+        ss.call(
+            "start_analysis",
+            self.mod,
+            self.params,
             analysis.qparams,
             analysis.config,
             analysis.target,
             analysis.accumulator,
         )
-        order = shard_set.order(is_shard_source(dataset))
-    return analysis.report_from_shards(results, order)
+        order = ss.order(is_shard_source(self.dataset))
+        report = analysis.report_from_shards(ss.call("analysis_sums"), order)
+
+        def sqnr(disabled) -> float:
+            per_shard = ss.call("trial_sums", list(disabled))
+            return sqnr_of_sums([per_shard[i][j] for i, j in order])
+
+        return report, sqnr
+
+    def close(self) -> None:
+        if self.shard_set is not None:
+            self.shard_set.close()
+            self.shard_set = None
+
+    def __enter__(self) -> AnalysisFanOut:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def report_distributed(analysis, mod, params, dataset, client, shards: int | None = None):
+    """:meth:`autoq.analysis.Analysis.report` with the samples' work on ``client``'s
+    workers (see :class:`AnalysisFanOut`): the same report."""
+    with AnalysisFanOut(client, mod, params, dataset, shards) as fan_out:
+        return fan_out(analysis)[0]
 
 
 def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats) -> dict:

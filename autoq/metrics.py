@@ -20,7 +20,7 @@ import numpy as np
 from . import primitives as P
 from .qparams import QParam
 
-__all__ = ["ErrorStats", "fake_quant", "sqnr_db"]
+__all__ = ["ErrorStats", "fake_quant", "output_sums", "sqnr_db", "sqnr_of_sums"]
 
 
 class ErrorStats:
@@ -73,10 +73,24 @@ class ErrorStats:
 
 def sqnr_db(ref: Sequence, test: Sequence) -> float:
     """SQNR in dB of ``test`` against ``ref`` (sequences of arrays or lists of arrays)."""
+    return sqnr_of_sums(output_sums(ref, test))
+
+
+def output_sums(ref: Sequence, test: Sequence) -> list[list[tuple]]:
+    """Per sample, the :meth:`ErrorStats.sums` of each output of ``test`` against ``ref``
+    (what :func:`sqnr_db` adds up; a worker of a distributed search sends them)."""
+    return [
+        [ErrorStats.sums(a, b) for a, b in zip(_flat_outputs(r), _flat_outputs(t), strict=True)]
+        for r, t in zip(ref, test, strict=True)
+    ]
+
+
+def sqnr_of_sums(per_sample: Sequence[Sequence[tuple]]) -> float:
+    """The SQNR (dB) of :func:`output_sums`, added in the order given."""
     e = ErrorStats()
-    for r, t in zip(ref, test, strict=True):
-        for a, b in zip(_flat_outputs(r), _flat_outputs(t), strict=True):
-            e.add(a, b)
+    for sums in per_sample:
+        for s in sums:
+            e.add_sums(*s)
     return e.sqnr
 
 

@@ -32,7 +32,13 @@ from .build import default_target
 from .calibrate import calibrate, samples_for
 from .config import AutoFallback, Config
 from .dataset import is_shard_source
-from .distributed import calibrate_distributed, head_samples, open_client, report_distributed
+from .distributed import (
+    AnalysisFanOut,
+    calibrate_distributed,
+    head_samples,
+    open_client,
+    report_distributed,
+)
 from .guard import keep_unbounded_in_fp32
 from .matching import Matched, match
 from .qparams import QParams
@@ -99,6 +105,13 @@ class Quantizer:
             return contextlib.nullcontext()
         return open_client(self.config.distributed, self.cluster)
 
+    @staticmethod
+    def _fan_out(client, mod, params, samples):
+        """The analysis and fallback trials on the workers, or None (in-process)."""
+        if client is None:
+            return contextlib.nullcontext()
+        return AnalysisFanOut(client, mod, params, samples)
+
     def _calibrate(self, sim, samples, config: Config, client) -> QParams:
         if client is None:
             return calibrate(sim, None, samples, config, target=self.target)
@@ -148,8 +161,10 @@ class Quantizer:
                 if sim is None:
                     sim = simulate(matched, None, _fixed(config))
                 qparams = self._calibrate(sim, samples, _fixed(config), client)
-            with clock("auto_fallback"):
-                out = auto_fallback(matched, None, samples, config, qparams, target=self.target)
+            with clock("auto_fallback"), self._fan_out(client, mod, params, samples) as fan:
+                out = auto_fallback(
+                    matched, None, samples, config, qparams, target=self.target, fan_out=fan
+                )
             config, qparams, decision = out.config, out.qparams, out.decision
             report, analysis = out.report, out.analysis
             reasons.update(dict.fromkeys(decision.layers, f"automatic ({decision.precision})"))

@@ -33,6 +33,7 @@ from .calibrate import feed_observers, fp32_observers, fp32_runner
 from .calibration_plan import CalibrationPlan
 from .config import QuantSpec
 from .dataset import DatasetError, InputSpec, validate_sample
+from .metrics import output_sums
 from .shard_runner import ShardRunner
 from .value_cache import ValueCache
 
@@ -90,6 +91,7 @@ class ShardActor:
         self.n = 0
         self.runner: ShardRunner | None = None
         self.fp32 = None
+        self.analysis = None
 
     # ---- samples
     def read(self, source) -> int:
@@ -173,16 +175,32 @@ class ShardActor:
         observers = feed_observers(fp32_observers(specs, ranges), self.fp32(self.samples()))
         return [None if o is None else o.state() for o in observers]
 
-    # ---- per-layer analysis
-    def analysis_sums(self, mod, params, qparams, config, target, accumulator: str) -> dict:
-        """Build the per-layer analysis of ``mod`` (compiled here) over this shard and
-        return its :meth:`autoq.analysis.Analysis.shard_sums`."""
+    # ---- per-layer analysis and fallback trials
+    def start_analysis(self, mod, params, qparams, config, target, accumulator: str) -> float:
+        """Build the per-layer analysis of ``mod`` (compiled here) over this shard; returns
+        the seconds it took."""
         from .analysis import Analysis
 
-        an = Analysis(mod, params, self.samples, qparams, config, target, accumulator)
-        return an.shard_sums()
+        t0 = time.perf_counter()
+        self.analysis = Analysis(mod, params, self.samples, qparams, config, target, accumulator)
+        return time.perf_counter() - t0
+
+    def analysis_sums(self) -> dict:
+        """:meth:`autoq.analysis.Analysis.shard_sums` of the shard's analysis."""
+        return self._analysis().shard_sums()
+
+    def trial_sums(self, disabled: list[str]) -> list:
+        """Per sample, the output sums (:func:`autoq.metrics.output_sums`) of the simulated
+        graph with the ``disabled`` layers in fp32 against fp32."""
+        an = self._analysis()
+        return output_sums(an.run_fp32(), an.run(disabled))
+
+    def _analysis(self):
+        if self.analysis is None:
+            raise RuntimeError(f"{self.name}: start_analysis was not called")
+        return self.analysis
 
     def close(self) -> None:
         self.close_runner()
-        self.fp32 = None
+        self.fp32 = self.analysis = None
         self.store.close()

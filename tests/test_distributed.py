@@ -142,6 +142,20 @@ def test_report_fans_out(client, model):
     assert got.report.samples == 7 and np.isfinite(got.report.output_sqnr)
 
 
+def test_auto_fallback_trials_fan_out(client, model):
+    """AutoFallback on the cluster: the report and every SQNR trial computed from the
+    workers' sums give the in-process decision, trial for trial."""
+    mod, params, data = model
+    fb = autoq.AutoFallback(min_sqnr=60.0, max_fp32_layers=2)  # unreachable: every step runs
+    cfg = config("max").replace(fallback=fb)
+    with pytest.warns(UserWarning, match="not reached"):
+        want = autoq.Quantizer(cfg, target=TARGET).run(mod, params, data).decision
+    with pytest.warns(UserWarning, match="not reached"):
+        got = autoq.Quantizer(cfg, target=TARGET, cluster=client).run(mod, params, data).decision
+    assert [t["metric"] for t in got.trials] == [t["metric"] for t in want.trials]
+    assert len(want.trials) == 3 and got.layers == want.layers and not got.met
+
+
 def bad_second_shard(i: int, n: int):
     data = small_cnn()[2](4)
     return data if i == 0 else [np.zeros((1, 3, 8, 8), np.float32)]
