@@ -169,6 +169,21 @@ def test_bad_data_in_a_shard_names_it(client, model):
         calibrate_distributed(sim, CallableShards(bad_second_shard), cfg, TARGET, client)
 
 
+def test_shard_sources_split_the_data(tmp_path):
+    """Every sample in exactly one shard, in the documented i, i + n, ... order."""
+    pil = pytest.importorskip("PIL.Image", reason="Pillow is not installed")
+    from autoq.dataset import ImageFolderShards, from_image_folder
+
+    for k in range(5):
+        pil.fromarray(np.full((6, 6, 3), 40 * k, np.uint8)).save(tmp_path / f"im{k}.png")
+    source = ImageFolderShards(str(tmp_path), {"size": 4})
+    whole = [float(x.mean()) for x in from_image_folder(tmp_path, size=4)]
+    parts = [[float(x.mean()) for x in source.shard(i, 2)] for i in range(2)]
+    assert parts == [whole[0::2], whole[1::2]]
+    with pytest.raises(DatasetError, match="no file matches"):
+        NpzShards(str(tmp_path / "*.npz"))
+
+
 def test_config_and_cli(tmp_path):
     cfg = Config(distributed=Distributed(scheduler="tcp://127.0.0.1:8786", shards=4))
     assert Config.from_json(cfg.to_json()) == cfg
