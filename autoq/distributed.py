@@ -151,7 +151,11 @@ class ShardSet:
         ]  # fmt: skip
         self.actors = [result_of(f, shard_name(i, n), "start") for i, f in enumerate(futures)]
         self.names = [shard_name(i, n) for i in range(n)]
-        self.counts = self._load(dataset, specs)
+        try:
+            self.counts = self._load(dataset, specs)
+        except BaseException:
+            self.close()
+            raise
 
     def _load(self, dataset, specs) -> list[int]:
         n = self.count

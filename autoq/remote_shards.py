@@ -29,11 +29,11 @@ class ShardLostError(RuntimeError):
 
 def _is_lost(e: BaseException) -> bool:
     """An error of the cluster (worker gone, connection closed, cancelled), not of the
-    code that ran in the worker."""
+    code that ran in the worker (a missing file there is an OSError too: not lost)."""
     mod = type(e).__module__ or ""
     return (
-        mod.startswith(("distributed", "tornado", "asyncio", "concurrent"))
-        or isinstance(e, OSError | TimeoutError)
+        mod.startswith(("distributed", "tornado"))
+        or (isinstance(e, OSError) and "Actor's worker" in str(e))  # dask's actor proxy
         or type(e).__name__ in ("CancelledError", "FutureCancelledError", "KilledWorker")
     )
 

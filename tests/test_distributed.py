@@ -161,12 +161,17 @@ def bad_second_shard(i: int, n: int):
     return data if i == 0 else [np.zeros((1, 3, 8, 8), np.float32)]
 
 
-def test_bad_data_in_a_shard_names_it(client, model):
+def test_bad_data_in_a_shard_names_it(client, model, tmp_path):
     mod, params, _ = model
     cfg = config("max")
     sim = simulate(mod, params, cfg)
     with pytest.raises(DatasetError, match=r"shard 2/2 of CallableShards.*shape"):
         calibrate_distributed(sim, CallableShards(bad_second_shard), cfg, TARGET, client)
+    # an error of the worker's own code (a missing file) is not a lost worker
+    missing = NpzShards([str(tmp_path / "a.npz"), str(tmp_path / "b.npz")])
+    np.savez(tmp_path / "a.npz", x=small_cnn()[2](2)[0])
+    with pytest.raises(FileNotFoundError, match=r"b\.npz"):
+        calibrate_distributed(sim, missing, cfg, TARGET, client)
 
 
 def test_shard_sources_split_the_data(tmp_path):
