@@ -84,7 +84,7 @@ def test_same_qparams_as_in_process(client, model, name, mode):
     cfg = config(CALIBRATORS[name], mode)
     sim = simulate(mod, params, cfg)
     want = calibrate(sim, params, data, cfg, target=TARGET)
-    got = calibrate_distributed(sim, data, cfg, TARGET, client)
+    got = calibrate_distributed(sim, data, cfg, TARGET, client, shards=2)
     assert got.meta["stats"]["shards"] == 2
     assert_identical(want, got)
     # the activations really were calibrated from data (not defaults): distinct scales
@@ -187,6 +187,20 @@ def test_shard_sources_split_the_data(tmp_path):
     assert parts == [whole[0::2], whole[1::2]]
     with pytest.raises(DatasetError, match="no file matches"):
         NpzShards(str(tmp_path / "*.npz"))
+
+
+def test_in_process_runs_never_import_dask():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); import autoq; from models import mlp\n"
+        "mod, params, make = mlp()\n"
+        "autoq.quantize(mod, params, make(2), autoq.Config(progress=False))\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('dask', 'distributed')]"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=600)
 
 
 def test_config_and_cli(tmp_path):
