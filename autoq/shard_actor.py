@@ -37,7 +37,7 @@ from .metrics import output_sums
 from .shard_runner import ShardRunner
 from .value_cache import ValueCache
 
-__all__ = ["ShardActor", "load_vm", "shard_name"]
+__all__ = ["ShardActor", "load_vm", "shard_name", "tune_malloc"]
 
 
 def shard_name(i: int, n: int) -> str:
@@ -55,6 +55,25 @@ def load_vm(lib: bytes) -> relax.VirtualMachine:
         return relax.VirtualMachine(tvm.runtime.load_module(path), tvm.cpu())
     finally:
         os.unlink(path)
+
+
+def tune_malloc() -> bool:
+    """Undo the 64 KiB ``MALLOC_TRIM_THRESHOLD_`` that Dask's nanny sets for its workers:
+    with that variable set, glibc keeps its mmap threshold at 128 KiB, so every numpy
+    temporary of a calibrator is a fresh ``mmap`` (page faults, zeroing; measured: a
+    percentile observer update on a ResNet-50 activation 3.3x slower). Fixed thresholds
+    instead: allocations below 32 MiB reuse the heap, 64 MiB of free heap is returned to the
+    OS. Returns whether it applied (glibc only)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    return bool(
+        libc.mallopt(m_mmap_threshold, 32 * 2**20) and libc.mallopt(m_trim_threshold, 64 * 2**20)
+    )
 
 
 def _peak_rss_mb() -> float:
@@ -83,6 +102,7 @@ class ShardActor:
         budget_bytes: float,
         cache_dir: str | None = None,
     ):
+        tune_malloc()
         self.index, self.count, self.specs = index, count, list(specs)
         self.name = shard_name(index, count)
         self.budget = budget_bytes
