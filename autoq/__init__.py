@@ -12,7 +12,7 @@ from .analysis import Analysis, analyze
 from .auto_fallback import FallbackDecision
 from .build import compile, default_target, export_library, load_library
 from .calibrate import calibrate
-from .config import AutoFallback, Config, Fallback, Override, QuantSpec
+from .config import AutoFallback, Config, Distributed, Fallback, Override, QuantSpec
 from .frontends import from_onnx, from_torch
 from .import_quantized import import_quantized
 from .pipeline import Quantizer, QuantizeResult, quantize
@@ -27,6 +27,7 @@ __all__ = [
     "Analysis",
     "AutoFallback",
     "Config",
+    "Distributed",
     "Fallback",
     "FallbackDecision",
     "Override",
