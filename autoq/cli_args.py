@@ -171,7 +171,13 @@ def _add_quantize(sub) -> None:
         "--out",
         metavar="DIR",
         type=Path,
-        help="output folder (default: ./<model name>_int8); created if missing",
+        help="output folder (default: ./<model name>_int8); created if missing. Written as a "
+        "whole when everything succeeded; an earlier autoq result there is replaced",
+    )
+    q.add_argument(
+        "--force",
+        action="store_true",
+        help="replace --out even if it holds files autoq did not write",
     )
     q.add_argument(
         "--samples",

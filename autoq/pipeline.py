@@ -20,16 +20,18 @@ per-stage timings and every warning raised on the way.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import tvm
 
 from .analysis import Analysis
 from .auto_fallback import FallbackDecision, auto_fallback
 from .build import default_target
-from .calibrate import calibrate, samples_for
+from .calibrate import calibrate, fp32_slot_runner, samples_for, scale_problems
 from .config import AutoFallback, Config
 from .dataset import is_shard_source
 from .distributed import (
@@ -39,14 +41,16 @@ from .distributed import (
     open_client,
     report_distributed,
 )
-from .guard import keep_unbounded_in_fp32
+from .errors import CalibrationError, InputError
+from .guard import keep_unbounded_in_fp32, layers_using
 from .matching import Matched, match
 from .qparams import QParams
 from .realize import realize
 from .report import Report
+from .scale_health import HealthCheck
 from .simulate import simulate
 
-__all__ = ["QuantizeResult", "Quantizer", "quantize"]
+__all__ = ["QuantizeResult", "Quantizer", "check_scales", "quantize"]
 
 
 @dataclass
@@ -117,10 +121,11 @@ class Quantizer:
             return calibrate(sim, None, samples, config, target=self.target)
         return calibrate_distributed(sim, samples, config, self.target, client)
 
-    def _data(self, dataset, inputs, distributed: bool):
-        """The validated dataset, or a shard source as it is (read by the workers)."""
+    def _data(self, dataset, graph, distributed: bool):
+        """The validated dataset (integer inputs checked against the tables they index), or
+        a shard source as it is (read by the workers)."""
         if not is_shard_source(dataset):
-            return samples_for(dataset, inputs)
+            return samples_for(dataset, graph.inputs, module=graph.module)
         if not distributed:
             raise ValueError(
                 f"the dataset {dataset.describe()} is read by the workers of a distributed "
@@ -143,8 +148,9 @@ class Quantizer:
         config = self.config
         with clock("match"):
             matched = match(mod, params, config)
+            check_weights(matched.graph.params)
             matched.active(config.fallback)  # fallback rules checked before any data work
-            samples = self._data(dataset, matched.graph.inputs, client is not None)
+            samples = self._data(dataset, matched.graph, client is not None)
         reasons = {x: "fallback rule" for x in matched.kept_float(config.fallback)}
         sim = None
         if config.skip_unbounded:
@@ -158,9 +164,10 @@ class Quantizer:
         decision = report = analysis = None
         if isinstance(config.fallback, AutoFallback):
             with clock("calibrate"):
-                if sim is None:
-                    sim = simulate(matched, None, _fixed(config))
-                qparams = self._calibrate(sim, samples, _fixed(config), client)
+                config, qparams, unusable = self._calibrate_healthy(
+                    matched, sim, samples, config, client
+                )
+            reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
             with clock("auto_fallback"), self._fan_out(client, mod, params, samples) as fan:
                 out = auto_fallback(
                     matched, None, samples, config, qparams, target=self.target, fan_out=fan
@@ -172,9 +179,10 @@ class Quantizer:
                 reasons = {k: v for k, v in reasons.items() if k not in decision.layers}
         else:
             with clock("calibrate"):
-                if sim is None:
-                    sim = simulate(matched, None, config)
-                qparams = self._calibrate(sim, samples, config, client)
+                config, qparams, unusable = self._calibrate_healthy(
+                    matched, sim, samples, config, client
+                )
+            reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
         with clock("realize"):
             module = realize(matched, None, qparams, config)
         if self.want_report and report is None:
@@ -190,6 +198,46 @@ class Quantizer:
             module, qparams, config, matched, int8, reasons, decision, report, analysis,
             samples=qparams.meta.get("samples") or 0, timings=timings,
         )  # fmt: skip
+
+    def _calibrate_healthy(self, matched, sim, samples, config, client):
+        """Calibrate; while some chosen activation scale is unusable on its own data (see
+        :mod:`autoq.scale_health`), keep the layers reading or writing it in fp32 (with a
+        warning naming them) and calibrate again. Returns (config, qparams, those layers)."""
+        moved: list[str] = []
+        while True:
+            if sim is None:
+                sim = simulate(matched, None, _fixed(config))
+            qparams = self._calibrate(sim, samples, _fixed(config), client)
+            bad = qparams.meta.get("scale_problems", {})
+            layers = [x for x in layers_using(sim, bad) if x not in config.fallback.ids]
+            if not layers:
+                return config, qparams, moved
+            warnings.warn(
+                f"keeping {len(layers)} layer(s) in fp32 because a chosen int8 scale cannot "
+                f"represent their calibration data: {', '.join(layers)}; "
+                + "; ".join(f"slot {s}: {why}" for s, why in bad.items())
+                + ". An extreme value in one sample? Remove it or use a percentile calibrator.",
+                stacklevel=4,
+            )
+            fb = config.fallback
+            config = config.replace(fallback=dataclasses.replace(fb, ids=(*fb.ids, *layers)))
+            moved += layers
+            sim = None
+
+
+def check_weights(weights: dict) -> None:
+    """A NaN or Inf in a float weight is an :class:`autoq.errors.InputError` naming the
+    weight (before any compile; the guard would otherwise keep its layer in fp32 silently)."""
+    for name, w in weights.items():
+        w = np.asarray(w)
+        if np.issubdtype(w.dtype, np.inexact) and not np.all(np.isfinite(w)):
+            n_nan = int(np.isnan(w).sum())
+            first = np.argwhere(~np.isfinite(w))[0].tolist()
+            raise InputError(
+                f"weight {name!r} {tuple(w.shape)} contains {n_nan} NaN and "
+                f"{int((~np.isfinite(w)).sum()) - n_nan} Inf value(s) (first at index {first}): "
+                "the model's weights are corrupt; fix or re-export the model"
+            )
 
 
 def _fixed(config: Config) -> Config:
@@ -226,6 +274,30 @@ class _Clock:
         dt = time.perf_counter() - self._t0
         self.timings[self._stage] = self.timings.get(self._stage, 0.0) + dt
         return False
+
+
+def check_scales(
+    mod: tvm.IRModule, params: dict | None, qparams: QParams, dataset, config=None, target=None
+) -> None:
+    """Refuse qparams (a hand-edited or loaded file) whose activation scales cannot represent
+    ``dataset``: :class:`autoq.errors.CalibrationError` naming every such slot, with the
+    fraction of its fp32 values that round to the zero point or fall outside the grid (see
+    :mod:`autoq.scale_health`)."""
+    config = config or Config()
+    sim = simulate(match(mod, params, config), None, _fixed(config))
+    slots = [s for s in sim.activation_slots() if s in qparams]
+    run = fp32_slot_runner(sim, slots, target or default_target())
+    checks = [HealthCheck(qparams[s]).observer() for s in slots]
+    for outs in run(samples_for(dataset, sim.graph.inputs)):
+        for obs, x in zip(checks, outs, strict=True):
+            obs.update(x)
+    bad = scale_problems({s: o.compute() for s, o in zip(slots, checks, strict=True)}, qparams)
+    if bad:
+        raise CalibrationError(
+            "the qparams do not fit the data: "
+            + "; ".join(f"slot {s!r}: {why}" for s, why in bad.items())
+            + " (fix the scale in the qparams file or calibrate again)"
+        )
 
 
 def quantize(

@@ -56,6 +56,7 @@ class ShardRunner:
             for name, key in self.plan.inputs:
                 self.cache.put((key, self.n), sample[name])
             self.n += 1
+        self.stats["samples"] = self.n
         return self.n
 
     def run_prologue(self) -> None:

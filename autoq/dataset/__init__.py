@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from .arrays import ArrayDataset, from_npy, from_npz
 from .calibration import CalibrationDataset, as_dataset
-from .contract import DatasetError, InputSpec, input_specs, validate_sample
+from .contract import DatasetError, InputSpec, index_bounds, input_specs, validate_sample
 from .images import IMAGE_EXTENSIONS, ImageFolder, from_image_folder
 from .shards import CallableShards, ImageFolderShards, NpzShards, ShardSource, is_shard_source
 
@@ -64,6 +64,7 @@ __all__ = [
     "from_image_folder",
     "from_npy",
     "from_npz",
+    "index_bounds",
     "input_specs",
     "is_shard_source",
     "validate_sample",
