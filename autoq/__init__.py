@@ -17,7 +17,7 @@ from .analysis import Analysis, analyze
 from .auto_fallback import FallbackDecision
 from .build import compile, default_target, export_library, load_library
 from .calibrate import calibrate
-from .config import AutoFallback, Config, Fallback, Override, QuantSpec
+from .config import AutoFallback, Config, Distributed, Fallback, Override, QuantSpec
 from .errors import AutoqError, DatasetError, InputError
 from .frontends import from_onnx, from_torch
 from .import_quantized import import_quantized
@@ -35,6 +35,7 @@ __all__ = [
     "AutoqError",
     "Config",
     "DatasetError",
+    "Distributed",
     "Fallback",
     "FallbackDecision",
     "InputError",

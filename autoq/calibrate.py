@@ -48,10 +48,16 @@ __all__ = [
     "calibrate",
     "calibrate_weights",
     "choose_qparams",
+    "feed_observers",
+    "fp32_observers",
+    "fp32_runner",
+    "fp32_slot_functions",
     "fp32_slot_runner",
+    "make_qparams",
     "observe",
     "run_plan",
     "samples_for",
+    "static_values",
 ]
 
 
@@ -184,16 +190,30 @@ def calibrate(
     stats["total_s"] = time.perf_counter() - t0
     _refuse_constant_inputs(sim, health, samples.num_samples)
     result.update(acts)
+    return make_qparams(sim, result, config, samples.num_samples, stats, health)
+
+
+def make_qparams(
+    sim: SimResult,
+    result: dict[str, QParam],
+    config: Config,
+    samples: int | None,
+    stats: dict,
+    health: dict[str, SlotHealth] | None = None,
+) -> QParams:
+    """The :class:`QParams` of every slot from ``result`` (slot -> QParam, weights and
+    activations), bias scales fitted (:func:`fit_bias_scales`), with the run's metadata
+    (``health``: the scale health of the activation slots, when it was measured)."""
     widened = fit_bias_scales(sim, result)
     return QParams(
         params={s: result[s] for s in sim.plan.slots},
         slots=dict(sim.plan.slots),
         meta={
             "calibration": config.calibration,
-            "samples": samples.num_samples,
+            "samples": samples,
             "specs": {s: sp.to_json() for s, sp in sim.plan.specs.items()},
             "bias_widened": widened,
-            "scale_problems": scale_problems(health, result),
+            "scale_problems": scale_problems(health or {}, result),
             "stats": {k: round(v, 4) for k, v in stats.items()},
         },
     )
@@ -260,7 +280,7 @@ def fit_bias_scales(sim: SimResult, result: dict[str, QParam]) -> list[str]:
     return changed
 
 
-def _static_values(sim: SimResult, plan: CalibrationPlan, weight_qp: dict) -> dict:
+def static_values(sim: SimResult, plan: CalibrationPlan, weight_qp: dict) -> dict:
     """key -> array: the weights and the weight qparams (inputs of the prologue)."""
     g = sim.graph
     static = {k: g.params[name] for k, name in plan.weight_keys.items()}
@@ -346,7 +366,7 @@ def _calibrate_topological(
     stats["compile_s"] = time.perf_counter() - t0
     stats["segments"] = len(plan.segments)
     budget = config.memory_budget_mb * 2**20
-    runner = ShardRunner(vm, plan, _static_values(sim, plan, weight_qp), budget, config.cache_dir)
+    runner = ShardRunner(vm, plan, static_values(sim, plan, weight_qp), budget, config.cache_dir)
     try:
         runner.load(samples)
         runner.run_prologue()
@@ -360,22 +380,56 @@ def _calibrate_topological(
     return result
 
 
+def fp32_slot_functions(sim: SimResult, slots: list[str]) -> dict:
+    """``{"main": f}``: the float graph ``f(*inputs, *weights)`` returning the tensors that
+    the activation ``slots`` quantize."""
+    g = sim.graph
+    tensors = [sim.plan.tensors[s] for s in slots]
+    params = list(g.inputs) + list(g.weight_params)
+    return {"main": make_function("main", params, g.bindings, tensors)}
+
+
+def fp32_runner(vm, input_names: list[str], weights: list[np.ndarray]):
+    """``run(samples)`` over a compiled :func:`fp32_slot_functions`: for each sample, the
+    slots' fp32 values."""
+    weights = [tvm.runtime.tensor(np.ascontiguousarray(w)) for w in weights]
+
+    def run(samples):
+        for sample in samples:
+            feeds = [tvm.runtime.tensor(np.ascontiguousarray(sample[n])) for n in input_names]
+            yield [o.numpy() for o in as_list(vm["main"](*feeds, *weights))]
+
+    return run
+
+
 def fp32_slot_runner(sim: SimResult, slots: list[str], target):
     """``run(samples)``: for each sample, the fp32 values of the tensors that the
     activation ``slots`` quantize (one compiled float graph with those tensors as outputs)."""
     g = sim.graph
-    tensors = [sim.plan.tensors[s] for s in slots]
-    params = list(g.inputs) + list(g.weight_params)
-    fn = make_function("main", params, g.bindings, tensors)
-    vm = compile_vm({"main": fn}, target, g.module)
-    weights = [tvm.runtime.tensor(np.ascontiguousarray(g.params[p.name])) for p in g.weight_params]
+    vm = compile_vm(fp32_slot_functions(sim, slots), target, g.module)
+    weights = [g.params[p.name] for p in g.weight_params]
+    return fp32_runner(vm, [v.name for v in g.inputs], weights)
 
-    def run(samples):
-        for sample in samples:
-            feeds = [tvm.runtime.tensor(np.ascontiguousarray(sample[v.name])) for v in g.inputs]
-            yield [o.numpy() for o in as_list(vm["main"](*feeds, *weights))]
 
-    return run
+def fp32_observers(specs: list[QuantSpec], ranges: list | None) -> list:
+    """The observers of one fp32-mode pass, one per slot: with ``ranges`` None the range
+    pass (a range observer for each histogram calibrator, None for the others), else each
+    slot's calibrator observer with its data range."""
+    if ranges is None:
+        needs = [getattr(sp.calibrator, "needs_range", False) for sp in specs]
+        return [calibrators.range_observer(None) if nd else None for nd in needs]
+    return [
+        sp.calibrator.observer(axis=None, data_range=r) for sp, r in zip(specs, ranges, strict=True)
+    ]
+
+
+def feed_observers(observers: list, outputs: Iterable[list]) -> list:
+    """Update each observer (None: skipped) with its tensor of every sample's ``outputs``."""
+    for outs in outputs:
+        for obs, x in zip(observers, outs, strict=True):
+            if obs is not None:
+                obs.update(x)
+    return observers
 
 
 def _calibrate_fp32(sim, samples, config, target, stats, health) -> dict[str, QParam]:
@@ -384,28 +438,17 @@ def _calibrate_fp32(sim, samples, config, target, stats, health) -> dict[str, QP
     run = fp32_slot_runner(sim, slots, target)
     stats["compile_s"] = time.perf_counter() - t0
     specs = [sim.plan.specs[s] for s in slots]
-    needs = [getattr(sp.calibrator, "needs_range", False) for sp in specs]
     ranges: list = [None] * len(slots)
-    if any(needs):  # a first pass: the exact ranges the histogram bins are fixed on
-        first = [calibrators.range_observer(None) if nd else None for nd in needs]
-        for outs in run(samples):
-            for obs, x in zip(first, outs, strict=True):
-                if obs is not None:
-                    obs.update(x)
+    first = fp32_observers(specs, None)
+    if any(o is not None for o in first):  # the exact ranges the histogram bins are fixed on
+        feed_observers(first, run(samples))
         ranges = [None if obs is None else obs.data_range() for obs in first]
-    observers = [
-        sp.calibrator.observer(axis=None, data_range=r) for sp, r in zip(specs, ranges, strict=True)
-    ]
-    for outs in run(samples):
-        for obs, x in zip(observers, outs, strict=True):
-            obs.update(x)
+    observers = feed_observers(fp32_observers(specs, ranges), run(samples))
     result = {
         s: checked_result(obs.compute(sp), sp.calibrator, s)
         for s, obs, sp in zip(slots, observers, specs, strict=True)
     }
-    checks = [HealthCheck(result[s]).observer() for s in slots]
-    for outs in run(samples):  # the chosen scales against the values they represent
-        for obs, x in zip(checks, outs, strict=True):
-            obs.update(x)
+    # the chosen scales against the values they represent
+    checks = feed_observers([HealthCheck(result[s]).observer() for s in slots], run(samples))
     health.update({s: obs.compute() for s, obs in zip(slots, checks, strict=True)})
     return result

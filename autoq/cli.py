@@ -57,7 +57,7 @@ def _config(args):
     """The Config the options describe (bad combinations fail before any model work)."""
     import dataclasses
 
-    from .config import AutoFallback, Config
+    from .config import AutoFallback, Config, Distributed
 
     fb = fallback_rules(args.skip)
     try:
@@ -81,6 +81,9 @@ def _config(args):
             calibration=args.calibration,
             fallback=fb,
             progress=not args.no_progress,
+            distributed=Distributed(args.scheduler, args.workers)
+            if args.scheduler or args.workers
+            else None,
         )
     except (TypeError, ValueError) as e:
         raise UserError(one_line(e)) from None
