@@ -92,3 +92,11 @@ def test_hand_edited_tiny_scale_is_refused():
     autoq.check_scales(MOD, PARAMS, qp, SAMPLES, target=TARGET)  # the calibrated ones fit
     with pytest.raises(CalibrationError, match=r"slot 'relu_0': \d+% of its values fall outside"):
         autoq.check_scales(MOD, PARAMS, edited, SAMPLES, target=TARGET)
+
+
+def test_worked_examples():
+    import doctest
+
+    from autoq import scale_health
+
+    assert doctest.testmod(scale_health).failed == 0
