@@ -259,6 +259,9 @@ class Config(JsonDocument):
     spill to ``cache_dir`` or a temporary directory). ``progress``: show tqdm bars.
     ``skip_unbounded``: ``autoq.quantize`` keeps in fp32 the layers whose activations hold
     inf-like sentinels such as attention masks of ``finfo.min`` (see :mod:`autoq.guard`).
+    ``check_scales``: after calibration, each activation scale is checked against the
+    values it must represent; layers whose slot would round most non-zero values to the zero
+    point or clip them stay fp32, with a warning (see :mod:`autoq.scale_health`).
     ``distributed``: calibrate on a Dask cluster (:class:`Distributed`); None (default):
     in this process, without importing Dask.
     ``int8_outputs``: the model's outputs also leave the integer graph as int8 (an exit slot,
@@ -279,6 +282,7 @@ class Config(JsonDocument):
     cache_dir: str | None = None
     progress: bool = True
     skip_unbounded: bool = True
+    check_scales: bool = True
     int8_outputs: bool = False
     distributed: Distributed | None = None
 
@@ -308,7 +312,7 @@ class Config(JsonDocument):
             _str_tuple(self, "patterns")
         if not (isinstance(self.memory_budget_mb, int | float) and self.memory_budget_mb >= 0):
             raise ValueError(f"Config.memory_budget_mb must be >= 0, got {self.memory_budget_mb!r}")
-        for name in ("progress", "skip_unbounded", "int8_outputs"):
+        for name in ("progress", "skip_unbounded", "check_scales", "int8_outputs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         if self.distributed is not None and not isinstance(self.distributed, Distributed):
@@ -332,6 +336,7 @@ class Config(JsonDocument):
             "cache_dir": self.cache_dir,
             "progress": self.progress,
             "skip_unbounded": self.skip_unbounded,
+            "check_scales": self.check_scales,
             "int8_outputs": self.int8_outputs,
             "distributed": None if self.distributed is None else self.distributed.to_json(),
         }

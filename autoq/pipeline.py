@@ -208,7 +208,7 @@ class Quantizer:
             if sim is None:
                 sim = simulate(matched, None, _fixed(config))
             qparams = self._calibrate(sim, samples, _fixed(config), client)
-            bad = qparams.meta.get("scale_problems", {})
+            bad = qparams.meta.get("scale_problems", {}) if config.check_scales else {}
             layers = [x for x in layers_using(sim, bad) if x not in config.fallback.ids]
             if not layers:
                 return config, qparams, moved
@@ -216,7 +216,8 @@ class Quantizer:
                 f"keeping {len(layers)} layer(s) in fp32 because a chosen int8 scale cannot "
                 f"represent their calibration data: {', '.join(layers)}; "
                 + "; ".join(f"slot {s}: {why}" for s, why in bad.items())
-                + ". An extreme value in one sample? Remove it or use a percentile calibrator.",
+                + ". An extreme value in one sample? Remove it or use a percentile calibrator "
+                "(Config(check_scales=False) quantizes them anyway).",
                 stacklevel=4,
             )
             fb = config.fallback
