@@ -10,7 +10,7 @@ results are data (:class:`QParams`).
 from . import primitives, qnn  # noqa: F401  (importing qnn registers the qnn.* ops)
 from .analysis import Analysis, analyze
 from .auto_fallback import FallbackDecision
-from .build import compile, default_target, export_library, load_library
+from .build import compile, default_target, export_library, load_library, set_threads
 from .calibrate import calibrate
 from .config import AutoFallback, Config, Fallback, Override, QuantSpec
 from .frontends import from_onnx, from_torch
@@ -49,5 +49,6 @@ __all__ = [
     "load_qparams",
     "quantize",
     "realize",
+    "set_threads",
     "simulate",
 ]

@@ -7,7 +7,9 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-__all__ = ["compile", "default_target", "export_library", "load_library"]
+from .cpu.lowering import lower_to_cpu_kernels
+
+__all__ = ["compile", "default_target", "export_library", "load_library", "set_threads"]
 
 
 def default_target() -> tvm.target.Target:
@@ -16,23 +18,43 @@ def default_target() -> tvm.target.Target:
     return tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
 
 
-def compile(mod: tvm.IRModule, target=None, fuse: bool = True):
-    """``tvm.compile`` with the default Relax pipeline for ``target`` (fusion on by default)."""
+def compile(mod: tvm.IRModule, target=None, fuse: bool = True, cpu_kernels: bool = True):
+    """``tvm.compile`` with the default Relax pipeline for ``target`` (fusion on by default).
+
+    ``cpu_kernels``: on x86 LLVM targets with AVX-512 VNNI or AVX2, int8 conv2d/dense/matmul
+    with constant weights run on autoq's packed, tensorized kernels (:mod:`autoq.cpu`);
+    False keeps the generic lowering of the ``qnn.*`` ops (same results, bit for bit).
+    """
     target = target or default_target()
     if isinstance(target, dict):
         target = tvm.target.Target(target)
+    if cpu_kernels:
+        mod = lower_to_cpu_kernels(mod, target)
     pipeline = relax.get_default_pipeline(target) if fuse else None
     if pipeline is None:
         return tvm.compile(mod, target)
     return tvm.compile(mod, target, relax_pipeline=pipeline)
 
 
-def export_library(mod: tvm.IRModule, path: str | Path, target=None) -> Path:
+def export_library(
+    mod: tvm.IRModule, path: str | Path, target=None, cpu_kernels: bool = True
+) -> Path:
     """Compile ``mod`` and write a shared library loadable with :func:`load_library`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    compile(mod, target).export_library(str(path))
+    compile(mod, target, cpu_kernels=cpu_kernels).export_library(str(path))
     return path
+
+
+def set_threads(n: int) -> None:
+    """Run TVM kernels on ``n`` threads (the default is one per core, or ``TVM_NUM_THREADS``).
+
+    >>> set_threads(1)
+    """
+    if int(n) < 1:
+        raise ValueError(f"set_threads: n must be >= 1 thread, got {n}")
+    # mode 1 = the "big" cores, i.e. all cores on a homogeneous CPU
+    tvm.get_global_func("runtime.config_threadpool")(1, int(n))
 
 
 def load_library(path: str | Path, device=None) -> relax.VirtualMachine:
