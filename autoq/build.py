@@ -7,6 +7,7 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
+from .cpu.injective import ScheduleFused
 from .cpu.lowering import lower_to_cpu_kernels
 
 __all__ = ["compile", "default_target", "export_library", "load_library", "set_threads"]
@@ -30,10 +31,33 @@ def compile(mod: tvm.IRModule, target=None, fuse: bool = True, cpu_kernels: bool
         target = tvm.target.Target(target)
     if cpu_kernels:
         mod = lower_to_cpu_kernels(mod, target)
-    pipeline = relax.get_default_pipeline(target) if fuse else None
+    pipeline = None
+    if fuse:
+        pipeline = _kernel_pipeline(target) if cpu_kernels else relax.get_default_pipeline(target)
     if pipeline is None:
         return tvm.compile(mod, target)
     return tvm.compile(mod, target, relax_pipeline=pipeline)
+
+
+def _kernel_pipeline(target: tvm.target.Target):
+    """TVM's default CPU pipeline with :class:`autoq.cpu.injective.ScheduleFused` after
+    fusion (the fused elementwise functions run parallel instead of as naive loop nests)."""
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+
+    passes = [
+        *cpu.library_dispatch_passes(target),
+        *cpu.legalize_passes(target),
+        ScheduleFused(),
+        *cpu.dataflow_lower_passes(target),
+        *cpu.finalize_passes(target),
+    ]
+
+    @tvm.transform.module_pass(opt_level=0, name="autoq.KernelPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
 
 
 def export_library(

@@ -16,6 +16,7 @@ import tvm
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
+from .injective import KERNEL_ATTR
 from .isa import Isa
 from .packing import round_up
 from .tiling import int32, pick_tile, tensorize_accumulation
@@ -120,4 +121,4 @@ def conv2d_kernel(
     pack = sch.get_sblock("pack")
     pn, pc, ph, _, _ = sch.get_loops(pack)
     sch.parallel(sch.fuse(pn, pc, ph))
-    return sch.mod["main"].with_attr("op_pattern", 8)
+    return sch.mod["main"].with_attrs({"op_pattern": 8, KERNEL_ATTR: True})

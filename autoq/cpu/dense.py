@@ -12,6 +12,7 @@ from __future__ import annotations
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
+from .injective import KERNEL_ATTR
 from .isa import Isa
 from .packing import round_up
 from .tiling import int32, pick_tile, tensorize_accumulation
@@ -64,4 +65,4 @@ def dense_kernel(m: int, k: int, n: int, isa: Isa, data_dtype: str, zero_point: 
     tensorize_accumulation(sch, block, rc, oi, isa.intrinsic)
     pack = sch.get_sblock("pack")
     sch.parallel(sch.get_loops(pack)[0])
-    return sch.mod["main"].with_attr("op_pattern", 8)
+    return sch.mod["main"].with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
