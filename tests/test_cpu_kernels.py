@@ -108,9 +108,14 @@ def test_conv2d_kernel_bit_exact(isa, mcpu, case):
     x, w = _data(rng, (n, c, h, w_), dtype), _data(rng, (o, c, k, k), "int8")
     shape = ConvShape(n, c, h, w_, o, (k, k), (s, s), pad, (d, d))
     z = zx + isa.shift(dtype, zx)
-    args = [x, packing.pack_conv_weight(w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype)]
+    args = [
+        x,
+        packing.pack_conv_weight(
+            w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype, isa.padded_channels(o)
+        ),
+    ]
     if z:
-        args.append(packing.compensation(w, z, packing.round_up(o, isa.lanes)))
+        args.append(packing.compensation(w, z, isa.padded_channels(o)))
     got = _run(conv2d_kernel(shape, isa, dtype, zx), mcpu, args, (n, o, *shape.out_hw))
     np.testing.assert_array_equal(got, conv_reference(x, w, zx, (s, s), pad, (d, d)))
 
@@ -124,9 +129,12 @@ def test_dense_kernel_bit_exact(isa, mcpu, m, k, n, dtype, zx):
     rng = np.random.default_rng(1)
     x, w = _data(rng, (m, k), dtype), _data(rng, (n, k), "int8")
     z = zx + isa.shift(dtype, zx)
-    args = [x, packing.pack_dense_weight(w, isa.lanes, isa.k, isa.weight_dtype)]
+    args = [
+        x,
+        packing.pack_dense_weight(w, isa.lanes, isa.k, isa.weight_dtype, isa.padded_channels(n)),
+    ]
     if z:
-        args.append(packing.compensation(w, z, packing.round_up(n, isa.lanes)))
+        args.append(packing.compensation(w, z, isa.padded_channels(n)))
     got = _run(dense_kernel(m, k, n, isa, dtype, zx), mcpu, args, (m, n))
     np.testing.assert_array_equal(got, (x.astype(np.int64) - zx) @ w.T.astype(np.int64))
 
@@ -144,10 +152,12 @@ def test_extreme_values_do_not_saturate():
         z = zx + isa.shift("int8", zx)
         args = [
             x,
-            packing.pack_conv_weight(w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype),
+            packing.pack_conv_weight(
+                w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype, isa.padded_channels(16)
+            ),
         ]
         if z:
-            args.append(packing.compensation(w, z, 16))
+            args.append(packing.compensation(w, z, isa.padded_channels(16)))
         got = _run(conv2d_kernel(shape, isa, "int8", zx), mcpu, args, (1, 16, 4, 4))
         ref = conv_reference(x, w, zx, (1, 1), (1, 1, 1, 1), (1, 1))
         np.testing.assert_array_equal(got, ref)

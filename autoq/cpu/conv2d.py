@@ -55,11 +55,11 @@ class ConvShape:
 def _compute(shape: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value: int, comp):
     s, lanes, k = shape, isa.lanes, isa.k
     icb = s.ic_block(isa)
-    icp, ocp = round_up(s.in_channels, icb), round_up(s.out_channels, lanes)
+    icp, ocp = round_up(s.in_channels, icb), isa.padded_channels(s.out_channels)
     (kh, kw), (sh, sw), (dh, dw) = s.kernel, s.strides, s.dilation
     pt, pl = s.padding[0], s.padding[1]
     oh, ow = s.out_hw
-    tile = pick_tile(ow)
+    tile = pick_tile(ow, isa.max_tile)
     owp = round_up(ow, tile)
     hp, wp = (oh - 1) * sh + (kh - 1) * dh + 1, (owp - 1) * sw + (kw - 1) * dw + 1
     x = te.placeholder((s.batch, s.in_channels, s.height, s.width), data_dtype, name="data")
@@ -113,10 +113,12 @@ def conv2d_kernel(
     conv = sch.get_sblock("conv")
     n, o, y, x_, oi, rc, rh, rw, rb, rk = sch.get_loops(conv)
     xo, xi = sch.split(x_, [None, tile])
-    sch.reorder(n, o, y, xo, rc, rh, rw, rb, xi, oi, rk)
+    oo, ob = sch.split(o, [None, isa.channel_blocks(shape.out_channels)])
+    sch.reorder(n, oo, y, xo, rc, rh, rw, rb, xi, ob, oi, rk)
     sch.reverse_compute_at(sch.get_consumers(conv)[0], xo)
-    sch.parallel(sch.fuse(n, o, y))
+    sch.parallel(sch.fuse(n, oo, y))
     sch.unroll(xi)
+    sch.unroll(ob)
     tensorize_accumulation(sch, conv, rc, oi, isa.intrinsic)
     pack = sch.get_sblock("pack")
     pn, pc, ph, _, _ = sch.get_loops(pack)

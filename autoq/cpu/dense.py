@@ -22,8 +22,8 @@ __all__ = ["dense_kernel"]
 
 def _compute(m: int, k_dim: int, n: int, isa: Isa, data_dtype: str, shift: int, pad_value: int):
     lanes, k = isa.lanes, isa.k
-    tile = pick_tile(m)
-    mp, kp, np_ = round_up(m, tile), round_up(k_dim, k), round_up(n, lanes)
+    tile = pick_tile(m, isa.max_tile)
+    mp, kp, np_ = round_up(m, tile), round_up(k_dim, k), isa.padded_channels(n)
     x = te.placeholder((m, k_dim), data_dtype, name="data")
     w = te.placeholder((np_ // lanes, kp // k, lanes, k), isa.weight_dtype, name="weight")
 
@@ -58,10 +58,12 @@ def dense_kernel(m: int, k: int, n: int, isa: Isa, data_dtype: str, zero_point: 
     block = sch.get_sblock("dense")
     i, o, oi, rc, rk = sch.get_loops(block)
     io, ii = sch.split(i, [None, tile])
-    sch.reorder(io, o, rc, ii, oi, rk)
-    sch.reverse_compute_at(sch.get_consumers(block)[0], o)
-    sch.parallel(sch.fuse(io, o))
+    oo, ob = sch.split(o, [None, isa.channel_blocks(n)])
+    sch.reorder(io, oo, rc, ii, ob, oi, rk)
+    sch.reverse_compute_at(sch.get_consumers(block)[0], oo)
+    sch.parallel(sch.fuse(io, oo))
     sch.unroll(ii)
+    sch.unroll(ob)
     tensorize_accumulation(sch, block, rc, oi, isa.intrinsic)
     pack = sch.get_sblock("pack")
     sch.parallel(sch.get_loops(pack)[0])

@@ -34,6 +34,25 @@ class Isa:
     act_dtype: str
     weight_dtype: str
     centered: bool
+    max_tile: int  # rows of the register tile (output columns / GEMM rows)
+    out_blocks: int = 2  # lane blocks of output channels per register tile
+
+    def channel_blocks(self, channels: int) -> int:
+        """Lane blocks per register tile for ``channels`` output channels.
+
+        >>> VNNI.channel_blocks(16), VNNI.channel_blocks(20), AVX2.channel_blocks(64)
+        (1, 2, 2)
+        """
+        return self.out_blocks if channels > self.lanes else 1
+
+    def padded_channels(self, channels: int) -> int:
+        """Output channels rounded up to whole register tiles (the packed weights' rows).
+
+        >>> VNNI.padded_channels(16), VNNI.padded_channels(20), AVX2.padded_channels(3)
+        (16, 32, 8)
+        """
+        step = self.lanes * self.channel_blocks(channels)
+        return -(-channels // step) * step
 
     def shift(self, data_dtype: str, zero_point: int) -> int:
         """What is added to an activation to get its packed value.
@@ -46,8 +65,9 @@ class Isa:
         return 128 if data_dtype == "int8" else 0
 
 
-VNNI = Isa("vnni", "avx512vnni", VNNI_DOT, 16, 4, "uint8", "int8", centered=False)
-AVX2 = Isa("avx2", "avx2", AVX2_DOT, 8, 2, "int16", "int16", centered=True)
+# tiles: VNNI 8 x 2 zmm accumulators of 32 registers, AVX2 6 x 2 ymm of 16
+VNNI = Isa("vnni", "avx512vnni", VNNI_DOT, 16, 4, "uint8", "int8", centered=False, max_tile=8)
+AVX2 = Isa("avx2", "avx2", AVX2_DOT, 8, 2, "int16", "int16", centered=True, max_tile=6)
 # preferred first
 ISAS = (VNNI, AVX2)
 

@@ -21,7 +21,7 @@ from ..toolkit import const_array, dtype_of, shape_of
 from .conv2d import ConvShape, conv2d_kernel
 from .dense import dense_kernel
 from .isa import Isa, isa_of
-from .packing import compensation, pack_conv_weight, pack_dense_weight, round_up
+from .packing import compensation, pack_conv_weight, pack_dense_weight
 
 __all__ = ["lower_to_cpu_kernels"]
 
@@ -57,7 +57,7 @@ def _call(bb, isa: Isa, func, name: str, data, w_packed, w, z: int, out_shape):
     gv = bb.add_func(func.without_attr("global_symbol"), name)
     args = [data, relax.const(w_packed)]
     if z:
-        args.append(relax.const(compensation(w, z, round_up(w.shape[0], isa.lanes))))
+        args.append(relax.const(compensation(w, z, isa.padded_channels(w.shape[0]))))
     return relax.call_tir(gv, args, out_ty=relax.TensorType(out_shape, "int32"))
 
 
@@ -76,7 +76,9 @@ def _conv2d(isa: Isa, fallback, bb, call):
         tuple(int(v) for v in a["dilation"]),
     )  # fmt: skip
     func = conv2d_kernel(shape, isa, dt, zx)
-    packed = pack_conv_weight(w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype)
+    packed = pack_conv_weight(
+        w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype, isa.padded_channels(w.shape[0])
+    )
     z = zx + isa.shift(dt, zx)
     out = (n, w.shape[0], *shape.out_hw)
     return _call(bb, isa, func, f"autoq_conv2d_{isa.name}", data, packed, w, z, out)
@@ -87,7 +89,9 @@ def _dense_call(isa: Isa, bb, data, w: np.ndarray, dt: str, zx: int):
     m = int(np.prod(shape[:-1], dtype=np.int64))
     x2 = bb.emit(relax.op.reshape(data, [m, shape[-1]])) if len(shape) != 2 else data
     func = dense_kernel(m, shape[-1], w.shape[0], isa, dt, zx)
-    packed = pack_dense_weight(w, isa.lanes, isa.k, isa.weight_dtype)
+    packed = pack_dense_weight(
+        w, isa.lanes, isa.k, isa.weight_dtype, isa.padded_channels(w.shape[0])
+    )
     z = zx + isa.shift(dt, zx)
     out = _call(bb, isa, func, f"autoq_dense_{isa.name}", x2, packed, w, z, (m, w.shape[0]))
     if len(shape) == 2:

@@ -32,8 +32,11 @@ def _pad_to(w: np.ndarray, shape) -> np.ndarray:
     return out
 
 
-def pack_conv_weight(w: np.ndarray, lanes: int, k: int, ic_block: int, dtype: str) -> np.ndarray:
-    """OIHW weights blocked as ``[OC/lanes, IC/ic_block, KH, KW, ic_block/k, lanes, k]``.
+def pack_conv_weight(
+    w: np.ndarray, lanes: int, k: int, ic_block: int, dtype: str, oc_padded: int | None = None
+) -> np.ndarray:
+    """OIHW weights blocked as ``[OC/lanes, IC/ic_block, KH, KW, ic_block/k, lanes, k]``,
+    output channels zero-padded to ``oc_padded`` (default: a multiple of ``lanes``).
 
     >>> w = np.arange(2 * 4 * 1 * 1).reshape(2, 4, 1, 1).astype(np.int8)
     >>> p = pack_conv_weight(w, lanes=4, k=2, ic_block=4, dtype="int8")
@@ -43,14 +46,17 @@ def pack_conv_weight(w: np.ndarray, lanes: int, k: int, ic_block: int, dtype: st
     [2, 6, 0, 0]
     """
     oc, ic, kh, kw = w.shape
-    ocp, icp = round_up(oc, lanes), round_up(ic, ic_block)
+    ocp, icp = oc_padded or round_up(oc, lanes), round_up(ic, ic_block)
     wp = _pad_to(w, (ocp, icp, kh, kw))
     wp = wp.reshape(ocp // lanes, lanes, icp // ic_block, ic_block // k, k, kh, kw)
     return np.ascontiguousarray(wp.transpose(0, 2, 5, 6, 3, 1, 4)).astype(dtype)
 
 
-def pack_dense_weight(w: np.ndarray, lanes: int, k: int, dtype: str) -> np.ndarray:
-    """``[N, K]`` weights blocked as ``[N/lanes, K/k, lanes, k]``.
+def pack_dense_weight(
+    w: np.ndarray, lanes: int, k: int, dtype: str, n_padded: int | None = None
+) -> np.ndarray:
+    """``[N, K]`` weights blocked as ``[N/lanes, K/k, lanes, k]``, N zero-padded to
+    ``n_padded`` (default: a multiple of ``lanes``).
 
     >>> w = np.arange(3 * 4).reshape(3, 4).astype(np.int8)
     >>> p = pack_dense_weight(w, lanes=2, k=2, dtype="int8")
@@ -60,7 +66,7 @@ def pack_dense_weight(w: np.ndarray, lanes: int, k: int, dtype: str) -> np.ndarr
     [[2, 3], [6, 7]]
     """
     n, kk = w.shape
-    np_, kp = round_up(n, lanes), round_up(kk, k)
+    np_, kp = n_padded or round_up(n, lanes), round_up(kk, k)
     wp = _pad_to(w, (np_, kp)).reshape(np_ // lanes, lanes, kp // k, k)
     return np.ascontiguousarray(wp.transpose(0, 2, 1, 3)).astype(dtype)
 
