@@ -20,6 +20,7 @@ from autoq.cpu import isa as isa_mod
 from autoq.cpu import packing, tiling
 from autoq.cpu.conv2d import ConvShape, conv2d_kernel
 from autoq.cpu.dense import dense_kernel
+from autoq.cpu.depthwise import depthwise_kernel
 from autoq.cpu.isa import AVX2, VNNI, isa_of
 from autoq.cpu.lowering import lower_to_cpu_kernels
 from models import attention, mlp, small_cnn
@@ -139,6 +140,26 @@ def test_dense_kernel_bit_exact(isa, mcpu, m, k, n, dtype, zx):
     np.testing.assert_array_equal(got, (x.astype(np.int64) - zx) @ w.T.astype(np.int64))
 
 
+@pytest.mark.parametrize(
+    ("c", "h", "k", "s", "pad", "dtype", "zx"),
+    [(8, 9, 3, 1, 1, "int8", -128), (5, 11, 5, 2, 2, "uint8", 140), (3, 6, 3, 1, 0, "int8", 4)],
+)
+@pytest.mark.parametrize("mcpu", [HOST, "haswell"])
+def test_depthwise_kernel_bit_exact(mcpu, c, h, k, s, pad, dtype, zx):
+    rng = np.random.default_rng(2)
+    x, w = _data(rng, (2, c, h, h + 1), dtype), _data(rng, (c, 1, k, k), "int8")
+    shape = ConvShape(2, c, h, h + 1, c, (k, k), (s, s), (pad,) * 4)
+    got = _run(depthwise_kernel(shape, dtype, zx), mcpu, [x, w], (2, c, *shape.out_hw))
+    ref = np.concatenate(
+        [
+            conv_reference(x[:, i : i + 1], w[i : i + 1], zx, (s, s), (pad,) * 4, (1, 1))
+            for i in range(c)
+        ],
+        axis=1,
+    )
+    np.testing.assert_array_equal(got, ref)
+
+
 def test_extreme_values_do_not_saturate():
     """All-extreme operands: the largest sums a u8 x s8 kernel can see (vpmaddubsw would
     saturate its int16 pair sums here; vpmaddwd and vpdpbusd must not)."""
@@ -183,7 +204,9 @@ def test_realized_model_same_outputs_with_kernels(isa, mcpu, make):
     target = _target(mcpu)
     lowered = lower_to_cpu_kernels(qmod, target)
     kernels = [gv.name_hint for gv in lowered.functions if gv.name_hint.startswith("autoq_")]
-    assert kernels and all(name.split("_")[2].startswith(isa.name) for name in kernels)
+    dense_or_conv = [name for name in kernels if "depthwise" not in name]
+    assert dense_or_conv and all(name.split("_")[2].startswith(isa.name) for name in dense_or_conv)
+    assert (make is small_cnn) == any("depthwise" in name for name in kernels)
     outs = []
     for use in (True, False):
         vm = relax.VirtualMachine(autoq.compile(qmod, target, cpu_kernels=use), tvm.cpu())

@@ -3,7 +3,8 @@ packed CPU kernels (a target-chosen lowering; the canonical ``qnn.*`` graph is u
 
 :func:`lower_to_cpu_kernels` legalizes the module with these ops mapped to ``call_tir`` of
 the scheduled PrimFuncs of :mod:`autoq.cpu.conv2d` / :mod:`autoq.cpu.dense`, their weights
-packed into constants once; every call the kernels do not cover (depthwise/grouped conv,
+packed into constants once (depthwise conv: :mod:`autoq.cpu.depthwise`); every call the
+kernels do not cover (grouped conv other than depthwise,
 non-constant or asymmetric weights, per-axis or runtime activation zero points, dynamic
 shapes, uint8 weights) keeps the op's own legalization.
 """
@@ -20,6 +21,7 @@ from .. import qnn  # noqa: F401  (registers the qnn.* ops whose legalizations a
 from ..toolkit import const_array, dtype_of, shape_of
 from .conv2d import ConvShape, conv2d_kernel
 from .dense import dense_kernel
+from .depthwise import depthwise_kernel
 from .isa import Isa, isa_of
 from .packing import compensation, pack_conv_weight, pack_dense_weight
 
@@ -65,22 +67,31 @@ def _conv2d(isa: Isa, fallback, bb, call):
     data, weight, _s_x, z_x, _s_w, z_w = call.args
     ops = _operands(data, weight, z_x, z_w)
     a = call.attrs
-    if ops is None or int(a["groups"]) != 1:
+    groups = int(a["groups"])
+    if ops is None:
         return fallback(bb, call)
     dt, zx, w = ops
     n, c, h, wd = shape_of(data)
+    depthwise = groups == c == w.shape[0] and w.shape[1] == 1
+    if groups != 1 and not depthwise:
+        return fallback(bb, call)
     shape = ConvShape(
         n, c, h, wd, w.shape[0], tuple(w.shape[2:]),
         tuple(int(v) for v in a["strides"]),
         tuple(int(v) for v in a["padding"]),
         tuple(int(v) for v in a["dilation"]),
     )  # fmt: skip
+    out = (n, w.shape[0], *shape.out_hw)
+    if depthwise:
+        gv = bb.add_func(
+            depthwise_kernel(shape, dt, zx).without_attr("global_symbol"), "autoq_depthwise"
+        )
+        return relax.call_tir(gv, [data, weight], out_ty=relax.TensorType(out, "int32"))
     func = conv2d_kernel(shape, isa, dt, zx)
     packed = pack_conv_weight(
         w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype, isa.padded_channels(w.shape[0])
     )
     z = zx + isa.shift(dt, zx)
-    out = (n, w.shape[0], *shape.out_hw)
     return _call(bb, isa, func, f"autoq_conv2d_{isa.name}", data, packed, w, z, out)
 
 
