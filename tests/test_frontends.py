@@ -416,6 +416,22 @@ def test_fold_batch_norm_leaves_shared_weights_alone():
 # --------------------------------------------------------------------------------------------
 
 
+def _layer1_fc_net(torch, block):
+    """``layer1 = Sequential(block)`` (8 channels out), global mean, ``fc``: module paths
+    ``layer1.0.*`` and ``fc`` as torchvision's ResNets name them."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer1 = torch.nn.Sequential(block)
+            self.fc = torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.fc(self.layer1(x).mean((2, 3)))
+
+    return Net()
+
+
 def test_from_torch_names_are_module_paths_and_bn_is_folded():
     torch = pytest.importorskip("torch")
     from autoq.frontends import from_torch
@@ -431,17 +447,8 @@ def test_from_torch_names_are_module_paths_and_bn_is_folded():
         def forward(self, x):
             return torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer1 = torch.nn.Sequential(Block())
-            self.fc = torch.nn.Linear(8, 3)
-
-        def forward(self, x):
-            return self.fc(self.layer1(x).mean((2, 3)))
-
     torch.manual_seed(0)
-    net = Net()
+    net = _layer1_fc_net(torch, Block())
     for m in net.modules():
         if isinstance(m, torch.nn.BatchNorm2d):
             m.running_mean.uniform_(-1, 1)
@@ -584,17 +591,8 @@ def test_onnx_weights_folded_by_torch_are_named_after_their_module_like_from_tor
         def forward(self, x):
             return torch.relu(self.bn1(self.conv1(x)) + self.downsample(x))
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer1 = torch.nn.Sequential(Block())
-            self.fc = torch.nn.Linear(8, 3)
-
-        def forward(self, x):
-            return self.fc(self.layer1(x).mean((2, 3)))
-
     torch.manual_seed(0)
-    net = Net().eval()
+    net = _layer1_fc_net(torch, Block()).eval()
     for m in net.modules():
         if isinstance(m, torch.nn.BatchNorm2d):  # distinct biases: the exporter dedupes equal ones
             m.running_mean.uniform_(-1, 1)

@@ -15,7 +15,7 @@ from tvm.s_tir import Schedule
 from .injective import KERNEL_ATTR
 from .isa import Isa
 from .packing import round_up
-from .tiling import int32, pick_tile, tensorize_accumulation
+from .tiling import i64, int32, pick_tile, tensorize_accumulation
 
 __all__ = ["dense_kernel"]
 
@@ -24,7 +24,7 @@ def _compute(m: int, k_dim: int, n: int, isa: Isa, data_dtype: str, shift: int, 
     lanes, k = isa.lanes, isa.k
     tile = pick_tile(m, isa.max_tile)
     mp, kp, np_ = round_up(m, tile), round_up(k_dim, k), isa.padded_channels(n)
-    x = te.placeholder((m, k_dim), data_dtype, name="data")
+    x = te.placeholder(i64(m, k_dim), data_dtype, name="data")
     w = te.placeholder((np_ // lanes, kp // k, lanes, k), isa.weight_dtype, name="weight")
 
     def pack(i, j):
@@ -32,20 +32,20 @@ def _compute(m: int, k_dim: int, n: int, isa: Isa, data_dtype: str, shift: int, 
         inside = tirx.all(i < m, j < k_dim)
         return tirx.if_then_else(inside, value, tirx.const(pad_value, isa.act_dtype))
 
-    packed = te.compute((mp, kp), pack, name="pack")
+    packed = te.compute((mp, kp), pack, name="autoq_pack")
     rc, rk = te.reduce_axis((0, kp // k), "rc"), te.reduce_axis((0, k), "rk")
     acc = te.compute(
         (mp, np_ // lanes, lanes),
         lambda i, o, oi: te.sum(
             int32(packed[i, rc * k + rk]) * int32(w[o, rc, oi, rk]), axis=[rc, rk]
         ),
-        name="dense",
+        name="autoq_acc",
     )
     if not pad_value:
-        out = te.compute((m, n), lambda i, j: acc[i, j // lanes, j % lanes], name="out")
+        out = te.compute(i64(m, n), lambda i, j: acc[i, j // lanes, j % lanes], name="autoq_out")
         return [x, w, out], tile
     c = te.placeholder((np_,), "int32", name="compensation")
-    out = te.compute((m, n), lambda i, j: acc[i, j // lanes, j % lanes] - c[j], name="out")
+    out = te.compute(i64(m, n), lambda i, j: acc[i, j // lanes, j % lanes] - c[j], name="autoq_out")
     return [x, w, c, out], tile
 
 
@@ -55,7 +55,7 @@ def dense_kernel(m: int, k: int, n: int, isa: Isa, data_dtype: str, zero_point: 
     shift = isa.shift(data_dtype, zero_point)
     tensors, tile = _compute(m, k, n, isa, data_dtype, shift, zero_point + shift)
     sch = Schedule(te.create_prim_func(tensors))
-    block = sch.get_sblock("dense")
+    block = sch.get_sblock("autoq_acc")
     i, o, oi, rc, rk = sch.get_loops(block)
     io, ii = sch.split(i, [None, tile])
     oo, ob = sch.split(o, [None, isa.channel_blocks(n)])
@@ -65,6 +65,6 @@ def dense_kernel(m: int, k: int, n: int, isa: Isa, data_dtype: str, zero_point: 
     sch.unroll(ii)
     sch.unroll(ob)
     tensorize_accumulation(sch, block, rc, oi, isa.intrinsic)
-    pack = sch.get_sblock("pack")
+    pack = sch.get_sblock("autoq_pack")
     sch.parallel(sch.get_loops(pack)[0])
-    return sch.mod["main"].with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
+    return sch.mod["main"].with_attrs({"op_pattern": 8, KERNEL_ATTR: True})  # see conv2d

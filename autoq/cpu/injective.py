@@ -54,11 +54,11 @@ def _parallelize(sch: Schedule, block) -> None:
 
 def schedule_fused(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """``func`` with its blocks inlined where possible and parallelized."""
-    sch = Schedule(func, error_render_level="none")
     try:
+        sch = Schedule(func, error_render_level="none")
         blocks = _blocks(sch)
-    except ScheduleError:
-        return func  # no root block (not a TE-built function)
+    except RuntimeError:  # ScheduleError, InternalError: no root block, not TE-built
+        return func
     for block in blocks[:-1]:
         try:
             sch.compute_inline(block)

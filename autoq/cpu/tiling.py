@@ -7,7 +7,7 @@ from tvm.s_tir import Schedule
 
 from .intrinsics import register_intrinsics
 
-__all__ = ["int32", "pick_tile", "tensorize_accumulation"]
+__all__ = ["i64", "int32", "pick_tile", "tensorize_accumulation"]
 
 
 def pick_tile(extent: int, largest: int = 8) -> int:
@@ -21,6 +21,12 @@ def pick_tile(extent: int, largest: int = 8) -> int:
     if extent <= largest:
         return extent
     return min(range(largest, 3, -1), key=lambda t: -(-extent // t) * t)
+
+
+def i64(*dims: int) -> tuple:
+    """A static shape as int64 immediates (the dtype Relax gives tensor shapes; FuseTIR
+    refuses to fuse buffers whose shape dtypes differ)."""
+    return tuple(tirx.IntImm("int64", int(d)) for d in dims)
 
 
 def int32(v):
