@@ -15,7 +15,7 @@ chains of them (see :func:`.onnx_graph.constants`).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,11 @@ class FileQ:
             and bool(np.all(self.zero_point == other.zero_point))
         )
 
+    def require_same(self, other: FileQ, message: str) -> None:
+        """Raise :class:`QuantizedImportError` with ``message`` unless ``other`` is the same."""
+        if not self.same(other):
+            raise QuantizedImportError(message)
+
     def qparam(self, axis: int | None = None) -> QParam:
         return QParam(self.scale, self.zero_point.astype(np.int32), self.dtype, axis)
 
@@ -96,6 +101,8 @@ class SplitResult:
     producer: dict[str, str]
     #: float tensor name -> labels of the (non Q/DQ) ONNX nodes that read it
     consumers: dict[str, list[str]]
+    #: the float graph's output names (the originals, then the extra outputs)
+    output_names: list[str] = field(default_factory=list)
 
 
 def qdq_params(node, consts, in_dtype: str | None) -> FileQ:
@@ -251,11 +258,9 @@ class _Splitter:
 
         if a in self.by_source:
             prev = self.fconsts[self.by_source[a]]
-            if not prev.q.same(qp):
-                raise QuantizedImportError(
-                    f"{where}: the integer initializer {a!r} is dequantized with two different "
-                    "qparams"
-                )
+            prev.q.require_same(
+                qp, f"{where}: the integer initializer {a!r} is dequantized with two qparams"
+            )
             return prev.name
         ints = self.folded[a] if a in self.folded else np.asarray(self.consts[a])
         source = self.q_of[a][0] if a in self.folded else a
@@ -404,4 +409,5 @@ def split_qdq(model, extra_outputs: bool = True) -> SplitResult:
         dq_outputs,
         producer,
         consumers,
+        [o.name for o in graph.output],
     )
