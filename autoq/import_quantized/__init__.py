@@ -60,6 +60,7 @@ from .qoperator import qoperator_to_qdq
 from .report import ImportReport
 from .slots import fallback_reasons, fill, float_ops, merge_fallback, rounding_points
 from .tensors import FileView, Tensors, bind_params, float_module
+from .tflite import is_tflite, tflite_to_qdq
 
 __all__ = [
     "ImportReport",
@@ -70,6 +71,7 @@ __all__ = [
     "realize_file",
     "split_pt2e",
     "split_qdq",
+    "tflite_to_qdq",
 ]
 
 
@@ -165,11 +167,17 @@ def import_quantized(
     """
     t0 = time.perf_counter()
     report = ImportReport()
-    config = config or Config(progress=False)
     if is_torch_model(model):
+        config = config or Config(progress=False)
         split, mod, params = _from_torch(model, example_inputs, report)
         source = "pt2e"
+    elif is_tflite(model):
+        # TFLite's own requantization: gemmlowp's doubling multiply + rounding shift
+        config = config or Config(progress=False, rounding="tflite")
+        split, mod, params = _from_onnx(tflite_to_qdq(model), input_shapes, optimize, report)
+        report.format, source = "TFLite", "tflite"
     else:
+        config = config or Config(progress=False)
         split, mod, params = _from_onnx(model, input_shapes, optimize, report)
         source = "onnx"
     mod, names = float_module(mod, split)
