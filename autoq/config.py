@@ -14,7 +14,7 @@ from typing import Any
 from . import primitives as P
 from .json_document import JsonDocument
 
-__all__ = ["AutoFallback", "Config", "Fallback", "Override", "QuantSpec"]
+__all__ = ["AutoFallback", "Config", "Distributed", "Fallback", "Override", "QuantSpec"]
 
 CALIBRATION_MODES = ("topological", "fp32")
 _QSPEC_DTYPES = ("int8", "uint8", "int16")
@@ -183,6 +183,55 @@ class Override:
         )
 
 
+@dataclass(frozen=True)
+class Distributed:
+    """Calibrate data-parallel on a Dask cluster (see :mod:`autoq.distributed`; needs the
+    optional extra ``autoq[dask]``).
+
+    ``scheduler``: the address of a running Dask scheduler (``"tcp://host:8786"``), or None
+    for a local cluster of ``workers`` processes started for the run (one thread each).
+    ``shards``: how many shards the samples are split into (default: one per worker; shard
+    ``i`` lives on worker ``i % workers``). ``timeout_s``: how long to wait for the workers
+    to appear. Each shard caches its activations within ``Config.memory_budget_mb``.
+
+    >>> Distributed.from_json(Distributed(workers=2).to_json()) == Distributed(workers=2)
+    True
+    """
+
+    scheduler: str | None = None
+    workers: int | None = None
+    shards: int | None = None
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.scheduler is not None and (
+            not isinstance(self.scheduler, str) or not self.scheduler
+        ):
+            raise TypeError(
+                f"Distributed.scheduler must be an address string, got {self.scheduler!r}"
+            )
+        for name in ("workers", "shards"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"Distributed.{name} must be an int >= 1 or None, got {v!r}")
+        if (self.scheduler is None) == (self.workers is None):
+            raise ValueError(
+                "Distributed needs exactly one of scheduler (the address of a running Dask "
+                f"scheduler) or workers (a local cluster of that many processes); got "
+                f"scheduler={self.scheduler!r}, workers={self.workers!r}"
+            )
+        if not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:
+            raise ValueError(f"Distributed.timeout_s must be > 0, got {self.timeout_s!r}")
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Distributed:
+        _check_keys(cls, d)
+        return cls(**d)
+
+
 def _default_activation() -> QuantSpec:
     # mse: the only calibrator good on all three benchmark models (benchmarks/vs_onnxruntime.py):
     # best on ResNet-50 and MiniLM, within 0.003 cosine of percentile on PP-OCRv4
@@ -210,6 +259,8 @@ class Config(JsonDocument):
     spill to ``cache_dir`` or a temporary directory). ``progress``: show tqdm bars.
     ``skip_unbounded``: ``autoq.quantize`` keeps in fp32 the layers whose activations hold
     inf-like sentinels such as attention masks of ``finfo.min`` (see :mod:`autoq.guard`).
+    ``distributed``: calibrate on a Dask cluster (:class:`Distributed`); None (default):
+    in this process, without importing Dask.
     ``int8_outputs``: the model's outputs also leave the integer graph as int8 (an exit slot,
     see :mod:`autoq.exits`, on every output an int32 result feeds). Off by default: an output
     reads its layer's int32 accumulator through one ``qnn.dequantize``, which keeps the
@@ -229,6 +280,7 @@ class Config(JsonDocument):
     progress: bool = True
     skip_unbounded: bool = True
     int8_outputs: bool = False
+    distributed: Distributed | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -259,6 +311,10 @@ class Config(JsonDocument):
         for name in ("progress", "skip_unbounded", "int8_outputs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.distributed is not None and not isinstance(self.distributed, Distributed):
+            raise TypeError(
+                f"Config.distributed must be a Distributed or None, got {self.distributed!r}"
+            )
 
     def replace(self, **changes: Any) -> Config:
         return replace(self, **changes)
@@ -277,6 +333,7 @@ class Config(JsonDocument):
             "progress": self.progress,
             "skip_unbounded": self.skip_unbounded,
             "int8_outputs": self.int8_outputs,
+            "distributed": None if self.distributed is None else self.distributed.to_json(),
         }
 
     @classmethod
@@ -295,6 +352,8 @@ class Config(JsonDocument):
             d["overrides"] = tuple(Override.from_json(o) for o in d["overrides"])
         if d.get("patterns") is not None:
             d["patterns"] = tuple(d["patterns"])
+        if d.get("distributed") is not None:
+            d["distributed"] = Distributed.from_json(d["distributed"])
         return cls(**d)
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "BindingWriter",
     "as_list",
     "bindings",
+    "compile_executable",
     "compile_vm",
     "const",
     "const_array",
@@ -244,17 +245,25 @@ def make_function(
 # ---------------------------------------------------------------------------- running
 
 
-def compile_vm(
+def compile_executable(
     functions: dict[str, relax.Function], target, base: tvm.IRModule | None = None
-) -> relax.VirtualMachine:
+):
     """One module with ``functions`` (plus ``base``'s functions other than ``main``, e.g. the
-    PrimFuncs of an imported model's ``call_tir`` bindings), compiled into a VM."""
+    PrimFuncs of an imported model's ``call_tir`` bindings), compiled (a Relax executable:
+    run it in a ``VirtualMachine`` or ``export_library`` it for another process)."""
     mod = tvm.IRModule(functions)
     if base is not None:
         for gv, f in base.functions_items():
             if gv.name_hint != "main" and gv.name_hint not in functions:
                 mod[gv] = f
-    return relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())
+    return tvm.compile(mod, target)
+
+
+def compile_vm(
+    functions: dict[str, relax.Function], target, base: tvm.IRModule | None = None
+) -> relax.VirtualMachine:
+    """:func:`compile_executable` in a VM on this CPU."""
+    return relax.VirtualMachine(compile_executable(functions, target, base), tvm.cpu())
 
 
 def as_list(result) -> list:
