@@ -272,3 +272,15 @@ def test_convert_fx_qparams_computed_at_run_time_are_named(tmp_path, data):
     dq.input[2] = "autoq_test_shape"
     with pytest.raises(QuantizedImportError, match=rf"{dq.name}.*computed at run time"):
         autoq.import_quantized(model)
+
+
+def test_exported_program_imports_like_its_module(data):
+    """``torch.export.export(converted)`` imports to the same qparams and weights, with the
+    example inputs taken from the ExportedProgram."""
+    gm, (_, qparams, _) = _imported("resnet", "x86", data)
+    ep = torch.export.export(gm, (torch.from_numpy(data[1][:1]),))
+    _, qp2, report = autoq.import_quantized(ep)
+    assert report.format == "PT2E" and set(qp2) == set(qparams)
+    for k in qparams:
+        np.testing.assert_array_equal(qp2[k].scale, qparams[k].scale)
+    assert all(np.array_equal(qp2.values[k], v) for k, v in qparams.values.items())
