@@ -1,4 +1,5 @@
-"""Import ONNX models that are already quantized, in autoq's canonical integer form.
+"""Import models that are already quantized (ONNX, PyTorch PT2E, TFLite) in autoq's
+canonical integer form.
 
 ``import_quantized(model) -> (mod, qparams, report)`` reads a QDQ model
 (QuantizeLinear/DequantizeLinear around the ops) or a QOperator model (QLinearConv,
@@ -10,6 +11,11 @@ qnn.conv2d/dense/matmul -> add(int32 bias) -> qnn.requantize -> ...``), with the
 integer weights and biases as constants (never dequantized and requantized) and the file's
 scales and zero points, plus those qparams as a :class:`QParams` (the same data a
 calibration produces: per-layer reports, fallback and re-export work on it).
+
+PyTorch models quantized with torchao's PT2E flow enter at stage 2 through :mod:`.pt2e`
+(``quantized_decomposed`` ops -> the same split, the float FX graph imported with
+:func:`autoq.frontends.from_torch`); full-integer ``.tflite`` files enter at stage 1
+through :mod:`.tflite` (TFLite ops -> ONNX QDQ, ``rounding="tflite"`` by default).
 
 One module per stage, in the order they run:
 

@@ -324,7 +324,7 @@ def _as_graph_module(model, example_inputs):
     return model, example_inputs
 
 
-def _outputs(reader: _Reader, out_node) -> tuple[list, list[str], dict, set, dict]:
+def _outputs(reader: _Reader, out_node) -> tuple[list, list[str], dict, set]:
     """The original outputs in the float graph, their names, and which the model quantizes."""
     import torch
 
@@ -345,7 +345,7 @@ def _outputs(reader: _Reader, out_node) -> tuple[list, list[str], dict, set, dic
             n = reader.alias[n]
         fields.append(reader.env[n])
         names.append(n.name)
-    return fields, names, int_outputs, dq_outputs, {}
+    return fields, names, int_outputs, dq_outputs
 
 
 def _labels(gm, reader: _Reader) -> tuple[dict[str, str], dict[str, list[str]]]:
@@ -405,7 +405,7 @@ def split_pt2e(model, example_inputs=None) -> tuple[FloatGraph, tuple]:
                 f"{_label(bad[0])} reads the quantized integers of {_label(node)} directly; "
                 "only dequantize ops may"
             )
-    fields, names, int_outputs, dq_outputs, _ = _outputs(r, out_node)
+    fields, names, int_outputs, dq_outputs = _outputs(r, out_node)
     extras = [t for t in r.activations if t not in set(names)]
     by_name = {n.name: n for n in gm.graph.nodes}
     r.graph.output(tuple(fields + [r.env[by_name[t]] for t in extras]))
