@@ -26,6 +26,7 @@ feeds the observers batch by batch, like ONNX Runtime does.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterable
 
 import numpy as np
@@ -41,6 +42,7 @@ from .registry import slot_id_of
 from .shard_runner import ShardRunner
 from .simulate import SimResult
 from .toolkit import as_list, compile_vm, make_function
+from .weight_tuning import WeightTuner
 
 __all__ = [
     "calibrate",
@@ -146,13 +148,21 @@ def calibrate(
     t0 = time.perf_counter()
     result = calibrate_weights(sim)
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
+    tuner = None
     if config.calibration == "fp32":
         acts = _calibrate_fp32(sim, samples, config, target, stats)
+        if config.weight_tuning:
+            warnings.warn(
+                "Config.weight_rounding/bias_correction/scale_search run inside topological "
+                "calibration only; calibration='fp32' leaves the weights rounded to nearest",
+                stacklevel=2,
+            )
     else:
-        acts = _calibrate_topological(sim, samples, result, config, target, stats)
+        acts, tuner = _calibrate_topological(sim, samples, result, config, target, stats)
     stats["total_s"] = time.perf_counter() - t0
     result.update(acts)
     widened = fit_bias_scales(sim, result)
+    meta = {} if tuner is None else {"weight_tuning": tuner.summary()}
     return QParams(
         params={s: result[s] for s in sim.plan.slots},
         slots=dict(sim.plan.slots),
@@ -162,7 +172,9 @@ def calibrate(
             "specs": {s: sp.to_json() for s, sp in sim.plan.specs.items()},
             "bias_widened": widened,
             "stats": {k: round(v, 4) for k, v in stats.items()},
+            **meta,
         },
+        values={} if tuner is None else tuner.values(result),
     )
 
 
@@ -209,6 +221,7 @@ def _static_values(sim: SimResult, plan: CalibrationPlan, weight_qp: dict) -> di
     for sid, qp in weight_qp.items():
         s_key, z_key = plan.qparam_keys[sid]
         static[s_key], static[z_key] = qp.scale, qp.zero_point
+    static.update({k: sim.value_input(name) for name, k in plan.value_keys.items()})
     return static
 
 
@@ -231,11 +244,12 @@ def choose_qparams(runners: list, slot: str, spec: QuantSpec) -> QParam:
 
 
 def run_plan(
-    plan: CalibrationPlan, runners: list, specs: dict, config: Config, sim: SimResult
+    plan: CalibrationPlan, runners: list, specs: dict, config: Config, sim: SimResult, tuner=None
 ) -> dict:
     """The coordinator loop: for each segment, choose its heads' qparams from every
-    shard's statistics (and the lookup tables they complete), then let every shard run it
-    with them."""
+    shard's statistics (and the lookup tables they complete), let ``tuner`` (a
+    :class:`autoq.weight_tuning.WeightTuner`) tune the layers reading them, then let every
+    shard run it with them."""
     result: dict[str, QParam] = {}
     n = sum(r.n for r in runners)
     bar = _progress(config, len(plan.segments) * n, "calibrating")
@@ -250,6 +264,8 @@ def run_plan(
                 for layer, (_, out_sid, _) in sim.plan.tables.items()
                 if out_sid in chosen
             }
+            if tuner is not None:
+                tuner.step(seg.heads, result, runners)
             bar.set_postfix_str(",".join(seg.heads)[:40])
             for r in runners:
                 r.run_segment(j, chosen, progress=lambda: bar.update(1), tables=tables)
@@ -266,17 +282,18 @@ def _calibrate_topological(sim, samples, weight_qp, config, target, stats) -> di
     stats["segments"] = len(plan.segments)
     budget = config.memory_budget_mb * 2**20
     runner = ShardRunner(vm, plan, _static_values(sim, plan, weight_qp), budget, config.cache_dir)
+    tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None
     try:
         runner.load(samples)
         runner.run_prologue()
-        result = run_plan(plan, [runner], sim.plan.specs, config, sim)
+        result = run_plan(plan, [runner], sim.plan.specs, config, sim, tuner)
         stats.update(runner.stats, **runner.cache_stats())
     finally:
         runner.close()
     missing = [s for s in sim.activation_slots() if s not in result]
     if missing:
         raise RuntimeError(f"internal error: activation slots {missing} were never calibrated")
-    return result
+    return result, tuner
 
 
 def fp32_slot_runner(sim: SimResult, slots: list[str], target):

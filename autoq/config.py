@@ -17,6 +17,7 @@ from .json_document import JsonDocument
 __all__ = ["AutoFallback", "Config", "Fallback", "Override", "QuantSpec"]
 
 CALIBRATION_MODES = ("topological", "fp32")
+WEIGHT_ROUNDINGS = ("nearest", "gptq")
 _QSPEC_DTYPES = ("int8", "uint8", "int16")
 
 
@@ -215,6 +216,18 @@ class Config(JsonDocument):
     reads its layer's int32 accumulator through one ``qnn.dequantize``, which keeps the
     accumulator's precision (rounding the output to int8 costs fidelity: measured 0.054 ->
     0.071 relative error on the test MLP) and is still integer up to that dequantize.
+
+    Data-aware weights (:mod:`autoq.weight_tuning`; run inside topological calibration, on
+    each conv/dense layer's quantized input, just before the layer's output is observed):
+    ``weight_rounding``: ``"nearest"`` (round each weight on its own) or ``"gptq"`` (GPTQ,
+    Frantar et al. 2022, arXiv:2210.17323: columns rounded in order, the error fed forward
+    through ``H = 2 X^T X / n``; :mod:`autoq.gptq`). ``bias_correction``: add the mean
+    output shift the rounded weights cause, ``(W - W_q) E[x]``, to the bias (Nagel et al.
+    2019, "Data-Free Quantization", sec. 4.2, with the empirical input mean;
+    :mod:`autoq.bias_correction`). ``scale_search``: per-channel weight scales chosen on a
+    grid of clipping ratios by the layer's output MSE (OMSE, Choukroun et al. 2019;
+    :mod:`autoq.scale_search`). The integer weights and biases they choose are carried in
+    ``QParams.values`` (realized as they are; simulated exactly).
     """
 
     activation: QuantSpec = field(default_factory=_default_activation)
@@ -229,6 +242,9 @@ class Config(JsonDocument):
     progress: bool = True
     skip_unbounded: bool = True
     int8_outputs: bool = False
+    weight_rounding: str = "nearest"
+    bias_correction: bool = False
+    scale_search: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -256,12 +272,29 @@ class Config(JsonDocument):
             _str_tuple(self, "patterns")
         if not (isinstance(self.memory_budget_mb, int | float) and self.memory_budget_mb >= 0):
             raise ValueError(f"Config.memory_budget_mb must be >= 0, got {self.memory_budget_mb!r}")
-        for name in ("progress", "skip_unbounded", "int8_outputs"):
+        if self.weight_rounding not in WEIGHT_ROUNDINGS:
+            raise ValueError(
+                f"Config.weight_rounding must be one of {', '.join(WEIGHT_ROUNDINGS)}, got {self.weight_rounding!r}"
+            )
+        for name in (
+            "progress", "skip_unbounded", "int8_outputs", "bias_correction", "scale_search"
+        ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
 
     def replace(self, **changes: Any) -> Config:
         return replace(self, **changes)
+
+    @property
+    def tunes_weights(self) -> bool:
+        """Calibration may change weight values or biases (the simulated graph then reads
+        them as inputs: see :meth:`autoq.simulate.SimContext.weight`)."""
+        return self.weight_rounding != "nearest" or self.bias_correction
+
+    @property
+    def weight_tuning(self) -> bool:
+        """Any data-aware weight step is on (:mod:`autoq.weight_tuning`)."""
+        return self.tunes_weights or self.scale_search
 
     def to_json(self) -> dict:
         return {
@@ -277,6 +310,9 @@ class Config(JsonDocument):
             "progress": self.progress,
             "skip_unbounded": self.skip_unbounded,
             "int8_outputs": self.int8_outputs,
+            "weight_rounding": self.weight_rounding,
+            "bias_correction": self.bias_correction,
+            "scale_search": self.scale_search,
         }
 
     @classmethod

@@ -120,6 +120,9 @@ class Quantizer:
                 if sim is None:
                     sim = simulate(matched, None, config)
                 qparams = calibrate(sim, None, samples, config, target=self.target)
+        tuning = qparams.meta.get("weight_tuning")
+        if tuning:  # part of "calibrate", shown on its own
+            timings["calibrate.weight_tuning"] = tuning["tune_s"]
         with clock("realize"):
             module = realize(matched, None, qparams, config)
         if self.want_report and report is None:
