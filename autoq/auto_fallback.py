@@ -286,7 +286,23 @@ def remap_qparams(src: SimResult, qparams: QParams, dst: SimResult) -> QParams:
         out[sid] = q
     meta = dict(qparams.meta)
     meta["specs"] = {s: sp.to_json() for s, sp in dst.plan.specs.items()}
-    return QParams(params=out, slots=dict(dst.slots), meta=meta)
+    return QParams(out, dict(dst.slots), meta, _remap_values(src, qparams, dst, out))
+
+
+def _remap_values(src: SimResult, qparams: QParams, dst: SimResult, out: dict) -> dict:
+    """The integer weights / biases calibration chose (``Config.weight_rounding``,
+    ``bias_correction``) for the layers still quantized in ``dst``; a corrected bias is
+    re-quantized for ``dst``'s accumulator scale (an int16 override changes its input's)."""
+    values = {}
+    for key, v in qparams.values.items():
+        layer = key.rsplit(".", 1)[0]
+        if key in dst.slots:
+            values[key] = v
+        elif layer in dst.plan.biases and layer in src.plan.biases:
+            _, x_sid, w_sid = dst.plan.biases[layer]
+            b = src.value_input(key, qparams)
+            values[key] = P.quantize_bias(b, out[x_sid].scale, out[w_sid].scale).values
+    return values
 
 
 @dataclass

@@ -128,3 +128,25 @@ def test_realized_module_equals_the_simulation_bit_for_bit(changes):
     if changes.get("scale_search"):  # the searched scales were realized
         base = _calibrated(small_cnn, PLAIN, n=8)[4]
         assert any(not np.array_equal(qp[s].scale, base[s].scale) for s in sim.weight_slots())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int16"])
+def test_automatic_fallback_keeps_the_tuned_integers(precision):
+    """The fallback search's final qparams carry the integers calibration chose for the
+    layers still quantized (a corrected bias re-quantized for an int16 input), and the
+    realized module still equals its simulation."""
+    from autoq import AutoFallback, Quantizer
+
+    mod, params, data = small_cnn()
+    fb = AutoFallback(min_sqnr=200.0, max_fp32_layers=1, precision=precision)
+    config = PLAIN.replace(weight_rounding="gptq", bias_correction=True, fallback=fb)
+    res = Quantizer(config, target=TARGET).run(mod, params, data(8, 1))
+    assert res.decision.layers
+    kept = [m.layer for m in res.matched.active(res.config.fallback)]
+    assert {k.rsplit(".", 1)[0] for k in res.qparams.values} == {
+        x for x in kept if f"{x}.weight" in res.qparams
+    }
+    sim = simulate(mod, params, res.config)
+    test = samples_for(data(3, 7), sim.graph.inputs)
+    rep = compare(sim, res.module, res.qparams, test, target=TARGET)
+    assert rep.exact, rep.table()
