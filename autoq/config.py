@@ -393,6 +393,11 @@ class AutoFallback(Fallback):
     (``Override(layer, activation=QuantSpec(dtype="int16", ...))``) instead of fp32 when that
     still meets the budget (checked with one more compiled simulated graph; int16 qparams
     come from the calibrated ranges), else they fall back to fp32.
+    ``holdout``: the last ``holdout`` samples of the dataset are kept out of calibration and
+    of the ranking; a layer group the search adds is kept only if it also raises the output
+    SQNR on them (else it is skipped and the search goes on with the next one), so the
+    fp32 layers are the ones that help beyond the calibration samples. With a callable
+    ``metric`` the held-out check uses the output SQNR too (the metric decides the budget).
     """
 
     metric: Any = "sqnr"
@@ -401,9 +406,12 @@ class AutoFallback(Fallback):
     max_fp32_layers: int = 8
     ranking: str = "local"
     precision: str = "fp32"
+    holdout: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.holdout, int) or isinstance(self.holdout, bool) or self.holdout < 0:
+            raise ValueError(f"AutoFallback.holdout must be an int >= 0, got {self.holdout!r}")
         if not (self.metric == "sqnr" or callable(self.metric)):
             raise ValueError(
                 f"AutoFallback.metric must be 'sqnr' or a callable metric(run) -> float, got {self.metric!r}"
@@ -438,6 +446,7 @@ class AutoFallback(Fallback):
             max_fp32_layers=self.max_fp32_layers,
             ranking=self.ranking,
             precision=self.precision,
+            holdout=self.holdout,
         )
         return d
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import tvm
 
 from .analysis import Analysis
-from .auto_fallback import FallbackDecision, auto_fallback
+from .auto_fallback import FallbackDecision, auto_fallback, split_holdout
 from .build import default_target
 from .calibrate import calibrate, samples_for
 from .config import AutoFallback, Config
@@ -107,7 +107,8 @@ class Quantizer:
             with clock("calibrate"):
                 if sim is None:
                     sim = simulate(matched, None, _fixed(config))
-                qparams = calibrate(sim, None, samples, _fixed(config), target=self.target)
+                calib, _ = split_holdout(samples, config.fallback.holdout)
+                qparams = calibrate(sim, None, calib, _fixed(config), target=self.target)
             with clock("auto_fallback"):
                 out = auto_fallback(matched, None, samples, config, qparams, target=self.target)
             config, qparams, decision = out.config, out.qparams, out.decision
