@@ -29,7 +29,7 @@ import numpy as np
 import tvm
 
 from .analysis import Analysis
-from .auto_fallback import FallbackDecision, auto_fallback
+from .auto_fallback import FallbackDecision, auto_fallback, split_holdout
 from .build import default_target
 from .calibrate import calibrate, fp32_slot_runner, samples_for, scale_problems
 from .config import AutoFallback, Config
@@ -164,8 +164,9 @@ class Quantizer:
         decision = report = analysis = None
         if isinstance(config.fallback, AutoFallback):
             with clock("calibrate"):
+                calib, _ = split_holdout(samples, config.fallback.holdout)
                 config, qparams, unusable = self._calibrate_healthy(
-                    matched, sim, samples, config, client
+                    matched, sim, calib, config, client
                 )
             reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
             with clock("auto_fallback"), self._fan_out(client, mod, params, samples) as fan:
@@ -183,6 +184,9 @@ class Quantizer:
                     matched, sim, samples, config, client
                 )
             reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
+        tuning = qparams.meta.get("weight_tuning")
+        if tuning:  # part of "calibrate", shown on its own
+            timings["calibrate.weight_tuning"] = tuning["tune_s"]
         with clock("realize"):
             module = realize(matched, None, qparams, config)
         if self.want_report and report is None:
