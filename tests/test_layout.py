@@ -34,3 +34,22 @@ def test_the_checker_catches_a_long_function_a_cycle_and_a_private_import(tmp_pa
     assert "function over 80 lines: pkg/a.py:4 long" in out
     assert "import cycle: pkg.a <-> pkg.b" in out or "import cycle: pkg.b <-> pkg.a" in out
     assert "private name imported from another module: pkg/a.py:1 _hidden from pkg.b" in out
+
+
+def _modules_in_design_doc() -> set[str]:
+    import re
+
+    text = (ROOT / "docs/design.md").read_text()
+    table = text[text.index("## Layout") : text.index("## Conventions")]
+    return set(re.findall(r"`((?:autoq|calibrators|patterns)/[\w/]+\.py)`", table))
+
+
+def test_the_design_doc_lists_every_module_and_only_modules_that_exist():
+    on_disk = {
+        str(p.relative_to(ROOT))
+        for folder in ("autoq", "calibrators", "patterns")
+        for p in (ROOT / folder).rglob("*.py")
+    }
+    listed = _modules_in_design_doc()
+    assert not on_disk - listed, f"modules missing from docs/design.md: {sorted(on_disk - listed)}"
+    assert not listed - on_disk, f"docs/design.md lists missing modules: {sorted(listed - on_disk)}"
