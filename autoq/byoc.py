@@ -61,6 +61,9 @@ class LayerShape:
     float_input: bool = False
     float_output: bool = False
     doc: str = ""
+    #: a further condition on the match (``PatternCheckContext -> bool``), e.g. the
+    #: all-ones kernel that tells a realized average pool from a convolution
+    extra: Callable | None = None
 
     def __post_init__(self) -> None:
         if not self.name or "." in self.name:
@@ -162,9 +165,34 @@ def _clip_only(tail: str) -> Callable:
     return build
 
 
+def _const_value(expr):
+    return expr.value.numpy() if isinstance(expr, tvm.ir.GenericConst) else None
+
+
+def _is_avg_pool(ctx) -> bool:
+    """``qnn.conv2d`` with an all-ones depthwise kernel, weight scale 1 and zero point 0:
+    the window sum of a realized ``avg_pool2d`` (``patterns/avg_pool2d.py``)."""
+    core = ctx.annotated_expr["core"]
+    w, ws, wz = (_const_value(core.args[i]) for i in (1, 4, 5))
+    if w is None or ws is None or wz is None or w.ndim != 4 or w.shape[1] != 1:
+        return False
+    groups = int(core.attrs["groups"])
+    return bool(groups == w.shape[0] and (w == 1).all() and (ws == 1).all() and (wz == 0).all())
+
+
 def _shapes() -> list[LayerShape]:
     """The table, longest patterns first (FuseOpsByPattern tries entries in order)."""
     out: list[LayerShape] = []
+    for suffix, tail in _TAILS.items():
+        out.append(
+            LayerShape(
+                f"avg_pool2d_requantize{suffix}",
+                _accumulating("conv2d", False, False, "requantize", tail),
+                doc="average pool: qnn.conv2d with an all-ones depthwise kernel (window sum)"
+                " -> qnn.requantize with scale s_x / N",
+                extra=_is_avg_pool,
+            )
+        )
     for core in ("conv2d", "dense", "matmul", "sum"):
         options = [(b, r) for b in (True, False) for r in (True, False)]
         if core in ("matmul", "sum"):
@@ -269,7 +297,9 @@ def integer_only(shape: LayerShape) -> Callable:
             allowed = {"float32"} if key == "data" and shape.float_input else INT_DTYPES
             if any(_dtype(t) not in allowed for t in _tensors(expr)):
                 return False
-        return _dtype(root) in (("float32",) if shape.float_output else INT_DTYPES)
+        if _dtype(root) not in (("float32",) if shape.float_output else INT_DTYPES):
+            return False
+        return shape.extra is None or bool(shape.extra(ctx))
 
     return check
 
