@@ -91,6 +91,12 @@ def _clip_tail(x: DFPattern, tail: str) -> DFPattern:
 
 
 _TAILS = {"": "", "_relu": "max", "_min": "min", "_clip": "minmax"}
+_TAIL_DOCS = {
+    "max": "maximum(q, c) (relu)",
+    "min": "minimum(q, c)",
+    "minmax": "maximum(minimum(q, hi), lo) (clip)",
+}
+_STANDALONE_CLIPS = {"relu": "max", "minimum": "min", "clip": "minmax"}
 
 
 def _accumulating(core: str, bias: bool, residual: bool, end: str, tail: str) -> Callable:
@@ -180,6 +186,10 @@ def _is_avg_pool(ctx) -> bool:
     return bool(groups == w.shape[0] and (w == 1).all() and (ws == 1).all() and (wz == 0).all())
 
 
+def _tail_doc(tail: str) -> str:
+    return f" -> {_TAIL_DOCS[tail]}" if tail else ""
+
+
 def _shapes() -> list[LayerShape]:
     """The table, longest patterns first (FuseOpsByPattern tries entries in order)."""
     out: list[LayerShape] = []
@@ -206,8 +216,7 @@ def _shapes() -> list[LayerShape]:
                     LayerShape(
                         f"{stem}_requantize{suffix}",
                         _accumulating(core, bias, residual, "requantize", tail),
-                        doc=f"{what} -> qnn.requantize to int8"
-                        + (f" -> {tail} on int8" if tail else ""),
+                        doc=f"{what} -> qnn.requantize to int8" + _tail_doc(tail),
                     )
                 )
             out.append(
@@ -221,20 +230,24 @@ def _shapes() -> list[LayerShape]:
     for op in ("add", "subtract", "multiply"):
         for suffix, tail in _TAILS.items():
             out.append(
-                LayerShape(f"{op}{suffix}", _elementwise(op, tail), doc=f"qnn.{op}, int8 out")
+                LayerShape(
+                    f"{op}{suffix}",
+                    _elementwise(op, tail),
+                    doc=f"qnn.{op} of two int8 tensors, own output qparams" + _tail_doc(tail),
+                )
             )
     for suffix, tail in _TAILS.items():
         out.append(
             LayerShape(
                 f"requantize{suffix}",
                 _single("qnn.requantize", 4, tail),
-                doc="qnn.requantize int8 -> int8 (concat inputs, merged dequantize/quantize)",
+                doc="qnn.requantize int8 -> int8 (concat inputs, merged dequantize/quantize)"
+                + _tail_doc(tail),
             )
         )
     out.append(LayerShape("lut", _single("qnn.lut", 1), doc="qnn.lut: 8-bit table lookup"))
-    for suffix, tail in _TAILS.items():
-        if tail:
-            out.append(LayerShape(f"clip{suffix}", _clip_only(tail), doc="relu/clip on int8"))
+    for name, tail in _STANDALONE_CLIPS.items():
+        out.append(LayerShape(name, _clip_only(tail), doc=_TAIL_DOCS[tail] + " on int8"))
     out.append(LayerShape("max_pool2d", _single("relax.nn.max_pool2d", 0), doc="max pool on int8"))
     out.append(LayerShape("pad", _single("relax.nn.pad", 0), doc="pad with Q(value) on int8"))
     for n in range(_MAX_CONCAT, 1, -1):
