@@ -190,8 +190,8 @@ def _tail_doc(tail: str) -> str:
     return f" -> {_TAIL_DOCS[tail]}" if tail else ""
 
 
-def _shapes() -> list[LayerShape]:
-    """The table, longest patterns first (FuseOpsByPattern tries entries in order)."""
+def _accumulating_shapes() -> list[LayerShape]:
+    """Average pool (before the convolutions it looks like), then every accumulating layer."""
     out: list[LayerShape] = []
     for suffix, tail in _TAILS.items():
         out.append(
@@ -227,6 +227,12 @@ def _shapes() -> list[LayerShape]:
                     doc=f"{what} -> qnn.dequantize (a model output read as the accumulator)",
                 )
             )
+    return out
+
+
+def _shapes() -> list[LayerShape]:
+    """The table, longest patterns first (FuseOpsByPattern tries entries in order)."""
+    out = _accumulating_shapes()
     for op in ("add", "subtract", "multiply"):
         for suffix, tail in _TAILS.items():
             out.append(
