@@ -245,16 +245,22 @@ def make_function(
 
 
 def compile_vm(
-    functions: dict[str, relax.Function], target, base: tvm.IRModule | None = None
+    functions: dict[str, relax.Function],
+    target,
+    base: tvm.IRModule | None = None,
+    pipeline=None,
 ) -> relax.VirtualMachine:
     """One module with ``functions`` (plus ``base``'s functions other than ``main``, e.g. the
-    PrimFuncs of an imported model's ``call_tir`` bindings), compiled into a VM."""
+    PrimFuncs of an imported model's ``call_tir`` bindings), compiled into a VM (with the
+    Relax ``pipeline`` pass, default ``tvm.compile``'s)."""
     mod = tvm.IRModule(functions)
     if base is not None:
         for gv, f in base.functions_items():
             if gv.name_hint != "main" and gv.name_hint not in functions:
                 mod[gv] = f
-    return relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())
+    if pipeline is None:
+        return relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())
+    return relax.VirtualMachine(tvm.compile(mod, target, relax_pipeline=pipeline), tvm.cpu())
 
 
 def as_list(result) -> list:
