@@ -8,7 +8,9 @@ graph over the dataset:
 1. the simulated ``main`` is cut into a prologue (everything that depends on weights only,
    computed once) and segments, one starting at each activation slot's quantize
    (:mod:`autoq.calibration_plan`);
-2. all of them are compiled once, in one module (qparams are runtime inputs);
+2. all of them are compiled once, in one module (qparams are runtime inputs), each
+   reduction kernel (conv, matmul, pooling) with a cheap vectorized, parallel schedule that
+   gives the same bits (:mod:`autoq.loop_schedule`);
 3. a :class:`autoq.shard_runner.ShardRunner` holds the samples and runs the segments in
    order over all of them; the values still needed later are cached per sample
    (:class:`autoq.value_cache.ValueCache`: RAM up to ``memory_budget_mb``, then ``.npy``
@@ -38,6 +40,7 @@ from .calibration_plan import CalibrationPlan, build_plan
 from .config import Config, QuantSpec
 from .dataset import DatasetError, InputSpec, as_dataset, index_bounds
 from .errors import CalibratorError
+from .loop_schedule import pipeline_with_loop_schedule
 from .qparams import QParam, QParams
 from .registry import slot_id_of
 from .scale_health import HealthCheck, SlotHealth, problem
@@ -376,12 +379,20 @@ def run_plan(
     return result
 
 
+def _pipeline(target):
+    """The simulated graph's kernels with a cheap default schedule (vectorized, parallel;
+    bit-identical results, see :mod:`autoq.loop_schedule`)."""
+    if isinstance(target, dict | str):
+        target = tvm.target.Target(target)
+    return pipeline_with_loop_schedule(target)
+
+
 def _calibrate_topological(
     sim, samples, weight_qp, config, target, stats, health
 ) -> dict[str, QParam]:
     plan, functions = build_plan(sim)
     t0 = time.perf_counter()
-    vm = compile_vm(functions, target, sim.mod)
+    vm = compile_vm(functions, target, sim.mod, pipeline=_pipeline(target))
     stats["compile_s"] = time.perf_counter() - t0
     stats["segments"] = len(plan.segments)
     budget = config.memory_budget_mb * 2**20
@@ -426,7 +437,7 @@ def fp32_slot_runner(sim: SimResult, slots: list[str], target):
     """``run(samples)``: for each sample, the fp32 values of the tensors that the
     activation ``slots`` quantize (one compiled float graph with those tensors as outputs)."""
     g = sim.graph
-    vm = compile_vm(fp32_slot_functions(sim, slots), target, g.module)
+    vm = compile_vm(fp32_slot_functions(sim, slots), target, g.module, pipeline=_pipeline(target))
     weights = [g.params[p.name] for p in g.weight_params]
     return fp32_runner(vm, [v.name for v in g.inputs], weights)
 
