@@ -13,6 +13,9 @@ the demo, the benchmarks) runs :class:`Quantizer`.
 5. **realize** the int8 module (:mod:`autoq.realize`);
 6. optionally the per-layer **report** (:mod:`autoq.analysis`).
 
+With ``Config(activation=QuantSpec(dynamic=True))`` steps 2-4 and 6 do not run: the dense
+layers are realized with run-time activation qparams (:mod:`autoq.dynamic`), no dataset.
+
 It returns a :class:`QuantizeResult`: the module, the qparams, the fallback decision, the
 per-stage timings and every warning raised on the way.
 """
@@ -30,6 +33,7 @@ from .auto_fallback import FallbackDecision, auto_fallback
 from .build import default_target
 from .calibrate import calibrate, samples_for
 from .config import AutoFallback, Config
+from .dynamic import realize_dynamic
 from .guard import keep_unbounded_in_fp32
 from .matching import Matched, match
 from .qparams import QParams
@@ -86,6 +90,8 @@ class Quantizer:
         return result
 
     def _run(self, mod, params, dataset) -> QuantizeResult:
+        if self.config.activation.dynamic:
+            return self._run_dynamic(mod, params)
         timings: dict[str, float] = {}
         clock = _Clock(timings)
         config = self.config
@@ -133,6 +139,18 @@ class Quantizer:
             samples=samples.num_samples or 0, timings=timings,
         )  # fmt: skip
 
+    def _run_dynamic(self, mod, params) -> QuantizeResult:
+        """Dynamic activations (:mod:`autoq.dynamic`): match and realize, no data."""
+        timings: dict[str, float] = {}
+        clock = _Clock(timings)
+        with clock("match"):
+            matched = match(mod, params, self.config)
+        with clock("realize"):
+            module, qparams, reasons = realize_dynamic(matched, self.config)
+        module = _attach(module, qparams, None, [])
+        int8 = [m for m in matched.layers if m not in reasons]
+        return QuantizeResult(module, qparams, self.config, matched, int8, reasons, timings=timings)
+
 
 def _fixed(config: Config) -> Config:
     """``config`` with an ``AutoFallback`` replaced by its fixed rules."""
@@ -178,7 +196,8 @@ def quantize(
 
     ``params``: weight arrays by function-parameter name (None when the weights are bound as
     constants). ``dataset``: an iterable of ``{input_name: array}`` dicts, or of arrays for a
-    single-input model (read once). Returns the int8 module (``main`` takes only the model
+    single-input model (read once); None with dynamic activations (``Config(activation=
+    QuantSpec(dynamic=True))``, see :mod:`autoq.dynamic`). Returns the int8 module (``main`` takes only the model
     inputs); the calibration result is attached as ``result.attrs["autoq.qparams"]`` (JSON
     text), an automatic fallback decision as ``result.attrs["autoq.fallback"]`` (load it with
     ``autoq.FallbackDecision.loads``) and the layers the unbounded-activation guard kept in
