@@ -19,6 +19,8 @@ __all__ = ["AutoFallback", "Config", "Distributed", "Fallback", "Override", "Qua
 CALIBRATION_MODES = ("topological", "fp32")
 WEIGHT_ROUNDINGS = ("nearest", "gptq")
 _QSPEC_DTYPES = ("int8", "uint8", "int16")
+#: granularities of dynamic (run-time) activation qparams, see :mod:`autoq.dynamic`
+DYNAMIC_GRANULARITIES = ("tensor", "token")
 
 
 def _calibrators():
@@ -36,6 +38,10 @@ class QuantSpec:
     ``reduce_range``: one bit less (int8 -> [-64, 63]). ``per_channel``: one scale per output
     channel (weights only). ``calibrator``: a registered name ("max", "moving_average",
     "percentile", "kl", "mse"), a calibrator object, or a function ``batch -> (lo, hi)``.
+    ``dynamic``: activations only: scale and zero point computed at run time inside the
+    graph from the tensor's min/max (no calibration data; the calibrator is not used), see
+    :mod:`autoq.dynamic`. ``granularity`` (dynamic only): ``"tensor"`` (one scale) or
+    ``"token"`` (one scale per row of the last axis).
     """
 
     dtype: str = "int8"
@@ -44,17 +50,20 @@ class QuantSpec:
     reduce_range: bool = False
     per_channel: bool = False
     calibrator: Any = "max"
+    dynamic: bool = False
+    granularity: str = "tensor"
 
     def __post_init__(self) -> None:
         if self.dtype not in _QSPEC_DTYPES:
             raise ValueError(
                 f"QuantSpec.dtype must be one of {', '.join(_QSPEC_DTYPES)}, got {self.dtype!r}"
             )
-        for name in ("symmetric", "narrow_range", "reduce_range", "per_channel"):
+        for name in ("symmetric", "narrow_range", "reduce_range", "per_channel", "dynamic"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"QuantSpec.{name} must be a bool, got {getattr(self, name)!r}")
         object.__setattr__(self, "calibrator", _calibrators().get(self.calibrator))
         P.qrange(self.dtype, self.narrow_range, self.reduce_range)
+        _check_dynamic(self)
 
     @property
     def qrange(self) -> tuple[int, int]:
@@ -72,6 +81,32 @@ class QuantSpec:
         if isinstance(d.get("calibrator"), dict):
             d["calibrator"] = _calibrators().from_json(d["calibrator"])
         return cls(**d)
+
+
+def _check_dynamic(spec: QuantSpec) -> None:
+    """The combinations a dynamic spec refuses, each with how to fix it."""
+    if spec.granularity not in DYNAMIC_GRANULARITIES:
+        raise ValueError(
+            f"QuantSpec.granularity must be one of {', '.join(DYNAMIC_GRANULARITIES)}, "
+            f"got {spec.granularity!r}"
+        )
+    if not spec.dynamic:
+        if spec.granularity != "tensor":
+            raise ValueError(
+                f"QuantSpec(granularity={spec.granularity!r}) needs dynamic=True: static "
+                "activations have one calibrated scale per tensor"
+            )
+        return
+    if spec.dtype not in ("int8", "uint8"):
+        raise ValueError(
+            f"QuantSpec(dynamic=True) quantizes to int8 or uint8 (8-bit qnn.dense kernels), "
+            f"got dtype={spec.dtype!r}"
+        )
+    if spec.per_channel:
+        raise ValueError(
+            "QuantSpec(dynamic=True, per_channel=True): dynamic activations are per tensor or "
+            "per token (granularity='token'), never per channel"
+        )
 
 
 def _check_keys(cls, d: dict) -> None:
@@ -305,6 +340,7 @@ class Config(JsonDocument):
             raise ValueError(
                 "per-channel activations are not supported: set per_channel only on the weight spec"
             )
+        _check_dynamic_config(self)
         if self.rounding not in P.ROUNDING_MODES:
             raise ValueError(
                 f"Config.rounding must be one of {', '.join(P.ROUNDING_MODES)}, got {self.rounding!r}"
@@ -352,6 +388,15 @@ class Config(JsonDocument):
         """Any data-aware weight step is on (:mod:`autoq.weight_tuning`)."""
         return self.tunes_weights or self.scale_search
 
+    def layer_spec(self, kind: str, layer: str) -> QuantSpec:
+        """The ``"activation"`` or ``"weight"`` spec of ``layer``: the default, changed by
+        every override whose rule matches the layer id (the last one wins)."""
+        spec = self.activation if kind == "activation" else self.weight
+        for o in self.overrides:
+            if compile_rule(o.match)(layer):
+                spec = (o.activation if kind == "activation" else o.weight) or spec
+        return spec
+
     def to_json(self) -> dict:
         return {
             "activation": self.activation.to_json(),
@@ -391,6 +436,35 @@ class Config(JsonDocument):
         if d.get("distributed") is not None:
             d["distributed"] = Distributed.from_json(d["distributed"])
         return cls(**d)
+
+
+def _check_dynamic_config(config: Config) -> None:
+    """Dynamic activations are a whole-model mode (see :mod:`autoq.dynamic`): overrides may
+    change the granularity or the weights of a layer but not switch it to static."""
+    dynamic = config.activation.dynamic
+    if config.weight.dynamic or any(o.weight and o.weight.dynamic for o in config.overrides):
+        raise ValueError(
+            "weights are always quantized statically: set dynamic=True on the activation spec"
+        )
+    for o in config.overrides:
+        if o.activation is not None and o.activation.dynamic != dynamic:
+            raise ValueError(
+                f"Override({o.match!r}) has dynamic={o.activation.dynamic} but Config.activation "
+                f"has dynamic={dynamic}: dynamic quantization applies to the whole model (set "
+                "Config(activation=QuantSpec(dynamic=True, ...)); keep a layer in fp32 with "
+                "Fallback)"
+            )
+    if not dynamic:
+        return
+    if isinstance(config.fallback, AutoFallback):
+        raise ValueError(
+            "AutoFallback needs calibration data and static qparams; with dynamic activations "
+            "use Fallback(ids=...) to keep layers in fp32"
+        )
+    if config.int8_outputs:
+        raise ValueError(
+            "Config.int8_outputs needs calibrated output qparams; dynamic layers return float32"
+        )
 
 
 AUTO_RANKINGS = ("local", "revert")
