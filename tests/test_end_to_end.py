@@ -250,10 +250,12 @@ def test_unbounded_attention_masks_stay_fp32():
     assert str(q.attrs["autoq.skipped_unbounded"]) == "add_0"
     got = np.stack([Runner(q)(s["x"], s["mask"]) for s in test])
     assert rel_err(got, ref) < TOL
-    # quantizing the mask anyway destroys the scores (every score rounds to one value)
+    # quantizing the mask anyway destroys the scores (every score rounds to one value);
+    # without the guard the scale health check catches the same layer, so both are off
     bad = autoq.quantize(
-        mod, params, data, Config(progress=False, skip_unbounded=False), target=TARGET
-    )
+        mod, params, data, Config(progress=False, skip_unbounded=False, check_scales=False),
+        target=TARGET,
+    )  # fmt: skip
     worse = np.stack([Runner(bad)(s["x"], s["mask"]) for s in test])
     assert rel_err(worse, ref) > 5 * rel_err(got, ref)
 
