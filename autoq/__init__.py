@@ -20,6 +20,7 @@ from .qparams import QParam, QParams, load_qparams
 from .realize import realize
 from .report import Report
 from .simulate import SimResult, simulate
+from .tune import tune
 
 __version__ = "0.1.0"
 
@@ -50,4 +51,5 @@ __all__ = [
     "quantize",
     "realize",
     "simulate",
+    "tune",
 ]
