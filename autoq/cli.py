@@ -32,6 +32,9 @@ from .cli_inputs import (
     resolve_model,
     target_of,
 )
+from .errors import AutoqError
+from .interrupts import MESSAGE, cleanup_on_signals, exit_code
+from .output_dir import OutputDir
 
 __all__ = ["BUNDLED", "METHODS", "ROUNDINGS", "UserError", "main"]
 
@@ -46,6 +49,8 @@ LIBRARY, QPARAMS, SCRIPT, REPORT, CONFIG, MODULE = (
 )
 #: the tuning database folder ``autoq tune`` writes next to the model
 TUNING = "tuning"
+OUTPUT_FILES = (LIBRARY, LIBRARY + ".autoq.json", QPARAMS, SCRIPT, MODULE, REPORT, CONFIG, TUNING,
+                "analysis.txt", "analysis.json", "fallback.json")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- quantize
@@ -55,7 +60,7 @@ def _config(args):
     """The Config the options describe (bad combinations fail before any model work)."""
     import dataclasses
 
-    from .config import AutoFallback, Config
+    from .config import AutoFallback, Config, Distributed
 
     fb = fallback_rules(args.skip)
     try:
@@ -79,6 +84,9 @@ def _config(args):
             calibration=args.calibration,
             fallback=fb,
             progress=not args.no_progress,
+            distributed=Distributed(args.scheduler, args.workers)
+            if args.scheduler or args.workers
+            else None,
         )
     except (TypeError, ValueError) as e:
         raise UserError(one_line(e)) from None
@@ -105,7 +113,10 @@ def _import(model_path: Path, input_shapes: dict, optimize: bool):
     except DecodeError:
         raise UserError(f"{str(model_path)!r} is not a valid ONNX file") from None
     except (FrontendError, FileNotFoundError, ImportError, ValueError) as e:
-        raise UserError(f"cannot import {str(model_path)!r}: {one_line(e)}") from None
+        msg = one_line(e)  # an error that names the file already says where
+        raise UserError(
+            msg if str(model_path) in msg else f"cannot import {str(model_path)!r}: {msg}"
+        ) from None
 
 
 def _dataset(args, specs, image_options: dict):
@@ -156,7 +167,6 @@ def _write(out: Path, result, config, target) -> tuple[list[str], float]:
     from .build import export_library
     from .json_document import write_atomic
 
-    out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     # a tuning database left by 'autoq tune' in this folder is reused
     export_library(result.module, out / LIBRARY, target=target, database=_database_in(out))
@@ -165,7 +175,7 @@ def _write(out: Path, result, config, target) -> tuple[list[str], float]:
     (out / SCRIPT).write_text(result.module.script())
     write_atomic(out / MODULE, tvm.ir.save_json(result.module))
     (out / CONFIG).write_text(config.dumps())
-    files = [LIBRARY, QPARAMS, SCRIPT, MODULE, CONFIG, REPORT]
+    files = [LIBRARY, LIBRARY + ".autoq.json", QPARAMS, SCRIPT, MODULE, CONFIG, REPORT]
     if result.report is not None:
         (out / "analysis.txt").write_text(result.report.table() + "\n")
         (out / "analysis.json").write_text(result.report.dumps())
@@ -177,9 +187,6 @@ def _write(out: Path, result, config, target) -> tuple[list[str], float]:
 
 
 def cmd_quantize(args) -> int:
-    from . import dataset as D
-    from .summary import quantize_report
-
     t_start = time.perf_counter()
     model_path, input_shapes, image_options, bundled = resolve_model(args.model)
     input_shapes.update(dict(args.input_shape))
@@ -189,10 +196,20 @@ def cmd_quantize(args) -> int:
             "(see 'autoq quantize --help')"
         )
     out = args.out or Path(f"{model_path.stem}_int8")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {str(out)!r} exists and is not a folder")
     target = target_of(args.target)
     config = _config(args)
+    with OutputDir(out, args.force, OUTPUT_FILES) as staging:  # checked and locked first
+        return _quantize_into(args, staging, model_path, input_shapes, image_options, bundled,
+                              target, config, t_start)  # fmt: skip
+
+
+def _quantize_into(
+    args, staging, model_path, input_shapes, image_options, bundled, target, config, t_start
+) -> int:
+    from . import dataset as D
+    from .summary import quantize_report
+
+    out = staging.out
     t = time.perf_counter()
     mod, params = _import(model_path, input_shapes, args.onnx_optimize and not bundled)
     t_import = time.perf_counter() - t
@@ -201,13 +218,14 @@ def cmd_quantize(args) -> int:
     dataset, data_name = _dataset(args, specs, image_options)
     print(f"calibrating on {data_name} ...")
     result = _run_pipeline(config, target, args.report, mod, params, dataset, data_name)
-    files, t_compile = _write(out, result, config, target)
+    files, t_compile = _write(staging.path, result, config, target)
     text = quantize_report(
         result, model_path, specs, args.calib or data_name, config, target, skip=args.skip,
         times={"import": t_import, **result.timings, "compile": t_compile},
         files=(out, files), report_asked=args.report, fp32_model=(mod, params),
     )  # fmt: skip
-    (out / REPORT).write_text(text)
+    (staging.path / REPORT).write_text(text)
+    staging.commit(files)
     print("")
     print(text, end="")
     print(f"done in {time.perf_counter() - t_start:.1f} s")
@@ -318,6 +336,7 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    cleanup_on_signals()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -328,12 +347,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[args.command](args)
-    except UserError as e:
+    except (UserError, AutoqError) as e:
         print(f"autoq: error: {one_line(e)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("autoq: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: clean-up ran in the finally blocks
+        print(MESSAGE, file=sys.stderr)
+        return exit_code(e)
     except Exception as e:
         traceback.print_exc()
         print(

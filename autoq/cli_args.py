@@ -174,7 +174,13 @@ def _add_quantize(sub) -> None:
         "--out",
         metavar="DIR",
         type=Path,
-        help="output folder (default: ./<model name>_int8); created if missing",
+        help="output folder (default: ./<model name>_int8); created if missing. Written as a "
+        "whole when everything succeeded; an earlier autoq result there is replaced",
+    )
+    q.add_argument(
+        "--force",
+        action="store_true",
+        help="replace --out even if it holds files autoq did not write",
     )
     q.add_argument(
         "--samples",
@@ -235,6 +241,24 @@ def _add_quantization_args(q) -> None:
         "error upstream (default); fp32: all statistics from the float graph in one pass",
     )
     _add_auto_fallback_args(q)
+    _add_cluster_args(q)
+
+
+def _add_cluster_args(q) -> None:
+    c = q.add_argument_group("distributed calibration (needs autoq[dask])")
+    where = c.add_mutually_exclusive_group()
+    where.add_argument(
+        "--scheduler",
+        metavar="ADDRESS",
+        help="calibrate on the workers of a running Dask scheduler (tcp://host:8786); the "
+        "samples are split into one shard per worker, the qparams are the same as in-process",
+    )
+    where.add_argument(
+        "--workers",
+        metavar="N",
+        type=_positive_int,
+        help="calibrate on a local Dask cluster of N worker processes started for the run",
+    )
 
 
 def _add_import_args(q) -> None:

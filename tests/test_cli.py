@@ -278,7 +278,7 @@ def test_no_command_prints_usage(capsys):
         (["quantize", "{model}", "--calib", "{d}/nothere.npz"], ["--calib", "no such file", "nothere.npz"]),
         (["quantize", "{model}"], ["--calib DATA is required"]),
         (["quantize", "{d}/calib.npz", "--calib", "{d}/calib.npz"], ["not an .onnx file"]),
-        (["quantize", "{d}/garbage.onnx", "--calib", "{d}/calib.npz"], ["not a valid ONNX file"]),
+        (["quantize", "{d}/garbage.onnx", "--calib", "{d}/calib.npz"], ["garbage.onnx", "is not an ONNX model"]),
         (["quantize", "{model}", "--calib", "{d}/notes.txt"], ["expected a folder of images, an .npz or an .npy"]),
         (["quantize", "{model}", "--calib", "{d}/calib.npz", "--skip", "conv9"],
          ["fallback id 'conv9' matches no layer", "closest layer ids: conv"]),
