@@ -84,6 +84,7 @@ def test_bad_arguments_name_the_option(tmp_path):
         autoq.compile(q, database=tmp_path / "missing")
 
 
+@pytest.mark.tuning
 @needs_tune_deps
 def test_tune_writes_a_database_that_compiles_reuse(tmp_path):
     qmod, samples = one_conv()
@@ -165,6 +166,7 @@ def rpc_tracker(tmp_path):
                 p.kill()
 
 
+@pytest.mark.tuning
 @needs_tune_deps
 @needs_tornado
 def test_tune_measures_through_an_rpc_tracker(tmp_path, rpc_tracker):
@@ -183,6 +185,7 @@ def test_tune_measures_through_an_rpc_tracker(tmp_path, rpc_tracker):
     check_tuned(qmod, samples, folder)
 
 
+@pytest.mark.tuning
 def test_all_failed_trials_raise(tmp_path, monkeypatch):
     """A tuning run whose every candidate fails raises with the error (MetaSchedule itself
     would return an untuned database silently)."""
@@ -206,6 +209,7 @@ def _cpu_has_vnni() -> bool:
         return False
 
 
+@pytest.mark.tuning
 @pytest.mark.skipif(not _cpu_has_vnni(), reason="this CPU has no AVX-512 VNNI (vpdpbusd)")
 def test_vnni_intrinsic_compiles_and_matches_numpy():
     """TVM's stock dot_16x4_vnni does not compile with the wheel's LLVM 22; ours does and
