@@ -39,6 +39,8 @@ from pathlib import Path
 import tvm
 
 from .build import default_target
+from .cpu.injective import KERNEL_ATTR
+from .cpu.lowering import lower_to_cpu_kernels
 from .cpu_pipeline import fused
 from .json_document import JsonDocument
 from .tuning_database import open_database
@@ -266,7 +268,12 @@ def _pending_tasks(mod, target, database):
     from tvm.s_tir import meta_schedule as ms
 
     tasks = ms.relax_integration.extract_tasks(mod, target, module_equality="anchor-block")
-    tasks = [t for t in tasks if not t.mod.attrs.get("tirx.is_scheduled", False)]
+    tasks = [
+        t
+        for t in tasks
+        if not t.mod.attrs.get("tirx.is_scheduled", False)
+        and not any(KERNEL_ATTR in (f.attrs or {}) for f in t.mod.functions.values())
+    ]  # autoq's CPU kernels carry their own schedule
     pending = [
         t
         for t in tasks
@@ -286,6 +293,7 @@ def tune(
     progress: bool = True,
     seed: int | None = None,
     cost_model: str = "xgb",
+    cpu_kernels: bool = True,
 ) -> TuneResult:
     """Tune the kernels of ``qmod`` into the JSON database in folder ``database``.
 
@@ -293,11 +301,11 @@ def tune(
     gradient task scheduler spends it where it gains most); ``trials_per_task`` caps one
     kernel (default ``trials``). ``rpc``: measure on the devices of an RPC tracker instead
     of this machine. ``cost_model``: "xgb" (learned, the default) or "random" (no training:
-    for tiny budgets). The search population grows with the per-kernel budget (64..512
-    candidates), so small budgets do not pay for a full-size search. Kernels already in
-    the database are not tuned again. Returns what was
-    done (:class:`TuneResult`); compile with ``autoq.compile(qmod, target,
-    database=database)``. Raises :class:`TuningError` when every trial failed."""
+    for tiny budgets). ``cpu_kernels``: as ``autoq.compile`` (autoq's packed int8 kernels
+    keep their fixed schedules; the others are tuned). The search population grows with the
+    per-kernel budget (64..512), so small budgets do not pay for a full-size search; kernels
+    already in the database are not tuned again. Returns :class:`TuneResult`; compile with
+    ``autoq.compile(qmod, target, database=database)``. :class:`TuningError`: all failed."""
     from tvm.s_tir import meta_schedule as ms
 
     if database is None:
@@ -313,7 +321,8 @@ def tune(
         register_vnni()
     folder = Path(database)
     db = open_database(folder)
-    tasks, pending = _pending_tasks(fused(qmod, target), target, db)
+    lowered = lower_to_cpu_kernels(qmod, target) if cpu_kernels else qmod
+    tasks, pending = _pending_tasks(fused(lowered, target), target, db)
     result = TuneResult(folder, len(tasks), len(tasks) - len(pending), 0, 0, 0.0)
     if not pending:
         return result
