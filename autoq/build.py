@@ -21,18 +21,26 @@ def default_target() -> tvm.target.Target:
     return tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
 
 
-def compile(mod: tvm.IRModule, target=None, fuse: bool = True, cpu_kernels: bool = True):
+def compile(
+    mod: tvm.IRModule, target=None, fuse: bool = True, cpu_kernels: bool = True, database=None
+):
     """``tvm.compile`` with the default Relax pipeline for ``target`` (fusion on by default).
 
     ``cpu_kernels``: on x86 LLVM targets with AVX-512 VNNI or AVX2, int8 conv2d/dense/matmul
     with constant weights run on autoq's packed, tensorized kernels (:mod:`autoq.cpu`);
     False keeps the generic lowering of the ``qnn.*`` ops (same results, bit for bit).
+    ``database``: a tuning database folder written by :func:`autoq.tune` with the same
+    ``cpu_kernels`` (its kernels get their tuned schedules; the others compile as without it).
     """
     target = target or default_target()
     if isinstance(target, dict):
         target = tvm.target.Target(target)
     if cpu_kernels:
         mod = lower_to_cpu_kernels(mod, target)
+    if database is not None:
+        from .tuning_database import pipeline_with_database
+
+        return tvm.compile(mod, target, relax_pipeline=pipeline_with_database(target, database))
     pipeline = None
     if fuse:
         pipeline = _kernel_pipeline(target) if cpu_kernels else relax.get_default_pipeline(target)
@@ -63,13 +71,14 @@ def _kernel_pipeline(target: tvm.target.Target):
 
 
 def export_library(
-    mod: tvm.IRModule, path: str | Path, target=None, cpu_kernels: bool = True
+    mod: tvm.IRModule, path: str | Path, target=None, cpu_kernels: bool = True, database=None
 ) -> Path:
-    """Compile ``mod`` and write a shared library loadable with :func:`load_library`, with
-    its stamp ``<path>.autoq.json`` (size and SHA-256, see :mod:`autoq.library_file`)."""
+    """Compile ``mod`` (with the tuning ``database`` folder, if given) and write a shared
+    library loadable with :func:`load_library`, with its stamp ``<path>.autoq.json`` (size
+    and SHA-256, see :mod:`autoq.library_file`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    compile(mod, target, cpu_kernels=cpu_kernels).export_library(str(path))
+    compile(mod, target, cpu_kernels=cpu_kernels, database=database).export_library(str(path))
     write_stamp(path)
     return path
 
