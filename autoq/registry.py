@@ -56,6 +56,10 @@ class Pattern:
     #: used when ``Config.patterns`` is None; an opt-in pattern (False) runs only when
     #: ``Config.patterns`` names it
     default: bool = True
+    #: ``dynamic(ctx, match)``: the realized form with run-time activation qparams
+    #: (``Config(activation=QuantSpec(dynamic=True))``, :mod:`autoq.dynamic`); None: the
+    #: pattern needs static qparams and stays fp32 in that mode
+    dynamic: Callable[[Any, Match], relax.Expr] | None = None
 
 
 @dataclass

@@ -416,6 +416,22 @@ def test_fold_batch_norm_leaves_shared_weights_alone():
 # --------------------------------------------------------------------------------------------
 
 
+def _layer1_fc_net(torch, block):
+    """``layer1 = Sequential(block)`` (8 channels out), global mean, ``fc``: module paths
+    ``layer1.0.*`` and ``fc`` as torchvision's ResNets name them."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer1 = torch.nn.Sequential(block)
+            self.fc = torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.fc(self.layer1(x).mean((2, 3)))
+
+    return Net()
+
+
 def test_from_torch_names_are_module_paths_and_bn_is_folded():
     torch = pytest.importorskip("torch")
     from autoq.frontends import from_torch
@@ -431,17 +447,8 @@ def test_from_torch_names_are_module_paths_and_bn_is_folded():
         def forward(self, x):
             return torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer1 = torch.nn.Sequential(Block())
-            self.fc = torch.nn.Linear(8, 3)
-
-        def forward(self, x):
-            return self.fc(self.layer1(x).mean((2, 3)))
-
     torch.manual_seed(0)
-    net = Net()
+    net = _layer1_fc_net(torch, Block())
     for m in net.modules():
         if isinstance(m, torch.nn.BatchNorm2d):
             m.running_mean.uniform_(-1, 1)
@@ -555,3 +562,55 @@ def test_model_path_names_the_pip_package(monkeypatch):
         models.model_path("fake")
     with pytest.raises(KeyError, match="known models"):
         models.model_path("no-such-model")
+
+
+def test_onnx_weights_folded_by_torch_are_named_after_their_module_like_from_torch():
+    """torch's ONNX exporter folds batch norms into anonymous ``onnx::Conv_N`` initializers;
+    the consuming node's scope (``/layer1/layer1.0/downsample/downsample.0/Conv``) names the
+    module, so both frontends give the same weight names and so the same layer ids."""
+    torch = pytest.importorskip("torch")
+    import io
+
+    from autoq.frontends import from_torch
+    from autoq.frontends.onnx import module_path
+    from autoq.matching import match
+
+    assert module_path("/layer1/layer1.0/downsample/downsample.0/Conv") == "layer1.0.downsample.0"
+    assert module_path("/conv1/Conv") == "conv1"
+    assert module_path("Conv_12") is None and module_path("/Relu") is None
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
+            self.bn1 = torch.nn.BatchNorm2d(8)
+            self.downsample = torch.nn.Sequential(
+                torch.nn.Conv2d(3, 8, 1, bias=False), torch.nn.BatchNorm2d(8)
+            )
+
+        def forward(self, x):
+            return torch.relu(self.bn1(self.conv1(x)) + self.downsample(x))
+
+    torch.manual_seed(0)
+    net = _layer1_fc_net(torch, Block()).eval()
+    for m in net.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):  # distinct biases: the exporter dedupes equal ones
+            m.running_mean.uniform_(-1, 1)
+            m.bias.data.uniform_(-1, 1)
+    x = torch.randn(1, 3, 8, 8)
+    buf = io.BytesIO()
+    torch.onnx.export(net, (x,), buf, dynamo=False, input_names=["x"])
+    want = {
+        "layer1.0.conv1.weight",
+        "layer1.0.conv1.bias",
+        "layer1.0.downsample.0.weight",
+        "layer1.0.downsample.0.bias",
+        "fc.weight",
+        "fc.bias",
+    }
+    for optimize in (True, False):
+        mod, params = from_onnx(buf.getvalue(), optimize=optimize)
+        assert set(params) == want
+    tmod, tparams = from_torch(net, (x,))
+    assert set(tparams) == want
+    assert match(mod, params).layers == match(tmod, tparams).layers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 import time
@@ -64,15 +65,63 @@ def _tvm_import(model, shapes, optimized: bool):
         ) from e
 
 
-def _display_names(names: list[str]) -> dict[str, str]:
-    """Undo ONNX Runtime's fusion prefixes when the original name is free."""
+#: ONNX op -> the name of each weight input position (torch's exporter writes folded weights
+#: as anonymous ``onnx::Conv_16`` initializers; the consuming node's scope names the module)
+_WEIGHT_INPUTS = {
+    "Conv": {1: "weight", 2: "bias"},
+    "ConvTranspose": {1: "weight", 2: "bias"},
+    "Gemm": {1: "weight", 2: "bias"},
+}
+_ANONYMOUS = re.compile(r"^onnx::[A-Za-z]+_\d+$")
+
+
+def module_path(node_name: str) -> str | None:
+    """The torch module path in a node name written by torch's ONNX exporter, or None.
+
+    The exporter joins the scopes with ``/`` and ends with the op: a scope that starts with
+    the previous one plus ``.`` (a ``Sequential`` child) replaces it, any other is a child.
+
+    >>> module_path("/layer1/layer1.0/downsample/downsample.0/Conv")
+    'layer1.0.downsample.0'
+    >>> module_path("/conv1/Conv"), module_path("Conv_12"), module_path("/Relu")
+    ('conv1', None, None)
+    """
+    if not node_name.startswith("/"):
+        return None
+    parts: list[str] = []
+    for seg in node_name.split("/")[1:-1]:
+        if parts and seg.startswith(parts[-1] + "."):
+            parts[-1] = seg
+        elif seg:
+            parts.append(seg)
+    return ".".join(parts) or None
+
+
+def _scoped_name(name: str, graph) -> str | None:
+    """``<module path>.weight|bias`` for an anonymous initializer read by exactly one
+    weight input of a scoped node (see :func:`module_path`), else None."""
+    if not _ANONYMOUS.match(name):
+        return None
+    uses = [(n, i) for n in graph.node for i, inp in enumerate(n.input) if inp == name]
+    if len(uses) != 1:
+        return None
+    node, index = uses[0]
+    role = _WEIGHT_INPUTS.get(node.op_type, {}).get(index)
+    path = module_path(node.name)
+    return f"{path}.{role}" if role and path else None
+
+
+def _display_names(names: list[str], graph) -> dict[str, str]:
+    """Undo ONNX Runtime's fusion prefixes and name torch's anonymous folded weights after
+    their module (``onnx::Conv_16`` -> ``layer1.0.conv1.weight``) when the name is free."""
     taken = set(names)
     out = {}
     for n in names:
         stripped = strip_ort_fusion_prefix(n)
-        if stripped != n and stripped not in taken:
-            taken.add(stripped)
-            out[n] = stripped
+        better = _scoped_name(stripped, graph) or stripped
+        if better != n and better not in taken:
+            taken.add(better)
+            out[n] = better
         else:
             out[n] = n
     return out
@@ -94,7 +143,7 @@ def _finish_onnx(mod, model, fold_bn: bool):
     for t in model.graph.initializer:
         by_tvm_name.setdefault(t.name.removeprefix("onnx::"), t.name)
     onnx_names = [by_tvm_name.get(v.name, v.name) for v in param_vars]
-    display = _display_names(onnx_names)
+    display = _display_names(onnx_names, model.graph)
     rename = {var: display[name] for var, name in zip(param_vars, onnx_names, strict=True)}
     params = {display[name]: arr for name, arr in zip(onnx_names, values, strict=True)}
     return finish_import(mod, func, rename, params, fold_bn, rewrite=raise_clip)
