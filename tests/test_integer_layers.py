@@ -121,3 +121,40 @@ def test_elementwise_with_a_constant_operand(name):
     np.testing.assert_allclose(
         (np.round(c / w.scale) - w.zero_point) * w.scale, c, atol=float(w.scale) / 2 + 1e-7
     )
+
+
+def test_requantize_uses_the_multiplier_and_shift_it_carries():
+    """A 7-argument qnn.requantize computes with its own int32 multiplier and shift (the
+    scales then only describe the tensors); numpy reference: round_half_even(x * m *
+    2**(shift - 31)) + zp, clipped."""
+    from autoq import primitives as P
+    from autoq import qnn
+    from models import run as run_mod
+
+    x = np.arange(-300, 300, 7, dtype=np.int32).reshape(1, -1)
+    bb = relax.BlockBuilder()
+    v = relax.Var("x", relax.TensorType(list(x.shape), "int32"))
+    s_in, s_out = np.float32(0.01), np.float32(0.05)
+    m, sh = P.quantize_multiplier(np.float64(0.3))  # not s_in / s_out = 0.2
+    with bb.function("main", [v]):
+        with bb.dataflow():
+            y = bb.emit(
+                qnn.requantize(
+                    v, relax.const(s_in), relax.const(np.int32(0)), relax.const(s_out),
+                    relax.const(np.int32(3)), rounding="half_even",
+                    multiplier=relax.const(np.int32(m)), shift=relax.const(np.int32(sh)),
+                )
+            )  # fmt: skip
+            gv = bb.emit_output(y)
+        bb.emit_func_output(gv)
+    got = run_mod(bb.get(), [x])
+    ref = np.clip(np.round(x * (int(m) * 2.0 ** (int(sh) - 31))) + 3, -128, 127)
+    np.testing.assert_array_equal(got, ref.astype(np.int8))
+    with pytest.raises(Exception, match="rounding='float'"):
+        relax.BlockBuilder().normalize(
+            qnn.requantize(
+                v, relax.const(s_in), relax.const(np.int32(0)), relax.const(s_out),
+                relax.const(np.int32(3)), multiplier=relax.const(np.int32(m)),
+                shift=relax.const(np.int32(sh)),
+            )
+        )  # fmt: skip
