@@ -173,6 +173,16 @@ def build_candidate(mod: tvm.IRModule, target, _params=None):
     return tvm_build(mod, target=target)
 
 
+def _check_args(trials, database, cost_model) -> None:
+    if database is None:
+        raise ValueError("autoq.tune needs database=FOLDER (where the tuning records are kept)")
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be a positive int, got {trials!r}")
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
+    _check_deps()
+
+
 def _check_deps() -> None:
     import importlib.util
 
@@ -263,17 +273,24 @@ def _contexts(tasks, strategy, seed: int | None) -> list:
     ]
 
 
+def _scheduled(mod: tvm.IRModule) -> bool:
+    """A task MetaSchedule must not touch: already scheduled, or one of autoq's packed
+    kernels (fixed, tensorized schedules: :mod:`autoq.cpu`)."""
+    if mod.attrs is not None and mod.attrs.get("tirx.is_scheduled", False):
+        return True
+    for _, f in mod.functions_items():
+        attrs = f.attrs or {}
+        if attrs.get("tirx.is_scheduled", False) or KERNEL_ATTR in attrs:
+            return True
+    return False
+
+
 def _pending_tasks(mod, target, database):
     """(all extracted tasks, those without a record in ``database``)."""
     from tvm.s_tir import meta_schedule as ms
 
     tasks = ms.relax_integration.extract_tasks(mod, target, module_equality="anchor-block")
-    tasks = [
-        t
-        for t in tasks
-        if not t.mod.attrs.get("tirx.is_scheduled", False)
-        and not any(KERNEL_ATTR in (f.attrs or {}) for f in t.mod.functions.values())
-    ]  # autoq's CPU kernels carry their own schedule
+    tasks = [t for t in tasks if not _scheduled(t.dispatched[0])]
     pending = [
         t
         for t in tasks
@@ -301,28 +318,25 @@ def tune(
     gradient task scheduler spends it where it gains most); ``trials_per_task`` caps one
     kernel (default ``trials``). ``rpc``: measure on the devices of an RPC tracker instead
     of this machine. ``cost_model``: "xgb" (learned, the default) or "random" (no training:
-    for tiny budgets). ``cpu_kernels``: as ``autoq.compile`` (autoq's packed int8 kernels
-    keep their fixed schedules; the others are tuned). The search population grows with the
-    per-kernel budget (64..512), so small budgets do not pay for a full-size search; kernels
-    already in the database are not tuned again. Returns :class:`TuneResult`; compile with
-    ``autoq.compile(qmod, target, database=database)``. :class:`TuningError`: all failed."""
+    for tiny budgets). The search population grows with the per-kernel budget (64..512
+    candidates), so small budgets do not pay for a full-size search. Kernels already in
+    the database are not tuned again. ``cpu_kernels``: as in :func:`autoq.compile` (True:
+    the int8 convs/matmuls run on autoq's packed kernels, which keep their fixed schedules,
+    and the rest of the module is tuned; compile with the same value). Returns what was
+    done (:class:`TuneResult`); compile with ``autoq.compile(qmod, target,
+    database=database)``. Raises :class:`TuningError` when every trial failed."""
     from tvm.s_tir import meta_schedule as ms
 
-    if database is None:
-        raise ValueError("autoq.tune needs database=FOLDER (where the tuning records are kept)")
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-        raise ValueError(f"trials must be a positive int, got {trials!r}")
-    if cost_model not in COST_MODELS:
-        raise ValueError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
-    _check_deps()
+    _check_args(trials, database, cost_model)
     t0 = time.perf_counter()
     target = tuning_target(target)
     if target_has_vnni(target):
         register_vnni()
     folder = Path(database)
     db = open_database(folder)
-    lowered = lower_to_cpu_kernels(qmod, target) if cpu_kernels else qmod
-    tasks, pending = _pending_tasks(fused(lowered, target), target, db)
+    if cpu_kernels:
+        qmod = lower_to_cpu_kernels(qmod, target)
+    tasks, pending = _pending_tasks(fused(qmod, target), target, db)
     result = TuneResult(folder, len(tasks), len(tasks) - len(pending), 0, 0, 0.0)
     if not pending:
         return result
