@@ -15,7 +15,7 @@ quiet_startup()  # the ``autoq`` command: a Ctrl-C while importing prints one li
 from . import primitives, qnn  # noqa: F401  (importing qnn registers the qnn.* ops)
 from .analysis import Analysis, analyze
 from .auto_fallback import FallbackDecision
-from .build import compile, default_target, export_library, load_library
+from .build import compile, default_target, export_library, load_library, set_threads
 from .calibrate import calibrate
 from .config import AutoFallback, Config, Distributed, Fallback, Override, QuantSpec
 from .errors import AutoqError, DatasetError, InputError
@@ -60,5 +60,6 @@ __all__ = [
     "load_qparams",
     "quantize",
     "realize",
+    "set_threads",
     "simulate",
 ]

@@ -8,7 +8,9 @@ graph over the dataset:
 1. the simulated ``main`` is cut into a prologue (everything that depends on weights only,
    computed once) and segments, one starting at each activation slot's quantize
    (:mod:`autoq.calibration_plan`);
-2. all of them are compiled once, in one module (qparams are runtime inputs);
+2. all of them are compiled once, in one module (qparams are runtime inputs), each
+   reduction kernel (conv, matmul, pooling) with a cheap vectorized, parallel schedule that
+   gives the same bits (:mod:`autoq.loop_schedule`);
 3. a :class:`autoq.shard_runner.ShardRunner` holds the samples and runs the segments in
    order over all of them; the values still needed later are cached per sample
    (:class:`autoq.value_cache.ValueCache`: RAM up to ``memory_budget_mb``, then ``.npy``
@@ -26,6 +28,7 @@ feeds the observers batch by batch, like ONNX Runtime does.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterable
 
 import numpy as np
@@ -37,12 +40,14 @@ from .calibration_plan import CalibrationPlan, build_plan
 from .config import Config, QuantSpec
 from .dataset import DatasetError, InputSpec, as_dataset, index_bounds
 from .errors import CalibratorError
+from .loop_schedule import pipeline_with_loop_schedule
 from .qparams import QParam, QParams
 from .registry import slot_id_of
 from .scale_health import HealthCheck, SlotHealth, problem
 from .shard_runner import ShardRunner
 from .simulate import SimResult
 from .toolkit import as_list, compile_vm, make_function
+from .weight_tuning import WeightTuner
 
 __all__ = [
     "calibrate",
@@ -183,14 +188,21 @@ def calibrate(
     result = calibrate_weights(sim)
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
     health: dict[str, SlotHealth] = {}
+    tuner = None
     if config.calibration == "fp32":
         acts = _calibrate_fp32(sim, samples, config, target, stats, health)
+        if config.weight_tuning:
+            warnings.warn(
+                "Config.weight_rounding/bias_correction/scale_search run inside topological "
+                "calibration only; calibration='fp32' leaves the weights rounded to nearest",
+                stacklevel=2,
+            )
     else:
-        acts = _calibrate_topological(sim, samples, result, config, target, stats, health)
+        acts, tuner = _calibrate_topological(sim, samples, result, config, target, stats, health)
     stats["total_s"] = time.perf_counter() - t0
     _refuse_constant_inputs(sim, health, samples.num_samples)
     result.update(acts)
-    return make_qparams(sim, result, config, samples.num_samples, stats, health)
+    return make_qparams(sim, result, config, samples.num_samples, stats, health, tuner)
 
 
 def make_qparams(
@@ -200,11 +212,14 @@ def make_qparams(
     samples: int | None,
     stats: dict,
     health: dict[str, SlotHealth] | None = None,
+    tuner=None,
 ) -> QParams:
     """The :class:`QParams` of every slot from ``result`` (slot -> QParam, weights and
     activations), bias scales fitted (:func:`fit_bias_scales`), with the run's metadata
-    (``health``: the scale health of the activation slots, when it was measured)."""
+    (``health``: the scale health of the activation slots, when it was measured; ``tuner``:
+    the weight tuner whose integer weights and summary go with them)."""
     widened = fit_bias_scales(sim, result)
+    meta = {} if tuner is None else {"weight_tuning": tuner.summary()}
     return QParams(
         params={s: result[s] for s in sim.plan.slots},
         slots=dict(sim.plan.slots),
@@ -215,7 +230,9 @@ def make_qparams(
             "bias_widened": widened,
             "scale_problems": scale_problems(health or {}, result),
             "stats": {k: round(v, 4) for k, v in stats.items()},
+            **meta,
         },
+        values={} if tuner is None else tuner.values(result),
     )
 
 
@@ -287,6 +304,7 @@ def static_values(sim: SimResult, plan: CalibrationPlan, weight_qp: dict) -> dic
     for sid, qp in weight_qp.items():
         s_key, z_key = plan.qparam_keys[sid]
         static[s_key], static[z_key] = qp.scale, qp.zero_point
+    static.update({k: sim.value_input(name) for name, k in plan.value_keys.items()})
     return static
 
 
@@ -327,11 +345,13 @@ def run_plan(
     config: Config,
     sim: SimResult,
     health: dict | None = None,
+    tuner=None,
 ) -> dict:
     """The coordinator loop: for each segment, choose its heads' qparams from every
-    shard's statistics (and the lookup tables they complete), then let every shard run it
-    with them. ``health`` (a dict) receives each head's :class:`SlotHealth` for its chosen
-    qparams on the same values."""
+    shard's statistics (and the lookup tables they complete), let ``tuner`` (a
+    :class:`autoq.weight_tuning.WeightTuner`) tune the layers reading them, then let every
+    shard run it with them. ``health`` (a dict) receives each head's :class:`SlotHealth`
+    for its chosen qparams on the same values."""
     result: dict[str, QParam] = {}
     n = sum(r.n for r in runners)
     bar = _progress(config, len(plan.segments) * n, "calibrating")
@@ -349,6 +369,8 @@ def run_plan(
                 for layer, (_, out_sid, _) in sim.plan.tables.items()
                 if out_sid in chosen
             }
+            if tuner is not None:
+                tuner.step(seg.heads, result, runners)
             bar.set_postfix_str(",".join(seg.heads)[:40])
             for r in runners:
                 r.run_segment(j, chosen, progress=lambda: bar.update(1), tables=tables)
@@ -357,27 +379,36 @@ def run_plan(
     return result
 
 
+def _pipeline(target):
+    """The simulated graph's kernels with a cheap default schedule (vectorized, parallel;
+    bit-identical results, see :mod:`autoq.loop_schedule`)."""
+    if isinstance(target, dict | str):
+        target = tvm.target.Target(target)
+    return pipeline_with_loop_schedule(target)
+
+
 def _calibrate_topological(
     sim, samples, weight_qp, config, target, stats, health
 ) -> dict[str, QParam]:
     plan, functions = build_plan(sim)
     t0 = time.perf_counter()
-    vm = compile_vm(functions, target, sim.mod)
+    vm = compile_vm(functions, target, sim.mod, pipeline=_pipeline(target))
     stats["compile_s"] = time.perf_counter() - t0
     stats["segments"] = len(plan.segments)
     budget = config.memory_budget_mb * 2**20
     runner = ShardRunner(vm, plan, static_values(sim, plan, weight_qp), budget, config.cache_dir)
+    tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None
     try:
         runner.load(samples)
         runner.run_prologue()
-        result = run_plan(plan, [runner], sim.plan.specs, config, sim, health)
+        result = run_plan(plan, [runner], sim.plan.specs, config, sim, health, tuner)
         stats.update(runner.stats, **runner.cache_stats())
     finally:
         runner.close()
     missing = [s for s in sim.activation_slots() if s not in result]
     if missing:
         raise RuntimeError(f"internal error: activation slots {missing} were never calibrated")
-    return result
+    return result, tuner
 
 
 def fp32_slot_functions(sim: SimResult, slots: list[str]) -> dict:
@@ -406,7 +437,7 @@ def fp32_slot_runner(sim: SimResult, slots: list[str], target):
     """``run(samples)``: for each sample, the fp32 values of the tensors that the
     activation ``slots`` quantize (one compiled float graph with those tensors as outputs)."""
     g = sim.graph
-    vm = compile_vm(fp32_slot_functions(sim, slots), target, g.module)
+    vm = compile_vm(fp32_slot_functions(sim, slots), target, g.module, pipeline=_pipeline(target))
     weights = [g.params[p.name] for p in g.weight_params]
     return fp32_runner(vm, [v.name for v in g.inputs], weights)
 

@@ -1,4 +1,4 @@
-"""The ``autoq`` command: ``autoq quantize``, ``autoq inspect``, ``autoq demo``.
+"""The ``autoq`` command: ``autoq quantize``, ``autoq inspect``, ``autoq demo``, ``autoq tune``.
 
 Exit codes: 0 success; 2 bad input (a missing file, an unknown option value, a ``--skip``
 rule that matches no layer, calibration data that does not fit the model, a missing optional
@@ -39,15 +39,18 @@ from .output_dir import OutputDir
 __all__ = ["BUNDLED", "METHODS", "ROUNDINGS", "UserError", "main"]
 
 # files written by ``autoq quantize`` into --out
-LIBRARY, QPARAMS, SCRIPT, REPORT, CONFIG = (
+LIBRARY, QPARAMS, SCRIPT, REPORT, CONFIG, MODULE = (
     "model.so",
     "qparams.json",
     "model.py",
     "report.txt",
     "config.json",
+    "module.json",
 )
-OUTPUT_FILES = (LIBRARY, LIBRARY + ".autoq.json", QPARAMS, SCRIPT, REPORT, CONFIG, "analysis.txt", "analysis.json",
-                "fallback.json")  # fmt: skip
+#: the tuning database folder ``autoq tune`` writes next to the model
+TUNING = "tuning"
+OUTPUT_FILES = (LIBRARY, LIBRARY + ".autoq.json", QPARAMS, SCRIPT, MODULE, REPORT, CONFIG, TUNING,
+                "analysis.txt", "analysis.json", "fallback.json")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- quantize
@@ -152,16 +155,27 @@ def _run_pipeline(config, target, report: bool, mod, params, dataset, data_name:
     return result
 
 
+def _database_in(folder: Path) -> Path | None:
+    from .tuning_database import RECORD_FILE
+
+    return folder / TUNING if (folder / TUNING / RECORD_FILE).is_file() else None
+
+
 def _write(out: Path, result, config, target) -> tuple[list[str], float]:
+    import tvm
+
     from .build import export_library
+    from .json_document import write_atomic
 
     t = time.perf_counter()
-    export_library(result.module, out / LIBRARY, target=target)
+    # a tuning database left by 'autoq tune' in this folder is reused
+    export_library(result.module, out / LIBRARY, target=target, database=_database_in(out))
     t_compile = time.perf_counter() - t
     result.qparams.save(out / QPARAMS)
     (out / SCRIPT).write_text(result.module.script())
+    write_atomic(out / MODULE, tvm.ir.save_json(result.module))
     (out / CONFIG).write_text(config.dumps())
-    files = [LIBRARY, LIBRARY + ".autoq.json", QPARAMS, SCRIPT, CONFIG, REPORT]
+    files = [LIBRARY, LIBRARY + ".autoq.json", QPARAMS, SCRIPT, MODULE, CONFIG, REPORT]
     if result.report is not None:
         (out / "analysis.txt").write_text(result.report.table() + "\n")
         (out / "analysis.json").write_text(result.report.dumps())
@@ -254,7 +268,70 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"quantize": cmd_quantize, "inspect": cmd_inspect, "demo": cmd_demo}
+def _tuned_module(path: Path):
+    """(module, folder it came from) for ``autoq tune MODEL``."""
+    import tvm
+
+    import autoq  # noqa: F401  (registers the qnn.* ops the module uses)
+
+    file = path / MODULE if path.is_dir() else path
+    if not file.is_file():
+        hint = (
+            f"{str(path)!r} has no {MODULE}: re-run 'autoq quantize --out {path}'"
+            if path.is_dir()
+            else f"no such file: {str(path)!r}"
+        )
+        raise UserError(hint)
+    try:
+        mod = tvm.ir.load_json(file.read_text())
+    except Exception as e:
+        raise UserError(
+            f"{file} is not a module saved by tvm.ir.save_json: {one_line(e)}"
+        ) from None
+    if not isinstance(mod, tvm.IRModule) or "main" not in [
+        g.name_hint for g in mod.get_global_vars()
+    ]:
+        raise UserError(f"{file} holds no IRModule with a 'main' function")
+    return mod, file.parent
+
+
+def cmd_tune(args) -> int:
+    from .build import export_library
+    from .tune import TuningError, tune
+
+    t_start = time.perf_counter()
+    mod, folder = _tuned_module(args.model)
+    target = target_of(args.target)
+    database = args.database or folder / TUNING
+    print(f"tuning the kernels of {folder} into {database} ({args.trials} trials) ...")
+    try:
+        result = tune(
+            mod,
+            target,
+            trials=args.trials,
+            database=database,
+            rpc=args.rpc,
+            trials_per_task=args.trials_per_task,
+            progress=not args.no_progress,
+        )
+    except ImportError as e:
+        raise UserError(one_line(e)) from None
+    except TuningError as e:
+        raise UserError(f"tuning failed: {one_line(e)}") from None
+    print(result.summary())
+    if (folder / LIBRARY).is_file() or args.model.is_dir():
+        export_library(mod, folder / LIBRARY, target=target, database=database)
+        print(f"rebuilt {folder / LIBRARY} with the tuned kernels")
+    print(f"done in {time.perf_counter() - t_start:.1f} s")
+    return 0
+
+
+COMMANDS = {
+    "quantize": cmd_quantize,
+    "inspect": cmd_inspect,
+    "demo": cmd_demo,
+    "tune": cmd_tune,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,10 @@ from .json_document import JsonDocument
 __all__ = ["AutoFallback", "Config", "Distributed", "Fallback", "Override", "QuantSpec"]
 
 CALIBRATION_MODES = ("topological", "fp32")
+WEIGHT_ROUNDINGS = ("nearest", "gptq")
 _QSPEC_DTYPES = ("int8", "uint8", "int16")
+#: granularities of dynamic (run-time) activation qparams, see :mod:`autoq.dynamic`
+DYNAMIC_GRANULARITIES = ("tensor", "token")
 
 
 def _calibrators():
@@ -35,6 +38,10 @@ class QuantSpec:
     ``reduce_range``: one bit less (int8 -> [-64, 63]). ``per_channel``: one scale per output
     channel (weights only). ``calibrator``: a registered name ("max", "moving_average",
     "percentile", "kl", "mse"), a calibrator object, or a function ``batch -> (lo, hi)``.
+    ``dynamic``: activations only: scale and zero point computed at run time inside the
+    graph from the tensor's min/max (no calibration data; the calibrator is not used), see
+    :mod:`autoq.dynamic`. ``granularity`` (dynamic only): ``"tensor"`` (one scale) or
+    ``"token"`` (one scale per row of the last axis).
     """
 
     dtype: str = "int8"
@@ -43,17 +50,20 @@ class QuantSpec:
     reduce_range: bool = False
     per_channel: bool = False
     calibrator: Any = "max"
+    dynamic: bool = False
+    granularity: str = "tensor"
 
     def __post_init__(self) -> None:
         if self.dtype not in _QSPEC_DTYPES:
             raise ValueError(
                 f"QuantSpec.dtype must be one of {', '.join(_QSPEC_DTYPES)}, got {self.dtype!r}"
             )
-        for name in ("symmetric", "narrow_range", "reduce_range", "per_channel"):
+        for name in ("symmetric", "narrow_range", "reduce_range", "per_channel", "dynamic"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"QuantSpec.{name} must be a bool, got {getattr(self, name)!r}")
         object.__setattr__(self, "calibrator", _calibrators().get(self.calibrator))
         P.qrange(self.dtype, self.narrow_range, self.reduce_range)
+        _check_dynamic(self)
 
     @property
     def qrange(self) -> tuple[int, int]:
@@ -71,6 +81,32 @@ class QuantSpec:
         if isinstance(d.get("calibrator"), dict):
             d["calibrator"] = _calibrators().from_json(d["calibrator"])
         return cls(**d)
+
+
+def _check_dynamic(spec: QuantSpec) -> None:
+    """The combinations a dynamic spec refuses, each with how to fix it."""
+    if spec.granularity not in DYNAMIC_GRANULARITIES:
+        raise ValueError(
+            f"QuantSpec.granularity must be one of {', '.join(DYNAMIC_GRANULARITIES)}, "
+            f"got {spec.granularity!r}"
+        )
+    if not spec.dynamic:
+        if spec.granularity != "tensor":
+            raise ValueError(
+                f"QuantSpec(granularity={spec.granularity!r}) needs dynamic=True: static "
+                "activations have one calibrated scale per tensor"
+            )
+        return
+    if spec.dtype not in ("int8", "uint8"):
+        raise ValueError(
+            f"QuantSpec(dynamic=True) quantizes to int8 or uint8 (8-bit qnn.dense kernels), "
+            f"got dtype={spec.dtype!r}"
+        )
+    if spec.per_channel:
+        raise ValueError(
+            "QuantSpec(dynamic=True, per_channel=True): dynamic activations are per tensor or "
+            "per token (granularity='token'), never per channel"
+        )
 
 
 def _check_keys(cls, d: dict) -> None:
@@ -266,6 +302,18 @@ class Config(JsonDocument):
     reads its layer's int32 accumulator through one ``qnn.dequantize``, which keeps the
     accumulator's precision (rounding the output to int8 costs fidelity: measured 0.054 ->
     0.071 relative error on the test MLP) and is still integer up to that dequantize.
+
+    Data-aware weights (:mod:`autoq.weight_tuning`; run inside topological calibration, on
+    each conv/dense layer's quantized input, just before the layer's output is observed):
+    ``weight_rounding``: ``"nearest"`` (round each weight on its own) or ``"gptq"`` (GPTQ,
+    Frantar et al. 2022, arXiv:2210.17323: columns rounded in order, the error fed forward
+    through ``H = 2 X^T X / n``; :mod:`autoq.gptq`). ``bias_correction``: add the mean
+    output shift the rounded weights cause, ``(W - W_q) E[x]``, to the bias (Nagel et al.
+    2019, "Data-Free Quantization", sec. 4.2, with the empirical input mean;
+    :mod:`autoq.bias_correction`). ``scale_search``: per-channel weight scales chosen on a
+    grid of clipping ratios by the layer's output MSE (OMSE, Choukroun et al. 2019;
+    :mod:`autoq.scale_search`). The integer weights and biases they choose are carried in
+    ``QParams.values`` (realized as they are; simulated exactly).
     """
 
     activation: QuantSpec = field(default_factory=_default_activation)
@@ -281,6 +329,9 @@ class Config(JsonDocument):
     skip_unbounded: bool = True
     int8_outputs: bool = False
     distributed: Distributed | None = None
+    weight_rounding: str = "nearest"
+    bias_correction: bool = False
+    scale_search: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -289,6 +340,7 @@ class Config(JsonDocument):
             raise ValueError(
                 "per-channel activations are not supported: set per_channel only on the weight spec"
             )
+        _check_dynamic_config(self)
         if self.rounding not in P.ROUNDING_MODES:
             raise ValueError(
                 f"Config.rounding must be one of {', '.join(P.ROUNDING_MODES)}, got {self.rounding!r}"
@@ -308,7 +360,13 @@ class Config(JsonDocument):
             _str_tuple(self, "patterns")
         if not (isinstance(self.memory_budget_mb, int | float) and self.memory_budget_mb >= 0):
             raise ValueError(f"Config.memory_budget_mb must be >= 0, got {self.memory_budget_mb!r}")
-        for name in ("progress", "skip_unbounded", "int8_outputs"):
+        if self.weight_rounding not in WEIGHT_ROUNDINGS:
+            raise ValueError(
+                f"Config.weight_rounding must be one of {', '.join(WEIGHT_ROUNDINGS)}, got {self.weight_rounding!r}"
+            )
+        for name in (
+            "progress", "skip_unbounded", "int8_outputs", "bias_correction", "scale_search"
+        ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         if self.distributed is not None and not isinstance(self.distributed, Distributed):
@@ -318,6 +376,26 @@ class Config(JsonDocument):
 
     def replace(self, **changes: Any) -> Config:
         return replace(self, **changes)
+
+    @property
+    def tunes_weights(self) -> bool:
+        """Calibration may change weight values or biases (the simulated graph then reads
+        them as inputs: see :meth:`autoq.simulate.SimContext.weight`)."""
+        return self.weight_rounding != "nearest" or self.bias_correction
+
+    @property
+    def weight_tuning(self) -> bool:
+        """Any data-aware weight step is on (:mod:`autoq.weight_tuning`)."""
+        return self.tunes_weights or self.scale_search
+
+    def layer_spec(self, kind: str, layer: str) -> QuantSpec:
+        """The ``"activation"`` or ``"weight"`` spec of ``layer``: the default, changed by
+        every override whose rule matches the layer id (the last one wins)."""
+        spec = self.activation if kind == "activation" else self.weight
+        for o in self.overrides:
+            if compile_rule(o.match)(layer):
+                spec = (o.activation if kind == "activation" else o.weight) or spec
+        return spec
 
     def to_json(self) -> dict:
         return {
@@ -334,6 +412,9 @@ class Config(JsonDocument):
             "skip_unbounded": self.skip_unbounded,
             "int8_outputs": self.int8_outputs,
             "distributed": None if self.distributed is None else self.distributed.to_json(),
+            "weight_rounding": self.weight_rounding,
+            "bias_correction": self.bias_correction,
+            "scale_search": self.scale_search,
         }
 
     @classmethod
@@ -355,6 +436,35 @@ class Config(JsonDocument):
         if d.get("distributed") is not None:
             d["distributed"] = Distributed.from_json(d["distributed"])
         return cls(**d)
+
+
+def _check_dynamic_config(config: Config) -> None:
+    """Dynamic activations are a whole-model mode (see :mod:`autoq.dynamic`): overrides may
+    change the granularity or the weights of a layer but not switch it to static."""
+    dynamic = config.activation.dynamic
+    if config.weight.dynamic or any(o.weight and o.weight.dynamic for o in config.overrides):
+        raise ValueError(
+            "weights are always quantized statically: set dynamic=True on the activation spec"
+        )
+    for o in config.overrides:
+        if o.activation is not None and o.activation.dynamic != dynamic:
+            raise ValueError(
+                f"Override({o.match!r}) has dynamic={o.activation.dynamic} but Config.activation "
+                f"has dynamic={dynamic}: dynamic quantization applies to the whole model (set "
+                "Config(activation=QuantSpec(dynamic=True, ...)); keep a layer in fp32 with "
+                "Fallback)"
+            )
+    if not dynamic:
+        return
+    if isinstance(config.fallback, AutoFallback):
+        raise ValueError(
+            "AutoFallback needs calibration data and static qparams; with dynamic activations "
+            "use Fallback(ids=...) to keep layers in fp32"
+        )
+    if config.int8_outputs:
+        raise ValueError(
+            "Config.int8_outputs needs calibrated output qparams; dynamic layers return float32"
+        )
 
 
 AUTO_RANKINGS = ("local", "revert")
@@ -416,6 +526,11 @@ class AutoFallback(Fallback):
     (``Override(layer, activation=QuantSpec(dtype="int16", ...))``) instead of fp32 when that
     still meets the budget (checked with one more compiled simulated graph; int16 qparams
     come from the calibrated ranges), else they fall back to fp32.
+    ``holdout``: the last ``holdout`` samples of the dataset are kept out of calibration and
+    of the ranking; a layer group the search adds is kept only if it also raises the output
+    SQNR on them (else it is skipped and the search goes on with the next one), so the
+    fp32 layers are the ones that help beyond the calibration samples. With a callable
+    ``metric`` the held-out check uses the output SQNR too (the metric decides the budget).
     """
 
     metric: Any = "sqnr"
@@ -424,9 +539,12 @@ class AutoFallback(Fallback):
     max_fp32_layers: int = 8
     ranking: str = "local"
     precision: str = "fp32"
+    holdout: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.holdout, int) or isinstance(self.holdout, bool) or self.holdout < 0:
+            raise ValueError(f"AutoFallback.holdout must be an int >= 0, got {self.holdout!r}")
         if not (self.metric == "sqnr" or callable(self.metric)):
             raise ValueError(
                 f"AutoFallback.metric must be 'sqnr' or a callable metric(run) -> float, got {self.metric!r}"
@@ -461,6 +579,7 @@ class AutoFallback(Fallback):
             max_fp32_layers=self.max_fp32_layers,
             ranking=self.ranking,
             precision=self.precision,
+            holdout=self.holdout,
         )
         return d
 

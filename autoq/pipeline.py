@@ -13,6 +13,9 @@ the demo, the benchmarks) runs :class:`Quantizer`.
 5. **realize** the int8 module (:mod:`autoq.realize`);
 6. optionally the per-layer **report** (:mod:`autoq.analysis`).
 
+With ``Config(activation=QuantSpec(dynamic=True))`` steps 2-4 and 6 do not run: the dense
+layers are realized with run-time activation qparams (:mod:`autoq.dynamic`), no dataset.
+
 It returns a :class:`QuantizeResult`: the module, the qparams, the fallback decision, the
 per-stage timings and every warning raised on the way.
 """
@@ -29,7 +32,7 @@ import numpy as np
 import tvm
 
 from .analysis import Analysis
-from .auto_fallback import FallbackDecision, auto_fallback
+from .auto_fallback import FallbackDecision, auto_fallback, split_holdout
 from .build import default_target
 from .calibrate import calibrate, fp32_slot_runner, samples_for, scale_problems
 from .config import AutoFallback, Config
@@ -41,6 +44,7 @@ from .distributed import (
     open_client,
     report_distributed,
 )
+from .dynamic import realize_dynamic
 from .errors import CalibrationError, InputError
 from .guard import keep_unbounded_in_fp32, layers_using
 from .matching import Matched, match
@@ -139,6 +143,8 @@ class Quantizer:
         return dataset
 
     def _run(self, mod, params, dataset) -> QuantizeResult:
+        if self.config.activation.dynamic:
+            return self._run_dynamic(mod, params)
         with self._client() as client:
             return self._run_on(mod, params, dataset, client)
 
@@ -164,8 +170,9 @@ class Quantizer:
         decision = report = analysis = None
         if isinstance(config.fallback, AutoFallback):
             with clock("calibrate"):
+                calib, _ = split_holdout(samples, config.fallback.holdout)
                 config, qparams, unusable = self._calibrate_healthy(
-                    matched, sim, samples, config, client
+                    matched, sim, calib, config, client
                 )
             reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
             with clock("auto_fallback"), self._fan_out(client, mod, params, samples) as fan:
@@ -183,6 +190,9 @@ class Quantizer:
                     matched, sim, samples, config, client
                 )
             reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
+        tuning = qparams.meta.get("weight_tuning")
+        if tuning:  # part of "calibrate", shown on its own
+            timings["calibrate.weight_tuning"] = tuning["tune_s"]
         with clock("realize"):
             module = realize(matched, None, qparams, config)
         if self.want_report and report is None:
@@ -223,6 +233,18 @@ class Quantizer:
             config = config.replace(fallback=dataclasses.replace(fb, ids=(*fb.ids, *layers)))
             moved += layers
             sim = None
+
+    def _run_dynamic(self, mod, params) -> QuantizeResult:
+        """Dynamic activations (:mod:`autoq.dynamic`): match and realize, no data."""
+        timings: dict[str, float] = {}
+        clock = _Clock(timings)
+        with clock("match"):
+            matched = match(mod, params, self.config)
+        with clock("realize"):
+            module, qparams, reasons = realize_dynamic(matched, self.config)
+        module = _attach(module, qparams, None, [])
+        int8 = [m for m in matched.layers if m not in reasons]
+        return QuantizeResult(module, qparams, self.config, matched, int8, reasons, timings=timings)
 
 
 def check_weights(weights: dict) -> None:
@@ -313,7 +335,8 @@ def quantize(
 
     ``params``: weight arrays by function-parameter name (None when the weights are bound as
     constants). ``dataset``: an iterable of ``{input_name: array}`` dicts, or of arrays for a
-    single-input model (read once). Returns the int8 module (``main`` takes only the model
+    single-input model (read once); None with dynamic activations (``Config(activation=
+    QuantSpec(dynamic=True))``, see :mod:`autoq.dynamic`). Returns the int8 module (``main`` takes only the model
     inputs); the calibration result is attached as ``result.attrs["autoq.qparams"]`` (JSON
     text), an automatic fallback decision as ``result.attrs["autoq.fallback"]`` (load it with
     ``autoq.FallbackDecision.loads``) and the layers the unbounded-activation guard kept in

@@ -48,7 +48,7 @@ from .toolkit import (
     with_main,
 )
 
-__all__ = ["RealizeContext", "propagate", "realize"]
+__all__ = ["RealizeContext", "finish_module", "propagate", "realize"]
 
 
 class RealQ:
@@ -417,7 +417,12 @@ def realize(
     ctx = RealizeContext(g, config, qparams, matches, rounding_points, exit_map)
     func = build_function(g, ctx, matches, "realize")
     out = propagate(with_main(g.module, func), config.rounding)
-    func = out["main"]
+    return finish_module(g, out["main"])
+
+
+def finish_module(g: Graph, func: relax.Function) -> tvm.IRModule:
+    """The deployable module of a realized ``main``: the fp32 weight parameters (of layers
+    left in float) bound as constants, unused bindings removed, ``main`` of the inputs."""
     if g.weight_params:
         bind = {p.name: tvm.runtime.tensor(g.params[p.name]) for p in g.weight_params}
         func = func.bind_params(bind)

@@ -53,6 +53,10 @@ class Pattern:
     #: the realized result is already int8 (own output qparams, e.g. qnn.add); otherwise it
     #: is an int32 accumulator and gets an exit slot where a float op reads it (autoq.exits)
     int8_output: bool = False
+    #: ``dynamic(ctx, match)``: the realized form with run-time activation qparams
+    #: (``Config(activation=QuantSpec(dynamic=True))``, :mod:`autoq.dynamic`); None: the
+    #: pattern needs static qparams and stays fp32 in that mode
+    dynamic: Callable[[Any, Match], relax.Expr] | None = None
 
 
 @dataclass

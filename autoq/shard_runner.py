@@ -87,6 +87,22 @@ class ShardRunner:
         self.stats["observe_s"] += time.perf_counter() - t0
         return obs
 
+    def feed(self, slot: str, sink):
+        """Feed ``slot``'s input on every sample of this shard to ``sink.update`` (any
+        mergeable statistic, e.g. the Hessians of :mod:`autoq.weight_tuning`); returns it."""
+        t0 = time.perf_counter()
+        for x in self._batches(slot):
+            sink.update(np.asarray(x))
+        self.stats["observe_s"] += time.perf_counter() - t0
+        return sink
+
+    def update_static(self, values: dict[int, np.ndarray]) -> None:
+        """Replace weight / weight-qparam inputs (key -> array) chosen by calibration and
+        recompute the prologue from them."""
+        for k, v in values.items():
+            self.static[k] = tvm.runtime.tensor(np.array(v, order="C"))
+        self.run_prologue()
+
     def run_segment(
         self,
         j: int,
