@@ -12,6 +12,9 @@ feeders (its group: ``c3`` with ``c2`` when ``c2``'s conv feeds ``c3``), and the
 A trial is one run of that function over the calibration samples: no recalibration, no
 recompilation. The chosen layers become an ordinary ``Fallback(ids=...)`` (or int16
 overrides) with the calibrated qparams carried over (:func:`remap_qparams`).
+With ``AutoFallback(holdout=n)`` the last ``n`` samples are calibrated on by nothing: a
+group is kept only if it also raises the output SQNR on them (:func:`split_holdout`), so
+the search cannot keep layers that only fit the calibration samples.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "auto_fallback",
     "remap_qparams",
     "search_fallback",
+    "split_holdout",
 ]
 
 
@@ -130,14 +134,15 @@ def _int16_overrides(config: Config, layers: Sequence[str]) -> tuple[Override, .
     return (*config.overrides, *(Override(layer, activation=spec) for layer in layers))
 
 
-def _evaluator(an: Analysis, fb: AutoFallback):
+def _evaluator(an: Analysis, fb: AutoFallback, sqnr=None):
     """(name, reference, score(disabled_layers), within(score), budget text) for
-    ``fb.metric``."""
+    ``fb.metric``; ``sqnr(disabled)`` computes the SQNR metric elsewhere (the workers of a
+    distributed run), the same value."""
     if fb.metric == "sqnr":
-        ref_outs = an.run_fp32()
+        ref_outs = None if sqnr is not None else an.run_fp32()
 
         def score_sqnr(disabled):
-            return sqnr_db(ref_outs, an.run(disabled))
+            return sqnr_db(ref_outs, an.run(disabled)) if sqnr is None else sqnr(disabled)
 
         return (
             "output SQNR (dB)",
@@ -191,28 +196,71 @@ def _ranking(an: Analysis, report: Report, fb: AutoFallback, score, name: str, b
     ]
 
 
-def _steps(an: Analysis, order: list[str], cap: int) -> list[list[str]]:
-    """The fp32 sets tried: the ranked layers' groups added one by one, at most ``cap``
-    layers."""
-    steps, chosen = [], []
-    for layer in order:
+def _held_out_check(an: Analysis, held):
+    """``gain(layers) -> (kept, sqnr)``: whether ``layers`` in fp32 raise the output SQNR on
+    the ``held`` samples above the best kept so far (always kept without ``held``)."""
+    if not held:
+        return lambda layers: (True, None)
+    ref = an.run_fp32(held)
+    best = [sqnr_db(ref, an.run([], held))]
+
+    def gain(layers):
+        v = sqnr_db(ref, an.run(layers, held))
+        if sort_key(v) > sort_key(best[0]):
+            best[0] = v
+            return True, v
+        return False, v
+
+    return gain
+
+
+def _search(an: Analysis, ranking, fb: AutoFallback, trial, within, start, held):
+    """Add the ranked layers' groups one by one (at most ``fb.max_fp32_layers`` layers; a
+    group that does not raise the held-out SQNR is skipped) until the budget is met.
+    Returns (layers, metric, met): the first set within budget, else the best trial."""
+    gain = _held_out_check(an, held)
+    (layers, value), chosen = start, []
+    for layer in [r["layer"] for r in ranking]:
         new = [x for x in _group(an, layer) if x not in chosen]
-        if not new:
+        cand = chosen + new  # too big for what is left of the budget: try the next one
+        if not new or len(cand) > fb.max_fp32_layers:
             continue
-        if len(chosen) + len(new) > cap:
-            continue  # too big for what is left of the budget: try the next one
-        chosen = chosen + new
-        steps.append(list(chosen))
-    return steps
+        v = trial(cand)
+        kept, held_v = gain(cand)
+        if held_v is not None:
+            trial.trials[-1].update(held_out_sqnr=json_num(held_v), kept=kept)
+        if not kept:
+            continue
+        chosen = cand
+        if within(v):
+            return cand, v, True
+        if sort_key(v) > sort_key(value):
+            layers, value = cand, v
+    return layers, value, False
+
+
+def split_holdout(dataset, n: int) -> tuple:
+    """(calibration part, held-out part): the last ``n`` samples held out (module doc)."""
+    if not n:
+        return dataset, []
+    items = list(dataset)
+    if len(items) <= n:
+        raise ValueError(
+            f"AutoFallback.holdout={n} leaves no calibration samples: the dataset has "
+            f"{len(items)}; lower holdout or give more samples"
+        )
+    return items[:-n], items[-n:]
 
 
 def search_fallback(
-    an: Analysis, fb: AutoFallback, report: Report | None = None
+    an: Analysis, fb: AutoFallback, report: Report | None = None, sqnr=None, held=()
 ) -> FallbackDecision:
-    """Rank the layers of ``an`` and find the fewest to keep in fp32 (module docstring)."""
+    """Rank the layers of ``an`` and find the fewest to keep in fp32 (module docstring).
+    ``sqnr(disabled)``: the SQNR trials run elsewhere (see :func:`auto_fallback`); ``held``:
+    held-out samples each kept layer group must improve (``AutoFallback.holdout``)."""
     t0 = time.perf_counter()
     report = report or an.report()
-    name, reference, score, within, budget = _evaluator(an, fb)
+    name, reference, score, within, budget = _evaluator(an, fb, sqnr)
     trials: list[dict] = []
 
     def trial(layers: list[str]) -> float:
@@ -220,18 +268,13 @@ def search_fallback(
         trials.append({"k": len(layers), "layers": list(layers), "metric": v, "met": within(v)})
         return v
 
+    trial.trials = trials
     base = trial([])
     ranking = _ranking(an, report, fb, score, name, base)
     # the chosen fp32 set: the first within budget, else the best trial
     layers, value, met = [], base, within(base)
     if not met:
-        for step in _steps(an, [r["layer"] for r in ranking], fb.max_fp32_layers):
-            v = trial(step)
-            if within(v):
-                layers, value, met = step, v, True
-                break
-            if sort_key(v) > sort_key(value):
-                layers, value = step, v
+        layers, value, met = _search(an, ranking, fb, trial, within, (layers, value), held)
     if not met:
         warnings.warn(
             f"AutoFallback: {budget} not reached with up to {fb.max_fp32_layers} fp32 layers; "
@@ -286,7 +329,23 @@ def remap_qparams(src: SimResult, qparams: QParams, dst: SimResult) -> QParams:
         out[sid] = q
     meta = dict(qparams.meta)
     meta["specs"] = {s: sp.to_json() for s, sp in dst.plan.specs.items()}
-    return QParams(params=out, slots=dict(dst.slots), meta=meta)
+    return QParams(out, dict(dst.slots), meta, _remap_values(src, qparams, dst, out))
+
+
+def _remap_values(src: SimResult, qparams: QParams, dst: SimResult, out: dict) -> dict:
+    """The integer weights / biases calibration chose (``Config.weight_rounding``,
+    ``bias_correction``) for the layers still quantized in ``dst``; a corrected bias is
+    re-quantized for ``dst``'s accumulator scale (an int16 override changes its input's)."""
+    values = {}
+    for key, v in qparams.values.items():
+        layer = key.rsplit(".", 1)[0]
+        if key in dst.slots:
+            values[key] = v
+        elif layer in dst.plan.biases and layer in src.plan.biases:
+            _, x_sid, w_sid = dst.plan.biases[layer]
+            b = src.value_input(key, qparams)
+            values[key] = P.quantize_bias(b, out[x_sid].scale, out[w_sid].scale).values
+    return values
 
 
 @dataclass
@@ -309,22 +368,25 @@ def auto_fallback(
     config: Config,
     qparams: QParams | None = None,
     target=None,
+    fan_out=None,
 ) -> FallbackOutcome:
     """Run :class:`AutoFallback` end to end: calibrate (unless ``qparams`` are given),
     analyze, search, and (``precision="int16"``) check the int16 alternative.
     ``model``: the fp32 ``IRModule`` or its :class:`autoq.matching.Matched` (reused, not
-    matched again)."""
+    matched again). ``fan_out(analysis) -> (report, sqnr)``: the report and the SQNR
+    trials computed elsewhere with the same results (``autoq.distributed.AnalysisFanOut``)."""
     fb = config.fallback
     if not isinstance(fb, AutoFallback):
         raise TypeError("config.fallback must be an AutoFallback")
     target = target or default_target()
     base_cfg = config.replace(fallback=fb.fixed())
+    dataset, held = split_holdout(dataset, fb.holdout)
     if qparams is None:
         sim = simulate(model, params, base_cfg)
         qparams = calibrate(sim, params, dataset, base_cfg, target=target)
     an = Analysis(model, params, dataset, qparams, base_cfg, target)
-    report = an.report()
-    decision = search_fallback(an, fb, report)
+    report, sqnr = (an.report(), None) if fan_out is None else fan_out(an)
+    decision = search_fallback(an, fb, report, sqnr, held)
     final_cfg, final_qp = decision.config(base_cfg), None
     if fb.precision == "int16" and decision.layers:
         final_cfg, final_qp = _try_int16(an, model, params, dataset, fb, decision, final_cfg)

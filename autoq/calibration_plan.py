@@ -54,6 +54,9 @@ class CalibrationPlan:
     weight_keys: dict[int, str]
     #: layer -> key of its lookup-table input (computed once its output slot is chosen)
     table_keys: dict[str, int] = field(default_factory=dict)
+    #: ``<layer>.weight`` / ``<layer>.bias`` -> key of its value input (weights that
+    #: calibration may change: :mod:`autoq.weight_tuning`)
+    value_keys: dict[str, int] = field(default_factory=dict)
 
 
 def _keys(func: relax.Function) -> tuple[dict, list]:
@@ -141,5 +144,6 @@ def build_plan(sim: SimResult) -> tuple[CalibrationPlan, dict[str, relax.Functio
         },
         weight_keys={key[p]: p.name for p in func.params if p.name in weights},
         table_keys={layer: key[names[v.name]] for layer, v in sim.table_vars.items()},
+        value_keys={k: key[names[v.name]] for k, v in sim.value_vars.items()},
     )
     return plan, functions

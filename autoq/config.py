@@ -14,9 +14,10 @@ from typing import Any
 from . import primitives as P
 from .json_document import JsonDocument
 
-__all__ = ["AutoFallback", "Config", "Fallback", "Override", "QuantSpec"]
+__all__ = ["AutoFallback", "Config", "Distributed", "Fallback", "Override", "QuantSpec"]
 
 CALIBRATION_MODES = ("topological", "fp32")
+WEIGHT_ROUNDINGS = ("nearest", "gptq")
 _QSPEC_DTYPES = ("int8", "uint8", "int16")
 #: granularities of dynamic (run-time) activation qparams, see :mod:`autoq.dynamic`
 DYNAMIC_GRANULARITIES = ("tensor", "token")
@@ -218,6 +219,55 @@ class Override:
         )
 
 
+@dataclass(frozen=True)
+class Distributed:
+    """Calibrate data-parallel on a Dask cluster (see :mod:`autoq.distributed`; needs the
+    optional extra ``autoq[dask]``).
+
+    ``scheduler``: the address of a running Dask scheduler (``"tcp://host:8786"``), or None
+    for a local cluster of ``workers`` processes started for the run (one thread each).
+    ``shards``: how many shards the samples are split into (default: one per worker; shard
+    ``i`` lives on worker ``i % workers``). ``timeout_s``: how long to wait for the workers
+    to appear. Each shard caches its activations within ``Config.memory_budget_mb``.
+
+    >>> Distributed.from_json(Distributed(workers=2).to_json()) == Distributed(workers=2)
+    True
+    """
+
+    scheduler: str | None = None
+    workers: int | None = None
+    shards: int | None = None
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.scheduler is not None and (
+            not isinstance(self.scheduler, str) or not self.scheduler
+        ):
+            raise TypeError(
+                f"Distributed.scheduler must be an address string, got {self.scheduler!r}"
+            )
+        for name in ("workers", "shards"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"Distributed.{name} must be an int >= 1 or None, got {v!r}")
+        if (self.scheduler is None) == (self.workers is None):
+            raise ValueError(
+                "Distributed needs exactly one of scheduler (the address of a running Dask "
+                f"scheduler) or workers (a local cluster of that many processes); got "
+                f"scheduler={self.scheduler!r}, workers={self.workers!r}"
+            )
+        if not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:
+            raise ValueError(f"Distributed.timeout_s must be > 0, got {self.timeout_s!r}")
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Distributed:
+        _check_keys(cls, d)
+        return cls(**d)
+
+
 def _default_activation() -> QuantSpec:
     # mse: the only calibrator good on all three benchmark models (benchmarks/vs_onnxruntime.py):
     # best on ResNet-50 and MiniLM, within 0.003 cosine of percentile on PP-OCRv4
@@ -245,11 +295,25 @@ class Config(JsonDocument):
     spill to ``cache_dir`` or a temporary directory). ``progress``: show tqdm bars.
     ``skip_unbounded``: ``autoq.quantize`` keeps in fp32 the layers whose activations hold
     inf-like sentinels such as attention masks of ``finfo.min`` (see :mod:`autoq.guard`).
+    ``distributed``: calibrate on a Dask cluster (:class:`Distributed`); None (default):
+    in this process, without importing Dask.
     ``int8_outputs``: the model's outputs also leave the integer graph as int8 (an exit slot,
     see :mod:`autoq.exits`, on every output an int32 result feeds). Off by default: an output
     reads its layer's int32 accumulator through one ``qnn.dequantize``, which keeps the
     accumulator's precision (rounding the output to int8 costs fidelity: measured 0.054 ->
     0.071 relative error on the test MLP) and is still integer up to that dequantize.
+
+    Data-aware weights (:mod:`autoq.weight_tuning`; run inside topological calibration, on
+    each conv/dense layer's quantized input, just before the layer's output is observed):
+    ``weight_rounding``: ``"nearest"`` (round each weight on its own) or ``"gptq"`` (GPTQ,
+    Frantar et al. 2022, arXiv:2210.17323: columns rounded in order, the error fed forward
+    through ``H = 2 X^T X / n``; :mod:`autoq.gptq`). ``bias_correction``: add the mean
+    output shift the rounded weights cause, ``(W - W_q) E[x]``, to the bias (Nagel et al.
+    2019, "Data-Free Quantization", sec. 4.2, with the empirical input mean;
+    :mod:`autoq.bias_correction`). ``scale_search``: per-channel weight scales chosen on a
+    grid of clipping ratios by the layer's output MSE (OMSE, Choukroun et al. 2019;
+    :mod:`autoq.scale_search`). The integer weights and biases they choose are carried in
+    ``QParams.values`` (realized as they are; simulated exactly).
     """
 
     activation: QuantSpec = field(default_factory=_default_activation)
@@ -264,6 +328,10 @@ class Config(JsonDocument):
     progress: bool = True
     skip_unbounded: bool = True
     int8_outputs: bool = False
+    distributed: Distributed | None = None
+    weight_rounding: str = "nearest"
+    bias_correction: bool = False
+    scale_search: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -292,12 +360,33 @@ class Config(JsonDocument):
             _str_tuple(self, "patterns")
         if not (isinstance(self.memory_budget_mb, int | float) and self.memory_budget_mb >= 0):
             raise ValueError(f"Config.memory_budget_mb must be >= 0, got {self.memory_budget_mb!r}")
-        for name in ("progress", "skip_unbounded", "int8_outputs"):
+        if self.weight_rounding not in WEIGHT_ROUNDINGS:
+            raise ValueError(
+                f"Config.weight_rounding must be one of {', '.join(WEIGHT_ROUNDINGS)}, got {self.weight_rounding!r}"
+            )
+        for name in (
+            "progress", "skip_unbounded", "int8_outputs", "bias_correction", "scale_search"
+        ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.distributed is not None and not isinstance(self.distributed, Distributed):
+            raise TypeError(
+                f"Config.distributed must be a Distributed or None, got {self.distributed!r}"
+            )
 
     def replace(self, **changes: Any) -> Config:
         return replace(self, **changes)
+
+    @property
+    def tunes_weights(self) -> bool:
+        """Calibration may change weight values or biases (the simulated graph then reads
+        them as inputs: see :meth:`autoq.simulate.SimContext.weight`)."""
+        return self.weight_rounding != "nearest" or self.bias_correction
+
+    @property
+    def weight_tuning(self) -> bool:
+        """Any data-aware weight step is on (:mod:`autoq.weight_tuning`)."""
+        return self.tunes_weights or self.scale_search
 
     def layer_spec(self, kind: str, layer: str) -> QuantSpec:
         """The ``"activation"`` or ``"weight"`` spec of ``layer``: the default, changed by
@@ -322,6 +411,10 @@ class Config(JsonDocument):
             "progress": self.progress,
             "skip_unbounded": self.skip_unbounded,
             "int8_outputs": self.int8_outputs,
+            "distributed": None if self.distributed is None else self.distributed.to_json(),
+            "weight_rounding": self.weight_rounding,
+            "bias_correction": self.bias_correction,
+            "scale_search": self.scale_search,
         }
 
     @classmethod
@@ -340,6 +433,8 @@ class Config(JsonDocument):
             d["overrides"] = tuple(Override.from_json(o) for o in d["overrides"])
         if d.get("patterns") is not None:
             d["patterns"] = tuple(d["patterns"])
+        if d.get("distributed") is not None:
+            d["distributed"] = Distributed.from_json(d["distributed"])
         return cls(**d)
 
 
@@ -431,6 +526,11 @@ class AutoFallback(Fallback):
     (``Override(layer, activation=QuantSpec(dtype="int16", ...))``) instead of fp32 when that
     still meets the budget (checked with one more compiled simulated graph; int16 qparams
     come from the calibrated ranges), else they fall back to fp32.
+    ``holdout``: the last ``holdout`` samples of the dataset are kept out of calibration and
+    of the ranking; a layer group the search adds is kept only if it also raises the output
+    SQNR on them (else it is skipped and the search goes on with the next one), so the
+    fp32 layers are the ones that help beyond the calibration samples. With a callable
+    ``metric`` the held-out check uses the output SQNR too (the metric decides the budget).
     """
 
     metric: Any = "sqnr"
@@ -439,9 +539,12 @@ class AutoFallback(Fallback):
     max_fp32_layers: int = 8
     ranking: str = "local"
     precision: str = "fp32"
+    holdout: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.holdout, int) or isinstance(self.holdout, bool) or self.holdout < 0:
+            raise ValueError(f"AutoFallback.holdout must be an int >= 0, got {self.holdout!r}")
         if not (self.metric == "sqnr" or callable(self.metric)):
             raise ValueError(
                 f"AutoFallback.metric must be 'sqnr' or a callable metric(run) -> float, got {self.metric!r}"
@@ -476,6 +579,7 @@ class AutoFallback(Fallback):
             max_fp32_layers=self.max_fp32_layers,
             ranking=self.ranking,
             precision=self.precision,
+            holdout=self.holdout,
         )
         return d
 

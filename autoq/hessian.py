@@ -231,6 +231,15 @@ class Hessian:
         self.row_sum += cols.sum(axis=2)
         self.rows += cols.shape[2]
 
+    def merge(self, other: Hessian) -> None:
+        """Add ``other``'s rows (another shard of the same layer's inputs): the result is
+        that of one Hessian fed both shards, up to float64 summation order."""
+        if other.sum.shape != self.sum.shape:
+            raise ValueError(f"cannot merge Hessians of shapes {other.sum.shape}, {self.sum.shape}")
+        self.sum += other.sum
+        self.row_sum += other.row_sum
+        self.rows += other.rows
+
     def matrix(self) -> np.ndarray:
         """``(G, K, K)`` float64; raises before any update."""
         self._check()

@@ -50,14 +50,14 @@ class ShardRunner:
         self.stats = {"run_s": 0.0, "observe_s": 0.0}
 
     def load(self, samples: Iterable[dict]) -> int:
-        """Cache the shard's samples (``{input name: array}``); returns how many."""
-        n = 0
-        for i, sample in enumerate(samples):
+        """Cache the shard's samples (``{input name: array}``) after those loaded before;
+        returns how many the shard holds."""
+        for sample in samples:
             for name, key in self.plan.inputs:
-                self.cache.put((key, i), sample[name])
-            n = i + 1
-        self.n = n
-        return n
+                self.cache.put((key, self.n), sample[name])
+            self.n += 1
+        self.stats["samples"] = self.n
+        return self.n
 
     def run_prologue(self) -> None:
         """Compute the weight-only values once (the same on every shard)."""
@@ -86,6 +86,22 @@ class ShardRunner:
             obs.update(np.asarray(x))
         self.stats["observe_s"] += time.perf_counter() - t0
         return obs
+
+    def feed(self, slot: str, sink):
+        """Feed ``slot``'s input on every sample of this shard to ``sink.update`` (any
+        mergeable statistic, e.g. the Hessians of :mod:`autoq.weight_tuning`); returns it."""
+        t0 = time.perf_counter()
+        for x in self._batches(slot):
+            sink.update(np.asarray(x))
+        self.stats["observe_s"] += time.perf_counter() - t0
+        return sink
+
+    def update_static(self, values: dict[int, np.ndarray]) -> None:
+        """Replace weight / weight-qparam inputs (key -> array) chosen by calibration and
+        recompute the prologue from them."""
+        for k, v in values.items():
+            self.static[k] = tvm.runtime.tensor(np.array(v, order="C"))
+        self.run_prologue()
 
     def run_segment(
         self,

@@ -36,8 +36,8 @@ from .config import Config, QuantSpec, compile_rule
 from .exits import exit_tensors, int32_carriers
 from .graph import Graph, WeightRef
 from .matching import Matched, as_matched, closest
-from .primitives import qrange
-from .qparams import SlotInfo
+from .primitives import dequantize, qrange
+from .qparams import QParams, SlotInfo
 from .registry import Match, slot_id_of
 from .toolkit import BindingWriter, const, free_vars, is_call, remap_expr, shape_of, with_main
 
@@ -56,6 +56,8 @@ class SlotPlan:
     weights: dict[str, tuple[np.ndarray, int | None]] = field(default_factory=dict)
     #: layer -> (input slot, output slot, activation) of its lookup table (autoq.activations)
     tables: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    #: layer -> (flat float bias, input slot, weight slot) of a bias read as an input
+    biases: dict[str, tuple[np.ndarray, str, str]] = field(default_factory=dict)
 
 
 class _LazyQ:
@@ -124,6 +126,8 @@ class SimContext:
         #: layer -> its ``<layer>.table`` input (lookup-table activations)
         self.table_vars: dict[str, relax.Var] = {}
         self.sq_vars: dict[str, relax.Var] = {}
+        #: ``<layer>.weight`` / ``<layer>.bias`` -> the input holding its (tuned) float value
+        self.value_vars: dict[str, relax.Var] = {}
         self._acts: dict[str, _LazyQ] = {}
         self.match: Match | None = None
         self.tensor_id = slot_id_of(g, matches)
@@ -196,6 +200,16 @@ class SimContext:
         self.qparam_vars[sid] = (s, z)
         return s, z
 
+    def _value_input(self, key: str, expr, shape) -> relax.Expr:
+        """``expr``'s value, or with ``Config.tunes_weights`` a runtime input ``<key>.value``
+        (calibration may replace a weight by the dequantized integers it chose, a bias by the
+        corrected one: :mod:`autoq.weight_tuning`; :meth:`SimResult.input_values`)."""
+        if not self.config.tunes_weights:
+            return self.value(expr)
+        var = relax.Var(f"{key}.value", relax.TensorType(list(shape), "float32"))
+        self.value_vars[key] = var
+        return var
+
     # ---- slots
     def activation(self, expr) -> _LazyQ:
         """The quantized version of an activation tensor (one slot per tensor, shared)."""
@@ -250,10 +264,9 @@ class SimContext:
             sid, "weight", spec, arr.shape, ax, length, arr.shape, self.match.pattern.name
         )
         self.plan.weights[sid] = (arr, ax)
+        src = self._value_input(sid, expr, arr.shape)
         q = self.emit(
-            qnn.simulated_quantize(
-                self.value(expr), s, z, axis=-1 if ax is None else ax, dtype=spec.dtype
-            ),
+            qnn.simulated_quantize(src, s, z, axis=-1 if ax is None else ax, dtype=spec.dtype),
             f"{sid}.q",
         )
         return _LazyQ(self, q, s, z, ax)
@@ -264,7 +277,14 @@ class SimContext:
         """The int32-quantized bias (scale ``acc_scale``, zp 0) shaped to add to the accumulator."""
         ref = self.g.weight_of(expr)
         n = int(np.prod(ref.array.shape))
-        flat = self.emit(relax.op.reshape(self.value(expr), [n]))
+        key = f"{self.layer}.bias"
+        if self.config.tunes_weights:
+            flat = self._value_input(key, expr, [n])
+            x_sid = self.tensor_id(self.match["data"])
+            arr = np.asarray(ref.array, np.float32).reshape(-1)
+            self.plan.biases[self.layer] = (arr, x_sid, f"{self.layer}.weight")
+        else:
+            flat = self.emit(relax.op.reshape(self.value(expr), [n]))
         zeros = const(np.zeros([n] if acc_scale.ty.ndim == 1 else [], np.int32))
         q = self.emit(qnn.simulated_quantize(flat, acc_scale, zeros, axis=0, dtype="int32"))
         shape = [1] * len(out_shape)
@@ -347,17 +367,39 @@ class SimResult:
     matched: Matched | None = None
     #: layer -> its ``<layer>.table`` input (see :meth:`SimContext.lut_output`)
     table_vars: dict[str, relax.Var] = field(default_factory=dict)
+    #: ``<layer>.weight`` / ``<layer>.bias`` -> its value input (``Config.tunes_weights``)
+    value_vars: dict[str, relax.Var] = field(default_factory=dict)
 
     def input_values(self, qparams) -> dict[str, np.ndarray]:
-        """The value of every qparam and table input of ``mod["main"]``, by parameter name,
-        for ``qparams`` (switches and weights not included)."""
+        """The value of every qparam, table and weight-value input of ``mod["main"]``, by
+        parameter name, for ``qparams`` (switches and weights not included)."""
         out: dict[str, np.ndarray] = {}
         for sid, (s, z) in self.qparam_vars.items():
             out[s.name] = np.asarray(qparams[sid].scale, np.float32)
             out[z.name] = np.asarray(qparams[sid].zero_point, np.int32)
         for layer, var in self.table_vars.items():
             out[var.name] = self.table(layer, qparams)
+        for key, var in self.value_vars.items():
+            out[var.name] = self.value_input(key, qparams)
         return out
+
+    def value_input(self, key: str, qparams=None) -> np.ndarray:
+        """The float value of weight-value input ``key`` (``<layer>.weight`` or
+        ``<layer>.bias``): the integers ``qparams.values[key]`` chose, dequantized (they
+        quantize back to themselves exactly: ``|q| <= 2**22``, see ``BIAS_LIMIT``), else the
+        model's float tensor."""
+        fixed = qparams.values if isinstance(qparams, QParams) else {}
+        if key in self.plan.weights:
+            arr = self.plan.weights[key][0]
+            if key not in fixed:
+                return arr
+            qp = qparams[key]
+            return dequantize(fixed[key], qp.scale, qp.zero_point, qp.axis)
+        arr, x_sid, w_sid = self.plan.biases[key.removesuffix(".bias")]
+        if key not in fixed:
+            return arr
+        acc = np.float32(qparams[x_sid].scale) * qparams[w_sid].scale  # the graph's float32
+        return (fixed[key].astype(np.float64) * acc.astype(np.float64)).astype(np.float32)
 
     def table(self, layer: str, qparams) -> np.ndarray:
         """``layer``'s lookup table (float32 integers) for ``qparams``."""
@@ -457,7 +499,7 @@ def simulate(
 
     def qparam_inputs():
         qvars = [v for pair in ctx.qparam_vars.values() for v in pair]
-        qvars += list(ctx.table_vars.values())
+        qvars += list(ctx.table_vars.values()) + list(ctx.value_vars.values())
         return qvars + [ctx.switch_vars[m.layer] for m in matches if m.layer in ctx.switch_vars]
 
     func = build_function(g, ctx, matches, "simulate", qparam_inputs)
@@ -473,4 +515,5 @@ def simulate(
         layer_slots=dict(ctx.layer_slots),
         matched=matched,
         table_vars=dict(ctx.table_vars),
+        value_vars=dict(ctx.value_vars),
     )

@@ -261,9 +261,13 @@ def quantize_row(name, mod, params, calib, evals, ref, config, note="") -> Row:
     import autoq
 
     t0 = time.perf_counter()
-    qmod = autoq.quantize(mod, params, calib, config)
+    res = autoq.Quantizer(config).run(mod, params, calib)
     secs = time.perf_counter() - t0
-    return Row(name, agreement(ref, run_tvm(qmod, evals)), secs, note)
+    t = res.timings
+    cost = f"calibrate {t.get('calibrate', 0):.1f} s"
+    if "calibrate.weight_tuning" in t:
+        cost += f" (of which weight tuning {t['calibrate.weight_tuning']:.1f} s)"
+    return Row(name, agreement(ref, run_tvm(res.module, evals)), secs, f"{note}; {cost}")
 
 
 def _int16(per_channel: bool):
@@ -280,21 +284,34 @@ def baseline_configs() -> dict[str, tuple[object, str]]:
     import autoq
 
     base = autoq.Config(progress=False)
+    plain = base.replace(weight_rounding="nearest", bias_correction=False, scale_search=False)
     return {
-        "default": (base, "w int8 per-channel max, a int8 mse, topological"),
+        "default": (base, "autoq's defaults"),
+        "nearest": (plain, "w int8 per-channel max, nearest; a int8 mse, topological"),
+        "gptq": (plain.replace(weight_rounding="gptq"), "+ GPTQ weight rounding"),
+        "bias_corr": (plain.replace(bias_correction=True), "+ bias correction"),
+        "search": (plain.replace(scale_search=True), "+ output-MSE weight scale search"),
+        "gptq+bc": (
+            plain.replace(weight_rounding="gptq", bias_correction=True),
+            "+ GPTQ + bias correction",
+        ),
+        "all": (
+            plain.replace(weight_rounding="gptq", bias_correction=True, scale_search=True),
+            "+ GPTQ + bias correction + scale search",
+        ),
         "a16": (
-            base.replace(overrides=(autoq.Override("*", activation=_int16(False)),)),
+            plain.replace(overrides=(autoq.Override("*", activation=_int16(False)),)),
             "w int8, a int16: weight error (+ a small activation error)",
         ),
         "w16": (
-            base.replace(overrides=(autoq.Override("*", weight=_int16(True)),)),
+            plain.replace(overrides=(autoq.Override("*", weight=_int16(True)),)),
             "a int8, w int16: activation error",
         ),
         "percentile": (
-            base.replace(activation=autoq.QuantSpec(calibrator="percentile")),
+            plain.replace(activation=autoq.QuantSpec(calibrator="percentile")),
             "a int8 percentile 99.99",
         ),
-        "max": (base.replace(activation=autoq.QuantSpec(calibrator="max")), "a int8 max"),
+        "max": (plain.replace(activation=autoq.QuantSpec(calibrator="max")), "a int8 max"),
     }
 
 

@@ -1,0 +1,152 @@
+"""Data-aware weights inside calibration (autoq.weight_tuning; Config.weight_rounding,
+bias_correction, scale_search): each checked against numpy references on small models, and
+the realized int8 module against the simulated graph, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from autoq import Config, calibrate, realize, simulate
+from autoq import primitives as P
+from autoq.calibrate import samples_for
+from autoq.fidelity import compare
+from autoq.gptq import rtn
+from autoq.qparams import QParams
+from autoq.weight_tuning import layer_tasks
+from models import TARGET, Runner, conv2d_nchw, small_cnn, two_convs
+
+PLAIN = Config(progress=False, weight_rounding="nearest", bias_correction=False, scale_search=False)
+
+
+def _smooth(n, seed, offset=0.0):
+    """Images with spatially correlated pixels (upsampled 4x4 noise plus a little noise),
+    like photos: neighbouring kernel taps see similar values, which GPTQ exploits."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        x = np.kron(rng.normal(size=(1, 3, 4, 4)), np.ones((1, 1, 2, 2)))
+        out.append((x + offset + 0.1 * rng.normal(size=x.shape)).astype(np.float32))
+    return out
+
+
+def _calibrated(make, config, n=16, data=None):
+    mod, params, own = make()
+    data = data or own
+    sim = simulate(mod, params, config)
+    qp = calibrate(sim, params, data(n, 1), config, target=TARGET)
+    return mod, params, data, sim, qp
+
+
+def _input_slot(sim, layer):
+    return next(t.input_slot for ts in layer_tasks(sim).values() for t in ts if t.layer == layer)
+
+
+def _layer_input(sim, qp, layer, samples):
+    """A first layer's quantized input on ``samples`` (dequantized), stacked."""
+    x = qp[_input_slot(sim, layer)]
+    return np.concatenate(
+        [
+            P.dequantize(P.quantize(s, x.scale, x.zero_point, x.dtype), x.scale, x.zero_point)
+            for s in samples
+        ]
+    ).astype(np.float64)
+
+
+def test_config_options_round_trip_and_are_validated():
+    cfg = Config(weight_rounding="gptq", bias_correction=True, scale_search=True)
+    assert Config.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ValueError, match="weight_rounding"):
+        Config(weight_rounding="adaround")
+    with pytest.raises(TypeError, match="bias_correction"):
+        Config(bias_correction="yes")
+
+
+def test_gptq_lowers_the_layer_output_error_versus_round_to_nearest():
+    """On the calibration data, ``||conv(X, W) - conv(X, W_q)||`` for the integers GPTQ
+    chose (``QParams.values``) is below round-to-nearest's with the same scales."""
+    cfg = PLAIN.replace(weight_rounding="gptq")
+    _, params, data, sim, qp = _calibrated(two_convs, cfg, data=_smooth)
+    assert qp.meta["weight_tuning"]["gptq"] == 2
+    x = _layer_input(sim, qp, "c1", data(16, 1))
+    w, wq = params["c1.weight"].astype(np.float64), qp["c1.weight"]
+    ref = conv2d_nchw(x, w, pad=1)
+    near = rtn(w.reshape(4, -1), wq.scale).reshape(w.shape)
+    errs = {}
+    for name, q in (("gptq", qp.values["c1.weight"]), ("nearest", near)):
+        wd = P.dequantize(q, wq.scale, wq.zero_point, axis=0).astype(np.float64)
+        errs[name] = float(((conv2d_nchw(x, wd, pad=1) - ref) ** 2).mean())
+    assert errs["gptq"] < 0.8 * errs["nearest"], errs
+
+
+def test_bias_correction_removes_the_mean_output_shift():
+    """Per output channel, the mean of the int8 layer's accumulator (weights and the
+    corrected int32 bias dequantized) equals the float layer's on the same inputs to within
+    half an accumulator step; without correction it does not."""
+
+    def shifted(n, seed):  # inputs with a mean (as after a ReLU): the shift is W error * E[x]
+        return _smooth(n, seed, offset=2.0)
+
+    _, params, data, sim, qp = _calibrated(
+        two_convs, PLAIN.replace(bias_correction=True), data=shifted
+    )
+    x = _layer_input(sim, qp, "c1", data(16, 1))
+    w, b = params["c1.weight"].astype(np.float64), params["c1.bias"].astype(np.float64)
+    wq, sx = qp["c1.weight"], qp[_input_slot(sim, "c1")].scale
+    acc = (np.float32(sx) * wq.scale).astype(np.float64)
+    wd = P.dequantize(P.quantize(w, wq.scale, 0, "int8", 0), wq.scale, 0, axis=0)
+    mean_fp = (conv2d_nchw(x, w, pad=1) + b[:, None, None]).mean(axis=(0, 2, 3))
+    conv_q = conv2d_nchw(x, wd.astype(np.float64), pad=1).mean(axis=(0, 2, 3))
+    corrected = conv_q + qp.values["c1.bias"] * acc
+    plain = conv_q + P.quantize_bias(b, sx, wq.scale).values * acc
+    assert np.all(np.abs(corrected - mean_fp) <= 0.5 * acc + 1e-9)
+    assert np.abs(plain - mean_fp).max() > 10 * acc.max()
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"weight_rounding": "gptq"},
+        {"bias_correction": True},
+        {"scale_search": True},
+        {"weight_rounding": "gptq", "bias_correction": True, "scale_search": True},
+    ],
+    ids=["gptq", "bias_correction", "scale_search", "all"],
+)
+def test_realized_module_equals_the_simulation_bit_for_bit(changes):
+    config = PLAIN.replace(**changes)
+    mod, params, data, sim, qp = _calibrated(small_cnn, config, n=8)
+    qp = QParams.loads(qp.dumps())  # the integers survive JSON
+    real = realize(mod, params, qp, config)
+    test = samples_for(data(3, 7), sim.graph.inputs)
+    rep = compare(sim, real, qp, test, target=TARGET)
+    assert rep.exact and set(rep.elements) == set(sim.activation_slots()), rep.table()
+    f, q = Runner(mod, params), Runner(real)
+    x = data(3, 7)
+    ref, got = np.stack([f(s) for s in x]), np.stack([q(s) for s in x])
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.04
+    if changes.get("scale_search"):  # the searched scales were realized
+        base = _calibrated(small_cnn, PLAIN, n=8)[4]
+        assert any(not np.array_equal(qp[s].scale, base[s].scale) for s in sim.weight_slots())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int16"])
+def test_automatic_fallback_keeps_the_tuned_integers(precision):
+    """The fallback search's final qparams carry the integers calibration chose for the
+    layers still quantized (a corrected bias re-quantized for an int16 input), and the
+    realized module still equals its simulation."""
+    from autoq import AutoFallback, Quantizer
+
+    mod, params, data = small_cnn()
+    fb = AutoFallback(min_sqnr=200.0, max_fp32_layers=1, precision=precision)
+    config = PLAIN.replace(weight_rounding="gptq", bias_correction=True, fallback=fb)
+    res = Quantizer(config, target=TARGET).run(mod, params, data(8, 1))
+    assert res.decision.layers
+    kept = [m.layer for m in res.matched.active(res.config.fallback)]
+    assert {k.rsplit(".", 1)[0] for k in res.qparams.values} == {
+        x for x in kept if f"{x}.weight" in res.qparams
+    }
+    sim = simulate(mod, params, res.config)
+    test = samples_for(data(3, 7), sim.graph.inputs)
+    rep = compare(sim, res.module, res.qparams, test, target=TARGET)
+    assert rep.exact, rep.table()
