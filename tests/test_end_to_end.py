@@ -249,9 +249,17 @@ def test_unbounded_attention_masks_stay_fp32():
     assert str(q.attrs["autoq.skipped_unbounded"]) == "add_0"
     got = np.stack([Runner(q)(s["x"], s["mask"]) for s in test])
     assert rel_err(got, ref) < TOL
+    # with the guard off, the scale health check keeps the mask add in fp32 instead
+    caught = autoq.Quantizer(Config(progress=False, skip_unbounded=False), target=TARGET)
+    caught = caught.run(mod, params, data)
+    assert caught.fp32_layers.get("add_0") == "unusable scale (scale health)", caught.fp32_layers
     # quantizing the mask anyway destroys the scores (every score rounds to one value)
     bad = autoq.quantize(
-        mod, params, data, Config(progress=False, skip_unbounded=False), target=TARGET
+        mod,
+        params,
+        data,
+        Config(progress=False, skip_unbounded=False, check_scales=False),
+        target=TARGET,
     )
     worse = np.stack([Runner(bad)(s["x"], s["mask"]) for s in test])
     assert rel_err(worse, ref) > 5 * rel_err(got, ref)
