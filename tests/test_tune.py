@@ -48,8 +48,10 @@ def one_conv():
     return q, image_data((1, 4, 8, 8), 9, 2)
 
 
-def outputs(qmod, samples, database=None):
-    vm = relax.VirtualMachine(autoq.compile(qmod, database=database), tvm.cpu())
+def outputs(qmod, samples, database=None, cpu_kernels=False):
+    vm = relax.VirtualMachine(
+        autoq.compile(qmod, database=database, cpu_kernels=cpu_kernels), tvm.cpu()
+    )
     return [vm["main"](tvm.runtime.tensor(x)).numpy() for x in samples]
 
 
@@ -89,14 +91,24 @@ def test_bad_arguments_name_the_option(tmp_path):
 def test_tune_writes_a_database_that_compiles_reuse(tmp_path):
     qmod, samples = one_conv()
     folder = tmp_path / "tuning"
-    r = tune(qmod, trials=2, trials_per_task=1, database=folder, cost_model="random", seed=0)
+    r = tune(
+        qmod, trials=2, trials_per_task=1, database=folder, cost_model="random", seed=0,
+        cpu_kernels=False,
+    )  # fmt: skip
     assert (r.tasks, r.reused, r.trials, r.failed) == (2, 0, 2, 0), r
     assert (folder / WORKLOAD_FILE).is_file() and (folder / RECORD_FILE).is_file()
     check_tuned(qmod, samples, folder)
     # the same shapes again: nothing left to tune, no trial measured
-    again = tune(qmod, trials=8, database=folder, cost_model="random")
+    again = tune(qmod, trials=8, database=folder, cost_model="random", cpu_kernels=False)
     assert (again.tasks, again.reused, again.trials) == (2, 2, 0), again
     assert "no new trials" in again.summary()
+    # with autoq's CPU kernels (the default) the conv keeps its own schedule: not a task
+    kern = tune(qmod, trials=2, trials_per_task=1, database=folder, cost_model="random")
+    assert kern.tasks < r.tasks, (kern, r)
+    for got, ref in zip(
+        outputs(qmod, samples, folder, cpu_kernels=True), outputs(qmod, samples), strict=True
+    ):
+        assert np.array_equal(got, ref)
 
 
 def _free_port() -> int:
@@ -180,6 +192,7 @@ def test_tune_measures_through_an_rpc_tracker(tmp_path, rpc_tracker):
         rpc=rpc_tracker,
         cost_model="random",
         seed=0,
+        cpu_kernels=False,
     )
     assert (r.tasks, r.trials, r.failed) == (2, 2, 0), r
     check_tuned(qmod, samples, folder)
