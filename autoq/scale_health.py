@@ -96,8 +96,16 @@ class HealthObserver:
         self.hi = max(self.hi, float(x.max()))
 
     def merge(self, other: HealthObserver) -> None:
-        self.counts += other.counts
-        self.lo, self.hi = min(self.lo, other.lo), max(self.hi, other.hi)
+        self.merge_state(other.state())
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Plain numpy (a worker of a distributed calibration sends it): exact to merge."""
+        return {"counts": self.counts.copy(), "range": np.array([self.lo, self.hi])}
+
+    def merge_state(self, state: dict[str, np.ndarray]) -> None:
+        self.counts += state["counts"]
+        self.lo = min(self.lo, float(state["range"][0]))
+        self.hi = max(self.hi, float(state["range"][1]))
 
     def compute(self, spec=None) -> SlotHealth:
         n, nz, col, clip = (int(v) for v in self.counts)
