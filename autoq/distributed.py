@@ -261,6 +261,7 @@ def calibrate_distributed(
         for v in sim.graph.inputs
     ]
     t1 = time.perf_counter()
+    health: dict = {}  # the scale health of the activation slots (topological mode)
     with ShardSet(client, specs, dataset, config, shards) as shard_set:
         stats["load_s"] = time.perf_counter() - t1
         stats["shards"] = shard_set.count
