@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (quiet_startup runs before the slow imports)
 """autoq: post-training auto-quantization for Apache TVM Relax.
 
 ``autoq.quantize(mod, params, dataset, config)`` runs the three stages
@@ -7,28 +8,38 @@ timings and warnings); the stages are exposed for users who need them, and calib
 results are data (:class:`QParams`).
 """
 
+from .interrupts import quiet_startup
+
+quiet_startup()  # the ``autoq`` command: a Ctrl-C while importing prints one line
+
 from . import primitives, qnn  # noqa: F401  (importing qnn registers the qnn.* ops)
 from .analysis import Analysis, analyze
 from .auto_fallback import FallbackDecision
-from .build import compile, default_target, export_library, load_library
+from .build import compile, default_target, export_library, load_library, set_threads
 from .calibrate import calibrate
-from .config import AutoFallback, Config, Fallback, Override, QuantSpec
+from .config import AutoFallback, Config, Distributed, Fallback, Override, QuantSpec
+from .errors import AutoqError, DatasetError, InputError
 from .frontends import from_onnx, from_torch
 from .import_quantized import import_quantized
-from .pipeline import Quantizer, QuantizeResult, quantize
+from .pipeline import Quantizer, QuantizeResult, check_scales, quantize
 from .qparams import QParam, QParams, load_qparams
 from .realize import realize
 from .report import Report
 from .simulate import SimResult, simulate
+from .tune import tune
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Analysis",
     "AutoFallback",
+    "AutoqError",
     "Config",
+    "DatasetError",
+    "Distributed",
     "Fallback",
     "FallbackDecision",
+    "InputError",
     "Override",
     "QParam",
     "QParams",
@@ -39,6 +50,7 @@ __all__ = [
     "SimResult",
     "analyze",
     "calibrate",
+    "check_scales",
     "compile",
     "default_target",
     "export_library",
@@ -49,5 +61,7 @@ __all__ = [
     "load_qparams",
     "quantize",
     "realize",
+    "set_threads",
     "simulate",
+    "tune",
 ]

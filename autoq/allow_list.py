@@ -54,12 +54,19 @@ def _relu(call, x, grid: Grid):
 
 
 def _clip(call, x, grid: Grid):
+    """``maximum(minimum(q, Q(hi)), Q(lo))``, each side dropped when its bound covers the
+    grid (``Q(hi) == qmax``, ``Q(lo) == qmin``: the identity on every integer of the dtype);
+    ``x`` itself when both do (a relu6 whose slot is calibrated on [0, 6], say)."""
     if grid.of is None:
         return None
-    lo, hi = float(call.args[1].value), float(call.args[2].value)
-    return relax.op.maximum(
-        relax.op.minimum(x, const(grid.of(hi), grid.dtype)), const(grid.of(lo), grid.dtype)
-    )
+    qmin, qmax = qrange(grid.dtype)
+    lo = grid.of(float(call.args[1].value))
+    hi = grid.of(float(call.args[2].value))
+    if hi < qmax:
+        x = relax.op.minimum(x, const(hi, grid.dtype))
+    if lo > qmin:
+        x = relax.op.maximum(x, const(lo, grid.dtype))
+    return x
 
 
 def _pad(call, x, grid: Grid):
@@ -108,7 +115,11 @@ def _moves(doc: str, **kw) -> AllowRule:
 
 ALLOW_LIST: dict[str, AllowRule] = {
     "relax.nn.relu": _moves("max(q, zero_point)", integer=_relu, per_axis=True),
-    "relax.clip": _moves("clip(q, Q(lo), Q(hi))", integer=_clip, dequantize_below=False),
+    "relax.clip": _moves(
+        "clip(q, Q(lo), Q(hi)); a side whose bound covers the grid is dropped",
+        integer=_clip,
+        dequantize_below=False,
+    ),
     "relax.nn.max_pool2d": _moves("max pool on integers", per_axis=True),
     "relax.reshape": _moves("same op on integers"),
     "relax.permute_dims": _moves("same op on integers"),

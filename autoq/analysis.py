@@ -289,11 +289,17 @@ class Analysis:
     def report(self) -> Report:
         """Run the analysis over the dataset (see the module docstring)."""
         t0 = time.perf_counter()
-        tally = _Tally(self.act_slots, self._plans, P.qrange(self.accumulator))
+        tally = self._tally()
         fp32_outs = []
         for sample in self.samples:
             fp32_outs.append(self._report_sample(sample, tally))
         self._fp32_outputs = fp32_outs
+        return self._finish(tally, len(fp32_outs), t0)
+
+    def _tally(self, make=None) -> _Tally:
+        return _Tally(self.act_slots, self._plans, P.qrange(self.accumulator), make)
+
+    def _finish(self, tally: _Tally, samples: int, t0: float) -> Report:
         slots = [self._slot_stats(sid, info, tally) for sid, info in self.sim.slots.items()]
         layers = [tally.layer_stats(p, self.sim.layer_slots.get(p.name, [])) for p in self._plans]
         self.timings["report_s"] = time.perf_counter() - t0
@@ -303,9 +309,37 @@ class Analysis:
             output_sqnr=tally.output.sqnr,
             output_cos=tally.output.cos,
             accumulator=self.accumulator,
-            samples=len(fp32_outs),
+            samples=samples,
             meta={"timings": dict(self.timings)},
         )
+
+    def shard_sums(self) -> dict:
+        """The worker half of a distributed :meth:`report` over this analysis' samples, as
+        plain data: per sample, the sums (:meth:`ErrorStats.sums`) each statistic received,
+        in order, and the exact counters (clipped values, accumulator maxima, overflows)."""
+        log: list = []
+        tally = self._tally(lambda key: _LoggedStats(key, log))
+        per_sample, fp32_outs = [], []
+        for sample in self.samples:
+            start = len(log)
+            fp32_outs.append(self._report_sample(sample, tally))
+            per_sample.append(log[start:])
+        self._fp32_outputs = fp32_outs
+        return {"sums": per_sample, "counts": tally.counts()}
+
+    def report_from_shards(self, shards: list[dict], order: list[tuple[int, int]]) -> Report:
+        """The report from the :meth:`shard_sums` of several shards: ``order`` lists
+        ``(shard, index in shard)`` of every sample in dataset order. The sums are added in
+        that order, so the report equals :meth:`report` over the whole dataset (the same
+        float additions)."""
+        t0 = time.perf_counter()
+        tally = self._tally()
+        for sh, i in order:
+            for key, sums in shards[sh]["sums"][i]:
+                tally.stats(key).add_sums(*sums)
+        for sh in shards:
+            tally.merge_counts(sh["counts"])
+        return self._finish(tally, len(order), t0)
 
     def _report_sample(self, sample, tally: _Tally):
         """One sample's fp32 and simulated runs, added to ``tally``; its fp32 outputs."""
@@ -358,22 +392,52 @@ class Analysis:
         )
 
 
-class _Tally:
-    """The report's streaming sums: per slot and layer, alone and upstream."""
+class _LoggedStats:
+    """Stands for an :class:`ErrorStats` in a worker: logs ``(key, sums)`` of every add."""
 
-    def __init__(self, act_slots, plans, acc_range):
-        self.output = ErrorStats()
-        self.slot_alone = {s: ErrorStats() for s in act_slots}
-        self.slot_up = {s: ErrorStats() for s in act_slots}
+    def __init__(self, key: tuple, log: list):
+        self.key, self.log = key, log
+
+    def add(self, ref, q) -> None:
+        self.log.append((self.key, ErrorStats.sums(ref, q)))
+
+
+#: the report's exact counters and how shards' values of them merge
+_COUNTERS = {"slot_clip": sum, "slot_n": sum, "acc_max": max, "acc_ovf": sum, "acc_n": sum}
+
+
+class _Tally:
+    """The report's streaming sums: per slot and layer, alone and upstream. ``make(key)``
+    creates each error statistic (default :class:`ErrorStats`); ``key`` is ``(field,
+    slot or layer)``."""
+
+    def __init__(self, act_slots, plans, acc_range, make=None):
+        make = make or (lambda key: ErrorStats())
+        self.output = make(("output", ""))
+        self.slot_alone = {s: make(("slot_alone", s)) for s in act_slots}
+        self.slot_up = {s: make(("slot_up", s)) for s in act_slots}
         self.slot_clip = dict.fromkeys(act_slots, 0)
         self.slot_n = dict.fromkeys(act_slots, 0)
-        self.lay_alone = {p.name: ErrorStats() for p in plans}
-        self.lay_up = {p.name: ErrorStats() for p in plans}
+        self.lay_alone = {p.name: make(("lay_alone", p.name)) for p in plans}
+        self.lay_up = {p.name: make(("lay_up", p.name)) for p in plans}
         accumulating = [p.name for p in plans if p.acc is not None]
         self.acc_max = dict.fromkeys(accumulating, 0.0)
         self.acc_ovf = dict.fromkeys(accumulating, 0)
         self.acc_n = dict.fromkeys(accumulating, 0)
         self.lo, self.hi = acc_range
+
+    def stats(self, key: tuple):
+        field, name = key
+        return self.output if field == "output" else getattr(self, field)[name]
+
+    def counts(self) -> dict:
+        return {f: dict(getattr(self, f)) for f in _COUNTERS}
+
+    def merge_counts(self, counts: dict) -> None:
+        for f, combine in _COUNTERS.items():
+            mine = getattr(self, f)
+            for k, v in counts[f].items():
+                mine[k] = combine((mine[k], v))
 
     def slot(self, sid: str, ref, pre, qp) -> None:
         """``ref``: the fp32 tensor; ``pre``: the simulated graph's input to the quantize."""

@@ -134,14 +134,15 @@ def _int16_overrides(config: Config, layers: Sequence[str]) -> tuple[Override, .
     return (*config.overrides, *(Override(layer, activation=spec) for layer in layers))
 
 
-def _evaluator(an: Analysis, fb: AutoFallback):
+def _evaluator(an: Analysis, fb: AutoFallback, sqnr=None):
     """(name, reference, score(disabled_layers), within(score), budget text) for
-    ``fb.metric``."""
+    ``fb.metric``; ``sqnr(disabled)`` computes the SQNR metric elsewhere (the workers of a
+    distributed run), the same value."""
     if fb.metric == "sqnr":
-        ref_outs = an.run_fp32()
+        ref_outs = None if sqnr is not None else an.run_fp32()
 
         def score_sqnr(disabled):
-            return sqnr_db(ref_outs, an.run(disabled))
+            return sqnr_db(ref_outs, an.run(disabled)) if sqnr is None else sqnr(disabled)
 
         return (
             "output SQNR (dB)",
@@ -252,13 +253,14 @@ def split_holdout(dataset, n: int) -> tuple:
 
 
 def search_fallback(
-    an: Analysis, fb: AutoFallback, report: Report | None = None, held=()
+    an: Analysis, fb: AutoFallback, report: Report | None = None, sqnr=None, held=()
 ) -> FallbackDecision:
-    """Rank the layers of ``an`` and find the fewest to keep in fp32 (module docstring);
-    ``held``: held-out samples each kept layer group must improve (``AutoFallback.holdout``)."""
+    """Rank the layers of ``an`` and find the fewest to keep in fp32 (module docstring).
+    ``sqnr(disabled)``: the SQNR trials run elsewhere (see :func:`auto_fallback`); ``held``:
+    held-out samples each kept layer group must improve (``AutoFallback.holdout``)."""
     t0 = time.perf_counter()
     report = report or an.report()
-    name, reference, score, within, budget = _evaluator(an, fb)
+    name, reference, score, within, budget = _evaluator(an, fb, sqnr)
     trials: list[dict] = []
 
     def trial(layers: list[str]) -> float:
@@ -366,11 +368,13 @@ def auto_fallback(
     config: Config,
     qparams: QParams | None = None,
     target=None,
+    fan_out=None,
 ) -> FallbackOutcome:
     """Run :class:`AutoFallback` end to end: calibrate (unless ``qparams`` are given),
     analyze, search, and (``precision="int16"``) check the int16 alternative.
     ``model``: the fp32 ``IRModule`` or its :class:`autoq.matching.Matched` (reused, not
-    matched again)."""
+    matched again). ``fan_out(analysis) -> (report, sqnr)``: the report and the SQNR
+    trials computed elsewhere with the same results (``autoq.distributed.AnalysisFanOut``)."""
     fb = config.fallback
     if not isinstance(fb, AutoFallback):
         raise TypeError("config.fallback must be an AutoFallback")
@@ -381,8 +385,8 @@ def auto_fallback(
         sim = simulate(model, params, base_cfg)
         qparams = calibrate(sim, params, dataset, base_cfg, target=target)
     an = Analysis(model, params, dataset, qparams, base_cfg, target)
-    report = an.report()
-    decision = search_fallback(an, fb, report, held)
+    report, sqnr = (an.report(), None) if fan_out is None else fan_out(an)
+    decision = search_fallback(an, fb, report, sqnr, held)
     final_cfg, final_qp = decision.config(base_cfg), None
     if fb.precision == "int16" and decision.layers:
         final_cfg, final_qp = _try_int16(an, model, params, dataset, fb, decision, final_cfg)

@@ -7,7 +7,12 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-__all__ = ["compile", "default_target", "export_library", "load_library"]
+from .cpu.injective import ScheduleFused
+from .cpu.lowering import lower_to_cpu_kernels
+from .errors import LibraryError
+from .library_file import check_library, write_stamp
+
+__all__ = ["compile", "default_target", "export_library", "load_library", "set_threads"]
 
 
 def default_target() -> tvm.target.Target:
@@ -16,26 +21,88 @@ def default_target() -> tvm.target.Target:
     return tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
 
 
-def compile(mod: tvm.IRModule, target=None, fuse: bool = True):
-    """``tvm.compile`` with the default Relax pipeline for ``target`` (fusion on by default)."""
+def compile(
+    mod: tvm.IRModule, target=None, fuse: bool = True, cpu_kernels: bool = True, database=None
+):
+    """``tvm.compile`` with the default Relax pipeline for ``target`` (fusion on by default).
+
+    ``cpu_kernels``: on x86 LLVM targets with AVX-512 VNNI or AVX2, int8 conv2d/dense/matmul
+    with constant weights run on autoq's packed, tensorized kernels (:mod:`autoq.cpu`);
+    False keeps the generic lowering of the ``qnn.*`` ops (same results, bit for bit).
+    ``database``: a tuning database folder written by :func:`autoq.tune` with the same
+    ``cpu_kernels`` (its kernels get their tuned schedules; the others compile as without it).
+    """
     target = target or default_target()
     if isinstance(target, dict):
         target = tvm.target.Target(target)
-    pipeline = relax.get_default_pipeline(target) if fuse else None
+    if cpu_kernels:
+        mod = lower_to_cpu_kernels(mod, target)
+    if database is not None:
+        from .tuning_database import pipeline_with_database
+
+        return tvm.compile(mod, target, relax_pipeline=pipeline_with_database(target, database))
+    pipeline = None
+    if fuse:
+        pipeline = _kernel_pipeline(target) if cpu_kernels else relax.get_default_pipeline(target)
     if pipeline is None:
         return tvm.compile(mod, target)
     return tvm.compile(mod, target, relax_pipeline=pipeline)
 
 
-def export_library(mod: tvm.IRModule, path: str | Path, target=None) -> Path:
-    """Compile ``mod`` and write a shared library loadable with :func:`load_library`."""
+def _kernel_pipeline(target: tvm.target.Target):
+    """TVM's default CPU pipeline with :class:`autoq.cpu.injective.ScheduleFused` after
+    fusion (the fused elementwise functions run parallel instead of as naive loop nests)."""
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+
+    passes = [
+        *cpu.library_dispatch_passes(target),
+        *cpu.legalize_passes(target),
+        ScheduleFused(),
+        *cpu.dataflow_lower_passes(target),
+        *cpu.finalize_passes(target),
+    ]
+
+    @tvm.transform.module_pass(opt_level=0, name="autoq.KernelPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
+
+
+def export_library(
+    mod: tvm.IRModule, path: str | Path, target=None, cpu_kernels: bool = True, database=None
+) -> Path:
+    """Compile ``mod`` (with the tuning ``database`` folder, if given) and write a shared
+    library loadable with :func:`load_library`, with its stamp ``<path>.autoq.json`` (size
+    and SHA-256, see :mod:`autoq.library_file`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    compile(mod, target).export_library(str(path))
+    compile(mod, target, cpu_kernels=cpu_kernels, database=database).export_library(str(path))
+    write_stamp(path)
     return path
 
 
+def set_threads(n: int) -> None:
+    """Run TVM kernels on ``n`` threads (the default is one per core, or ``TVM_NUM_THREADS``).
+
+    >>> set_threads(1)
+    """
+    if int(n) < 1:
+        raise ValueError(f"set_threads: n must be >= 1 thread, got {n}")
+    # mode 1 = the "big" cores, i.e. all cores on a homogeneous CPU
+    tvm.get_global_func("runtime.config_threadpool")(1, int(n))
+
+
 def load_library(path: str | Path, device=None) -> relax.VirtualMachine:
-    """A VirtualMachine over a library written by :func:`export_library`."""
-    lib = tvm.runtime.load_module(str(path))
-    return relax.VirtualMachine(lib, device or tvm.cpu())
+    """A VirtualMachine over a library written by :func:`export_library`; a missing,
+    truncated, modified or foreign file is a :class:`autoq.errors.LibraryError` naming it."""
+    path = check_library(path)
+    try:
+        lib = tvm.runtime.load_module(str(path))
+        return relax.VirtualMachine(lib, device or tvm.cpu())
+    except Exception as e:  # dlopen errors, a library without a Relax VM executable
+        raise LibraryError(
+            f"{str(path)!r} cannot be loaded as an autoq/TVM model library: "
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        ) from None

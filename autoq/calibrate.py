@@ -8,7 +8,9 @@ graph over the dataset:
 1. the simulated ``main`` is cut into a prologue (everything that depends on weights only,
    computed once) and segments, one starting at each activation slot's quantize
    (:mod:`autoq.calibration_plan`);
-2. all of them are compiled once, in one module (qparams are runtime inputs);
+2. all of them are compiled once, in one module (qparams are runtime inputs), each
+   reduction kernel (conv, matmul, pooling) with a cheap vectorized, parallel schedule that
+   gives the same bits (:mod:`autoq.loop_schedule`);
 3. a :class:`autoq.shard_runner.ShardRunner` holds the samples and runs the segments in
    order over all of them; the values still needed later are cached per sample
    (:class:`autoq.value_cache.ValueCache`: RAM up to ``memory_budget_mb``, then ``.npy``
@@ -36,9 +38,12 @@ from . import calibrators
 from .build import default_target
 from .calibration_plan import CalibrationPlan, build_plan
 from .config import Config, QuantSpec
-from .dataset import InputSpec, as_dataset
+from .dataset import DatasetError, InputSpec, as_dataset, index_bounds
+from .errors import CalibratorError
+from .loop_schedule import pipeline_with_loop_schedule
 from .qparams import QParam, QParams
 from .registry import slot_id_of
+from .scale_health import HealthCheck, SlotHealth, problem
 from .shard_runner import ShardRunner
 from .simulate import SimResult
 from .toolkit import as_list, compile_vm, make_function
@@ -48,21 +53,32 @@ __all__ = [
     "calibrate",
     "calibrate_weights",
     "choose_qparams",
+    "feed_observers",
+    "fp32_observers",
+    "fp32_runner",
+    "fp32_slot_functions",
     "fp32_slot_runner",
+    "make_qparams",
     "observe",
     "run_plan",
     "samples_for",
+    "static_values",
 ]
 
 
 # ------------------------------------------------------------------- dataset
 
 
-def samples_for(dataset, inputs, cache: bool | str = "auto"):
+def samples_for(dataset, inputs, cache: bool | str = "auto", module=None):
     """The validated, repeatable view of ``dataset`` for a model's input Vars
-    (see :func:`autoq.dataset.as_dataset`: errors name the input and the sample)."""
+    (see :func:`autoq.dataset.as_dataset`: errors name the input and the sample). With the
+    ``module`` (its ``main``), integer inputs indexing a table are range-checked too."""
+    bounds = index_bounds(module["main"]) if module is not None else {}
     specs = [
-        InputSpec(v.name, tuple(int(d) for d in v.ty.shape.values), str(v.ty.dtype)) for v in inputs
+        InputSpec(
+            v.name, tuple(int(d) for d in v.ty.shape.values), str(v.ty.dtype), bounds.get(v.name)
+        )
+        for v in inputs
     ]
     return as_dataset(dataset, specs, cache=cache)
 
@@ -93,7 +109,7 @@ def observe(
     obs = cal.observer(axis=axis, data_range=data_range)
     for x in batches:
         obs.update(np.asarray(x))
-    qp = obs.compute(spec)
+    qp = checked_result(obs.compute(spec), cal, "weight")
     if axis is not None and (qp.axis != axis or qp.scale.ndim == 0):
 
         def rep(a):
@@ -116,7 +132,30 @@ def calibrate_weights(sim: SimResult) -> dict[str, QParam]:
         spec = sim.plan.specs[sid]
         channels = None if axis is None else arr.shape[axis]
         out[sid] = observe(spec, [arr], axis, lambda arr=arr: [arr], channels)
+    _fit_zero_weights(sim, out)
     return out
+
+
+def _fit_zero_weights(sim: SimResult, result: dict[str, QParam]) -> None:
+    """All-zero weight channels (pruned filters, a zeroed layer) get the degenerate scale 1,
+    which makes the bias step ``s_x * 1`` as coarse as the input's scale: give them
+    ``|bias| / 2**15`` instead, so the channel's output (its bias) is kept to 16 bits."""
+    for m in sim.matches:
+        wsid = f"{m.layer}.weight"
+        if "bias" not in m.nodes or wsid not in result:
+            continue
+        arr, axis = sim.plan.weights[wsid]
+        qp = result[wsid]
+        bias = np.abs(np.asarray(sim.graph.weight_of(m["bias"]).array, np.float64).reshape(-1))
+        if axis is None or qp.scale.ndim == 0:
+            zero, want = not np.any(arr), bias.max(initial=0.0) / 2**15
+        else:
+            zero = ~np.any(np.moveaxis(arr, axis, 0).reshape(arr.shape[axis], -1), axis=1)
+            want = np.broadcast_to(bias, zero.shape) / 2**15
+        if not np.any(zero & (want > 0)):
+            continue
+        fitted = np.where(zero & (want > 0), want, qp.scale).astype(np.float32)
+        result[wsid] = QParam(fitted, qp.zero_point, qp.dtype, qp.axis, qp.rmin, qp.rmax)
 
 
 # ------------------------------------------------------------------- calibrate
@@ -144,13 +183,14 @@ def calibrate(
     config = config or Config()
     target = target or default_target()
     g = sim.graph
-    samples = samples_for(dataset, g.inputs)
+    samples = samples_for(dataset, g.inputs, module=g.module)
     t0 = time.perf_counter()
     result = calibrate_weights(sim)
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
+    health: dict[str, SlotHealth] = {}
     tuner = None
     if config.calibration == "fp32":
-        acts = _calibrate_fp32(sim, samples, config, target, stats)
+        acts = _calibrate_fp32(sim, samples, config, target, stats, health)
         if config.weight_tuning:
             warnings.warn(
                 "Config.weight_rounding/bias_correction/scale_search run inside topological "
@@ -158,9 +198,26 @@ def calibrate(
                 stacklevel=2,
             )
     else:
-        acts, tuner = _calibrate_topological(sim, samples, result, config, target, stats)
+        acts, tuner = _calibrate_topological(sim, samples, result, config, target, stats, health)
     stats["total_s"] = time.perf_counter() - t0
+    _refuse_constant_inputs(sim, health, samples.num_samples)
     result.update(acts)
+    return make_qparams(sim, result, config, samples.num_samples, stats, health, tuner)
+
+
+def make_qparams(
+    sim: SimResult,
+    result: dict[str, QParam],
+    config: Config,
+    samples: int | None,
+    stats: dict,
+    health: dict[str, SlotHealth] | None = None,
+    tuner=None,
+) -> QParams:
+    """The :class:`QParams` of every slot from ``result`` (slot -> QParam, weights and
+    activations), bias scales fitted (:func:`fit_bias_scales`), with the run's metadata
+    (``health``: the scale health of the activation slots, when it was measured; ``tuner``:
+    the weight tuner whose integer weights and summary go with them)."""
     widened = fit_bias_scales(sim, result)
     meta = {} if tuner is None else {"weight_tuning": tuner.summary()}
     return QParams(
@@ -168,14 +225,40 @@ def calibrate(
         slots=dict(sim.plan.slots),
         meta={
             "calibration": config.calibration,
-            "samples": samples.num_samples,
+            "samples": samples,
             "specs": {s: sp.to_json() for s, sp in sim.plan.specs.items()},
             "bias_widened": widened,
+            "scale_problems": scale_problems(health or {}, result),
             "stats": {k: round(v, 4) for k, v in stats.items()},
             **meta,
         },
         values={} if tuner is None else tuner.values(result),
     )
+
+
+def scale_problems(health: dict, qparams: dict) -> dict[str, str]:
+    """slot -> why its chosen scale is unusable on its calibration values (see
+    :mod:`autoq.scale_health`); healthy slots are left out."""
+    out = {}
+    for sid, h in health.items():
+        why = problem(h, float(np.asarray(qparams[sid].scale).reshape(-1)[0]))
+        if why is not None:
+            out[sid] = why
+    return out
+
+
+def _refuse_constant_inputs(sim: SimResult, health: dict, n) -> None:
+    """A float model input that holds one value in every calibration sample is not
+    calibration data (all-zero images, a placeholder array): every scale chosen from it
+    would be a guess."""
+    for sid, h in health.items():
+        v = sim.plan.tensors.get(sid)
+        if h.constant and any(v is not None and v.same_as(x) for x in sim.graph.inputs):
+            raise DatasetError(
+                f"calibration input {v.name!r} holds the same value ({h.lo:g}) everywhere "
+                f"in all {n} sample(s): scales chosen from it would be guesses and real inputs "
+                "would be clipped; calibrate on real, representative data"
+            )
 
 
 #: |bias / (s_x * s_w)| must stay below this: the int32 bias then never saturates and the
@@ -214,7 +297,7 @@ def fit_bias_scales(sim: SimResult, result: dict[str, QParam]) -> list[str]:
     return changed
 
 
-def _static_values(sim: SimResult, plan: CalibrationPlan, weight_qp: dict) -> dict:
+def static_values(sim: SimResult, plan: CalibrationPlan, weight_qp: dict) -> dict:
     """key -> array: the weights and the weight qparams (inputs of the prologue)."""
     g = sim.graph
     static = {k: g.params[name] for k, name in plan.weight_keys.items()}
@@ -240,16 +323,35 @@ def choose_qparams(runners: list, slot: str, spec: QuantSpec) -> QParam:
     data_range = None
     if getattr(cal, "needs_range", False):
         data_range = _merged([r.range_observer(slot) for r in runners]).data_range()
-    return _merged([r.observer(slot, cal, data_range) for r in runners]).compute(spec)
+    qp = _merged([r.observer(slot, cal, data_range) for r in runners]).compute(spec)
+    return checked_result(qp, cal, slot)
+
+
+def checked_result(qp, calibrator, slot: str) -> QParam:
+    """The calibrator contract's last clause: ``observer.compute(spec)`` returns a QParam."""
+    if not isinstance(qp, QParam):
+        raise CalibratorError(
+            f"calibrator contract: observer.compute(spec) must return an autoq.QParam; "
+            f"calibrator {getattr(calibrator, 'name', calibrator)!r} returned "
+            f"{type(qp).__name__} for slot {slot!r}"
+        )
+    return qp
 
 
 def run_plan(
-    plan: CalibrationPlan, runners: list, specs: dict, config: Config, sim: SimResult, tuner=None
+    plan: CalibrationPlan,
+    runners: list,
+    specs: dict,
+    config: Config,
+    sim: SimResult,
+    health: dict | None = None,
+    tuner=None,
 ) -> dict:
     """The coordinator loop: for each segment, choose its heads' qparams from every
     shard's statistics (and the lookup tables they complete), let ``tuner`` (a
     :class:`autoq.weight_tuning.WeightTuner`) tune the layers reading them, then let every
-    shard run it with them."""
+    shard run it with them. ``health`` (a dict) receives each head's :class:`SlotHealth`
+    for its chosen qparams on the same values."""
     result: dict[str, QParam] = {}
     n = sum(r.n for r in runners)
     bar = _progress(config, len(plan.segments) * n, "calibrating")
@@ -259,6 +361,11 @@ def run_plan(
             for sid in seg.heads:
                 qp = result[sid] = choose_qparams(runners, sid, specs[sid])
                 chosen[sid] = (qp.scale, qp.zero_point)
+                if health is not None:
+                    check = HealthCheck(qp)
+                    health[sid] = _merged([r.observer(sid, check) for r in runners]).compute(
+                        specs[sid]
+                    )
             tables = {
                 layer: sim.table(layer, result)
                 for layer, (_, out_sid, _) in sim.plan.tables.items()
@@ -274,19 +381,29 @@ def run_plan(
     return result
 
 
-def _calibrate_topological(sim, samples, weight_qp, config, target, stats) -> dict[str, QParam]:
+def _pipeline(target):
+    """The simulated graph's kernels with a cheap default schedule (vectorized, parallel;
+    bit-identical results, see :mod:`autoq.loop_schedule`)."""
+    if isinstance(target, dict | str):
+        target = tvm.target.Target(target)
+    return pipeline_with_loop_schedule(target)
+
+
+def _calibrate_topological(
+    sim, samples, weight_qp, config, target, stats, health
+) -> dict[str, QParam]:
     plan, functions = build_plan(sim)
     t0 = time.perf_counter()
-    vm = compile_vm(functions, target, sim.mod)
+    vm = compile_vm(functions, target, sim.mod, pipeline=_pipeline(target))
     stats["compile_s"] = time.perf_counter() - t0
     stats["segments"] = len(plan.segments)
     budget = config.memory_budget_mb * 2**20
-    runner = ShardRunner(vm, plan, _static_values(sim, plan, weight_qp), budget, config.cache_dir)
+    runner = ShardRunner(vm, plan, static_values(sim, plan, weight_qp), budget, config.cache_dir)
     tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None
     try:
         runner.load(samples)
         runner.run_prologue()
-        result = run_plan(plan, [runner], sim.plan.specs, config, sim, tuner)
+        result = run_plan(plan, [runner], sim.plan.specs, config, sim, health, tuner)
         stats.update(runner.stats, **runner.cache_stats())
     finally:
         runner.close()
@@ -296,43 +413,75 @@ def _calibrate_topological(sim, samples, weight_qp, config, target, stats) -> di
     return result, tuner
 
 
-def fp32_slot_runner(sim: SimResult, slots: list[str], target):
-    """``run(samples)``: for each sample, the fp32 values of the tensors that the
-    activation ``slots`` quantize (one compiled float graph with those tensors as outputs)."""
+def fp32_slot_functions(sim: SimResult, slots: list[str]) -> dict:
+    """``{"main": f}``: the float graph ``f(*inputs, *weights)`` returning the tensors that
+    the activation ``slots`` quantize."""
     g = sim.graph
     tensors = [sim.plan.tensors[s] for s in slots]
     params = list(g.inputs) + list(g.weight_params)
-    fn = make_function("main", params, g.bindings, tensors)
-    vm = compile_vm({"main": fn}, target, g.module)
-    weights = [tvm.runtime.tensor(np.ascontiguousarray(g.params[p.name])) for p in g.weight_params]
+    return {"main": make_function("main", params, g.bindings, tensors)}
+
+
+def fp32_runner(vm, input_names: list[str], weights: list[np.ndarray]):
+    """``run(samples)`` over a compiled :func:`fp32_slot_functions`: for each sample, the
+    slots' fp32 values."""
+    weights = [tvm.runtime.tensor(np.ascontiguousarray(w)) for w in weights]
 
     def run(samples):
         for sample in samples:
-            feeds = [tvm.runtime.tensor(np.ascontiguousarray(sample[v.name])) for v in g.inputs]
+            feeds = [tvm.runtime.tensor(np.ascontiguousarray(sample[n])) for n in input_names]
             yield [o.numpy() for o in as_list(vm["main"](*feeds, *weights))]
 
     return run
 
 
-def _calibrate_fp32(sim, samples, config, target, stats) -> dict[str, QParam]:
+def fp32_slot_runner(sim: SimResult, slots: list[str], target):
+    """``run(samples)``: for each sample, the fp32 values of the tensors that the
+    activation ``slots`` quantize (one compiled float graph with those tensors as outputs)."""
+    g = sim.graph
+    vm = compile_vm(fp32_slot_functions(sim, slots), target, g.module, pipeline=_pipeline(target))
+    weights = [g.params[p.name] for p in g.weight_params]
+    return fp32_runner(vm, [v.name for v in g.inputs], weights)
+
+
+def fp32_observers(specs: list[QuantSpec], ranges: list | None) -> list:
+    """The observers of one fp32-mode pass, one per slot: with ``ranges`` None the range
+    pass (a range observer for each histogram calibrator, None for the others), else each
+    slot's calibrator observer with its data range."""
+    if ranges is None:
+        needs = [getattr(sp.calibrator, "needs_range", False) for sp in specs]
+        return [calibrators.range_observer(None) if nd else None for nd in needs]
+    return [
+        sp.calibrator.observer(axis=None, data_range=r) for sp, r in zip(specs, ranges, strict=True)
+    ]
+
+
+def feed_observers(observers: list, outputs: Iterable[list]) -> list:
+    """Update each observer (None: skipped) with its tensor of every sample's ``outputs``."""
+    for outs in outputs:
+        for obs, x in zip(observers, outs, strict=True):
+            if obs is not None:
+                obs.update(x)
+    return observers
+
+
+def _calibrate_fp32(sim, samples, config, target, stats, health) -> dict[str, QParam]:
     slots = sim.activation_slots()
     t0 = time.perf_counter()
     run = fp32_slot_runner(sim, slots, target)
     stats["compile_s"] = time.perf_counter() - t0
     specs = [sim.plan.specs[s] for s in slots]
-    needs = [getattr(sp.calibrator, "needs_range", False) for sp in specs]
     ranges: list = [None] * len(slots)
-    if any(needs):  # a first pass: the exact ranges the histogram bins are fixed on
-        first = [calibrators.range_observer(None) if nd else None for nd in needs]
-        for outs in run(samples):
-            for obs, x in zip(first, outs, strict=True):
-                if obs is not None:
-                    obs.update(x)
+    first = fp32_observers(specs, None)
+    if any(o is not None for o in first):  # the exact ranges the histogram bins are fixed on
+        feed_observers(first, run(samples))
         ranges = [None if obs is None else obs.data_range() for obs in first]
-    observers = [
-        sp.calibrator.observer(axis=None, data_range=r) for sp, r in zip(specs, ranges, strict=True)
-    ]
-    for outs in run(samples):
-        for obs, x in zip(observers, outs, strict=True):
-            obs.update(x)
-    return {s: obs.compute(sp) for s, obs, sp in zip(slots, observers, specs, strict=True)}
+    observers = feed_observers(fp32_observers(specs, ranges), run(samples))
+    result = {
+        s: checked_result(obs.compute(sp), sp.calibrator, s)
+        for s, obs, sp in zip(slots, observers, specs, strict=True)
+    }
+    # the chosen scales against the values they represent
+    checks = feed_observers([HealthCheck(result[s]).observer() for s in slots], run(samples))
+    health.update({s: obs.compute() for s, obs in zip(slots, checks, strict=True)})
+    return result

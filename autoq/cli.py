@@ -1,4 +1,4 @@
-"""The ``autoq`` command: ``autoq quantize``, ``autoq inspect``, ``autoq demo``.
+"""The ``autoq`` command: ``autoq quantize``, ``autoq inspect``, ``autoq demo``, ``autoq tune``.
 
 Exit codes: 0 success; 2 bad input (a missing file, an unknown option value, a ``--skip``
 rule that matches no layer, calibration data that does not fit the model, a missing optional
@@ -32,17 +32,25 @@ from .cli_inputs import (
     resolve_model,
     target_of,
 )
+from .errors import AutoqError
+from .interrupts import MESSAGE, cleanup_on_signals, exit_code
+from .output_dir import OutputDir
 
 __all__ = ["BUNDLED", "METHODS", "ROUNDINGS", "UserError", "main"]
 
 # files written by ``autoq quantize`` into --out
-LIBRARY, QPARAMS, SCRIPT, REPORT, CONFIG = (
+LIBRARY, QPARAMS, SCRIPT, REPORT, CONFIG, MODULE = (
     "model.so",
     "qparams.json",
     "model.py",
     "report.txt",
     "config.json",
+    "module.json",
 )
+#: the tuning database folder ``autoq tune`` writes next to the model
+TUNING = "tuning"
+OUTPUT_FILES = (LIBRARY, LIBRARY + ".autoq.json", QPARAMS, SCRIPT, MODULE, REPORT, CONFIG, TUNING,
+                "analysis.txt", "analysis.json", "fallback.json")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- quantize
@@ -52,7 +60,7 @@ def _config(args):
     """The Config the options describe (bad combinations fail before any model work)."""
     import dataclasses
 
-    from .config import AutoFallback, Config
+    from .config import AutoFallback, Config, Distributed
 
     fb = fallback_rules(args.skip)
     try:
@@ -76,6 +84,9 @@ def _config(args):
             calibration=args.calibration,
             fallback=fb,
             progress=not args.no_progress,
+            distributed=Distributed(args.scheduler, args.workers)
+            if args.scheduler or args.workers
+            else None,
         )
     except (TypeError, ValueError) as e:
         raise UserError(one_line(e)) from None
@@ -102,7 +113,10 @@ def _import(model_path: Path, input_shapes: dict, optimize: bool):
     except DecodeError:
         raise UserError(f"{str(model_path)!r} is not a valid ONNX file") from None
     except (FrontendError, FileNotFoundError, ImportError, ValueError) as e:
-        raise UserError(f"cannot import {str(model_path)!r}: {one_line(e)}") from None
+        msg = one_line(e)  # an error that names the file already says where
+        raise UserError(
+            msg if str(model_path) in msg else f"cannot import {str(model_path)!r}: {msg}"
+        ) from None
 
 
 def _dataset(args, specs, image_options: dict):
@@ -141,17 +155,27 @@ def _run_pipeline(config, target, report: bool, mod, params, dataset, data_name:
     return result
 
 
-def _write(out: Path, result, config, target) -> tuple[list[str], float]:
-    from .build import export_library
+def _database_in(folder: Path) -> Path | None:
+    from .tuning_database import RECORD_FILE
 
-    out.mkdir(parents=True, exist_ok=True)
+    return folder / TUNING if (folder / TUNING / RECORD_FILE).is_file() else None
+
+
+def _write(out: Path, result, config, target) -> tuple[list[str], float]:
+    import tvm
+
+    from .build import export_library
+    from .json_document import write_atomic
+
     t = time.perf_counter()
-    export_library(result.module, out / LIBRARY, target=target)
+    # a tuning database left by 'autoq tune' in this folder is reused
+    export_library(result.module, out / LIBRARY, target=target, database=_database_in(out))
     t_compile = time.perf_counter() - t
     result.qparams.save(out / QPARAMS)
     (out / SCRIPT).write_text(result.module.script())
+    write_atomic(out / MODULE, tvm.ir.save_json(result.module))
     (out / CONFIG).write_text(config.dumps())
-    files = [LIBRARY, QPARAMS, SCRIPT, CONFIG, REPORT]
+    files = [LIBRARY, LIBRARY + ".autoq.json", QPARAMS, SCRIPT, MODULE, CONFIG, REPORT]
     if result.report is not None:
         (out / "analysis.txt").write_text(result.report.table() + "\n")
         (out / "analysis.json").write_text(result.report.dumps())
@@ -163,9 +187,6 @@ def _write(out: Path, result, config, target) -> tuple[list[str], float]:
 
 
 def cmd_quantize(args) -> int:
-    from . import dataset as D
-    from .summary import quantize_report
-
     t_start = time.perf_counter()
     model_path, input_shapes, image_options, bundled = resolve_model(args.model)
     input_shapes.update(dict(args.input_shape))
@@ -175,10 +196,20 @@ def cmd_quantize(args) -> int:
             "(see 'autoq quantize --help')"
         )
     out = args.out or Path(f"{model_path.stem}_int8")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {str(out)!r} exists and is not a folder")
     target = target_of(args.target)
     config = _config(args)
+    with OutputDir(out, args.force, OUTPUT_FILES) as staging:  # checked and locked first
+        return _quantize_into(args, staging, model_path, input_shapes, image_options, bundled,
+                              target, config, t_start)  # fmt: skip
+
+
+def _quantize_into(
+    args, staging, model_path, input_shapes, image_options, bundled, target, config, t_start
+) -> int:
+    from . import dataset as D
+    from .summary import quantize_report
+
+    out = staging.out
     t = time.perf_counter()
     mod, params = _import(model_path, input_shapes, args.onnx_optimize and not bundled)
     t_import = time.perf_counter() - t
@@ -187,13 +218,14 @@ def cmd_quantize(args) -> int:
     dataset, data_name = _dataset(args, specs, image_options)
     print(f"calibrating on {data_name} ...")
     result = _run_pipeline(config, target, args.report, mod, params, dataset, data_name)
-    files, t_compile = _write(out, result, config, target)
+    files, t_compile = _write(staging.path, result, config, target)
     text = quantize_report(
         result, model_path, specs, args.calib or data_name, config, target, skip=args.skip,
         times={"import": t_import, **result.timings, "compile": t_compile},
         files=(out, files), report_asked=args.report, fp32_model=(mod, params),
     )  # fmt: skip
-    (out / REPORT).write_text(text)
+    (staging.path / REPORT).write_text(text)
+    staging.commit(files)
     print("")
     print(text, end="")
     print(f"done in {time.perf_counter() - t_start:.1f} s")
@@ -236,11 +268,75 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"quantize": cmd_quantize, "inspect": cmd_inspect, "demo": cmd_demo}
+def _tuned_module(path: Path):
+    """(module, folder it came from) for ``autoq tune MODEL``."""
+    import tvm
+
+    import autoq  # noqa: F401  (registers the qnn.* ops the module uses)
+
+    file = path / MODULE if path.is_dir() else path
+    if not file.is_file():
+        hint = (
+            f"{str(path)!r} has no {MODULE}: re-run 'autoq quantize --out {path}'"
+            if path.is_dir()
+            else f"no such file: {str(path)!r}"
+        )
+        raise UserError(hint)
+    try:
+        mod = tvm.ir.load_json(file.read_text())
+    except Exception as e:
+        raise UserError(
+            f"{file} is not a module saved by tvm.ir.save_json: {one_line(e)}"
+        ) from None
+    if not isinstance(mod, tvm.IRModule) or "main" not in [
+        g.name_hint for g in mod.get_global_vars()
+    ]:
+        raise UserError(f"{file} holds no IRModule with a 'main' function")
+    return mod, file.parent
+
+
+def cmd_tune(args) -> int:
+    from .build import export_library
+    from .tune import TuningError, tune
+
+    t_start = time.perf_counter()
+    mod, folder = _tuned_module(args.model)
+    target = target_of(args.target)
+    database = args.database or folder / TUNING
+    print(f"tuning the kernels of {folder} into {database} ({args.trials} trials) ...")
+    try:
+        result = tune(
+            mod,
+            target,
+            trials=args.trials,
+            database=database,
+            rpc=args.rpc,
+            trials_per_task=args.trials_per_task,
+            progress=not args.no_progress,
+        )
+    except ImportError as e:
+        raise UserError(one_line(e)) from None
+    except TuningError as e:
+        raise UserError(f"tuning failed: {one_line(e)}") from None
+    print(result.summary())
+    if (folder / LIBRARY).is_file() or args.model.is_dir():
+        export_library(mod, folder / LIBRARY, target=target, database=database)
+        print(f"rebuilt {folder / LIBRARY} with the tuned kernels")
+    print(f"done in {time.perf_counter() - t_start:.1f} s")
+    return 0
+
+
+COMMANDS = {
+    "quantize": cmd_quantize,
+    "inspect": cmd_inspect,
+    "demo": cmd_demo,
+    "tune": cmd_tune,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    cleanup_on_signals()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -251,12 +347,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[args.command](args)
-    except UserError as e:
+    except (UserError, AutoqError) as e:
         print(f"autoq: error: {one_line(e)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("autoq: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: clean-up ran in the finally blocks
+        print(MESSAGE, file=sys.stderr)
+        return exit_code(e)
     except Exception as e:
         traceback.print_exc()
         print(

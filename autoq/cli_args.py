@@ -136,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
             "  autoq demo                        quantize the bundled digits CNN, print accuracy,\n"
             "                                    size and latency (no arguments, no network)\n"
             "  autoq quantize MODEL --calib DATA  quantize an ONNX model, write a .so + report\n"
-            "  autoq inspect QPARAMS.json        print the scales and zero points of a result\n\n"
+            "  autoq inspect QPARAMS.json        print the scales and zero points of a result\n"
+            "  autoq tune OUT_DIR --trials N     tune the int8 kernels (MetaSchedule), rebuild\n"
+            "                                    model.so with them\n\n"
             "'autoq COMMAND --help' describes each command."
         ),
     )
@@ -144,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantize(sub)
     _add_inspect(sub)
     _add_demo(sub)
+    _add_tune(sub)
     return parser
 
 
@@ -171,7 +174,13 @@ def _add_quantize(sub) -> None:
         "--out",
         metavar="DIR",
         type=Path,
-        help="output folder (default: ./<model name>_int8); created if missing",
+        help="output folder (default: ./<model name>_int8); created if missing. Written as a "
+        "whole when everything succeeded; an earlier autoq result there is replaced",
+    )
+    q.add_argument(
+        "--force",
+        action="store_true",
+        help="replace --out even if it holds files autoq did not write",
     )
     q.add_argument(
         "--samples",
@@ -232,6 +241,24 @@ def _add_quantization_args(q) -> None:
         "error upstream (default); fp32: all statistics from the float graph in one pass",
     )
     _add_auto_fallback_args(q)
+    _add_cluster_args(q)
+
+
+def _add_cluster_args(q) -> None:
+    c = q.add_argument_group("distributed calibration (needs autoq[dask])")
+    where = c.add_mutually_exclusive_group()
+    where.add_argument(
+        "--scheduler",
+        metavar="ADDRESS",
+        help="calibrate on the workers of a running Dask scheduler (tcp://host:8786); the "
+        "samples are split into one shard per worker, the qparams are the same as in-process",
+    )
+    where.add_argument(
+        "--workers",
+        metavar="N",
+        type=_positive_int,
+        help="calibrate on a local Dask cluster of N worker processes started for the run",
+    )
 
 
 def _add_import_args(q) -> None:
@@ -336,6 +363,64 @@ def _add_demo(sub) -> None:
     d.add_argument("--no-latency", action="store_true", help="skip the latency measurement")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.add_argument("--target", metavar="JSON", type=_target, help="TVM target as JSON")
+
+
+def _tracker(text: str):
+    from .tune import Tracker
+
+    try:
+        return Tracker.parse(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_tune(sub) -> None:
+    t = sub.add_parser(
+        "tune",
+        help="tune the kernels of a quantized model and rebuild its library with them",
+        description=_fill(
+            "Tune the int8 kernels of a model quantized by 'autoq quantize' with MetaSchedule "
+            "(evolutionary search, XGBoost cost model; the VNNI dot product is in the search "
+            "space where the CPU has it). The records go to a JSON database in MODEL/tuning/ "
+            "(kernels already there are not tuned again; later 'autoq quantize --out MODEL' "
+            "runs reuse it), and MODEL/model.so is rebuilt with the tuned kernels."
+        ),
+    )
+    t.add_argument(
+        "model",
+        metavar="MODEL",
+        type=Path,
+        help="the --out folder of 'autoq quantize' (it holds module.json), or a module .json "
+        "file saved by tvm.ir.save_json",
+    )
+    t.add_argument(
+        "--trials",
+        metavar="N",
+        type=_positive_int,
+        default=64,
+        help="trials over all kernels not yet tuned (default 64; ~1000-2000 for a ResNet-50)",
+    )
+    t.add_argument(
+        "--trials-per-task",
+        metavar="N",
+        type=_positive_int,
+        help="at most N trials for one kernel (default: --trials)",
+    )
+    t.add_argument(
+        "--database",
+        metavar="DIR",
+        type=Path,
+        help="tuning database folder (default: tuning/ next to the model)",
+    )
+    t.add_argument(
+        "--rpc",
+        metavar="HOST:PORT/KEY",
+        type=_tracker,
+        help="measure on the devices registered with this TVM RPC tracker under KEY "
+        "(python -m tvm.exec.rpc_server --tracker HOST:PORT --key KEY)",
+    )
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--target", metavar="JSON", type=_target, help="TVM target as JSON")
 
 
 def _add_auto_fallback_args(q) -> None:

@@ -25,11 +25,34 @@ class UserError(Exception):
     """Bad input: reported as one line, exit code 2."""
 
 
+#: the API's fixes, as the command line spells them (an error shown by ``autoq`` never
+#: suggests a Python keyword): (pattern, replacement) applied in order
+CLI_FIXES = (
+    (r"[Pp]ass input_shapes=\{[^}]*\}", "pass --input-shape NAME=DIMS for each input"),
+    (r"input_shapes=", "--input-shape "),
+    (r"input_shapes\[('[^']*')\]", r"--input-shape \1"),
+    (r"input_shapes (gives|names)", r"--input-shape \1"),
+    (r"[Pp]ass optimize=False", "pass --no-onnx-optimize"),
+    (r"\(optimize=False\)", "(--no-onnx-optimize)"),
+    (r"try optimize=True", "try without --no-onnx-optimize"),
+    (
+        r"from_onnx\(\.\.\., allow_quantized=True\)",
+        "the Python API from_onnx(allow_quantized=True)",
+    ),
+)
+
+
 def one_line(e: BaseException | str) -> str:
-    """An exception's message on one line (``; `` between its lines)."""
+    """An exception's message on one line (``; `` between its lines), with the API's fixes
+    translated into command-line options (:data:`CLI_FIXES`)."""
+    import re
+
     text = str(e) if not isinstance(e, KeyError) else str(e.args[0] if e.args else e)
     parts = [p.strip() for p in str(text).strip().splitlines() if p.strip()]
-    return "; ".join(parts) or type(e).__name__
+    line = "; ".join(parts) or type(e).__name__
+    for pattern, repl in CLI_FIXES:
+        line = re.sub(pattern, repl, line)
+    return line
 
 
 def resolve_model(name: str):

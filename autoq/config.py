@@ -14,11 +14,13 @@ from typing import Any
 from . import primitives as P
 from .json_document import JsonDocument
 
-__all__ = ["AutoFallback", "Config", "Fallback", "Override", "QuantSpec"]
+__all__ = ["AutoFallback", "Config", "Distributed", "Fallback", "Override", "QuantSpec"]
 
 CALIBRATION_MODES = ("topological", "fp32")
 WEIGHT_ROUNDINGS = ("nearest", "gptq")
 _QSPEC_DTYPES = ("int8", "uint8", "int16")
+#: granularities of dynamic (run-time) activation qparams, see :mod:`autoq.dynamic`
+DYNAMIC_GRANULARITIES = ("tensor", "token")
 
 
 def _calibrators():
@@ -36,6 +38,10 @@ class QuantSpec:
     ``reduce_range``: one bit less (int8 -> [-64, 63]). ``per_channel``: one scale per output
     channel (weights only). ``calibrator``: a registered name ("max", "moving_average",
     "percentile", "kl", "mse"), a calibrator object, or a function ``batch -> (lo, hi)``.
+    ``dynamic``: activations only: scale and zero point computed at run time inside the
+    graph from the tensor's min/max (no calibration data; the calibrator is not used), see
+    :mod:`autoq.dynamic`. ``granularity`` (dynamic only): ``"tensor"`` (one scale) or
+    ``"token"`` (one scale per row of the last axis).
     """
 
     dtype: str = "int8"
@@ -44,17 +50,20 @@ class QuantSpec:
     reduce_range: bool = False
     per_channel: bool = False
     calibrator: Any = "max"
+    dynamic: bool = False
+    granularity: str = "tensor"
 
     def __post_init__(self) -> None:
         if self.dtype not in _QSPEC_DTYPES:
             raise ValueError(
                 f"QuantSpec.dtype must be one of {', '.join(_QSPEC_DTYPES)}, got {self.dtype!r}"
             )
-        for name in ("symmetric", "narrow_range", "reduce_range", "per_channel"):
+        for name in ("symmetric", "narrow_range", "reduce_range", "per_channel", "dynamic"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"QuantSpec.{name} must be a bool, got {getattr(self, name)!r}")
         object.__setattr__(self, "calibrator", _calibrators().get(self.calibrator))
         P.qrange(self.dtype, self.narrow_range, self.reduce_range)
+        _check_dynamic(self)
 
     @property
     def qrange(self) -> tuple[int, int]:
@@ -72,6 +81,32 @@ class QuantSpec:
         if isinstance(d.get("calibrator"), dict):
             d["calibrator"] = _calibrators().from_json(d["calibrator"])
         return cls(**d)
+
+
+def _check_dynamic(spec: QuantSpec) -> None:
+    """The combinations a dynamic spec refuses, each with how to fix it."""
+    if spec.granularity not in DYNAMIC_GRANULARITIES:
+        raise ValueError(
+            f"QuantSpec.granularity must be one of {', '.join(DYNAMIC_GRANULARITIES)}, "
+            f"got {spec.granularity!r}"
+        )
+    if not spec.dynamic:
+        if spec.granularity != "tensor":
+            raise ValueError(
+                f"QuantSpec(granularity={spec.granularity!r}) needs dynamic=True: static "
+                "activations have one calibrated scale per tensor"
+            )
+        return
+    if spec.dtype not in ("int8", "uint8"):
+        raise ValueError(
+            f"QuantSpec(dynamic=True) quantizes to int8 or uint8 (8-bit qnn.dense kernels), "
+            f"got dtype={spec.dtype!r}"
+        )
+    if spec.per_channel:
+        raise ValueError(
+            "QuantSpec(dynamic=True, per_channel=True): dynamic activations are per tensor or "
+            "per token (granularity='token'), never per channel"
+        )
 
 
 def _check_keys(cls, d: dict) -> None:
@@ -184,6 +219,55 @@ class Override:
         )
 
 
+@dataclass(frozen=True)
+class Distributed:
+    """Calibrate data-parallel on a Dask cluster (see :mod:`autoq.distributed`; needs the
+    optional extra ``autoq[dask]``).
+
+    ``scheduler``: the address of a running Dask scheduler (``"tcp://host:8786"``), or None
+    for a local cluster of ``workers`` processes started for the run (one thread each).
+    ``shards``: how many shards the samples are split into (default: one per worker; shard
+    ``i`` lives on worker ``i % workers``). ``timeout_s``: how long to wait for the workers
+    to appear. Each shard caches its activations within ``Config.memory_budget_mb``.
+
+    >>> Distributed.from_json(Distributed(workers=2).to_json()) == Distributed(workers=2)
+    True
+    """
+
+    scheduler: str | None = None
+    workers: int | None = None
+    shards: int | None = None
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.scheduler is not None and (
+            not isinstance(self.scheduler, str) or not self.scheduler
+        ):
+            raise TypeError(
+                f"Distributed.scheduler must be an address string, got {self.scheduler!r}"
+            )
+        for name in ("workers", "shards"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"Distributed.{name} must be an int >= 1 or None, got {v!r}")
+        if (self.scheduler is None) == (self.workers is None):
+            raise ValueError(
+                "Distributed needs exactly one of scheduler (the address of a running Dask "
+                f"scheduler) or workers (a local cluster of that many processes); got "
+                f"scheduler={self.scheduler!r}, workers={self.workers!r}"
+            )
+        if not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:
+            raise ValueError(f"Distributed.timeout_s must be > 0, got {self.timeout_s!r}")
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Distributed:
+        _check_keys(cls, d)
+        return cls(**d)
+
+
 def _default_activation() -> QuantSpec:
     # mse: the only calibrator good on all three benchmark models (benchmarks/vs_onnxruntime.py):
     # best on ResNet-50 and MiniLM, within 0.003 cosine of percentile on PP-OCRv4
@@ -211,6 +295,9 @@ class Config(JsonDocument):
     spill to ``cache_dir`` or a temporary directory). ``progress``: show tqdm bars.
     ``skip_unbounded``: ``autoq.quantize`` keeps in fp32 the layers whose activations hold
     inf-like sentinels such as attention masks of ``finfo.min`` (see :mod:`autoq.guard`).
+    ``check_scales``: layers whose activation scale cannot represent its data go fp32 (:mod:`autoq.scale_health`).
+    ``distributed``: calibrate on a Dask cluster (:class:`Distributed`); None (default):
+    in this process, without importing Dask.
     ``int8_outputs``: the model's outputs also leave the integer graph as int8 (an exit slot,
     see :mod:`autoq.exits`, on every output an int32 result feeds). Off by default: an output
     reads its layer's int32 accumulator through one ``qnn.dequantize``, which keeps the
@@ -246,7 +333,9 @@ class Config(JsonDocument):
     cache_dir: str | None = None
     progress: bool = True
     skip_unbounded: bool = True
+    check_scales: bool = True
     int8_outputs: bool = False
+    distributed: Distributed | None = None
     weight_rounding: str = "nearest"
     bias_correction: bool = False
     scale_search: bool = False
@@ -258,6 +347,7 @@ class Config(JsonDocument):
             raise ValueError(
                 "per-channel activations are not supported: set per_channel only on the weight spec"
             )
+        _check_dynamic_config(self)
         if self.rounding not in P.ROUNDING_MODES:
             raise ValueError(
                 f"Config.rounding must be one of {', '.join(P.ROUNDING_MODES)}, got {self.rounding!r}"
@@ -281,11 +371,14 @@ class Config(JsonDocument):
             raise ValueError(
                 f"Config.weight_rounding must be one of {', '.join(WEIGHT_ROUNDINGS)}, got {self.weight_rounding!r}"
             )
-        for name in (
-            "progress", "skip_unbounded", "int8_outputs", "bias_correction", "scale_search"
-        ):  # fmt: skip
+        for name in ("progress", "skip_unbounded", "check_scales", "int8_outputs",
+                     "bias_correction", "scale_search"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.distributed is not None and not isinstance(self.distributed, Distributed):
+            raise TypeError(
+                f"Config.distributed must be a Distributed or None, got {self.distributed!r}"
+            )
 
     def replace(self, **changes: Any) -> Config:
         return replace(self, **changes)
@@ -301,6 +394,15 @@ class Config(JsonDocument):
         """Any data-aware weight step is on (:mod:`autoq.weight_tuning`)."""
         return self.tunes_weights or self.scale_search
 
+    def layer_spec(self, kind: str, layer: str) -> QuantSpec:
+        """The ``"activation"`` or ``"weight"`` spec of ``layer``: the default, changed by
+        every override whose rule matches the layer id (the last one wins)."""
+        spec = self.activation if kind == "activation" else self.weight
+        for o in self.overrides:
+            if compile_rule(o.match)(layer):
+                spec = (o.activation if kind == "activation" else o.weight) or spec
+        return spec
+
     def to_json(self) -> dict:
         return {
             "activation": self.activation.to_json(),
@@ -314,7 +416,9 @@ class Config(JsonDocument):
             "cache_dir": self.cache_dir,
             "progress": self.progress,
             "skip_unbounded": self.skip_unbounded,
+            "check_scales": self.check_scales,
             "int8_outputs": self.int8_outputs,
+            "distributed": None if self.distributed is None else self.distributed.to_json(),
             "weight_rounding": self.weight_rounding,
             "bias_correction": self.bias_correction,
             "scale_search": self.scale_search,
@@ -336,7 +440,38 @@ class Config(JsonDocument):
             d["overrides"] = tuple(Override.from_json(o) for o in d["overrides"])
         if d.get("patterns") is not None:
             d["patterns"] = tuple(d["patterns"])
+        if d.get("distributed") is not None:
+            d["distributed"] = Distributed.from_json(d["distributed"])
         return cls(**d)
+
+
+def _check_dynamic_config(config: Config) -> None:
+    """Dynamic activations are a whole-model mode (see :mod:`autoq.dynamic`): overrides may
+    change the granularity or the weights of a layer but not switch it to static."""
+    dynamic = config.activation.dynamic
+    if config.weight.dynamic or any(o.weight and o.weight.dynamic for o in config.overrides):
+        raise ValueError(
+            "weights are always quantized statically: set dynamic=True on the activation spec"
+        )
+    for o in config.overrides:
+        if o.activation is not None and o.activation.dynamic != dynamic:
+            raise ValueError(
+                f"Override({o.match!r}) has dynamic={o.activation.dynamic} but Config.activation "
+                f"has dynamic={dynamic}: dynamic quantization applies to the whole model (set "
+                "Config(activation=QuantSpec(dynamic=True, ...)); keep a layer in fp32 with "
+                "Fallback)"
+            )
+    if not dynamic:
+        return
+    if isinstance(config.fallback, AutoFallback):
+        raise ValueError(
+            "AutoFallback needs calibration data and static qparams; with dynamic activations "
+            "use Fallback(ids=...) to keep layers in fp32"
+        )
+    if config.int8_outputs:
+        raise ValueError(
+            "Config.int8_outputs needs calibrated output qparams; dynamic layers return float32"
+        )
 
 
 AUTO_RANKINGS = ("local", "revert")

@@ -20,7 +20,7 @@ import numpy as np
 from . import primitives as P
 from .qparams import QParam
 
-__all__ = ["ErrorStats", "fake_quant", "sqnr_db"]
+__all__ = ["ErrorStats", "fake_quant", "output_sums", "sqnr_db", "sqnr_of_sums"]
 
 
 class ErrorStats:
@@ -32,15 +32,25 @@ class ErrorStats:
         self.n = 0
         self.ref2 = self.err2 = self.q2 = self.dot = 0.0
 
-    def add(self, ref, q) -> None:
+    @staticmethod
+    def sums(ref, q) -> tuple[int, float, float, float, float]:
+        """What one :meth:`add` adds: ``(n, sum ref^2, sum (ref - q)^2, sum q^2, sum ref*q)``
+        (plain numbers: a worker of a distributed analysis sends them, and the coordinator
+        adds them in sample order with :meth:`add_sums`, the same float additions as here)."""
         r = np.asarray(ref, np.float64).ravel()
         t = np.asarray(q, np.float64).ravel()
         d = r - t
-        self.n += r.size
-        self.ref2 += float(r @ r)
-        self.err2 += float(d @ d)
-        self.q2 += float(t @ t)
-        self.dot += float(r @ t)
+        return r.size, float(r @ r), float(d @ d), float(t @ t), float(r @ t)
+
+    def add(self, ref, q) -> None:
+        self.add_sums(*self.sums(ref, q))
+
+    def add_sums(self, n: int, ref2: float, err2: float, q2: float, dot: float) -> None:
+        self.n += n
+        self.ref2 += ref2
+        self.err2 += err2
+        self.q2 += q2
+        self.dot += dot
 
     @property
     def sqnr(self) -> float:
@@ -63,10 +73,24 @@ class ErrorStats:
 
 def sqnr_db(ref: Sequence, test: Sequence) -> float:
     """SQNR in dB of ``test`` against ``ref`` (sequences of arrays or lists of arrays)."""
+    return sqnr_of_sums(output_sums(ref, test))
+
+
+def output_sums(ref: Sequence, test: Sequence) -> list[list[tuple]]:
+    """Per sample, the :meth:`ErrorStats.sums` of each output of ``test`` against ``ref``
+    (what :func:`sqnr_db` adds up; a worker of a distributed search sends them)."""
+    return [
+        [ErrorStats.sums(a, b) for a, b in zip(_flat_outputs(r), _flat_outputs(t), strict=True)]
+        for r, t in zip(ref, test, strict=True)
+    ]
+
+
+def sqnr_of_sums(per_sample: Sequence[Sequence[tuple]]) -> float:
+    """The SQNR (dB) of :func:`output_sums`, added in the order given."""
     e = ErrorStats()
-    for r, t in zip(ref, test, strict=True):
-        for a, b in zip(_flat_outputs(r), _flat_outputs(t), strict=True):
-            e.add(a, b)
+    for sums in per_sample:
+        for s in sums:
+            e.add_sums(*s)
     return e.sqnr
 
 

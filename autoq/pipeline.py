@@ -4,14 +4,21 @@ the demo, the benchmarks) runs :class:`Quantizer`.
 ``Quantizer(config).run(mod, params, dataset)`` does, in order:
 
 1. **match** the patterns once (:func:`autoq.matching.match`); every later stage reuses it;
+   a NaN/Inf weight is an error naming it (:func:`check_weights`);
 2. read the **dataset** once into one validated, repeatable view
-   (:func:`autoq.dataset.as_dataset`) that every stage iterates;
+   (:func:`autoq.dataset.as_dataset`) that every stage iterates (integer inputs checked
+   against the tables they index);
 3. the **unbounded-activation guard** (``Config.skip_unbounded``): layers touching attention
    masks of ``finfo.min`` stay fp32, with a warning (:mod:`autoq.guard`);
 4. **calibrate** (:mod:`autoq.calibrate`), or with ``Config(fallback=AutoFallback(...))``
-   calibrate + analyze + search (:mod:`autoq.auto_fallback`);
+   calibrate + analyze + search (:mod:`autoq.auto_fallback`); while a chosen activation
+   scale cannot represent its own data (``Config.check_scales``, :mod:`autoq.scale_health`)
+   the layers using it move to fp32, with a warning, and calibration runs again;
 5. **realize** the int8 module (:mod:`autoq.realize`);
 6. optionally the per-layer **report** (:mod:`autoq.analysis`).
+
+With ``Config(activation=QuantSpec(dynamic=True))`` steps 2-4 and 6 do not run: the dense
+layers are realized with run-time activation qparams (:mod:`autoq.dynamic`), no dataset.
 
 It returns a :class:`QuantizeResult`: the module, the qparams, the fallback decision, the
 per-stage timings and every warning raised on the way.
@@ -19,25 +26,39 @@ per-stage timings and every warning raised on the way.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import tvm
 
 from .analysis import Analysis
 from .auto_fallback import FallbackDecision, auto_fallback, split_holdout
 from .build import default_target
-from .calibrate import calibrate, samples_for
+from .calibrate import calibrate, fp32_slot_runner, samples_for, scale_problems
 from .config import AutoFallback, Config
-from .guard import keep_unbounded_in_fp32
+from .dataset import is_shard_source
+from .distributed import (
+    AnalysisFanOut,
+    calibrate_distributed,
+    head_samples,
+    open_client,
+    report_distributed,
+)
+from .dynamic import realize_dynamic
+from .errors import CalibrationError, InputError
+from .guard import keep_unbounded_in_fp32, layers_using
 from .matching import Matched, match
 from .qparams import QParams
 from .realize import realize
 from .report import Report
+from .scale_health import HealthCheck
 from .simulate import simulate
 
-__all__ = ["QuantizeResult", "Quantizer", "quantize"]
+__all__ = ["QuantizeResult", "Quantizer", "check_scales", "quantize"]
 
 
 @dataclass
@@ -69,12 +90,17 @@ class QuantizeResult:
 class Quantizer:
     """simulate -> calibrate -> realize with the guard, the automatic fallback and the
     report (see the module docstring). ``target``: where calibration runs (default: this
-    CPU). ``report``: also run the per-layer analysis on the calibration data."""
+    CPU). ``report``: also run the per-layer analysis on the calibration data.
+    ``cluster``: calibrate on a Dask cluster (a ``dask.distributed.Client`` or a scheduler
+    address; see :mod:`autoq.distributed`), like ``Config(distributed=...)``."""
 
-    def __init__(self, config: Config | None = None, *, target=None, report: bool = False):
+    def __init__(
+        self, config: Config | None = None, *, target=None, report: bool = False, cluster=None
+    ):
         self.config = config or Config()
         self.target = target or default_target()
         self.want_report = report
+        self.cluster = cluster
 
     def run(self, mod: tvm.IRModule, params: dict | None, dataset) -> QuantizeResult:
         with warnings.catch_warnings(record=True) as caught:
@@ -85,32 +111,78 @@ class Quantizer:
         result.warnings = [str(w.message) for w in caught]
         return result
 
+    def _client(self):
+        """A Dask client for a distributed calibration, or a null context (in-process)."""
+        if self.cluster is None and self.config.distributed is None:
+            return contextlib.nullcontext()
+        return open_client(self.config.distributed, self.cluster)
+
+    @staticmethod
+    def _fan_out(client, mod, params, samples):
+        """The analysis and fallback trials on the workers, or None (in-process)."""
+        if client is None:
+            return contextlib.nullcontext()
+        return AnalysisFanOut(client, mod, params, samples)
+
+    def _calibrate(self, sim, samples, config: Config, client) -> QParams:
+        if client is None:
+            return calibrate(sim, None, samples, config, target=self.target)
+        return calibrate_distributed(sim, samples, config, self.target, client)
+
+    def _data(self, dataset, graph, distributed: bool):
+        """The validated dataset (integer inputs checked against the tables they index), or
+        a shard source as it is (read by the workers)."""
+        if not is_shard_source(dataset):
+            return samples_for(dataset, graph.inputs, module=graph.module)
+        if not distributed:
+            raise ValueError(
+                f"the dataset {dataset.describe()} is read by the workers of a distributed "
+                "calibration: give Config(distributed=Distributed(...)) or cluster=..."
+            )
+        if isinstance(self.config.fallback, AutoFallback) or self.want_report:
+            raise ValueError(
+                "the automatic fallback and the report need the samples in this process too: "
+                f"give the dataset itself instead of {dataset.describe()}"
+            )
+        return dataset
+
     def _run(self, mod, params, dataset) -> QuantizeResult:
+        if self.config.activation.dynamic:
+            return self._run_dynamic(mod, params)
+        with self._client() as client:
+            return self._run_on(mod, params, dataset, client)
+
+    def _run_on(self, mod, params, dataset, client) -> QuantizeResult:
         timings: dict[str, float] = {}
         clock = _Clock(timings)
         config = self.config
         with clock("match"):
             matched = match(mod, params, config)
+            check_weights(matched.graph.params)
             matched.active(config.fallback)  # fallback rules checked before any data work
-            samples = samples_for(dataset, matched.graph.inputs)
+            samples = self._data(dataset, matched.graph, client is not None)
         reasons = {x: "fallback rule" for x in matched.kept_float(config.fallback)}
         sim = None
         if config.skip_unbounded:
             with clock("guard"):
                 sim = simulate(matched, None, _fixed(config))
-                config, skipped = keep_unbounded_in_fp32(sim, samples, config, self.target)
+                head = head_samples(samples, matched.graph.inputs)
+                config, skipped = keep_unbounded_in_fp32(sim, head, config, self.target)
             reasons.update(dict.fromkeys(skipped, "unbounded activations (guard)"))
             if skipped:  # the new fallback changes the simulated graph
                 sim = None
         decision = report = analysis = None
         if isinstance(config.fallback, AutoFallback):
             with clock("calibrate"):
-                if sim is None:
-                    sim = simulate(matched, None, _fixed(config))
                 calib, _ = split_holdout(samples, config.fallback.holdout)
-                qparams = calibrate(sim, None, calib, _fixed(config), target=self.target)
-            with clock("auto_fallback"):
-                out = auto_fallback(matched, None, samples, config, qparams, target=self.target)
+                config, qparams, unusable = self._calibrate_healthy(
+                    matched, sim, calib, config, client
+                )
+            reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
+            with clock("auto_fallback"), self._fan_out(client, mod, params, samples) as fan:
+                out = auto_fallback(
+                    matched, None, samples, config, qparams, target=self.target, fan_out=fan
+                )
             config, qparams, decision = out.config, out.qparams, out.decision
             report, analysis = out.report, out.analysis
             reasons.update(dict.fromkeys(decision.layers, f"automatic ({decision.precision})"))
@@ -118,9 +190,10 @@ class Quantizer:
                 reasons = {k: v for k, v in reasons.items() if k not in decision.layers}
         else:
             with clock("calibrate"):
-                if sim is None:
-                    sim = simulate(matched, None, config)
-                qparams = calibrate(sim, None, samples, config, target=self.target)
+                config, qparams, unusable = self._calibrate_healthy(
+                    matched, sim, samples, config, client
+                )
+            reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
         tuning = qparams.meta.get("weight_tuning")
         if tuning:  # part of "calibrate", shown on its own
             timings["calibrate.weight_tuning"] = tuning["tune_s"]
@@ -129,13 +202,69 @@ class Quantizer:
         if self.want_report and report is None:
             with clock("report"):
                 analysis = Analysis(matched, None, samples, qparams, config, self.target)
-                report = analysis.report()
+                if client is None:
+                    report = analysis.report()
+                else:  # the samples' work on the workers, the same report
+                    report = report_distributed(analysis, mod, params, samples, client)
         module = _attach(module, qparams, decision, [k for k, v in reasons.items() if "guard" in v])
         int8 = [m.layer for m in matched.active(config.fallback)]
         return QuantizeResult(
             module, qparams, config, matched, int8, reasons, decision, report, analysis,
-            samples=samples.num_samples or 0, timings=timings,
+            samples=qparams.meta.get("samples") or 0, timings=timings,
         )  # fmt: skip
+
+    def _calibrate_healthy(self, matched, sim, samples, config, client):
+        """Calibrate; while some chosen activation scale is unusable on its own data (see
+        :mod:`autoq.scale_health`), keep the layers reading or writing it in fp32 (with a
+        warning naming them) and calibrate again. Returns (config, qparams, those layers)."""
+        moved: list[str] = []
+        while True:
+            if sim is None:
+                sim = simulate(matched, None, _fixed(config))
+            qparams = self._calibrate(sim, samples, _fixed(config), client)
+            bad = qparams.meta.get("scale_problems", {}) if config.check_scales else {}
+            layers = [x for x in layers_using(sim, bad) if x not in config.fallback.ids]
+            if not layers:
+                return config, qparams, moved
+            warnings.warn(
+                f"keeping {len(layers)} layer(s) in fp32 because a chosen int8 scale cannot "
+                f"represent their calibration data: {', '.join(layers)}; "
+                + "; ".join(f"slot {s}: {why}" for s, why in bad.items())
+                + ". An extreme value in one sample? Remove it or use a percentile calibrator "
+                "(Config(check_scales=False) quantizes them anyway).",
+                stacklevel=4,
+            )
+            fb = config.fallback
+            config = config.replace(fallback=dataclasses.replace(fb, ids=(*fb.ids, *layers)))
+            moved += layers
+            sim = None
+
+    def _run_dynamic(self, mod, params) -> QuantizeResult:
+        """Dynamic activations (:mod:`autoq.dynamic`): match and realize, no data."""
+        timings: dict[str, float] = {}
+        clock = _Clock(timings)
+        with clock("match"):
+            matched = match(mod, params, self.config)
+        with clock("realize"):
+            module, qparams, reasons = realize_dynamic(matched, self.config)
+        module = _attach(module, qparams, None, [])
+        int8 = [m for m in matched.layers if m not in reasons]
+        return QuantizeResult(module, qparams, self.config, matched, int8, reasons, timings=timings)
+
+
+def check_weights(weights: dict) -> None:
+    """A NaN or Inf in a float weight is an :class:`autoq.errors.InputError` naming the
+    weight (before any compile; the guard would otherwise keep its layer in fp32 silently)."""
+    for name, w in weights.items():
+        w = np.asarray(w)
+        if np.issubdtype(w.dtype, np.inexact) and not np.all(np.isfinite(w)):
+            n_nan = int(np.isnan(w).sum())
+            first = np.argwhere(~np.isfinite(w))[0].tolist()
+            raise InputError(
+                f"weight {name!r} {tuple(w.shape)} contains {n_nan} NaN and "
+                f"{int((~np.isfinite(w)).sum()) - n_nan} Inf value(s) (first at index {first}): "
+                "the model's weights are corrupt; fix or re-export the model"
+            )
 
 
 def _fixed(config: Config) -> Config:
@@ -174,18 +303,50 @@ class _Clock:
         return False
 
 
+def check_scales(
+    mod: tvm.IRModule, params: dict | None, qparams: QParams, dataset, config=None, target=None
+) -> None:
+    """Refuse qparams (a hand-edited or loaded file) whose activation scales cannot represent
+    ``dataset``: :class:`autoq.errors.CalibrationError` naming every such slot, with the
+    fraction of its fp32 values that round to the zero point or fall outside the grid (see
+    :mod:`autoq.scale_health`)."""
+    config = config or Config()
+    sim = simulate(match(mod, params, config), None, _fixed(config))
+    slots = [s for s in sim.activation_slots() if s in qparams]
+    run = fp32_slot_runner(sim, slots, target or default_target())
+    checks = [HealthCheck(qparams[s]).observer() for s in slots]
+    for outs in run(samples_for(dataset, sim.graph.inputs)):
+        for obs, x in zip(checks, outs, strict=True):
+            obs.update(x)
+    bad = scale_problems({s: o.compute() for s, o in zip(slots, checks, strict=True)}, qparams)
+    if bad:
+        raise CalibrationError(
+            "the qparams do not fit the data: "
+            + "; ".join(f"slot {s!r}: {why}" for s, why in bad.items())
+            + " (fix the scale in the qparams file or calibrate again)"
+        )
+
+
 def quantize(
-    mod: tvm.IRModule, params: dict | None, dataset, config: Config | None = None, target=None
+    mod: tvm.IRModule,
+    params: dict | None,
+    dataset,
+    config: Config | None = None,
+    target=None,
+    cluster=None,
 ) -> tvm.IRModule:
     """Quantize an fp32 Relax module with a representative dataset: the int8 module of
     ``Quantizer(config, target=target).run(mod, params, dataset)``.
 
     ``params``: weight arrays by function-parameter name (None when the weights are bound as
     constants). ``dataset``: an iterable of ``{input_name: array}`` dicts, or of arrays for a
-    single-input model (read once). Returns the int8 module (``main`` takes only the model
+    single-input model (read once); None with dynamic activations (``Config(activation=
+    QuantSpec(dynamic=True))``, see :mod:`autoq.dynamic`). Returns the int8 module (``main`` takes only the model
     inputs); the calibration result is attached as ``result.attrs["autoq.qparams"]`` (JSON
     text), an automatic fallback decision as ``result.attrs["autoq.fallback"]`` (load it with
     ``autoq.FallbackDecision.loads``) and the layers the unbounded-activation guard kept in
-    fp32 as ``result.attrs["autoq.skipped_unbounded"]``.
+    fp32 as ``result.attrs["autoq.skipped_unbounded"]``. ``cluster``: calibrate on a Dask
+    cluster (a ``dask.distributed.Client`` or a scheduler address, see
+    :mod:`autoq.distributed`; ``dataset`` may then be a shard source the workers read).
     """
-    return Quantizer(config, target=target).run(mod, params, dataset).module
+    return Quantizer(config, target=target, cluster=cluster).run(mod, params, dataset).module

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import primitives as P
+from .errors import QParamsError
 from .json_document import JsonDocument
 
 __all__ = ["QParam", "QParams", "SlotInfo", "load_qparams"]
@@ -146,11 +147,27 @@ class QParam:
         unknown = set(d) - {"dtype", "axis", "scale", "zero_point", "rmin", "rmax"}
         if unknown:
             raise ValueError(f"unknown QParam fields {sorted(unknown)}")
+        missing = {"scale", "zero_point"} - set(d)
+        if missing:
+            raise ValueError(f"missing field(s) {sorted(missing)}")
+        axis = d.get("axis")
+        if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
+            raise ValueError(f"axis must be an integer or null, got {axis!r}")
+        try:
+            scale = np.asarray(d["scale"], np.float64)
+            zp = np.asarray(d["zero_point"], np.float64)  # cast after the integer check
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"scale and zero_point must be numbers or lists of numbers, got "
+                f"{d['scale']!r} and {d['zero_point']!r}"
+            ) from None
+        if zp.size and not np.all(zp == np.round(zp)):
+            raise ValueError(f"zero_point must be integers, got {zp.ravel()[:4].tolist()}")
         return cls(
-            scale=np.asarray(d["scale"], np.float32),
-            zero_point=np.asarray(d["zero_point"], np.int32),
+            scale=scale.astype(np.float32),
+            zero_point=zp,
             dtype=d.get("dtype", "int8"),
-            axis=d.get("axis"),
+            axis=axis,
             rmin=None if d.get("rmin") is None else np.asarray(d["rmin"], np.float32),
             rmax=None if d.get("rmax") is None else np.asarray(d["rmax"], np.float32),
         )
@@ -224,6 +241,10 @@ class QParams(JsonDocument, Mapping[str, QParam]):
     values: dict[str, np.ndarray] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        for sid, qp in self.params.items():
+            info = self.slots.get(sid)
+            if info is not None and info.shape and qp.axis is not None:
+                _check_axis(sid, qp, info.shape)
         self.values = {k: np.asarray(v) for k, v in self.values.items()}
         for k, v in self.values.items():
             if v.dtype.name not in _VALUE_DTYPES:
@@ -269,7 +290,7 @@ class QParams(JsonDocument, Mapping[str, QParam]):
                 f"unsupported qparams version {d.get('version')}; this autoq reads {FORMAT_VERSION}"
             )
         return cls(
-            params={k: QParam.from_json(v) for k, v in d.get("qparams", {}).items()},
+            params={k: _slot_from_json(k, v) for k, v in d.get("qparams", {}).items()},
             slots={k: SlotInfo.from_json(k, v) for k, v in d.get("slots", {}).items()},
             meta=dict(d.get("meta", {})),
             values={k: _value_from_json(k, v) for k, v in d.get("values", {}).items()},
@@ -285,6 +306,37 @@ class QParams(JsonDocument, Mapping[str, QParam]):
         return QParams(params, dict(self.slots), dict(self.meta), dict(self.values))
 
 
+def _slot_from_json(sid: str, d) -> QParam:
+    """One slot of a qparams document; any problem is a QParamsError naming the slot."""
+    try:
+        if not isinstance(d, Mapping):
+            raise ValueError(f"expected an object with scale and zero_point, got {d!r}")
+        return QParam.from_json(d)
+    except (ValueError, TypeError, KeyError) as e:
+        raise QParamsError(f"qparams slot {sid!r}: {e}") from None
+
+
+def _check_axis(sid: str, qp: QParam, shape: tuple) -> None:
+    """A per-axis slot's axis exists in the tensor and has one scale per channel."""
+    if not -len(shape) <= qp.axis < len(shape):
+        raise QParamsError(
+            f"qparams slot {sid!r}: axis {qp.axis} does not exist in its tensor of shape "
+            f"{tuple(shape)}"
+        )
+    if qp.scale.ndim == 1 and qp.scale.size != shape[qp.axis]:
+        raise QParamsError(
+            f"qparams slot {sid!r}: {qp.scale.size} scale(s) for {shape[qp.axis]} channels "
+            f"(axis {qp.axis} of shape {tuple(shape)}): give one scale and zero point per channel"
+        )
+
+
 def load_qparams(path: str | Path) -> QParams:
-    """Read a :class:`QParams` JSON file written by :meth:`QParams.save`."""
-    return QParams.from_json(json.loads(Path(path).read_text()))
+    """Read a :class:`QParams` JSON file written by :meth:`QParams.save`; a problem is a
+    :class:`autoq.errors.QParamsError` naming the file and the slot."""
+    path = Path(path)
+    try:
+        return QParams.from_json(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise QParamsError(f"{str(path)!r} is not JSON: {e}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise QParamsError(f"{str(path)!r}: {e}") from None

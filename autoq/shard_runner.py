@@ -50,14 +50,14 @@ class ShardRunner:
         self.stats = {"run_s": 0.0, "observe_s": 0.0}
 
     def load(self, samples: Iterable[dict]) -> int:
-        """Cache the shard's samples (``{input name: array}``); returns how many."""
-        n = 0
-        for i, sample in enumerate(samples):
+        """Cache the shard's samples (``{input name: array}``) after those loaded before;
+        returns how many the shard holds."""
+        for sample in samples:
             for name, key in self.plan.inputs:
-                self.cache.put((key, i), sample[name])
-            n = i + 1
-        self.n = n
-        return n
+                self.cache.put((key, self.n), sample[name])
+            self.n += 1
+        self.stats["samples"] = self.n
+        return self.n
 
     def run_prologue(self) -> None:
         """Compute the weight-only values once (the same on every shard)."""

@@ -41,7 +41,7 @@ from .qparams import QParams, SlotInfo
 from .registry import Match, slot_id_of
 from .toolkit import BindingWriter, const, free_vars, is_call, remap_expr, shape_of, with_main
 
-__all__ = ["SimContext", "SimResult", "SlotPlan", "simulate"]
+__all__ = ["SimContext", "SimResult", "SlotPlan", "simulate", "validate_overrides"]
 
 
 @dataclass
@@ -131,7 +131,6 @@ class SimContext:
         self._acts: dict[str, _LazyQ] = {}
         self.match: Match | None = None
         self.tensor_id = slot_id_of(g, matches)
-        self._override_rules = [(compile_rule(o.match), o) for o in config.overrides]
         self._consumer: dict[str, str] = {}
 
     # ---- generic
@@ -188,11 +187,7 @@ class SimContext:
         return self.match.layer if self.match is not None else ""
 
     def spec(self, kind: str, layer: str) -> QuantSpec:
-        spec = self.config.activation if kind == "activation" else self.config.weight
-        for rule, ov in self._override_rules:
-            if rule(layer):
-                spec = (ov.activation if kind == "activation" else ov.weight) or spec
-        return spec
+        return self.config.layer_spec(kind, layer)
 
     def _new_slot(self, sid, kind, spec, shape, axis, length, tensor_shape, op):
         if sid in self.plan.slots:
@@ -254,8 +249,9 @@ class SimContext:
             self._acts[f"{sid}@{self.layer}"] = handle
         return handle
 
-    def weight(self, expr, axis: int) -> _LazyQ:
-        """The quantized version of the layer's weight; ``axis`` is its output-channel axis."""
+    def weight(self, expr, axis: int | None) -> _LazyQ:
+        """The quantized version of the layer's weight; ``axis`` is its output-channel axis
+        (None: always per tensor, e.g. the constant operand of an elementwise op)."""
         ref: WeightRef | None = self.g.weight_of(expr)
         if ref is None:
             raise ValueError(f"{self.layer}: operand {expr} is not a weight")
@@ -263,7 +259,7 @@ class SimContext:
         self._uses(sid)
         spec = self.spec("weight", self.layer)
         arr = np.asarray(ref.array, dtype=np.float32)
-        ax = axis % arr.ndim if spec.per_channel else None
+        ax = axis % arr.ndim if spec.per_channel and axis is not None else None
         length = arr.shape[ax] if ax is not None else None
         s, z = self._new_slot(
             sid, "weight", spec, arr.shape, ax, length, arr.shape, self.match.pattern.name
@@ -428,7 +424,9 @@ class SimResult:
         return [s for s, info in self.plan.slots.items() if info.kind == "weight"]
 
 
-def _validate_overrides(config: Config, matches: list[Match]) -> None:
+def validate_overrides(config: Config, matches: list[Match]) -> None:
+    """Every override must match one of the (quantized) ``matches``: else an error naming
+    the closest layer ids."""
     layers = [m.layer for m in matches]
     for o in config.overrides:
         rule = compile_rule(o.match)
@@ -491,7 +489,7 @@ def simulate(
     if not g.inputs:
         raise ValueError("the model has no data inputs (every parameter is in params)")
     matches = matched.active(config.fallback)
-    _validate_overrides(config, matches)
+    validate_overrides(config, matches)
     ctx = SimContext(
         g,
         config,

@@ -30,6 +30,7 @@ __all__ = [
     "BindingWriter",
     "as_list",
     "bindings",
+    "compile_executable",
     "compile_vm",
     "const",
     "const_array",
@@ -244,17 +245,34 @@ def make_function(
 # ---------------------------------------------------------------------------- running
 
 
-def compile_vm(
-    functions: dict[str, relax.Function], target, base: tvm.IRModule | None = None
-) -> relax.VirtualMachine:
+def compile_executable(
+    functions: dict[str, relax.Function],
+    target,
+    base: tvm.IRModule | None = None,
+    pipeline=None,
+):
     """One module with ``functions`` (plus ``base``'s functions other than ``main``, e.g. the
-    PrimFuncs of an imported model's ``call_tir`` bindings), compiled into a VM."""
+    PrimFuncs of an imported model's ``call_tir`` bindings), compiled (a Relax executable:
+    run it in a ``VirtualMachine`` or ``export_library`` it for another process) with the
+    Relax ``pipeline`` pass (default ``tvm.compile``'s)."""
     mod = tvm.IRModule(functions)
     if base is not None:
         for gv, f in base.functions_items():
             if gv.name_hint != "main" and gv.name_hint not in functions:
                 mod[gv] = f
-    return relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())
+    if pipeline is None:
+        return tvm.compile(mod, target)
+    return tvm.compile(mod, target, relax_pipeline=pipeline)
+
+
+def compile_vm(
+    functions: dict[str, relax.Function],
+    target,
+    base: tvm.IRModule | None = None,
+    pipeline=None,
+) -> relax.VirtualMachine:
+    """:func:`compile_executable` in a VM on this CPU."""
+    return relax.VirtualMachine(compile_executable(functions, target, base, pipeline), tvm.cpu())
 
 
 def as_list(result) -> list:

@@ -2,12 +2,16 @@
 
 Topological calibration keeps, for every sample, the tensors that later segments still need
 (:mod:`autoq.shard_runner`). :class:`ValueCache` holds them as numpy arrays up to
-``budget_bytes`` and spills the rest to ``.npy`` files in ``cache_dir`` (or a fresh
-``autoq-calib-*`` temporary folder, removed on :meth:`ValueCache.close`).
+``budget_bytes`` and spills the rest to ``.npy`` files in a fresh ``autoq-calib-<pid>-*``
+folder inside ``cache_dir`` (or the temporary folder), removed on :meth:`ValueCache.close`
+(calibration closes it in a ``finally``: an exception or Ctrl-C cleans up; the command line
+turns SIGTERM into the same path). A process killed outright leaves its folder; the next
+spill in the same parent removes folders whose pid no longer runs.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,7 +19,34 @@ from pathlib import Path
 import numpy as np
 import tvm
 
-__all__ = ["ValueCache"]
+from .errors import InputError
+
+__all__ = ["SPILL_PREFIX", "ValueCache", "remove_stale_spill_dirs"]
+
+#: spill folders are ``autoq-calib-<pid>-<random>`` (in ``cache_dir`` or the temp folder)
+SPILL_PREFIX = "autoq-calib-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_spill_dirs(parent: Path) -> list[Path]:
+    """Remove the spill folders in ``parent`` left by processes that no longer run (killed
+    during calibration: SIGKILL, or SIGTERM outside the command line); returns them."""
+    removed = []
+    for d in parent.glob(f"{SPILL_PREFIX}*"):
+        pid = d.name[len(SPILL_PREFIX) :].split("-", 1)[0]
+        if d.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
 
 
 class ValueCache:
@@ -32,18 +63,22 @@ class ValueCache:
         self.nbytes = 0
         self.peak = 0
         self.spilled = 0
+        if cache_dir and Path(cache_dir).exists() and not Path(cache_dir).is_dir():
+            raise InputError(
+                f"Config.cache_dir {str(cache_dir)!r} is a file, not a folder: give a folder "
+                "(created if missing) or None for a temporary one"
+            )
         self._dir_arg = cache_dir
         self._dir: Path | None = None
         self._own_dir = False
 
     def _path(self, key) -> Path:
         if self._dir is None:
-            if self._dir_arg:
-                self._dir = Path(self._dir_arg)
-                self._dir.mkdir(parents=True, exist_ok=True)
-            else:
-                self._dir = Path(tempfile.mkdtemp(prefix="autoq-calib-"))
-                self._own_dir = True
+            parent = Path(self._dir_arg) if self._dir_arg else Path(tempfile.gettempdir())
+            parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_spill_dirs(parent)
+            self._dir = Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{os.getpid()}-", dir=parent))
+            self._own_dir = True
         return self._dir / f"v{abs(hash(key))}_{len(self.disk)}.npy"
 
     def put(self, key, value) -> None:

@@ -129,8 +129,10 @@ def get(spec: str | Calibrator | Callable) -> Calibrator:
         return spec
     if callable(spec):
         return FunctionCalibrator(spec)
-    raise TypeError(
-        "a calibrator must be a name, an object with name/needs_range/observer, or a function "
+    from autoq.errors import CalibratorError
+
+    raise CalibratorError(
+        "calibrator contract: a calibrator must be a name, an object with name/needs_range/observer, or a function "
         f"batch -> (lo, hi); got {type(spec).__name__}"
     )
 
@@ -181,11 +183,21 @@ class _RangeObserver(MinMaxState):
         self.fn, self.axis = fn, axis
 
     def update(self, x: np.ndarray) -> None:
-        lo, hi = self.fn(x)
-        lo, hi = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
-        if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi)) and np.all(lo <= hi)):
-            raise ValueError(
-                f"calibration function {self.fn!r} returned an invalid range ({lo}, {hi})"
+        out = self.fn(x)
+        try:
+            lo, hi = out
+            lo, hi = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
+            ok = np.all(np.isfinite(lo)) and np.all(np.isfinite(hi)) and np.all(lo <= hi)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            from autoq.errors import CalibratorError
+
+            name = getattr(self.fn, "__qualname__", repr(self.fn))
+            raise CalibratorError(
+                f"calibrator contract: a calibration function batch -> (lo, hi) must return two "
+                f"finite numbers (or per-channel arrays) with lo <= hi; {name} returned "
+                f"{str(out)[:80]}"
             )
         self.absorb(lo + 0.0, hi + 0.0)  # + 0.0: one zero, see _common.batch_minmax
 

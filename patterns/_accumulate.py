@@ -39,7 +39,8 @@ class Kind:
     ``check(g, nodes, core_value)``: kind-specific reason to reject, or None.
     ``realize(ctx, match, core_value, x) -> (int32 accumulator call, weight RealQ)``: the
     qnn op on the quantized activation ``x``. ``channel_axis(rank)``: the output's channel
-    axis (where a bias and per-channel scales apply)."""
+    axis (where a bias and per-channel scales apply). ``dynamic``: the kind also has a
+    dynamic form (run-time activation qparams, :mod:`autoq.dynamic`)."""
 
     name: str
     op: str
@@ -47,6 +48,7 @@ class Kind:
     check: Callable
     realize: Callable
     channel_axis: Callable[[int], int]
+    dynamic: bool = False
 
 
 def is_activation(g, e) -> bool:
@@ -180,6 +182,24 @@ def _realize(kind: Kind):
     return realize
 
 
+def _dynamic(kind: Kind):
+    """Dynamic form: ``float32(acc) * (s_x * s_w)`` with the run-time ``s_x`` of
+    ``qnn.dynamic_quantize``, then the bias and the residual added in float32."""
+
+    def dynamic(ctx, m):
+        x = ctx.dynamic_activation(m["data"])
+        acc, w = kind.realize(ctx, m, ctx.g.value[m["core"]], x)
+        acc = ctx.emit(acc)
+        s_acc = ctx.emit(relax.op.multiply(x.scale_c, w.scale_c))
+        y = relax.op.multiply(relax.op.astype(acc, "float32"), s_acc)
+        for part in ("bias", "residual"):
+            if part in m.nodes:
+                y = relax.op.add(ctx.emit(y), ctx.value(m[part]))
+        return y
+
+    return dynamic
+
+
 def make(
     name: str, kind: Kind, bias: bool = False, residual: bool = False, doc: str = ""
 ) -> Pattern:
@@ -195,6 +215,7 @@ def make(
         weight=None if kind.weight_axis is None else "weight",
         anchor="core",
         doc=doc,
+        dynamic=_dynamic(kind) if kind.dynamic else None,
     )
 
 

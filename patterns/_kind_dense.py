@@ -26,4 +26,6 @@ def _realize(ctx, m, core, x):
     return qnn.dense(x.q, w.q, x.scale_c, x.zero_point_c, w.scale_c, w.zero_point_c), w
 
 
-KIND = Kind("dense", "relax.matmul", 1, _check, _realize, channel_axis=lambda rank: rank - 1)
+KIND = Kind(
+    "dense", "relax.matmul", 1, _check, _realize, channel_axis=lambda rank: rank - 1, dynamic=True
+)

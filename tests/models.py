@@ -239,3 +239,41 @@ def two_convs(seed=0):
 
     mod, params = b.build(body)
     return mod, params, lambda n=4, seed=1: image_data((1, 3, 8, 8), seed, n)
+
+
+def torch_cnn():
+    """``(torch, net)``: a tiny torch CNN (stem conv + hardswish, a residual block with a
+    depthwise conv, a sigmoid gate, a 2x2 average pool and a linear classifier) for
+    1x3x16x16 inputs; skips the test when torch is not installed."""
+    import pytest
+
+    torch = pytest.importorskip("torch", reason="torch is not installed (autoq[torch])")
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+            self.pw = nn.Conv2d(8, 8, 1)
+            self.act = nn.Hardswish()
+
+        def forward(self, x):
+            return x + self.pw(self.act(self.dw(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+            self.act = nn.Hardswish()
+            self.block = Block()
+            self.gate = nn.Conv2d(8, 8, 1)
+            self.pool = nn.AvgPool2d(2)
+            self.fc = nn.Linear(8 * 4 * 4, 10)
+
+        def forward(self, x):
+            y = self.block(self.act(self.stem(x)))
+            y = y * torch.sigmoid(self.gate(y))
+            return self.fc(torch.flatten(self.pool(y), 1))
+
+    torch.manual_seed(0)
+    return torch, Net().eval()

@@ -16,7 +16,7 @@ import tvm
 from tvm import relax
 
 from autoq.canonicalize import canonicalize, hardsigmoid, hardswish
-from models import TARGET
+from models import TARGET, torch_cnn
 
 F32 = "float32"
 
@@ -171,39 +171,6 @@ def test_canonical_ops_compute_their_definition(name, ref):
 # ------------------------------------------------------------------ torch vs ONNX import
 
 
-def _cnn():
-    torch = pytest.importorskip("torch", reason="torch is not installed (autoq[torch])")
-    nn = torch.nn
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
-            self.pw = nn.Conv2d(8, 8, 1)
-            self.act = nn.Hardswish()
-
-        def forward(self, x):
-            return x + self.pw(self.act(self.dw(x)))
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
-            self.act = nn.Hardswish()
-            self.block = Block()
-            self.gate = nn.Conv2d(8, 8, 1)
-            self.pool = nn.AvgPool2d(2)
-            self.fc = nn.Linear(8 * 4 * 4, 10)
-
-        def forward(self, x):
-            y = self.block(self.act(self.stem(x)))
-            y = y * torch.sigmoid(self.gate(y))
-            return self.fc(torch.flatten(self.pool(y), 1))
-
-    torch.manual_seed(0)
-    return torch, Net().eval()
-
-
 def _constants_rounded(mod):
     """The module with every float constant rounded to 6 significant digits, so that two
     imports agree when their constants are within ~1e-6 relative."""
@@ -222,7 +189,7 @@ def test_torch_and_onnx_imports_of_one_network_canonicalize_to_the_same_graph(tm
     import autoq
     from autoq.graph import prepare
 
-    torch, net = _cnn()
+    torch, net = torch_cnn()
     x = torch.randn(1, 3, 16, 16)
     mt, pt = autoq.from_torch(net, (x,))
     torch.onnx.export(net, (x,), str(tmp_path / "net.onnx"), opset_version=13, dynamo=False)

@@ -115,6 +115,14 @@ def test_quantize_writes_library_qparams_script_and_report(files, capsys):
 
     got = autoq.load_library(out / "model.so")["main"](tvm.runtime.tensor(x)).numpy()
     assert got.shape == ref.shape
+    # module.json (for 'autoq tune OUT'; the TVMScript omits the constants) is the same model
+    from tvm import relax
+
+    saved = tvm.ir.load_json((out / "module.json").read_text())
+    vm = relax.VirtualMachine(
+        autoq.compile(saved, tvm.target.Target(json.loads(TARGET))), tvm.cpu()
+    )
+    assert np.array_equal(vm["main"](tvm.runtime.tensor(x)).numpy(), got)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.05
 
     qp = autoq.load_qparams(out / "qparams.json")
@@ -270,7 +278,7 @@ def test_no_command_prints_usage(capsys):
         (["quantize", "{model}", "--calib", "{d}/nothere.npz"], ["--calib", "no such file", "nothere.npz"]),
         (["quantize", "{model}"], ["--calib DATA is required"]),
         (["quantize", "{d}/calib.npz", "--calib", "{d}/calib.npz"], ["not an .onnx file"]),
-        (["quantize", "{d}/garbage.onnx", "--calib", "{d}/calib.npz"], ["not a valid ONNX file"]),
+        (["quantize", "{d}/garbage.onnx", "--calib", "{d}/calib.npz"], ["garbage.onnx", "is not an ONNX model"]),
         (["quantize", "{model}", "--calib", "{d}/notes.txt"], ["expected a folder of images, an .npz or an .npy"]),
         (["quantize", "{model}", "--calib", "{d}/calib.npz", "--skip", "conv9"],
          ["fallback id 'conv9' matches no layer", "closest layer ids: conv"]),
@@ -286,6 +294,9 @@ def test_no_command_prints_usage(capsys):
         (["inspect", "{d}/missing.json"], ["no such file"]),
         (["inspect", "{d}/garbage.onnx"], ["is not JSON"]),
         (["inspect", "{d}/other.json"], ["not a valid qparams file"]),
+        (["tune", "{d}/missing.json"], ["no such file", "missing.json"]),
+        (["tune", "{d}/empty_imgs"], ["has no module.json", "autoq quantize --out"]),
+        (["tune", "{d}/garbage.onnx"], ["not a module saved by tvm.ir.save_json"]),
     ],
 )  # fmt: skip
 def test_user_errors(files, capsys, argv, needles):
@@ -317,6 +328,8 @@ def test_user_errors(files, capsys, argv, needles):
         (["quantize", "m.onnx", "--per-channel", "--per-tensor"], "not allowed with"),
         (["quantize", "m.onnx", "--target", "llvm -mcpu=x"], "JSON object"),
         (["frobnicate"], "invalid choice"),
+        (["tune", "out", "--rpc", "localhost"], "HOST:PORT/KEY"),
+        (["tune", "out", "--trials", "0"], "positive integer"),
     ],
 )
 def test_usage_errors(capsys, argv, needle):

@@ -126,7 +126,7 @@ def test_one_import_matches_the_patterns_once(matcher_calls, fmt):
         # sigmoid's lookup-table pattern cannot take its output qparams from the file)
         assert report.fallback == {
             "sigmoid_0": "its output is not quantized in the file",
-            "w2": "its input sigmoid_0 (not an ONNX tensor the file quantizes) is not quantized "
+            "w2": "its input sigmoid_0 (not a tensor the model quantizes) is not quantized "
             "in the file",
         }
         assert report.float_ops  # the sigmoid reads the file's rounding of the conv output

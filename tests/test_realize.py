@@ -93,12 +93,13 @@ def test_canonical_forms_of_the_mlp_and_attention():
     mod, params, make = mlp()
     _, _, real = quantize_all(mod, params, make(3), cfg())
     # fc1 + relu: relu's slot starts at 0, so max(q, zp) is the identity and disappears;
-    # fc2 + clip(0, 6): the clip runs on int8 with quantized bounds; fc3 has no bias
+    # fc2 + clip(0, 6): the clip's slot is calibrated on its output, so both quantized
+    # bounds are the ends of the int8 grid and the clip disappears too (no identity
+    # minimum/maximum); fc3 has no bias
     assert op_sequence(real) == [
         ("qnn.quantize", "int8"),
         ("qnn.dense", "int32"), ("add", "int32"), ("qnn.requantize", "int8"),
         ("qnn.dense", "int32"), ("add", "int32"), ("qnn.requantize", "int8"),
-        ("minimum", "int8"), ("maximum", "int8"),
         ("qnn.dense", "int32"), ("qnn.dequantize", "float32"),
     ]  # fmt: skip
     mod, params, make = attention()
@@ -131,7 +132,8 @@ def _op_model(op_fn, shape=(1, 4, 8, 8), cout=4):
 
 ALLOW = {
     "relu": (lambda b, y: relax.op.nn.relu(y), [("maximum", "int8")]),
-    "clip": (lambda b, y: relax.op.clip(y, -0.5, 0.5), [("minimum", "int8"), ("maximum", "int8")]),
+    # symmetric slot [-0.5, 0.5]: Q(0.5) is qmax (minimum dropped), Q(0) = 0 is not qmin
+    "clip": (lambda b, y: relax.op.clip(y, 0.0, 0.5), [("maximum", "int8")]),
     "max_pool2d": (lambda b, y: relax.op.nn.max_pool2d(y, 2, 2), [("nn.max_pool2d", "int8")]),
     "reshape": (lambda b, y: relax.op.reshape(y, [1, 4, 64]), [("reshape", "int8")]),
     "permute_dims": (
@@ -187,10 +189,13 @@ def test_relu_on_a_slot_starting_at_zero_disappears():
     exact(sim, qp, real, data)
 
 
-def test_clip_bounds_are_quantized_with_the_slot_qparams():
-    mod, params = _op_model(lambda b, y: relax.op.clip(y, -0.5, 0.5))
+@pytest.mark.parametrize("lo, hi", [(0.0, 0.5), (-0.5, 0.5), (-0.5, 0.0)])
+def test_clip_bounds_are_quantized_with_the_slot_qparams(lo, hi):
+    """Each side of a clip runs on int8 with its bound quantized on the slot's grid, and is
+    dropped when that bound is an end of the grid (the identity on every int8 value)."""
+    mod, params = _op_model(lambda b, y: relax.op.clip(y, lo, hi))
     data = [np.random.default_rng(i).normal(size=(1, 4, 8, 8)).astype(np.float32) for i in range(3)]
-    _sim, qp, real = quantize_all(mod, params, data, cfg(SYM))
+    sim, qp, real = quantize_all(mod, params, data, cfg(SYM))
     slot = qp["clip_0"]
     consts = {}
     for b in real["main"].body.blocks[0].bindings:
@@ -199,10 +204,16 @@ def test_clip_bounds_are_quantized_with_the_slot_qparams():
             "relax.maximum",
         ):
             consts[b.value.op.name] = int(b.value.args[1].value.numpy())
-    assert consts == {
-        "relax.minimum": int(P.quantize(0.5, slot.scale, slot.zero_point)),
-        "relax.maximum": int(P.quantize(-0.5, slot.scale, slot.zero_point)),
-    }
+    q_hi = int(P.quantize(hi, slot.scale, slot.zero_point))
+    q_lo = int(P.quantize(lo, slot.scale, slot.zero_point))
+    expected = {}
+    if q_hi < 127:
+        expected["relax.minimum"] = q_hi
+    if q_lo > -128:
+        expected["relax.maximum"] = q_lo
+    assert consts == expected
+    assert (lo, hi) == (-0.5, 0.5) or expected  # the one-sided clips keep their inner side
+    exact(sim, qp, real, data)
 
 
 def test_equal_qparams_drop_the_requantize():

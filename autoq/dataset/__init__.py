@@ -36,27 +36,36 @@ packages use), :func:`from_npz`, :func:`from_npy`.
 **Modules.** :mod:`.contract` (input specs, per-sample validation, :class:`DatasetError`),
 :mod:`.arrays` (stacked arrays, ``.npz``/``.npy``), :mod:`.images` (image folders) and
 :mod:`.calibration` (:class:`CalibrationDataset`, :func:`as_dataset`: the repeatable view the
-calibration driver iterates).
+calibration driver iterates) and :mod:`.shards` (sources the workers of a distributed
+calibration read themselves: :class:`NpzShards`, :class:`ImageFolderShards`,
+:class:`CallableShards`).
 """
 
 from __future__ import annotations
 
 from .arrays import ArrayDataset, from_npy, from_npz
 from .calibration import CalibrationDataset, as_dataset
-from .contract import DatasetError, InputSpec, input_specs, validate_sample
+from .contract import DatasetError, InputSpec, index_bounds, input_specs, validate_sample
 from .images import IMAGE_EXTENSIONS, ImageFolder, from_image_folder
+from .shards import CallableShards, ImageFolderShards, NpzShards, ShardSource, is_shard_source
 
 __all__ = [
     "IMAGE_EXTENSIONS",
     "ArrayDataset",
     "CalibrationDataset",
+    "CallableShards",
     "DatasetError",
     "ImageFolder",
+    "ImageFolderShards",
     "InputSpec",
+    "NpzShards",
+    "ShardSource",
     "as_dataset",
     "from_image_folder",
     "from_npy",
     "from_npz",
+    "index_bounds",
     "input_specs",
+    "is_shard_source",
     "validate_sample",
 ]

@@ -18,6 +18,10 @@ def _is_one_shot(obj) -> bool:
     return isinstance(obj, Iterator)
 
 
+def _same_sample(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
 class CalibrationDataset:
     """A validated, repeatable view of a user's dataset (build it with :func:`as_dataset`).
 
@@ -78,7 +82,7 @@ class CalibrationDataset:
                 self._peek_one_shot()
                 self._factory = None
             else:
-                self._peek(dataset)
+                self._peek_restart(dataset)
         else:
             raise DatasetError(
                 f"a dataset must be an iterable of samples or a function returning one, "
@@ -100,6 +104,40 @@ class CalibrationDataset:
             validate_sample(raw, 0, self.specs)
             return
         raise DatasetError("the calibration dataset is empty: it yielded no samples")
+
+    def _peek_restart(self, dataset) -> None:
+        """Check the first sample, and that ``iter(dataset)`` starts over: a second iterator
+        must begin with the same sample. A loader whose ``__iter__`` continues where the
+        last one stopped (or returns the same iterator) would otherwise lose the samples
+        each stage peeks at; it is read once instead, its samples kept and replayed (with
+        a warning)."""
+        first_it = iter(dataset)
+        first = next(first_it, None)
+        if first is None:
+            raise DatasetError("the calibration dataset is empty: it yielded no samples")
+        first = validate_sample(first, 0, self.specs)
+        again = iter(dataset)
+        second = None if again is first_it else next(again, None)
+        if second is not None:
+            second = validate_sample(second, 1, self.specs)
+            if _same_sample(first, second):
+                return  # it restarts: stream every pass
+        import warnings
+
+        warnings.warn(
+            f"the dataset's __iter__ ({type(dataset).__name__}) does not start over (a second "
+            "iterator did not begin with the first sample): its samples are read once, kept "
+            "in memory and replayed, so every stage sees the same samples. Pass a list or a "
+            "function returning a fresh iterator to stream instead.",
+            stacklevel=4,
+        )
+        self._factory = None
+        self._keep = True
+        self._iterator = again
+        self._buffer = ([first] if second is None else [first, second])[: self.limit]
+        if second is None and again is not first_it:
+            self._exhausted = True
+            self.num_samples = 1
 
     def _peek_one_shot(self) -> None:
         if self._pull() is None:
@@ -166,6 +204,12 @@ class CalibrationDataset:
             raise DatasetError("the calibration dataset is empty: this pass yielded no samples")
         if self.num_samples is None:
             self.num_samples = k
+        elif k != self.num_samples:
+            raise DatasetError(
+                f"the dataset yielded {self.num_samples} samples on its first pass and {k} on "
+                "a later one: every stage must see the same samples; pass a list, or a "
+                "function returning a fresh iterator over the same samples"
+            )
 
 
 def as_dataset(

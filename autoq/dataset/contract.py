@@ -5,9 +5,11 @@ was expected and what was given (see :mod:`autoq.dataset`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from ..errors import DatasetError
 
 __all__ = [
     "DatasetError",
@@ -15,22 +17,23 @@ __all__ = [
     "check_names",
     "describe_inputs",
     "format_shape",
+    "index_bounds",
     "input_specs",
     "validate_sample",
 ]
 
 
-class DatasetError(ValueError):
-    """The calibration data does not fit the model (the message says where and how)."""
-
-
 @dataclass(frozen=True)
 class InputSpec:
-    """One data input of a model: name, shape (``None`` for a symbolic dim), dtype."""
+    """One data input of a model: name, shape (``None`` for a symbolic dim), dtype.
+    ``index``: for an integer input that indexes a table (token ids into an embedding),
+    ``(table name, rows)``: every value must lie in ``[0, rows)`` (see :func:`index_bounds`).
+    """
 
     name: str
     shape: tuple[int | None, ...]
     dtype: str
+    index: tuple[str, int] | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         return f"{self.name!r} {format_shape(self.shape)} {self.dtype}"
@@ -54,6 +57,7 @@ def input_specs(mod, params=None, func_name: str = "main") -> list[InputSpec]:
     if not isinstance(func, relax.Function):
         raise TypeError(f"expected an IRModule or a relax.Function, got {type(mod).__name__}")
     weights = set(params or ())
+    bounds = index_bounds(func)
     specs = []
     for p in func.params:
         if p.name in weights:
@@ -67,8 +71,47 @@ def input_specs(mod, params=None, func_name: str = "main") -> list[InputSpec]:
                 dims.append(int(d))
             except (TypeError, ValueError):
                 dims.append(None)
-        specs.append(InputSpec(p.name, tuple(dims), str(ty.dtype)))
+        specs.append(InputSpec(p.name, tuple(dims), str(ty.dtype), bounds.get(p.name)))
     return specs
+
+
+#: ops that pass an integer tensor's values through unchanged (for :func:`index_bounds`)
+_SAME_VALUES = ("relax.reshape", "relax.astype", "relax.expand_dims", "relax.squeeze",
+                "relax.permute_dims", "relax.flatten")  # fmt: skip
+
+
+def index_bounds(func) -> dict[str, tuple[str, int]]:
+    """Integer inputs of ``func`` used as the indices of a ``take`` (ONNX Gather, an
+    embedding lookup), directly or through reshapes/casts: input name -> (table name,
+    number of rows along the take's axis). Out-of-range ids would read outside the table
+    (TVM's gather does not check; a large id crashes the process)."""
+    import tvm
+    from tvm import relax
+
+    origin = {p: p.name for p in func.params}  # var -> the input its values come from
+    names = {p: p.name for p in func.params}
+    out: dict[str, tuple[str, int]] = {}
+    blocks = func.body.blocks if isinstance(func.body, relax.SeqExpr) else []
+    for block in blocks:
+        for b in block.bindings:
+            v = b.value
+            if not isinstance(v, relax.Call) or not isinstance(v.op, tvm.ir.Op):
+                continue
+            op = v.op.name
+            if op in _SAME_VALUES and v.args[0] in origin:
+                origin[b.var] = origin[v.args[0]]
+            elif op == "relax.take" and v.args[1] in origin:
+                table, shape = v.args[0], v.args[0].ty.shape
+                axis = int(v.attrs.axis) if v.attrs.axis is not None else 0
+                try:
+                    rows = int(shape.values[axis])
+                except (AttributeError, TypeError, ValueError, IndexError):
+                    continue
+                name = names.get(table, getattr(table, "name_hint", "a constant table"))
+                prev = out.get(origin[v.args[1]])
+                if prev is None or rows < prev[1]:
+                    out[origin[v.args[1]]] = (str(name), rows)
+    return out
 
 
 def describe_inputs(specs: Sequence[InputSpec]) -> str:
@@ -101,6 +144,16 @@ def _check_array(arr: np.ndarray, spec: InputSpec, where: str) -> np.ndarray:
             f"{where}: expected dtype {spec.dtype}, got {arr.dtype} "
             f"(convert it with .astype(np.{spec.dtype}))"
         )
+    if spec.index is not None and arr.size:
+        table, rows = spec.index
+        bad = (arr < 0) | (arr >= rows)
+        if bad.any():
+            pos = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise DatasetError(
+                f"{where}: {int(bad.sum())} value(s) outside [0, {rows}) (e.g. {arr[pos]} at "
+                f"index {list(pos)}), but the input indexes table {table!r} of {rows} rows "
+                f"(range {arr.min()}..{arr.max()}): fix the ids or the tokenizer/vocabulary"
+            )
     if np.issubdtype(arr.dtype, np.inexact):
         finite = np.isfinite(arr)
         if not finite.all():

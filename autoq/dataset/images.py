@@ -155,6 +155,32 @@ def _resize_and_crop(img, size: tuple[int, int], resize):
     return img.crop((left, top, left + out_w, top + out_h))
 
 
+_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+def _to_8bit_range(im, color: str, file: Path):
+    """``im`` in ``color`` with pixel values on the 8-bit scale [0, 255] (so ``scale``,
+    ``mean`` and ``std`` mean the same for every file): palette and other 8-bit modes are
+    converted by Pillow; 16-bit images are divided by 257 (65535 -> 255) into a float
+    image instead of being clipped at 255; float or 32-bit images are refused.
+
+    A 16-bit gray image stays one channel (the caller repeats it for RGB/BGR)."""
+    if im.mode in _SIXTEEN_BIT:
+        a = np.asarray(im, dtype=np.float64)
+        if a.size and (a.min() < 0 or a.max() > 65535):
+            raise DatasetError(
+                f"image {str(file)!r} has 32-bit pixel values (range {a.min():g} to {a.max():g}); "
+                "only 8- and 16-bit images are read: convert it, or pass transform="
+            )
+        return _pillow().fromarray((a / 257.0).astype(np.float32))
+    if im.mode == "F":
+        raise DatasetError(
+            f"image {str(file)!r} holds floating-point pixels (mode F): their scale is unknown; "
+            "convert it to 8 or 16 bits, or pass transform="
+        )
+    return im.convert("L" if color == "L" else "RGB")
+
+
 @dataclass(frozen=True, eq=False)
 class _Preprocess:
     """Reads one image file and turns it into a model input (see :func:`from_image_folder`)."""
@@ -172,7 +198,9 @@ class _Preprocess:
     def __call__(self, file: Path) -> np.ndarray:
         try:
             with _pillow().open(file) as im:
-                img = im.convert("L" if self.color == "L" else "RGB")
+                img = _to_8bit_range(im, self.color, file)
+        except DatasetError:
+            raise
         except Exception as e:
             raise DatasetError(f"cannot read image {str(file)!r}: {e}") from e
         if self.transform is not None:
@@ -180,6 +208,8 @@ class _Preprocess:
         arr = np.asarray(_resize_and_crop(img, self.size, self.resize), dtype=np.float64)
         if arr.ndim == 2:
             arr = arr[:, :, None]
+        if arr.shape[2] == 1 and self.color != "L":
+            arr = np.repeat(arr, 3, axis=2)  # a 16-bit gray image read as RGB
         if self.color == "BGR":
             arr = arr[:, :, ::-1]
         arr = (arr * self.scale - self.mean) / self.std

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import contextlib
 
-__all__ = ["FrontendError", "QuantizedModelError", "UnsupportedOpsError", "warnings_quiet"]
+from ..errors import AutoqError
+
+__all__ = [
+    "FrontendError",
+    "ModelFileError",
+    "QuantizedModelError",
+    "UnsupportedOpsError",
+    "warnings_quiet",
+]
 
 
-class FrontendError(RuntimeError):
+class FrontendError(AutoqError, RuntimeError):
     """A model could not be imported; the message says what blocked it and what to do."""
+
+
+class ModelFileError(FrontendError, FileNotFoundError):
+    """The model file (or a file it names, such as its external data) does not exist."""
 
 
 class QuantizedModelError(FrontendError):

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import tvm
 
-from .errors import FrontendError, QuantizedModelError, UnsupportedOpsError
+from .errors import FrontendError, ModelFileError, QuantizedModelError, UnsupportedOpsError
 
 __all__ = [
     "EXTERNAL_DATA_BYTES",
@@ -48,6 +48,52 @@ def strip_ort_fusion_prefix(name: str) -> str:
     return name
 
 
+def _load_file(path: Path):
+    """``onnx.load`` with every way a file can be unusable named: missing, empty, not ONNX
+    (truncated or another format), external data missing."""
+    import onnx
+
+    if not path.is_file():
+        raise ModelFileError(f"no ONNX file at {str(path)!r}")
+    if path.stat().st_size == 0:
+        raise FrontendError(f"{str(path)!r} is empty (0 bytes): not an ONNX model")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and friends
+        raise FrontendError(
+            f"{str(path)!r} is not an ONNX model (truncated, or another format): "
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        ) from None
+    if not model.HasField("graph") or not len(model.graph.node):
+        raise FrontendError(f"{str(path)!r} holds no ONNX graph: not an ONNX model")
+    _load_external(model, path)
+    return model
+
+
+def _load_external(model, path: Path) -> None:
+    """Read the external-data files the model names (next to it); a missing or short one
+    is an error naming it and the tensor."""
+    from onnx.external_data_helper import load_external_data_for_model, uses_external_data
+
+    for t in model.graph.initializer:
+        if not uses_external_data(t):
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        data = path.parent / info.get("location", "")
+        if not data.is_file():
+            raise ModelFileError(
+                f"{str(path)!r}: the external data file {str(data)!r} (tensor {t.name!r}) is "
+                "missing: keep it next to the model, under the name the model gives it"
+            )
+        need = int(info.get("offset", 0)) + int(info.get("length", 0))
+        if data.stat().st_size < need:
+            raise FrontendError(
+                f"{str(path)!r}: the external data file {str(data)!r} is shorter than tensor "
+                f"{t.name!r} needs ({data.stat().st_size} < {need} bytes): truncated"
+            )
+    load_external_data_for_model(model, str(path.parent))
+
+
 def load_onnx(path_or_model, caller: str = "from_onnx"):
     """An ``onnx.ModelProto`` from a path, serialized bytes or a model (copied: the caller's
     model is never modified); ``caller`` names the function in the error for other types."""
@@ -60,10 +106,7 @@ def load_onnx(path_or_model, caller: str = "from_onnx"):
     if isinstance(path_or_model, bytes | bytearray):
         return onnx.load_from_string(bytes(path_or_model))
     if isinstance(path_or_model, str | os.PathLike):
-        path = Path(path_or_model)
-        if not path.is_file():
-            raise FileNotFoundError(f"no ONNX file at {str(path)!r}")
-        return onnx.load(str(path))
+        return _load_file(Path(path_or_model))
     raise TypeError(
         f"{caller} takes a path, an onnx.ModelProto or bytes, got {type(path_or_model).__name__}"
     )

@@ -9,7 +9,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .errors import FrontendError, warnings_quiet
+from .errors import FrontendError, QuantizedModelError, warnings_quiet
 from .weights import finish_import
 
 __all__ = ["from_torch"]
@@ -44,6 +44,7 @@ def from_torch(
 
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"from_torch takes a torch.nn.Module, got {type(module).__name__}")
+    _reject_quantized(torch, module)
     ep = _export(torch, module, example_inputs)
     try:
         with warnings_quiet():
@@ -56,6 +57,25 @@ def from_torch(
     func = mod["main"]
     rename, params = _parameters(torch, ep, func)
     return finish_import(mod, func, rename, params, fold_bn)
+
+
+def _reject_quantized(torch, module) -> None:
+    """A PT2E-converted model (``quantized_decomposed`` ops) goes to ``import_quantized``."""
+    if not isinstance(module, torch.fx.GraphModule):
+        return
+    ops = sorted(
+        {
+            str(n.target)
+            for n in module.graph.nodes
+            if str(n.target).startswith("quantized_decomposed.")
+        }
+    )
+    if ops:
+        raise QuantizedModelError(
+            f"the torch model is already quantized ({', '.join(ops[:3])}{', ...' if len(ops) > 3 else ''}): "
+            "import it with autoq.import_quantized(model, example_inputs=...) to keep its own "
+            "scales and zero points, or quantize the float model with autoq.quantize"
+        )
 
 
 def _export(torch, module, example_inputs):
@@ -74,12 +94,17 @@ def _export(torch, module, example_inputs):
         args, kwargs = (to_tensor(example_inputs),), {}
 
     was_training = module.training
-    module.eval()
+    try:
+        module.eval()
+    except NotImplementedError:
+        # torch.export's own GraphModules refuse eval(): their graph is already traced
+        was_training = None
     try:
         with torch.no_grad():
             return torch.export.export(module, args, kwargs)
     finally:
-        module.train(was_training)
+        if was_training is not None:
+            module.train(was_training)
 
 
 def _parameters(torch, ep, func: relax.Function):

@@ -1,4 +1,5 @@
-"""Import ONNX models that are already quantized, in autoq's canonical integer form.
+"""Import models that are already quantized (ONNX, PyTorch PT2E, TFLite) in autoq's
+canonical integer form.
 
 ``import_quantized(model) -> (mod, qparams, report)`` reads a QDQ model
 (QuantizeLinear/DequantizeLinear around the ops) or a QOperator model (QLinearConv,
@@ -10,6 +11,11 @@ qnn.conv2d/dense/matmul -> add(int32 bias) -> qnn.requantize -> ...``), with the
 integer weights and biases as constants (never dequantized and requantized) and the file's
 scales and zero points, plus those qparams as a :class:`QParams` (the same data a
 calibration produces: per-layer reports, fallback and re-export work on it).
+
+PyTorch models quantized with torchao's PT2E flow enter at stage 2 through :mod:`.pt2e`
+(``quantized_decomposed`` ops -> the same split, the float FX graph imported with
+:func:`autoq.frontends.from_torch`); full-integer ``.tflite`` files enter at stage 1
+through :mod:`.tflite` (TFLite ops -> ONNX QDQ, ``rounding="tflite"`` by default).
 
 One module per stage, in the order they run:
 
@@ -48,17 +54,19 @@ import time
 import tvm
 
 from ..config import Config
-from ..frontends import from_onnx
+from ..frontends import from_onnx, from_torch
 from ..matching import match
 from ..qparams import QParams
 from ..simulate import SimResult, simulate
 from .assemble import FloatModel, finish, realize_file
 from .file_qparams import SplitResult, split_qdq
 from .onnx_graph import QuantizedImportError, is_quantized_onnx, load
+from .pt2e import is_torch_model, split_pt2e
 from .qoperator import qoperator_to_qdq
 from .report import ImportReport
 from .slots import fallback_reasons, fill, float_ops, merge_fallback, rounding_points
 from .tensors import FileView, Tensors, bind_params, float_module
+from .tflite import is_tflite, tflite_to_qdq
 
 __all__ = [
     "ImportReport",
@@ -66,7 +74,10 @@ __all__ = [
     "import_quantized",
     "is_quantized_onnx",
     "qoperator_to_qdq",
+    "realize_file",
+    "split_pt2e",
     "split_qdq",
+    "tflite_to_qdq",
 ]
 
 
@@ -103,25 +114,51 @@ def _layers(
     return FloatModel(matched, rounding_points(view, sim.matches)), view, sim, cfg
 
 
-def _qparams(view: FileView, sim: SimResult, report: ImportReport, source) -> QParams:
+def _qparams(view: FileView, sim: SimResult, report: ImportReport, model, source) -> QParams:
     plan = fill(view, sim)
     report.notes += plan.notes
-    meta = {"source": "onnx", "format": report.format, "fallback": dict(report.fallback)}
-    if isinstance(source, str | os.PathLike):
-        meta["file"] = str(source)
+    meta = {"source": source, "format": report.format, "fallback": dict(report.fallback)}
+    if isinstance(model, str | os.PathLike):
+        meta["file"] = str(model)
     return QParams(plan.qparams, dict(sim.slots), meta, plan.values)
 
 
+def _from_onnx(source, input_shapes, optimize: bool, report: ImportReport):
+    """Stages 1-3 for ONNX: the split, the float module and its quantized tensors."""
+    split = _parse(source, report)
+    mod, params = from_onnx(split.model, input_shapes, optimize=optimize, fold_bn=False)
+    return split, mod, params
+
+
+def _from_torch(model, example_inputs, report: ImportReport):
+    """Stages 1-3 for a PT2E-converted torch model (:mod:`.pt2e`)."""
+    fg, example_inputs = split_pt2e(model, example_inputs)
+    report.format = "PT2E"
+    report.notes += fg.notes
+    report.activation_tensors = len(fg.split.activations)
+    report.weight_tensors = len(fg.split.consts)
+    if not fg.split.activations:
+        raise QuantizedImportError(
+            "the torch model holds no quantized tensors; use autoq.from_torch and autoq.quantize"
+        )
+    mod, params = from_torch(fg.module, example_inputs, fold_bn=False)
+    return fg.split, mod, params
+
+
 def import_quantized(
-    onnx_model_or_path,
+    model,
     config: Config | None = None,
     input_shapes: dict | None = None,
     *,
+    example_inputs=None,
     optimize: bool = True,
 ) -> tuple[tvm.IRModule, QParams, ImportReport]:
-    """Import a quantized ONNX model (QDQ or QOperator) as autoq's canonical int8 module.
+    """Import a quantized model as autoq's canonical int8 module.
 
-    ``onnx_model_or_path``: a path, an ``onnx.ModelProto`` (not modified) or bytes.
+    ``model``: an ONNX model (QDQ or QOperator: a path, an ``onnx.ModelProto``, not modified,
+    or bytes), or a PyTorch model quantized with torchao's PT2E flow (the ``convert_pt2e``
+    ``GraphModule`` or a ``torch.export.ExportedProgram`` of it; ``example_inputs`` gives the
+    shapes, taken from the ExportedProgram when omitted).
     ``config``: patterns, rounding mode (default ``float``) and extra fallback rules; the
     quantization specs and calibrators are not used (the file fixes the qparams).
     ``input_shapes``/``optimize``: as for :func:`autoq.frontends.from_onnx` (the float graph
@@ -136,23 +173,31 @@ def import_quantized(
     """
     t0 = time.perf_counter()
     report = ImportReport()
-    config = config or Config(progress=False)
-    split = _parse(onnx_model_or_path, report)
-    report.timings["parse_s"] = time.perf_counter() - t0
-
-    t1 = time.perf_counter()
-    mod, params = from_onnx(split.model, input_shapes, optimize=optimize, fold_bn=False)
+    if is_torch_model(model):
+        config = config or Config(progress=False)
+        split, mod, params = _from_torch(model, example_inputs, report)
+        source = "pt2e"
+    elif is_tflite(model):
+        # TFLite's own requantization: gemmlowp's doubling multiply + rounding shift
+        config = config or Config(progress=False, rounding="tflite")
+        split, mod, params = _from_onnx(tflite_to_qdq(model), input_shapes, optimize, report)
+        report.format, source = "TFLite", "tflite"
+    else:
+        config = config or Config(progress=False)
+        split, mod, params = _from_onnx(model, input_shapes, optimize, report)
+        source = "onnx"
     mod, names = float_module(mod, split)
-    report.timings["tvm_import_s"] = time.perf_counter() - t1
+    report.tensors = {name: pos for pos, name in names}
+    report.timings["parse_import_s"] = time.perf_counter() - t0
 
     t2 = time.perf_counter()
-    model, view, sim, cfg = _layers(mod, params, names, split, config, report)
-    qparams = _qparams(view, sim, report, onnx_model_or_path)
+    fm, view, sim, cfg = _layers(mod, params, names, split, config, report)
+    qparams = _qparams(view, sim, report, model, source)
     report.timings["slots_s"] = time.perf_counter() - t2
 
     t3 = time.perf_counter()
-    out = finish(realize_file(model, qparams, cfg), split, cfg.rounding)
+    out = finish(realize_file(fm, qparams, cfg), split, cfg.rounding)
     report.timings["realize_s"] = time.perf_counter() - t3
     report.timings["total_s"] = time.perf_counter() - t0
-    report.float_mod, report.params, report.config = model, params, cfg
+    report.float_mod, report.params, report.config = fm, params, cfg
     return out, qparams, report

@@ -15,7 +15,7 @@ chains of them (see :func:`.onnx_graph.constants`).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,11 @@ class FileQ:
             and bool(np.all(self.zero_point == other.zero_point))
         )
 
+    def require_same(self, other: FileQ, message: str) -> None:
+        """Raise :class:`QuantizedImportError` with ``message`` unless ``other`` is the same."""
+        if not self.same(other):
+            raise QuantizedImportError(message)
+
     def qparam(self, axis: int | None = None) -> QParam:
         return QParam(self.scale, self.zero_point.astype(np.int32), self.dtype, axis)
 
@@ -96,6 +101,8 @@ class SplitResult:
     producer: dict[str, str]
     #: float tensor name -> labels of the (non Q/DQ) ONNX nodes that read it
     consumers: dict[str, list[str]]
+    #: the float graph's output names (the originals, then the extra outputs)
+    output_names: list[str] = field(default_factory=list)
 
 
 def qdq_params(node, consts, in_dtype: str | None) -> FileQ:
@@ -174,6 +181,8 @@ class _Splitter:
         self.int_inputs: dict[str, tuple[FileQ, int]] = {}
         self.int32_of: dict[str, str] = {}
         self.new_inits: list = []
+        #: Cast nodes of quantized integers to their own dtype (dropped)
+        self.noop_casts: set[int] = set()
 
     def resolve(self, t: str) -> str:
         seen = set()
@@ -213,6 +222,11 @@ class _Splitter:
             if src is not None and src.dtype.kind == "f":
                 axis = None if qp.axis is None else qp.axis % src.ndim
                 self.folded[n.output[0]] = P.quantize(src, qp.scale, qp.zero_point, qp.dtype, axis)
+        for n in self.nodes:  # torch's export: Cast(QuantizeLinear) to the same dtype
+            if n.op_type == "Cast" and n.input[0] in self.q_of and n.input[0] not in self.folded:
+                if np_dtype(int(attrs(n)["to"])).name == self.q_of[n.input[0]][1].dtype:
+                    self.q_of[n.output[0]] = self.q_of[n.input[0]]
+                    self.noop_casts.add(id(n))
 
     def read_dequantize(self, n) -> None:
         a, out, where = n.input[0], n.output[0], self.labels[id(n)]
@@ -251,11 +265,9 @@ class _Splitter:
 
         if a in self.by_source:
             prev = self.fconsts[self.by_source[a]]
-            if not prev.q.same(qp):
-                raise QuantizedImportError(
-                    f"{where}: the integer initializer {a!r} is dequantized with two different "
-                    "qparams"
-                )
+            prev.q.require_same(
+                qp, f"{where}: the integer initializer {a!r} is dequantized with two qparams"
+            )
             return prev.name
         ints = self.folded[a] if a in self.folded else np.asarray(self.consts[a])
         source = self.q_of[a][0] if a in self.folded else a
@@ -273,7 +285,7 @@ class _Splitter:
     def check_quantize_consumers(self) -> None:
         """QuantizeLinear outputs may feed only DequantizeLinear nodes and graph outputs."""
         for n in self.nodes:
-            if is_qdq(n):
+            if is_qdq(n) or id(n) in self.noop_casts:
                 continue
             for i in n.input:
                 if i in self.q_of:
@@ -292,7 +304,11 @@ class _Splitter:
     # ---- the float graph
     def rewire(self) -> tuple[list, dict[str, str], dict[str, list[str]]]:
         """The kept (float) nodes reading resolved names; producer and consumer labels."""
-        kept = [n for n in self.nodes if not is_qdq(n) and n.output[0] not in self.int32_of]
+        kept = [
+            n
+            for n in self.nodes
+            if not is_qdq(n) and n.output[0] not in self.int32_of and id(n) not in self.noop_casts
+        ]
         producer: dict[str, str] = {}
         consumers: dict[str, list[str]] = defaultdict(list)
         for n in kept:
@@ -327,15 +343,16 @@ class _Splitter:
 
     def drop_unused(self, kept: list, outputs: set[str]) -> tuple[list, list]:
         """Kept nodes and initializers without what nobody reads any more (integer weights,
-        scales, zero points, and the Constant/Identity nodes that held them)."""
+        scales, zero points, and the Constant/Identity/Cast nodes that held them; a Constant
+        node holding integer weights gives way to the float initializer of the same name)."""
         while True:
             used = {i for n in kept for i in n.input} | outputs
             live = [
                 n
                 for n in kept
-                if n.op_type not in ("Constant", "Identity")
+                if n.op_type not in ("Constant", "Identity", "Cast", "ConstantOfShape")
                 or n.domain not in ("", "ai.onnx")
-                or any(o in used for o in n.output)
+                or any(o in used and o not in self.fconsts for o in n.output)
             ]
             if len(live) == len(kept):
                 break
@@ -404,4 +421,5 @@ def split_qdq(model, extra_outputs: bool = True) -> SplitResult:
         dq_outputs,
         producer,
         consumers,
+        [o.name for o in graph.output],
     )

@@ -88,11 +88,32 @@ def _constant_value(node) -> np.ndarray | None:
     return None
 
 
-def constants(model) -> dict[str, np.ndarray]:
-    """Initializers, Constant node values and what ``Identity`` passes on of them, by name.
+def _cast(node, value: np.ndarray) -> np.ndarray:
+    return value.astype(np_dtype(int(attrs(node)["to"])))
 
-    Exporters write scales and zero points as ``Identity(initializer)`` (torch FX) or
-    ``Constant`` nodes; both are constants, not values computed at run time."""
+
+def _constant_of_shape(node, shape: np.ndarray) -> np.ndarray:
+    v = _constant_value(node)
+    fill = v.reshape(-1)[0] if v is not None else np.float32(0)
+    return np.full(tuple(int(d) for d in shape.reshape(-1)), fill, dtype=np.asarray(fill).dtype)
+
+
+#: op type -> value of a node whose inputs are all constants (torch exports compute zero
+#: points and biases' zero points as Cast(ConstantOfShape(shape)))
+_CONSTANT_FOLDS = {
+    "Identity": lambda node, x: x,
+    "Cast": _cast,
+    "ConstantOfShape": _constant_of_shape,
+}
+
+
+def constants(model) -> dict[str, np.ndarray]:
+    """Initializers, Constant node values and what ``Identity`` / ``Cast`` /
+    ``ConstantOfShape`` compute from them, by name.
+
+    Exporters write scales and zero points as ``Identity(initializer)`` (torch FX),
+    ``Constant`` nodes or ``Cast(ConstantOfShape(shape))`` (torch's quantized-op export);
+    all are constants, not values computed at run time."""
     from onnx import numpy_helper
 
     out = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
@@ -103,8 +124,10 @@ def constants(model) -> dict[str, np.ndarray]:
             value = _constant_value(node)
             if value is not None:
                 out[node.output[0]] = value
-        elif node.op_type == "Identity" and node.input and node.input[0] in out:
-            out[node.output[0]] = out[node.input[0]]
+        elif node.op_type in _CONSTANT_FOLDS and len(node.input) == 1 and node.input[0] in out:
+            out[node.output[0]] = np.asarray(
+                _CONSTANT_FOLDS[node.op_type](node, out[node.input[0]])
+            )
     return out
 
 

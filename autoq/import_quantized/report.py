@@ -34,6 +34,10 @@ class ImportReport:
     float_ops: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    #: quantized tensor (ONNX name / FX node name) -> its position in the outputs of
+    #: ``realize_file(float_mod, ...)``, which still returns every quantized tensor
+    #: (dequantized): per-tensor comparisons with the source runtime
+    tensors: dict[str, int] = field(default_factory=dict)
     activation_tensors: int = 0
     weight_tensors: int = 0
     float_mod: Any = field(default=None, repr=False)

@@ -97,8 +97,8 @@ def fallback_reasons(view: FileView, sim: SimResult) -> dict[str, str]:
     for m in sim.matches:
         reason = _check_inputs(view, m)
         if reason is None and _owns_output_slot(sim, m):
-            name = view.tens.name.get(m.root)
-            if name is None or name not in view.split.activations:
+            name = view.tens.quantized_name(m.root)
+            if name is None:
                 reason = "its output is not quantized in the file"
         reason = reason or _check_weight(view, m)
         if reason is not None:
@@ -165,7 +165,7 @@ def fill(view: FileView, sim: SimResult) -> Plan:
     slot_of = slot_id_of(view.g, sim.matches)
     for sid, info in sim.slots.items():
         if info.kind == "activation":
-            name = view.tens.resolve(sim.plan.tensors[sid])
+            name = view.tens.quantized_name(sim.plan.tensors[sid])
             plan.qparams[sid] = view.split.activations[name].qparam()
             continue
         m = layer_of[sid.removesuffix(".weight")]

@@ -32,6 +32,7 @@ from ..toolkit import bindings, const, op_name, output_fields, remap_expr, with_
 from .file_qparams import FileConst, FileQ, SplitResult
 
 __all__ = [
+    "CLAMPS",
     "FileView",
     "Tensors",
     "bind_params",
@@ -40,6 +41,10 @@ __all__ = [
     "on_grid",
     "weight_layout",
 ]
+
+
+#: ops whose output the model may quantize in place of their input (:meth:`Tensors.quantized_name`)
+CLAMPS = ("relax.nn.relu", "relax.clip")
 
 
 def main_outputs(func: relax.Function) -> tuple[relax.Var | None, list]:
@@ -103,10 +108,25 @@ class Tensors:
                 return None
         return None
 
+    def quantized_name(self, var) -> str | None:
+        """:meth:`resolve`, or else the quantized tensor ``var`` reaches through a chain of
+        single-user clamps (:data:`CLAMPS`): a file that quantizes ``relu(add(a, b))`` only
+        after the relu fixes the add's output grid, exactly (``Q(relu(x)) == max(Q(x), zp)``
+        and ``Q(clip(x, lo, hi)) == clip(Q(x), Q(lo), Q(hi))`` with the same qparams)."""
+        name, seen = self.resolve(var), set()
+        while name is None and isinstance(var, relax.Var) and var not in seen:
+            seen.add(var)
+            users = self.g.users.get(var, [])
+            if len(users) != 1 or op_name(self.g.value.get(users[0])) not in CLAMPS:
+                return None
+            var = users[0]
+            name = self.name.get(var) if self.name.get(var) in self.split.activations else None
+        return name
+
     def describe(self, var) -> str:
         if var in self.name:
             return repr(self.name[var])
-        return f"{self.g.ids.get(var)} (not an ONNX tensor the file quantizes)"
+        return f"{self.g.ids.get(var)} (not a tensor the model quantizes)"
 
 
 def bind_params(split: SplitResult, params: dict[str, np.ndarray]) -> dict[str, FileConst]:
@@ -185,13 +205,13 @@ class FileView:
 def _output_plan(split: SplitResult) -> list[tuple[str, FileQ | None, str]]:
     """(kind, qparams, ONNX name) of each original graph output."""
     plan = []
-    for k, o in enumerate(split.model.graph.output[: split.n_outputs]):
+    for k, name in enumerate(split.output_names[: split.n_outputs]):
         if k in split.int_outputs:
-            plan.append(("int", split.int_outputs[k], o.name))
+            plan.append(("int", split.int_outputs[k], name))
         elif k in split.dq_outputs:
-            plan.append(("dq", split.activations[o.name], o.name))
+            plan.append(("dq", split.activations[name], name))
         else:
-            plan.append(("raw", None, o.name))
+            plan.append(("raw", None, name))
     return plan
 
 

@@ -8,8 +8,9 @@ One module per idea: :mod:`.checks` (dtype conventions, argument checks, :class:
 :mod:`.registration` (``register``, :data:`OPS`), :mod:`.tensor_exprs` (the TE expressions
 the legalizations share, integer requantize math included), :mod:`.quantize`
 (quantize/dequantize/requantize), :mod:`.simulated` (the float32 calibration-graph ops),
-:mod:`.accumulate` (conv2d/dense/matmul/sum), :mod:`.elementwise` (add/subtract/multiply)
-and :mod:`.lut` (8-bit activations as table lookups).
+:mod:`.accumulate` (conv2d/dense/matmul/sum), :mod:`.elementwise` (add/subtract/multiply),
+:mod:`.lut` (8-bit activations as table lookups) and :mod:`.dynamic_quantize` (run-time
+qparams, see :mod:`autoq.dynamic`).
 
 One convention everywhere (see ``docs/ops.md`` for the table):
 
@@ -38,9 +39,10 @@ from __future__ import annotations
 
 from .accumulate import conv2d, dense, matmul, sum
 from .checks import ACC_DTYPE, ACC_INPUT_DTYPES, QDTYPES, QnnError
+from .dynamic_quantize import dynamic_quantize
 from .elementwise import add, multiply, subtract
 from .lut import lut
-from .quantize import dequantize, quantize, requantize
+from .quantize import dequantize, quantize, requantize, with_multipliers
 from .registration import OPS
 from .simulated import simulated_dequantize, simulated_quantize
 
@@ -54,6 +56,7 @@ __all__ = [
     "conv2d",
     "dense",
     "dequantize",
+    "dynamic_quantize",
     "lut",
     "matmul",
     "multiply",
@@ -63,4 +66,5 @@ __all__ = [
     "simulated_quantize",
     "subtract",
     "sum",
+    "with_multipliers",
 ]

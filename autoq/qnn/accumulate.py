@@ -206,7 +206,10 @@ def _infer_dense(op, call):
     xd, wd = dims(data), dims(weight)
     if wd is not None and len(wd) != 2:
         fail(op, "weight", "a 2-D [N, K] tensor", f"{len(wd)}-D")
-    check_qparams(op, s_x, z_x, xdt, None, None, _INPUT)
+    if type_of(s_x).ndim >= 2 or type_of(z_x).ndim >= 2:
+        _check_row_qparams(op, s_x, z_x, xd)
+    else:
+        check_qparams(op, s_x, z_x, xdt, None, None, _INPUT)
     check_qparams(op, s_w, z_w, wdt, wd, 0, _WEIGHT)
     if xd is None or wd is None:
         return relax.TensorType(dtype=ACC_DTYPE, ndim=-1)
@@ -216,14 +219,32 @@ def _infer_dense(op, call):
     return relax.TensorType([*xd[:-1], wd[0]], ACC_DTYPE)
 
 
+def _check_row_qparams(op, s_x, z_x, xd) -> None:
+    """Per-row input parameters (run-time, from ``qnn.dynamic_quantize`` per token): of the
+    data's shape with the last dimension 1."""
+    check_dtype(op, "input_scale", s_x, ["float32"])
+    check_dtype(op, "input_zero_point", z_x, ["int32"])
+    if xd is None:
+        return
+    want = [*xd[:-1], 1]
+    for name, e in zip(_INPUT, (s_x, z_x), strict=True):
+        d = dims(e)
+        if d is not None and [static_int(v) for v in d] != [static_int(v) for v in want]:
+            fail(op, name, f"a scalar, a 1-element tensor or per row of shape {want}", d)
+
+
 def _legalize_dense(bb, call):
     data, weight, _s_x, z_x, _s_w, z_w = call.args
     zx = _scalar_zp(z_x)
-    if zx is not None and _int8_direct(data, weight, z_w):
-        # (x - zx) @ w.T = x @ w.T - zx * sum_k(w): 8-bit operands, int32 accumulator
+    if _int8_direct(data, weight, z_w) and (zx is not None or const_array(z_x) is None):
+        # (x - zx) @ w.T = x @ w.T - zx * sum_k(w): 8-bit operands, int32 accumulator; a
+        # run-time zx (scalar or per row) multiplies the weight's constant column sums
         acc = relax.op.matmul(data, relax.op.permute_dims(weight, [1, 0]), out_dtype=ACC_DTYPE)
         if zx == 0:
             return acc
+        if zx is None:
+            wsum = _zp_correction(bb, weight, 1, (1,), [-1])
+            return relax.op.subtract(acc, relax.op.multiply(z_x, wsum))
         return relax.op.subtract(acc, _zp_correction(bb, weight, zx, (1,), [-1]))
     w = _centered(weight, relax.op.reshape(z_w, [-1, 1]) if type_of(z_w).ndim == 1 else z_w)
     return relax.op.matmul(

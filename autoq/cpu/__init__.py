@@ -1,0 +1,1 @@
+"""Fast int8 kernels for x86 CPUs: packed weights, fixed tensorized TIR schedules (VNNI or AVX2)."""

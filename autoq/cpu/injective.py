@@ -1,0 +1,89 @@
+"""A fixed schedule for the fused elementwise / pooling PrimFuncs around the int8 kernels.
+
+TVM's default CPU pipeline leaves every fused function (bias add + requantize + residual
+add, pooling, padding, ...) as a naive, single-threaded loop nest. :func:`schedule_fused`
+gives each one the same cheap schedule: intermediate blocks inlined where possible, then
+every remaining block parallel over its leading spatial loops (the innermost loop is left
+to LLVM's vectorizer). Semantics are unchanged (no reordering of any reduction).
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import tirx
+from tvm.s_tir import Schedule, ScheduleError
+
+__all__ = ["KERNEL_ATTR", "ScheduleFused", "schedule_fused"]
+
+KERNEL_ATTR = "autoq.kernel"  # PrimFuncs that already carry their own schedule
+MIN_PARALLEL_ELEMENTS = 4096  # below this a thread-pool launch costs more than it saves
+
+
+def _blocks(sch: Schedule) -> list:
+    """The blocks directly under the function's root block."""
+    return sch.get_child_blocks(sch.get_sblock("root"))
+
+
+def _extent(sch: Schedule, loop) -> int | None:
+    ext = sch.get(loop).extent
+    return int(ext.value) if isinstance(ext, tirx.IntImm) else None
+
+
+def _parallelize(sch: Schedule, block) -> None:
+    """Fuse the block's leading data-parallel loops (all but the innermost) and run them on
+    the thread pool when the block is big enough."""
+    loops = sch.get_loops(block)
+    kinds = [iv.iter_type for iv in sch.get(block).iter_vars]
+    n_spatial = 0
+    for kind in kinds:
+        if kind != tirx.IterVar.DataPar:
+            break
+        n_spatial += 1
+    if len(loops) != len(kinds) or n_spatial == 0:
+        return  # already transformed or not a plain TE loop nest: leave it
+    lead = (
+        loops[: n_spatial - 1] if n_spatial == len(loops) and n_spatial > 1 else loops[:n_spatial]
+    )
+    extents = [_extent(sch, lp) for lp in loops]
+    if any(e is None for e in extents) or math.prod(extents) < MIN_PARALLEL_ELEMENTS:
+        return
+    sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
+
+
+def schedule_fused(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with its blocks inlined where possible and parallelized."""
+    try:
+        sch = Schedule(func, error_render_level="none")
+        blocks = _blocks(sch)
+    except RuntimeError:  # ScheduleError, InternalError: no root block, not TE-built
+        return func
+    for block in blocks[:-1]:
+        try:
+            sch.compute_inline(block)
+        except ScheduleError:
+            pass
+    for block in _blocks(sch):
+        try:
+            _parallelize(sch, block)
+        except ScheduleError:
+            pass
+    return sch.mod["main"]
+
+
+@tvm.transform.module_pass(opt_level=0, name="autoq.ScheduleFused")
+class ScheduleFused:
+    """Module pass: :func:`schedule_fused` on every PrimFunc not marked with ``KERNEL_ATTR``."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        updates = {}
+        for gv, func in mod.functions.items():
+            if not isinstance(func, tirx.PrimFunc):
+                continue
+            if func.attrs is not None and KERNEL_ATTR in func.attrs:
+                continue
+            updates[gv] = schedule_fused(func)
+        for gv, func in updates.items():
+            mod[gv] = func
+        return mod

@@ -1,0 +1,86 @@
+"""Which int8 dot-product instruction a CPU target has, and what the kernels need for it.
+
+An :class:`Isa` row holds everything that differs between the instruction sets: the
+intrinsic, its block shape (``lanes`` output channels x ``k`` reduction elements), the dtype
+activations and weights are packed to, and how signed/unsigned activations are shifted into
+the activation dtype. :func:`isa_of` picks the row from the target's CPU features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+
+from .intrinsics import AVX2_DOT, VNNI_DOT
+
+__all__ = ["AVX2", "ISAS", "VNNI", "Isa", "isa_of"]
+
+
+@dataclass(frozen=True)
+class Isa:
+    """One instruction set's kernel parameters.
+
+    ``centered``: activations are packed as ``x - zero_point`` (int16 holds it exactly, no
+    compensation term); otherwise they are packed as ``x + 128`` for int8 data / ``x`` for
+    uint8 data (uint8), and ``(zero_point + shift) * sum(w)`` is subtracted afterwards.
+    """
+
+    name: str
+    feature: str
+    intrinsic: str
+    lanes: int
+    k: int
+    act_dtype: str
+    weight_dtype: str
+    centered: bool
+    max_tile: int  # rows of the register tile (output columns / GEMM rows)
+    out_blocks: int = 2  # lane blocks of output channels per register tile
+
+    def channel_blocks(self, channels: int) -> int:
+        """Lane blocks per register tile for ``channels`` output channels.
+
+        >>> VNNI.channel_blocks(16), VNNI.channel_blocks(20), AVX2.channel_blocks(64)
+        (1, 2, 2)
+        """
+        return self.out_blocks if channels > self.lanes else 1
+
+    def padded_channels(self, channels: int) -> int:
+        """Output channels rounded up to whole register tiles (the packed weights' rows).
+
+        >>> VNNI.padded_channels(16), VNNI.padded_channels(20), AVX2.padded_channels(3)
+        (16, 32, 8)
+        """
+        step = self.lanes * self.channel_blocks(channels)
+        return -(-channels // step) * step
+
+    def shift(self, data_dtype: str, zero_point: int) -> int:
+        """What is added to an activation to get its packed value.
+
+        >>> VNNI.shift("int8", 3), VNNI.shift("uint8", 3), AVX2.shift("int8", 3)
+        (128, 0, -3)
+        """
+        if self.centered:
+            return -zero_point
+        return 128 if data_dtype == "int8" else 0
+
+
+# tiles: VNNI 8 x 2 zmm accumulators of 32 registers, AVX2 6 x 2 ymm of 16
+VNNI = Isa("vnni", "avx512vnni", VNNI_DOT, 16, 4, "uint8", "int8", centered=False, max_tile=8)
+AVX2 = Isa("avx2", "avx2", AVX2_DOT, 8, 2, "int16", "int16", centered=True, max_tile=6)
+# preferred first
+ISAS = (VNNI, AVX2)
+
+
+def isa_of(target: tvm.target.Target) -> Isa | None:
+    """The best int8 instruction set of an LLVM x86 target, None for any other target.
+
+    ``{"kind": "llvm", "mcpu": "znver4"}`` -> VNNI, ``"znver3"``/``"haswell"`` -> AVX2, a
+    bare ``{"kind": "llvm"}`` (generic x86-64) -> None.
+    """
+    if target.kind.name != "llvm":
+        return None
+    for isa in ISAS:
+        if tvm.target.codegen.target_has_features(isa.feature, target):
+            return isa
+    return None

@@ -1,0 +1,144 @@
+"""Lower ``qnn.conv2d`` / ``qnn.dense`` / ``qnn.matmul`` with constant weights to autoq's
+packed CPU kernels (a target-chosen lowering; the canonical ``qnn.*`` graph is unchanged).
+
+:func:`lower_to_cpu_kernels` legalizes the module with these ops mapped to ``call_tir`` of
+the scheduled PrimFuncs of :mod:`autoq.cpu.conv2d` / :mod:`autoq.cpu.dense`, their weights
+packed into constants once (depthwise conv: :mod:`autoq.cpu.depthwise`); every call the
+kernels do not cover (grouped conv other than depthwise,
+non-constant or asymmetric weights, per-axis or runtime activation zero points, dynamic
+shapes, uint8 weights) keeps the op's own legalization.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .. import qnn  # noqa: F401  (registers the qnn.* ops whose legalizations are the fallback)
+from ..toolkit import const_array, dtype_of, shape_of
+from .conv2d import ConvShape, conv2d_kernel
+from .dense import dense_kernel
+from .depthwise import depthwise_kernel
+from .isa import Isa, isa_of
+from .packing import compensation, pack_conv_weight, pack_dense_weight
+
+__all__ = ["lower_to_cpu_kernels"]
+
+_ACT_DTYPES = ("int8", "uint8")
+
+
+def _scalar(expr) -> int | None:
+    v = const_array(expr)
+    if v is None or v.size != 1:
+        return None
+    return int(v.reshape(-1)[0])
+
+
+def _zero(expr) -> bool:
+    v = const_array(expr)
+    return v is not None and not np.any(v)
+
+
+def _operands(data, weight, z_x, z_w):
+    """(data dtype, activation zero point, weight array) when the kernels apply, else None."""
+    w = const_array(weight)
+    zx = _scalar(z_x)
+    dt = dtype_of(data)
+    if w is None or zx is None or not _zero(z_w) or dt not in _ACT_DTYPES:
+        return None
+    if w.dtype != np.int8 or shape_of(data) is None:
+        return None
+    return dt, zx, w
+
+
+def _call(bb, isa: Isa, func, name: str, data, w_packed, w, z: int, out_shape):
+    """``call_tir`` of ``func`` (added to the module) on data + packed constants."""
+    gv = bb.add_func(func.without_attr("global_symbol"), name)
+    args = [data, relax.const(w_packed)]
+    if z:
+        args.append(relax.const(compensation(w, z, isa.padded_channels(w.shape[0]))))
+    return relax.call_tir(gv, args, out_ty=relax.TensorType(out_shape, "int32"))
+
+
+def _conv2d(isa: Isa, fallback, bb, call):
+    data, weight, _s_x, z_x, _s_w, z_w = call.args
+    ops = _operands(data, weight, z_x, z_w)
+    a = call.attrs
+    groups = int(a["groups"])
+    if ops is None:
+        return fallback(bb, call)
+    dt, zx, w = ops
+    n, c, h, wd = shape_of(data)
+    depthwise = groups == c == w.shape[0] and w.shape[1] == 1
+    if groups != 1 and not depthwise:
+        return fallback(bb, call)
+    shape = ConvShape(
+        n, c, h, wd, w.shape[0], tuple(w.shape[2:]),
+        tuple(int(v) for v in a["strides"]),
+        tuple(int(v) for v in a["padding"]),
+        tuple(int(v) for v in a["dilation"]),
+    )  # fmt: skip
+    out = (n, w.shape[0], *shape.out_hw)
+    if depthwise:
+        gv = bb.add_func(
+            depthwise_kernel(shape, dt, zx).without_attr("global_symbol"), "autoq_depthwise"
+        )
+        return relax.call_tir(gv, [data, weight], out_ty=relax.TensorType(out, "int32"))
+    func = conv2d_kernel(shape, isa, dt, zx)
+    packed = pack_conv_weight(
+        w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype, isa.padded_channels(w.shape[0])
+    )
+    z = zx + isa.shift(dt, zx)
+    return _call(bb, isa, func, f"autoq_conv2d_{isa.name}", data, packed, w, z, out)
+
+
+def _dense_call(isa: Isa, bb, data, w: np.ndarray, dt: str, zx: int):
+    shape = shape_of(data)
+    m = int(np.prod(shape[:-1], dtype=np.int64))
+    x2 = bb.emit(relax.op.reshape(data, [m, shape[-1]])) if len(shape) != 2 else data
+    func = dense_kernel(m, shape[-1], w.shape[0], isa, dt, zx)
+    packed = pack_dense_weight(
+        w, isa.lanes, isa.k, isa.weight_dtype, isa.padded_channels(w.shape[0])
+    )
+    z = zx + isa.shift(dt, zx)
+    out = _call(bb, isa, func, f"autoq_dense_{isa.name}", x2, packed, w, z, (m, w.shape[0]))
+    if len(shape) == 2:
+        return out
+    return relax.op.reshape(bb.emit(out), [*shape[:-1], w.shape[0]])
+
+
+def _dense(isa: Isa, fallback, bb, call):
+    data, weight, _s_x, z_x, _s_w, z_w = call.args
+    ops = _operands(data, weight, z_x, z_w)
+    if ops is None:
+        return fallback(bb, call)
+    return _dense_call(isa, bb, data, ops[2], ops[0], ops[1])
+
+
+def _matmul(isa: Isa, fallback, bb, call):
+    a, b, _s_a, z_a, _s_b, z_b = call.args
+    ops = _operands(a, b, z_a, z_b)
+    if ops is None or ops[2].ndim != 2:
+        return fallback(bb, call)
+    dt, za, w = ops
+    return _dense_call(isa, bb, a, np.ascontiguousarray(w.T), dt, za)
+
+
+_LOWERINGS = {"qnn.conv2d": _conv2d, "qnn.dense": _dense, "qnn.matmul": _matmul}
+
+
+def lower_to_cpu_kernels(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """``mod`` legalized with the packed kernels for ``target``'s instruction set (unchanged
+    when the target has neither AVX-512 VNNI nor AVX2)."""
+    isa = isa_of(target)
+    if isa is None:
+        return mod
+    custom = {}
+    for name, lower in _LOWERINGS.items():
+        own = tvm.ir.Op.get(name).get_attr("FLegalize")
+        custom[name] = functools.partial(lower, isa, own)
+    with target:
+        return relax.transform.LegalizeOps(customize_legalize_map=custom)(mod)

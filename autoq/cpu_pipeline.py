@@ -1,0 +1,85 @@
+"""The default Relax CPU pipeline, cut at fusion so that autoq can act on the fused kernels.
+
+``tvm.relax.get_default_pipeline(llvm)`` runs library dispatch, legalization + fusion
+(``LegalizeOps``, ``AnnotateTIROpPattern``, ``FoldConstant``, ``FuseOps``, ``FuseTIR``), the
+dataflow lowering and the VM finalization. :func:`fused` is its first half (MetaSchedule
+extracts its tuning tasks from exactly that module); :func:`cpu_pipeline` is the whole
+pipeline with a transform of the fused module in the middle (apply a tuning database), for
+``tvm.compile(mod, target, relax_pipeline=...)``. :func:`unfused_pipeline` is the same for
+``tvm.compile``'s own default pipeline, which legalizes without fusing (one kernel per op).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+
+__all__ = ["cpu_pipeline", "fused", "unfused_pipeline"]
+
+
+def _passes():
+    # relax.pipeline.dataflow_lower_passes(llvm target) fails in 0.27 (the CPU backend
+    # package does not re-export it): use the CPU backend's module directly
+    from tvm.relax.backend.cpu_generic import pipeline
+
+    return pipeline
+
+
+def _fuse_passes(target) -> list:
+    p = _passes()
+    return p.library_dispatch_passes(target) + p.legalize_passes(target)
+
+
+def fused(mod: tvm.IRModule, target) -> tvm.IRModule:
+    """``mod`` lowered to fused TIR kernels, exactly as the default CPU pipeline fuses it."""
+    with target:
+        return tvm.transform.Sequential(_fuse_passes(target))(mod)
+
+
+def cpu_pipeline(target, after_fusion: Callable[[tvm.IRModule], tvm.IRModule]):
+    """The default CPU pipeline with ``after_fusion(fused module)`` applied between fusion
+    and lowering (called inside ``with target``)."""
+
+    @tvm.transform.module_pass(opt_level=0)
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        p = _passes()
+        with target:
+            mod = after_fusion(tvm.transform.Sequential(_fuse_passes(target))(mod))
+            rest = p.dataflow_lower_passes(target) + p.finalize_passes(target)
+            return tvm.transform.Sequential(rest)(mod)
+
+    return _pipeline
+
+
+def unfused_pipeline(target, after_legalize: Callable[[tvm.IRModule], tvm.IRModule]):
+    """``tvm.compile``'s default pipeline (``relax.pipeline.default_build_pipeline``: one
+    kernel per op, no fusion) with ``after_legalize(module)`` applied once the ops are
+    kernels."""
+    from tvm.relax import backend
+    from tvm.relax import transform as T
+
+    @tvm.transform.module_pass(opt_level=0)
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        with target:
+            mod = tvm.transform.Sequential(
+                [backend.DispatchSampling(), backend.DispatchSortScan(), T.LegalizeOps()]
+            )(mod)
+            mod = after_legalize(mod)
+            rest = [
+                T.RewriteDataflowReshape(),
+                T.ToNonDataflow(),
+                T.RemovePurityChecking(),
+                T.CallTIRRewrite(),
+                T.StaticPlanBlockMemory(),
+                T.RewriteCUDAGraph(),
+                T.LowerAllocTensor(),
+                T.KillAfterLastUse(),
+                T.LowerRuntimeBuiltin(),
+                T.ComputePrimValue(),
+                T.VMShapeLower(),
+                T.AttachGlobalSymbol(),
+            ]
+            return tvm.transform.Sequential(rest)(mod)
+
+    return _pipeline

@@ -1,0 +1,383 @@
+"""Data-parallel calibration on a Dask cluster (optional extra ``autoq[dask]``).
+
+``autoq.quantize(mod, params, dataset, Config(distributed=Distributed(workers=2)))`` (or
+``cluster=`` a ``dask.distributed.Client`` / a scheduler address, or ``autoq quantize
+--scheduler ADDRESS`` / ``--workers N``) calibrates like this:
+
+1. the coordinator (this process) compiles the calibration graph once and ships the exported
+   library with the plain-data plan (:mod:`autoq.calibration_plan`) to one
+   :class:`autoq.shard_actor.ShardActor` per shard, a Dask *actor* living in a worker;
+2. the samples are split into shards: a shard source (:mod:`autoq.dataset.shards`: ``.npz``
+   files or an image folder on a shared path, a function ``shard(i, n)``) is read by the
+   workers themselves, so the coordinator never holds the dataset; any other dataset is
+   streamed from the coordinator to the shards, sample ``k`` to shard ``k % n``, a few at a
+   time;
+3. :func:`autoq.calibrate.run_plan` runs unchanged over :class:`autoq.remote_shards.
+   RemoteShard` proxies: for each segment of the topological plan every shard sends its
+   observer *states* for the segment's slots, the coordinator merges them (exactly: see
+   :mod:`autoq.calibrators`), picks the qparams and sends them back with the segment to run.
+   In ``fp32`` mode each shard streams its samples through the float graph once (twice for
+   histogram calibrators) and sends its states.
+
+The qparams are the same bit for bit as in-process calibration, for any number of shards
+and workers (``tests/test_distributed.py``). A worker that dies fails the run with
+:class:`ShardLostError` naming the shard; nothing is silently calibrated on fewer samples.
+Only this module imports Dask, and only when a distributed run is asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import tempfile
+import time
+
+from . import calibrators
+from .calibrate import (
+    calibrate_weights,
+    fp32_observers,
+    fp32_slot_functions,
+    make_qparams,
+    run_plan,
+    samples_for,
+    static_values,
+)
+from .calibration_plan import build_plan
+from .config import Config, Distributed
+from .dataset import InputSpec, as_dataset, is_shard_source
+from .remote_shards import RemoteShard, ShardLostError, result_of
+from .shard_actor import ShardActor, shard_name
+from .simulate import SimResult
+from .toolkit import compile_executable
+
+__all__ = [
+    "AnalysisFanOut",
+    "ShardLostError",
+    "ShardSet",
+    "calibrate_distributed",
+    "head_samples",
+    "library_bytes",
+    "open_client",
+    "report_distributed",
+]
+
+#: samples sent to a shard per call when the coordinator streams the dataset
+PUSH_CHUNK = 8
+
+
+def _dask():
+    try:
+        import distributed
+    except ImportError:
+        raise ImportError(
+            "distributed calibration needs Dask: pip install 'autoq[dask]' "
+            "(or 'dask[distributed]'), or calibrate in-process (Config(distributed=None))"
+        ) from None
+    return distributed
+
+
+@contextlib.contextmanager
+def open_client(dist: Distributed | None, cluster=None):
+    """A ``dask.distributed.Client``: ``cluster`` itself when it is one (left open), a
+    client of the scheduler at ``cluster`` (an address) or ``dist.scheduler``, or of a
+    local cluster of ``dist.workers`` processes started here (closed on exit)."""
+    distributed = _dask()
+    if isinstance(cluster, distributed.Client):
+        yield cluster
+        return
+    timeout = dist.timeout_s if dist is not None else 60.0
+    with contextlib.ExitStack() as stack:
+        address = cluster if isinstance(cluster, str) else dist.scheduler if dist else None
+        if address is None and (dist is None or dist.workers is None):
+            raise ValueError(
+                f"cluster must be a dask.distributed.Client or a scheduler address, got {cluster!r}"
+            )
+        if address is None:
+            local = distributed.LocalCluster(
+                n_workers=dist.workers,
+                threads_per_worker=1,
+                processes=True,
+                host="127.0.0.1",
+                dashboard_address=None,
+            )
+            stack.enter_context(local)
+            address = local
+        client = stack.enter_context(distributed.Client(address, timeout=timeout))
+        if dist is not None and dist.workers is not None:
+            client.wait_for_workers(dist.workers, timeout=timeout)
+        yield client
+
+
+def library_bytes(functions: dict, target, base=None) -> bytes:
+    """``functions`` compiled (:func:`autoq.toolkit.compile_executable`) and exported as the
+    bytes of a shared library, for :func:`autoq.shard_actor.load_vm` in a worker."""
+    ex = compile_executable(functions, target, base)
+    with tempfile.TemporaryDirectory(prefix="autoq-lib-") as d:
+        path = os.path.join(d, "calibration.so")
+        ex.export_library(path)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def head_samples(dataset, inputs, k: int = 2) -> list[dict]:
+    """The first ``k`` samples (a shard source: of its first shard), e.g. for the
+    unbounded-activation guard; the coordinator reads no more than these."""
+    if is_shard_source(dataset):
+        return list(itertools.islice(dataset.shard(0, 1), k))
+    return list(itertools.islice(samples_for(dataset, inputs), k))
+
+
+class ShardSet:
+    """The shard actors of one run, created on ``client``'s workers (shard ``i`` on worker
+    ``i % workers``) with their samples loaded (see the module docstring). Use as a context
+    manager: the actors are released on exit."""
+
+    def __init__(self, client, specs: list[InputSpec], dataset, config: Config, shards=None):
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        if not workers:
+            raise RuntimeError("the Dask cluster has no workers")
+        dist = config.distributed
+        n = shards or (dist.shards if dist is not None and dist.shards else len(workers))
+        self.client, self.count = client, n
+        self.workers = [workers[i % len(workers)] for i in range(n)]
+        budget = config.memory_budget_mb * 2**20
+        futures = [
+            client.submit(
+                ShardActor, i, n, specs, budget, config.cache_dir,
+                actor=True, workers=[w], allow_other_workers=False, pure=False,
+            )
+            for i, w in enumerate(self.workers)
+        ]  # fmt: skip
+        self.actors = [result_of(f, shard_name(i, n), "start") for i, f in enumerate(futures)]
+        self.names = [shard_name(i, n) for i in range(n)]
+        try:
+            self.counts = self._load(dataset, specs)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, dataset, specs) -> list[int]:
+        n = self.count
+        if is_shard_source(dataset):
+            futs = [a.read(dataset) for a in self.actors]
+            counts = [result_of(f, s, "reading") for f, s in zip(futs, self.names, strict=True)]
+        else:
+            counts = [0] * n
+            pending: list = [None] * n
+            chunks: list[list] = [[] for _ in range(n)]
+            for k, sample in enumerate(as_dataset(dataset, specs)):
+                i = k % n
+                chunks[i].append(sample)
+                if len(chunks[i]) == PUSH_CHUNK:
+                    pending[i] = self._push(i, chunks[i], pending[i], counts)
+                    chunks[i] = []
+            for i in range(n):
+                if chunks[i]:
+                    pending[i] = self._push(i, chunks[i], pending[i], counts)
+                self._confirm(i, pending[i], counts)
+        empty = [s for s, c in zip(self.names, counts, strict=True) if c == 0]
+        if empty:
+            raise ValueError(
+                f"{', '.join(empty)} got no samples ({sum(counts)} samples for {n} shards): "
+                "use fewer shards (Distributed(shards=...)) or more samples"
+            )
+        return counts
+
+    def _push(self, i: int, chunk: list, pending, counts: list[int]):
+        """Send a chunk to shard ``i`` once its previous chunk has arrived (at most one
+        chunk per shard in flight: the coordinator holds a few samples, not the dataset)."""
+        self._confirm(i, pending, counts)
+        counts[i] += len(chunk)
+        return self.actors[i].add(chunk)
+
+    def _confirm(self, i: int, pending, counts: list[int]) -> None:
+        if pending is None:
+            return
+        held = result_of(pending, self.names[i], "loading samples")
+        if held != counts[i]:  # a restarted worker made a fresh, empty actor
+            raise ShardLostError(
+                f"{self.names[i]} holds {held} samples, {counts[i]} were sent: its worker was "
+                "restarted during loading"
+            )
+
+    def order(self, source: bool) -> list[tuple[int, int]]:
+        """``(shard, index in shard)`` of every sample in dataset order: sample ``k`` of a
+        streamed dataset is ``(k % n, k // n)``; a shard source's order is shard by shard."""
+        if source:
+            return [(i, j) for i, c in enumerate(self.counts) for j in range(c)]
+        return [(k % self.count, k // self.count) for k in range(sum(self.counts))]
+
+    def remotes(self) -> list[RemoteShard]:
+        return [
+            RemoteShard(a, name, c, f"samples {i}, {i + self.count}, ... of the dataset")
+            for i, (a, name, c) in enumerate(zip(self.actors, self.names, self.counts, strict=True))
+        ]
+
+    def call(self, method: str, *args) -> list:
+        """``method(*args)`` on every shard at once; their results in shard order."""
+        futs = [getattr(a, method)(*args) for a in self.actors]
+        return [result_of(f, s, method) for f, s in zip(futs, self.names, strict=True)]
+
+    def info(self) -> list[dict]:
+        return [{**d, "worker": w} for d, w in zip(self.call("info"), self.workers, strict=True)]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.call("close")
+        self.actors = []
+
+    def __enter__(self) -> ShardSet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def calibrate_distributed(
+    sim: SimResult, dataset, config: Config, target, client, shards: int | None = None
+):
+    """:func:`autoq.calibrate.calibrate` on ``client``'s workers (see the module
+    docstring): the same :class:`autoq.qparams.QParams`, bit for bit. ``dataset``: any
+    dataset, or a shard source read by the workers. ``shards``: overrides
+    ``config.distributed.shards``. ``meta["stats"]`` adds the per-shard timings."""
+    for sid in sim.activation_slots():
+        calibrators.check_mergeable(sim.plan.specs[sid].calibrator)
+    t0 = time.perf_counter()
+    result = calibrate_weights(sim)
+    stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
+    specs = [
+        InputSpec(v.name, tuple(int(d) for d in v.ty.shape.values), str(v.ty.dtype))
+        for v in sim.graph.inputs
+    ]
+    t1 = time.perf_counter()
+    health: dict = {}  # the scale health of the activation slots (topological mode)
+    with ShardSet(client, specs, dataset, config, shards) as shard_set:
+        stats["load_s"] = time.perf_counter() - t1
+        stats["shards"] = shard_set.count
+        if config.calibration == "fp32":
+            acts = _fp32(sim, shard_set, target, stats)
+        else:
+            acts = _topological(sim, shard_set, result, config, target, stats, health)
+        for i, d in enumerate(shard_set.info()):
+            stats[f"shard{i}_peak_rss_mb"] = d["peak_rss_mb"]
+        n = sum(shard_set.counts)
+    stats["total_s"] = time.perf_counter() - t0
+    result.update(acts)
+    return make_qparams(sim, result, config, n, stats, health)
+
+
+class AnalysisFanOut:
+    """The per-layer analysis and the automatic fallback's SQNR trials with the samples'
+    work on ``client``'s workers (``fan_out`` of :func:`autoq.auto_fallback.auto_fallback`).
+
+    Called with the coordinator's (compiled) :class:`autoq.analysis.Analysis` of ``mod``
+    (the model it was built from), it starts one analysis per shard (compiled there, kept
+    with its samples) and returns ``(report, sqnr)``: the report from the shards'
+    per-sample sums, added in dataset order, and ``sqnr(disabled)`` that runs a trial on
+    every shard and adds their output sums in dataset order. Both equal the in-process
+    results (the same float additions). A context manager: the shards are released on exit.
+    """
+
+    def __init__(self, client, mod, params, dataset, shards: int | None = None):
+        self.client, self.mod, self.params = client, mod, params
+        self.dataset, self.shards = dataset, shards
+        self.shard_set: ShardSet | None = None
+
+    def __call__(self, analysis):
+        from .metrics import sqnr_of_sums
+
+        self.close()
+        specs = list(analysis.samples.specs)
+        ss = self.shard_set = ShardSet(
+            self.client, specs, self.dataset, analysis.config, self.shards
+        )
+        ss.call(
+            "start_analysis",
+            self.mod,
+            self.params,
+            analysis.qparams,
+            analysis.config,
+            analysis.target,
+            analysis.accumulator,
+        )
+        order = ss.order(is_shard_source(self.dataset))
+        report = analysis.report_from_shards(ss.call("analysis_sums"), order)
+
+        def sqnr(disabled) -> float:
+            per_shard = ss.call("trial_sums", list(disabled))
+            return sqnr_of_sums([per_shard[i][j] for i, j in order])
+
+        return report, sqnr
+
+    def close(self) -> None:
+        if self.shard_set is not None:
+            self.shard_set.close()
+            self.shard_set = None
+
+    def __enter__(self) -> AnalysisFanOut:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def report_distributed(analysis, mod, params, dataset, client, shards: int | None = None):
+    """:meth:`autoq.analysis.Analysis.report` with the samples' work on ``client``'s
+    workers (see :class:`AnalysisFanOut`): the same report."""
+    with AnalysisFanOut(client, mod, params, dataset, shards) as fan_out:
+        return fan_out(analysis)[0]
+
+
+def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats, health) -> dict:
+    plan, functions = build_plan(sim)
+    t0 = time.perf_counter()
+    lib = library_bytes(functions, target, sim.mod)
+    stats["compile_s"] = time.perf_counter() - t0
+    stats["segments"] = len(plan.segments)
+    t0 = time.perf_counter()
+    shard_set.call("start_topological", lib, plan, static_values(sim, plan, weight_qp))
+    stats["start_s"] = time.perf_counter() - t0
+    remotes = shard_set.remotes()
+    t0 = time.perf_counter()
+    result = run_plan(plan, remotes, sim.plan.specs, config, sim, health)
+    for r in remotes:
+        r.wait()
+    stats["run_plan_s"] = time.perf_counter() - t0
+    for i, d in enumerate(shard_set.call("finish_topological")):
+        for k in ("run_s", "observe_s", "cache_peak_mb", "spilled_mb"):
+            stats[f"shard{i}_{k}"] = d[k]
+    missing = [s for s in sim.activation_slots() if s not in result]
+    if missing:
+        raise RuntimeError(f"internal error: activation slots {missing} were never calibrated")
+    return result
+
+
+def _fp32(sim, shard_set: ShardSet, target, stats) -> dict:
+    slots = sim.activation_slots()
+    g = sim.graph
+    t0 = time.perf_counter()
+    lib = library_bytes(fp32_slot_functions(sim, slots), target, g.module)
+    stats["compile_s"] = time.perf_counter() - t0
+    weights = [g.params[p.name] for p in g.weight_params]
+    shard_set.call("start_fp32", lib, [v.name for v in g.inputs], weights)
+    specs = [sim.plan.specs[s] for s in slots]
+    ranges: list = [None] * len(slots)
+    if any(o is not None for o in fp32_observers(specs, None)):
+        first = _merge_passes(
+            fp32_observers(specs, None), shard_set.call("fp32_states", specs, None)
+        )
+        ranges = [None if o is None else o.data_range() for o in first]
+    merged = _merge_passes(
+        fp32_observers(specs, ranges), shard_set.call("fp32_states", specs, ranges)
+    )
+    return {s: o.compute(sp) for s, o, sp in zip(slots, merged, specs, strict=True)}
+
+
+def _merge_passes(observers: list, shard_states: list[list]) -> list:
+    """Each slot's observer with every shard's state of it merged in (shard order)."""
+    for states in shard_states:
+        for obs, st in zip(observers, states, strict=True):
+            if obs is not None:
+                obs.merge_state(st)
+    return observers

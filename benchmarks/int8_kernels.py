@@ -1,0 +1,258 @@
+"""autoq's packed int8 CPU kernels (``autoq.compile(cpu_kernels=True)``, no tuning) against
+autoq's generic lowering and ONNX Runtime, on ResNet-50 (open_nsfw) and on single ops.
+
+Rows (median latency in ms, 1 thread and 2 threads, measured in this run):
+
+* ResNet-50 (and ``--models ppocr_det,minilm``): ONNX Runtime fp32 and int8 (``quantize_static`` QDQ, per-channel int8 weights,
+  uint8 activations = u8s8, MinMax, graph optimizations on), autoq int8 (mse calibration)
+  with and without the kernels (the two must agree bit for bit), and the ratio to ORT int8;
+* single ops: conv 3x3 256->256 14x14 (autoq ``qnn.conv2d`` vs ORT ``QLinearConv`` u8s8) and
+  GEMM 196x2304x256 (autoq ``qnn.dense`` vs ORT ``MatMulInteger`` u8s8).
+
+Run:  .venv/bin/python benchmarks/int8_kernels.py [--calib 16] [--repeats 20] [--skip-model]
+      [--models resnet50,ppocr_det,minilm]
+Numbers only: nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
+
+THREADS = (1, 2)
+
+
+def _tvm_latency(vm, args, threads: int, repeats: int) -> float:
+    common.TvmRunner.set_threads(threads)
+    return common.median_ms(lambda: vm["main"](*args), repeats)
+
+
+def _ort_latency(path, feed, threads: int, repeats: int) -> float:
+    sess = common.ort_session(path, threads=threads, optimize=True)
+    return common.median_ms(lambda: sess.run(None, feed), repeats)
+
+
+def _row(name, times, ref=None):
+    cells = [name] + [f"{times[t]:.2f}" for t in THREADS]
+    if ref is not None:
+        cells += [f"{times[t] / ref[t]:.2f}x" for t in THREADS]
+    else:
+        cells += ["", ""]
+    return cells
+
+
+def _print_table(title, rows, ref_name):
+    print(f"\n### {title}\n")
+    heads = ["runtime", *(f"ms {t}T" for t in THREADS), *(f"vs {ref_name} {t}T" for t in THREADS)]
+    print("| " + " | ".join(heads) + " |")
+    print("|" + " --- |" * len(heads))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+# ------------------------------------------------------------------------------ ResNet-50
+
+
+def bench_model(name: str, calib_n: int, repeats: int, log) -> None:
+    import tvm
+    from tvm import relax
+
+    import autoq
+
+    info = common.find_model(name)
+    calib = common.make_dataset(info, "calib", calib_n)
+    sample = common.make_dataset(info, "eval", 2)[0]
+    target = autoq.default_target()
+    with tempfile.TemporaryDirectory(prefix="autoq-kernels-") as tmp:
+        ort_int8 = Path(tmp) / "int8.onnx"
+        common.ort_quantize(info, calib.samples, "minmax", ort_int8)
+        t0 = time.perf_counter()
+        mod, params = autoq.from_onnx(info.path, input_shapes=dict(info.input_shapes))
+        qmod = autoq.quantize(mod, params, calib.samples, autoq.Config(progress=False))
+        log(f"autoq quantize ({calib_n} samples): {time.perf_counter() - t0:.1f} s")
+        vms = {}
+        for use in (True, False):
+            t0 = time.perf_counter()
+            vms[use] = relax.VirtualMachine(autoq.compile(qmod, target, cpu_kernels=use), tvm.cpu())
+            log(f"compile cpu_kernels={use}: {time.perf_counter() - t0:.1f} s")
+        names = [p.name for p in qmod["main"].params]
+        args = [tvm.runtime.tensor(sample[n]) for n in names]
+        same = np.array_equal(_first(vms[True]["main"](*args)), _first(vms[False]["main"](*args)))
+        log(f"autoq int8 outputs with and without kernels identical: {same}")
+        times = {}
+        for t in THREADS:
+            times.setdefault("ORT fp32", {})[t] = _ort_latency(info.path, sample, t, repeats)
+            times.setdefault("ORT int8 u8s8", {})[t] = _ort_latency(ort_int8, sample, t, repeats)
+            times.setdefault("autoq int8, kernels", {})[t] = _tvm_latency(
+                vms[True], args, t, repeats
+            )
+            times.setdefault("autoq int8, generic lowering", {})[t] = _tvm_latency(
+                vms[False], args, t, max(3, repeats // 5)
+            )
+    ref = times["ORT int8 u8s8"]
+    rows = [_row(name, v, ref) for name, v in times.items()]
+    title = common.MODEL_TITLES.get(name, name)
+    _print_table(f"{title}, batch 1, target mcpu={target.mcpu}", rows, "ORT int8")
+
+
+def _first(out) -> np.ndarray:
+    return out.numpy() if hasattr(out, "numpy") else out[0].numpy()
+
+
+# ------------------------------------------------------------------------------- single ops
+
+
+def _onnx_model(nodes, inputs, outputs, inits):
+    from onnx import helper
+
+    graph = helper.make_graph(nodes, "op", inputs, outputs, initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model
+
+
+def _ort_qlinearconv(w: np.ndarray, x_shape):
+    from onnx import TensorProto, helper, numpy_helper
+
+    oc = w.shape[0]
+    inits = [
+        numpy_helper.from_array(np.float32(0.02), "xs"),
+        numpy_helper.from_array(np.uint8(131), "xz"),
+        numpy_helper.from_array(w, "w"),
+        numpy_helper.from_array(np.full(oc, 0.01, np.float32), "ws"),
+        numpy_helper.from_array(np.zeros(oc, np.int8), "wz"),
+        numpy_helper.from_array(np.float32(0.5), "ys"),
+        numpy_helper.from_array(np.uint8(128), "yz"),
+    ]
+    node = helper.make_node(
+        "QLinearConv", ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz"], ["y"], pads=[1, 1, 1, 1]
+    )
+    x = helper.make_tensor_value_info("x", TensorProto.UINT8, list(x_shape))
+    y = helper.make_tensor_value_info("y", TensorProto.UINT8, None)
+    return _onnx_model([node], [x], [y], inits)
+
+
+def _ort_matmulinteger(w_kn: np.ndarray, m: int):
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(w_kn, "b"), numpy_helper.from_array(np.uint8(131), "az")]
+    node = helper.make_node("MatMulInteger", ["a", "b", "az"], ["y"])
+    a = helper.make_tensor_value_info("a", TensorProto.UINT8, [m, w_kn.shape[0]])
+    y = helper.make_tensor_value_info("y", TensorProto.INT32, None)
+    return _onnx_model([node], [a], [y], inits)
+
+
+def _qnn_module(op, x_shape, w: np.ndarray, **attrs):
+    """main(x: int8) = qnn.<op>(x, const w) (int32), per-channel weight scales, zp 3."""
+    import tvm
+    from tvm import relax
+
+    from autoq import qnn
+
+    x = relax.Var("x", relax.TensorType(x_shape, "int8"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            call = getattr(qnn, op)(
+                x,
+                relax.const(w),
+                relax.const(np.float32(0.02)),
+                relax.const(np.int32(3)),
+                relax.const(np.full(w.shape[0], 0.01, np.float32)),
+                relax.const(np.zeros(w.shape[0], np.int32)),
+                **attrs,
+            )
+            out = bb.emit_output(call)
+        bb.emit_func_output(out)
+    return tvm.IRModule({"main": bb.get()["main"]})
+
+
+def bench_ops(repeats: int) -> None:
+    import tvm
+    from tvm import relax
+
+    import autoq
+
+    rng = np.random.default_rng(0)
+    target = autoq.default_target()
+    w_conv = rng.integers(-128, 128, (256, 256, 3, 3)).astype(np.int8)
+    w_dense = rng.integers(-128, 128, (256, 2304)).astype(np.int8)
+    cases = [
+        (
+            "conv 3x3 256->256 14x14",
+            _qnn_module("conv2d", (1, 256, 14, 14), w_conv, padding=(1, 1, 1, 1)),
+            (1, 256, 14, 14),
+            _ort_qlinearconv(w_conv, (1, 256, 14, 14)),
+            "x",
+            "ORT QLinearConv u8s8",
+        ),
+        (
+            "GEMM 196x2304x256",
+            _qnn_module("dense", (196, 2304), w_dense),
+            (196, 2304),
+            _ort_matmulinteger(np.ascontiguousarray(w_dense.T), 196),
+            "a",
+            "ORT MatMulInteger u8s8",
+        ),
+    ]
+    tmp = tempfile.TemporaryDirectory(prefix="autoq-kernels-ops-")
+    for title, mod, shape, onnx_model, feed_name, ort_name in cases:
+        onnx_path = Path(tmp.name) / f"{feed_name}.onnx"
+        onnx_path.write_bytes(onnx_model.SerializeToString())
+        x8 = rng.integers(-128, 128, shape).astype(np.int8)
+        args = [tvm.runtime.tensor(x8)]
+        vms = {
+            use: relax.VirtualMachine(autoq.compile(mod, target, cpu_kernels=use), tvm.cpu())
+            for use in (True, False)
+        }
+        same = np.array_equal(vms[True]["main"](*args).numpy(), vms[False]["main"](*args).numpy())
+        feed = {feed_name: (x8.astype(np.int16) + 128).astype(np.uint8)}
+        times = {ort_name: {}, "autoq kernels": {}, "autoq generic lowering": {}}
+        for t in THREADS:
+            times[ort_name][t] = _ort_latency(onnx_path, feed, t, repeats)
+            times["autoq kernels"][t] = _tvm_latency(vms[True], args, t, repeats)
+            times["autoq generic lowering"][t] = _tvm_latency(vms[False], args, t, 3)
+        rows = [_row(name, v, times[ort_name]) for name, v in times.items()]
+        _print_table(f"{title} (kernels == generic lowering: {same})", rows, "ORT")
+    tmp.cleanup()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calib", type=int, default=16, help="calibration samples (ResNet-50)")
+    p.add_argument("--repeats", type=int, default=20, help="timed runs per row (median)")
+    p.add_argument("--skip-model", action="store_true", help="single ops only")
+    p.add_argument(
+        "--models", default="resnet50", help=f"comma-separated, of {','.join(common.MODEL_NAMES)}"
+    )
+    args = p.parse_args(argv)
+
+    def log(msg):
+        print(f"# {msg}", flush=True)
+
+    print("## autoq int8 CPU kernels (no tuning) vs ONNX Runtime\n")
+    print(common.machine_summary())
+    import autoq
+    from autoq.cpu.isa import isa_of
+
+    target = autoq.default_target()
+    isa = isa_of(target)
+    print(f"\ntarget mcpu={target.mcpu}, kernel ISA: {isa.name if isa else 'none (generic)'}")
+    bench_ops(args.repeats)
+    if not args.skip_model:
+        for name in args.models.split(","):
+            bench_model(name, args.calib, args.repeats, log)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

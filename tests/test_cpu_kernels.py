@@ -1,0 +1,220 @@
+"""autoq.cpu: the packed, tensorized int8 kernels against a numpy int64 reference, for both
+instruction-set paths (VNNI where the CPU has it, AVX2 on any AVX2 CPU via a "haswell"
+target), their selection from the target, and whole realized models compiled with the
+kernels (``autoq.compile(cpu_kernels=True)``) against the generic lowering, bit for bit."""
+
+from __future__ import annotations
+
+import doctest
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import autoq
+from autoq import Config
+from autoq.cpu import isa as isa_mod
+from autoq.cpu import packing, tiling
+from autoq.cpu.conv2d import ConvShape, conv2d_kernel
+from autoq.cpu.dense import dense_kernel
+from autoq.cpu.depthwise import depthwise_kernel
+from autoq.cpu.isa import AVX2, VNNI, isa_of
+from autoq.cpu.lowering import lower_to_cpu_kernels
+from models import attention, mlp, small_cnn
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+FLAGS = _cpu_flags()
+HOST = tvm.target.codegen.llvm_get_system_cpu()
+PATHS = [
+    pytest.param(
+        VNNI,
+        HOST,
+        marks=pytest.mark.skipif(
+            "avx512_vnni" not in FLAGS, reason="this CPU has no AVX-512 VNNI (avx512_vnni)"
+        ),
+        id="vnni",
+    ),
+    pytest.param(
+        AVX2,
+        "haswell",
+        marks=pytest.mark.skipif("avx2" not in FLAGS, reason="this CPU has no AVX2"),
+        id="avx2",
+    ),
+]
+
+
+def _target(mcpu: str) -> tvm.target.Target:
+    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+
+
+def _run(func, mcpu, args, out_shape):
+    lib = tvm.compile(tvm.IRModule({"main": func}), _target(mcpu))
+    out = tvm.runtime.tensor(np.zeros(out_shape, np.int32))
+    lib["main"](*[tvm.runtime.tensor(a) for a in args], out)
+    return out.numpy()
+
+
+def conv_reference(x, w, zx, strides, padding, dilation):
+    """int64 conv2d(x - zx, w), NCHW / OIHW, padding (top, left, bottom, right) of real 0."""
+    pt, pl, pb, pr = padding
+    xc = np.pad(x.astype(np.int64) - zx, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    (sh, sw), (dh, dw), (_, _, kh, kw) = strides, dilation, w.shape
+    oh = (xc.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    ow = (xc.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    out = np.zeros((x.shape[0], w.shape[0], oh, ow), np.int64)
+    for i in range(kh):
+        for j in range(kw):
+            patch = xc[
+                :,
+                :,
+                i * dh : i * dh + sh * (oh - 1) + 1 : sh,
+                j * dw : j * dw + sw * (ow - 1) + 1 : sw,
+            ]
+            out += np.einsum("nchw,oc->nohw", patch, w[:, :, i, j].astype(np.int64))
+    return out
+
+
+def _data(rng, shape, dtype):
+    lo, hi = (-128, 128) if dtype == "int8" else (0, 256)
+    return rng.integers(lo, hi, shape).astype(dtype)
+
+
+# batch, IC, H, W, OC, kernel, stride, padding, dilation, data dtype, zero point
+CONVS = {
+    "3x3": (1, 16, 9, 10, 32, 3, 1, (1, 1, 1, 1), 1, "int8", 3),
+    "1x1-odd-channels": (2, 6, 5, 7, 20, 1, 1, (0, 0, 0, 0), 1, "int8", -128),
+    "3x3-stride2": (1, 24, 11, 11, 16, 3, 2, (1, 1, 1, 1), 1, "uint8", 131),
+    "7x7-stem": (1, 3, 20, 20, 16, 7, 2, (3, 3, 3, 3), 1, "int8", -7),
+    "asym-pad-dilated": (1, 8, 9, 13, 8, 3, 1, (0, 2, 1, 0), 2, "int8", 0),
+}
+
+
+@pytest.mark.parametrize("case", CONVS.values(), ids=CONVS.keys())
+@pytest.mark.parametrize(("isa", "mcpu"), PATHS)
+def test_conv2d_kernel_bit_exact(isa, mcpu, case):
+    n, c, h, w_, o, k, s, pad, d, dtype, zx = case
+    rng = np.random.default_rng(0)
+    x, w = _data(rng, (n, c, h, w_), dtype), _data(rng, (o, c, k, k), "int8")
+    shape = ConvShape(n, c, h, w_, o, (k, k), (s, s), pad, (d, d))
+    z = zx + isa.shift(dtype, zx)
+    args = [
+        x,
+        packing.pack_conv_weight(
+            w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype, isa.padded_channels(o)
+        ),
+    ]
+    if z:
+        args.append(packing.compensation(w, z, isa.padded_channels(o)))
+    got = _run(conv2d_kernel(shape, isa, dtype, zx), mcpu, args, (n, o, *shape.out_hw))
+    np.testing.assert_array_equal(got, conv_reference(x, w, zx, (s, s), pad, (d, d)))
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "dtype", "zx"),
+    [(7, 33, 20, "int8", -5), (1, 64, 16, "uint8", 128), (20, 9, 3, "int8", 0)],
+)
+@pytest.mark.parametrize(("isa", "mcpu"), PATHS)
+def test_dense_kernel_bit_exact(isa, mcpu, m, k, n, dtype, zx):
+    rng = np.random.default_rng(1)
+    x, w = _data(rng, (m, k), dtype), _data(rng, (n, k), "int8")
+    z = zx + isa.shift(dtype, zx)
+    args = [
+        x,
+        packing.pack_dense_weight(w, isa.lanes, isa.k, isa.weight_dtype, isa.padded_channels(n)),
+    ]
+    if z:
+        args.append(packing.compensation(w, z, isa.padded_channels(n)))
+    got = _run(dense_kernel(m, k, n, isa, dtype, zx), mcpu, args, (m, n))
+    np.testing.assert_array_equal(got, (x.astype(np.int64) - zx) @ w.T.astype(np.int64))
+
+
+@pytest.mark.parametrize(
+    ("c", "h", "k", "s", "pad", "dtype", "zx"),
+    [(8, 9, 3, 1, 1, "int8", -128), (5, 11, 5, 2, 2, "uint8", 140), (3, 6, 3, 1, 0, "int8", 4)],
+)
+@pytest.mark.parametrize("mcpu", [HOST, "haswell"])
+def test_depthwise_kernel_bit_exact(mcpu, c, h, k, s, pad, dtype, zx):
+    rng = np.random.default_rng(2)
+    x, w = _data(rng, (2, c, h, h + 1), dtype), _data(rng, (c, 1, k, k), "int8")
+    shape = ConvShape(2, c, h, h + 1, c, (k, k), (s, s), (pad,) * 4)
+    got = _run(depthwise_kernel(shape, dtype, zx), mcpu, [x, w], (2, c, *shape.out_hw))
+    ref = np.concatenate(
+        [
+            conv_reference(x[:, i : i + 1], w[i : i + 1], zx, (s, s), (pad,) * 4, (1, 1))
+            for i in range(c)
+        ],
+        axis=1,
+    )
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_extreme_values_do_not_saturate():
+    """All-extreme operands: the largest sums a u8 x s8 kernel can see (vpmaddubsw would
+    saturate its int16 pair sums here; vpmaddwd and vpdpbusd must not)."""
+    x = np.full((1, 64, 4, 4), -128, np.int8)
+    w = np.full((16, 64, 3, 3), -128, np.int8)
+    for isa, mcpu in [(VNNI, HOST), (AVX2, "haswell")]:
+        if isa.feature == "avx512vnni" and "avx512_vnni" not in FLAGS:
+            continue
+        shape = ConvShape(1, 64, 4, 4, 16, (3, 3), (1, 1), (1, 1, 1, 1))
+        zx = 127
+        z = zx + isa.shift("int8", zx)
+        args = [
+            x,
+            packing.pack_conv_weight(
+                w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype, isa.padded_channels(16)
+            ),
+        ]
+        if z:
+            args.append(packing.compensation(w, z, isa.padded_channels(16)))
+        got = _run(conv2d_kernel(shape, isa, "int8", zx), mcpu, args, (1, 16, 4, 4))
+        ref = conv_reference(x, w, zx, (1, 1), (1, 1, 1, 1), (1, 1))
+        np.testing.assert_array_equal(got, ref)
+
+
+def test_isa_from_target():
+    assert isa_of(_target("znver4")) is VNNI
+    assert isa_of(_target("znver3")) is AVX2
+    assert isa_of(_target("haswell")) is AVX2
+    assert isa_of(tvm.target.Target({"kind": "llvm"})) is None  # generic x86-64
+
+
+@functools.cache
+def _quantized(make):
+    mod, params, data = make()
+    return autoq.quantize(mod, params, data(8, 1), Config(progress=False)), data
+
+
+@pytest.mark.parametrize("make", [small_cnn, mlp, attention])
+@pytest.mark.parametrize(("isa", "mcpu"), PATHS)
+def test_realized_model_same_outputs_with_kernels(isa, mcpu, make):
+    qmod, data = _quantized(make)
+    target = _target(mcpu)
+    lowered = lower_to_cpu_kernels(qmod, target)
+    kernels = [gv.name_hint for gv in lowered.functions if gv.name_hint.startswith("autoq_")]
+    dense_or_conv = [name for name in kernels if "depthwise" not in name]
+    assert dense_or_conv and all(name.split("_")[2].startswith(isa.name) for name in dense_or_conv)
+    assert (make is small_cnn) == any("depthwise" in name for name in kernels)
+    outs = []
+    for use in (True, False):
+        vm = relax.VirtualMachine(autoq.compile(qmod, target, cpu_kernels=use), tvm.cpu())
+        outs.append([vm["main"](tvm.runtime.tensor(x)).numpy() for x in data(3, 5)])
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_doctests():
+    for module in (packing, tiling, isa_mod):
+        assert doctest.testmod(module).failed == 0

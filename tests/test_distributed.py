@@ -1,0 +1,257 @@
+"""Distributed calibration on a Dask LocalCluster (issue 18): the qparams are the same bit for
+bit as in-process calibration (the reference: ``autoq.calibrate``, itself checked against
+numpy in test_calibrate.py) for every calibrator, both calibration modes and any number of
+shards; worker-side sources are never read by the coordinator; a killed worker fails the run
+with an error naming its shard.
+
+One cluster of 2 worker processes for the module (starting it takes a few seconds). "1
+worker" runs use one shard, which lives on one worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+pytest.importorskip(
+    "distributed", reason="dask[distributed] is not installed (pip install 'autoq[dask]')"
+)
+
+import autoq
+from autoq import Config, Distributed, QParams, QuantSpec, calibrate, simulate
+from autoq.calibrators.kl import KL
+from autoq.calibrators.mse import MSE
+from autoq.calibrators.percentile import Percentile
+from autoq.dataset import CallableShards, DatasetError, NpzShards
+from autoq.distributed import ShardLostError, calibrate_distributed
+from models import TARGET, small_cnn
+
+COORDINATOR = "AUTOQ_TEST_COORDINATOR_PID"
+os.environ.setdefault(COORDINATOR, str(os.getpid()))
+
+# small histograms keep the searches fast; the merge is exact for any bin count
+CALIBRATORS = {
+    "max": "max",
+    "moving_average": "moving_average",
+    "percentile": Percentile(99.9, bins=256),
+    "kl": KL(bins=512),
+    "mse": MSE(bins=256),
+}
+
+
+@pytest.fixture(scope="module")
+def client():
+    from distributed import Client, LocalCluster
+
+    os.environ[COORDINATOR] = str(os.getpid())  # inherited by the workers
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
+    ) as cluster, Client(cluster) as c:  # fmt: skip
+        c.wait_for_workers(2)
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model():
+    mod, params, make = small_cnn()
+    return mod, params, make(7)  # 7 samples: uneven shards
+
+
+def bits(q) -> tuple:
+    arrays = (q.scale, q.zero_point, q.rmin, q.rmax)
+    return (q.dtype, q.axis, *(None if a is None else (a.dtype.str, a.tobytes()) for a in arrays))
+
+
+def assert_identical(a: QParams, b: QParams) -> None:
+    assert list(a.params) == list(b.params)
+    for sid in a.params:
+        assert bits(a[sid]) == bits(b[sid]), sid
+    assert a.meta["samples"] == b.meta["samples"]
+
+
+def config(calibrator, mode="topological", **kw) -> Config:
+    act = QuantSpec(calibrator=calibrator)
+    return Config(activation=act, calibration=mode, progress=False, skip_unbounded=False, **kw)
+
+
+@pytest.mark.parametrize("mode", ["topological", "fp32"])
+@pytest.mark.parametrize("name", list(CALIBRATORS))
+def test_same_qparams_as_in_process(client, model, name, mode):
+    mod, params, data = model
+    cfg = config(CALIBRATORS[name], mode)
+    sim = simulate(mod, params, cfg)
+    want = calibrate(sim, params, data, cfg, target=TARGET)
+    got = calibrate_distributed(sim, data, cfg, TARGET, client, shards=2)
+    assert got.meta["stats"]["shards"] == 2
+    assert_identical(want, got)
+    # the activations really were calibrated from data (not defaults): distinct scales
+    acts = [float(want[s].scale) for s in sim.activation_slots()]
+    assert len(set(acts)) == len(acts)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_any_number_of_shards(client, model, shards):
+    """1 shard (one worker does everything) and 3 shards on 2 workers: still identical."""
+    mod, params, data = model
+    cfg = config(CALIBRATORS["kl"])
+    sim = simulate(mod, params, cfg)
+    want = calibrate(sim, params, data, cfg, target=TARGET)
+    got = calibrate_distributed(sim, data, cfg, TARGET, client, shards=shards)
+    assert got.meta["stats"]["shards"] == shards
+    assert_identical(want, got)
+
+
+def shard_of_seven(i: int, n: int):
+    """Shard ``i`` of the model fixture's 7 samples; refuses to run in the coordinator."""
+    if str(os.getpid()) == os.environ[COORDINATOR]:
+        raise AssertionError("the coordinator read the dataset")
+    return small_cnn()[2](7)[i::n]
+
+
+def test_quantize_with_worker_side_sources(client, model, tmp_path):
+    """autoq.quantize(cluster=...) with a callable source the coordinator must never call,
+    and with .npz shards on a shared path: the in-process qparams."""
+    mod, params, data = model
+    cfg = config("mse")
+    want = autoq.Quantizer(cfg, target=TARGET).run(mod, params, data).qparams
+    out = autoq.quantize(mod, params, CallableShards(shard_of_seven), cfg, TARGET, cluster=client)
+    assert_identical(want, QParams.loads(out.attrs["autoq.qparams"]))
+    for k in range(3):  # files of 3, 2 and 2 samples
+        part = np.concatenate(data[k::3])
+        np.savez(tmp_path / f"part{k}.npz", x=part)
+    source = NpzShards(str(tmp_path / "*.npz"))
+    got = autoq.Quantizer(cfg, target=TARGET, cluster=client).run(mod, params, source)
+    assert got.samples == 7
+    # the samples arrive in another order (by file): the merged statistics do not care
+    assert_identical(want, got.qparams)
+
+
+def test_report_fans_out(client, model):
+    """Quantizer(report=True) on the cluster: the per-layer analysis' samples run on the
+    workers and the report is the in-process one (same sums added in the same order)."""
+    mod, params, data = model
+    cfg = config("percentile")
+    want = autoq.Quantizer(cfg, target=TARGET, report=True).run(mod, params, data).report
+    got = autoq.Quantizer(cfg, target=TARGET, report=True, cluster=client).run(mod, params, data)
+    a, b = want.to_json(), got.report.to_json()
+    a.pop("meta"), b.pop("meta")
+    assert a == b
+    assert got.report.samples == 7 and np.isfinite(got.report.output_sqnr)
+
+
+def test_auto_fallback_trials_fan_out(client, model):
+    """AutoFallback on the cluster: the report and every SQNR trial computed from the
+    workers' sums give the in-process decision, trial for trial."""
+    mod, params, data = model
+    fb = autoq.AutoFallback(min_sqnr=60.0, max_fp32_layers=2)  # unreachable: every step runs
+    cfg = config("max").replace(fallback=fb)
+    with pytest.warns(UserWarning, match="not reached"):
+        want = autoq.Quantizer(cfg, target=TARGET).run(mod, params, data).decision
+    with pytest.warns(UserWarning, match="not reached"):
+        got = autoq.Quantizer(cfg, target=TARGET, cluster=client).run(mod, params, data).decision
+    assert [t["metric"] for t in got.trials] == [t["metric"] for t in want.trials]
+    assert len(want.trials) == 3 and got.layers == want.layers and not got.met
+
+
+def bad_second_shard(i: int, n: int):
+    data = small_cnn()[2](4)
+    return data if i == 0 else [np.zeros((1, 3, 8, 8), np.float32)]
+
+
+def test_bad_data_in_a_shard_names_it(client, model, tmp_path):
+    mod, params, _ = model
+    cfg = config("max")
+    sim = simulate(mod, params, cfg)
+    with pytest.raises(DatasetError, match=r"shard 2/2 of CallableShards.*shape"):
+        calibrate_distributed(sim, CallableShards(bad_second_shard), cfg, TARGET, client)
+    # an error of the worker's own code (a missing file) is not a lost worker
+    missing = NpzShards([str(tmp_path / "a.npz"), str(tmp_path / "b.npz")])
+    np.savez(tmp_path / "a.npz", x=small_cnn()[2](2)[0])
+    with pytest.raises(FileNotFoundError, match=r"b\.npz"):
+        calibrate_distributed(sim, missing, cfg, TARGET, client)
+
+
+def test_shard_sources_split_the_data(tmp_path):
+    """Every sample in exactly one shard, in the documented i, i + n, ... order."""
+    pil = pytest.importorskip("PIL.Image", reason="Pillow is not installed")
+    from autoq.dataset import ImageFolderShards, from_image_folder
+
+    for k in range(5):
+        pil.fromarray(np.full((6, 6, 3), 40 * k, np.uint8)).save(tmp_path / f"im{k}.png")
+    source = ImageFolderShards(str(tmp_path), {"size": 4})
+    whole = [float(x.mean()) for x in from_image_folder(tmp_path, size=4)]
+    parts = [[float(x.mean()) for x in source.shard(i, 2)] for i in range(2)]
+    assert parts == [whole[0::2], whole[1::2]]
+    with pytest.raises(DatasetError, match="no file matches"):
+        NpzShards(str(tmp_path / "*.npz"))
+
+
+def test_in_process_runs_never_import_dask():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); import autoq; from models import mlp\n"
+        "mod, params, make = mlp()\n"
+        "autoq.quantize(mod, params, make(2), autoq.Config(progress=False))\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('dask', 'distributed')]"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=600)
+
+
+def test_config_and_cli(tmp_path):
+    cfg = Config(distributed=Distributed(scheduler="tcp://127.0.0.1:8786", shards=4))
+    assert Config.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ValueError, match="exactly one of scheduler"):
+        Distributed()
+    with pytest.raises(ValueError, match="workers must be an int >= 1"):
+        Distributed(workers=0)
+    from autoq.cli import _config
+    from autoq.cli_args import build_parser
+
+    args = build_parser().parse_args(["quantize", "m.onnx", "--calib", "d", "--workers", "3"])
+    assert _config(args).distributed == Distributed(workers=3)
+    args = build_parser().parse_args(["quantize", "m.onnx", "--scheduler", "tcp://h:1"])
+    assert _config(args).distributed == Distributed(scheduler="tcp://h:1")
+    assert _config(build_parser().parse_args(["quantize", "m.onnx"])).distributed is None
+
+
+def kill_on_second_shard(batch):
+    """A range calibrator that kills its worker process when that worker was told to."""
+    if os.environ.get("AUTOQ_TEST_KILL") == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return float(batch.min()), float(batch.max())
+
+
+def _arm():
+    os.environ["AUTOQ_TEST_KILL"] = "1"
+
+
+def test_killed_worker_is_reported_with_its_shard(client, model):
+    """Runs last in the module (the nanny restarts the killed worker afterwards, with
+    nothing left to run on it)."""
+    mod, params, data = model
+    cfg = config(kill_on_second_shard)
+    sim = simulate(mod, params, cfg)
+    victim = sorted(client.scheduler_info(n_workers=-1)["workers"])[1]  # holds shard 2
+    client.run(_arm, workers=[victim])
+    with pytest.raises(ShardLostError, match=r"shard 2/2 \(samples 1, 3, \.\.\..*lost"):
+        calibrate_distributed(sim, data, cfg, TARGET, client)
+
+
+def test_scale_health_merges_across_shards(client, model):
+    """An extreme value in the last shard's last sample: the distributed calibration finds
+    the same unusable scales (autoq.scale_health) as the in-process one."""
+    mod, params, data = model
+    data = [x.copy() for x in data]
+    data[-1][0, 0, 0, 0] = 1e30
+    cfg = config("max")
+    sim = simulate(mod, params, cfg)
+    want = calibrate(sim, params, data, cfg, target=TARGET)
+    got = calibrate_distributed(sim, data, cfg, TARGET, client, shards=2)
+    assert want.meta["scale_problems"] and "x" in want.meta["scale_problems"]
+    assert got.meta["scale_problems"] == want.meta["scale_problems"]

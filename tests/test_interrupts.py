@@ -1,0 +1,141 @@
+"""Interrupted runs leave nothing behind (issue 17, item 6): SIGINT/SIGTERM during
+calibration remove the spill folder and the staged output (subprocesses: real signals);
+spill folders of dead processes are removed by the next spill; a Ctrl-C while the command
+is still importing prints the same one line as later."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_cli import TARGET, tiny_onnx
+
+from autoq.value_cache import SPILL_PREFIX, ValueCache
+
+AUTOQ = Path(sys.executable).with_name("autoq")
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_spill_folders_of_dead_processes_are_removed(tmp_path):
+    dead = tmp_path / f"{SPILL_PREFIX}{_dead_pid()}-abc"
+    dead.mkdir()
+    (dead / "v1_0.npy").write_bytes(b"")  # the 0-byte file a kill leaves
+    alive = tmp_path / f"{SPILL_PREFIX}{os.getppid()}-def"  # a running process's folder
+    alive.mkdir()
+    cache = ValueCache(0, str(tmp_path))
+    cache.put(("x", 0), np.ones(4, np.float32))
+    assert not dead.exists() and alive.exists()
+    (own,) = [p for p in tmp_path.iterdir() if p.name.startswith(f"{SPILL_PREFIX}{os.getpid()}-")]
+    np.testing.assert_array_equal(cache.get_numpy(("x", 0)), np.ones(4, np.float32))
+    cache.close()
+    assert not own.exists()
+
+
+@pytest.mark.skipif(not AUTOQ.exists(), reason="the autoq console script is not installed")
+def test_ctrl_c_during_startup_is_one_line():
+    p = subprocess.Popen(
+        [str(AUTOQ), "quantize", "m.onnx"], stderr=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    time.sleep(0.5)  # importing TVM takes seconds
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert err.decode() == "autoq: interrupted\n"
+    assert p.returncode == 130
+
+
+# the command, with every value spilled to disk and calibration stopping after its first
+# segment until a signal arrives
+_RUNNER = textwrap.dedent("""
+    import sys, time
+    from autoq import cli, shard_runner, value_cache
+
+    init = value_cache.ValueCache.__init__
+    def spill_all(self, budget, cache_dir=None):
+        init(self, 0, sys.argv[1])
+    value_cache.ValueCache.__init__ = spill_all
+    run = shard_runner.ShardRunner.run_segment
+    def wait_after_first(self, j, *a, **k):
+        run(self, j, *a, **k)
+        print("spilled", flush=True)
+        time.sleep(120)
+    shard_runner.ShardRunner.run_segment = wait_after_first
+    sys.exit(cli.main(sys.argv[2:]))
+""")
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_during_calibration_cleans_up(tmp_path, sig, code):
+    model = tiny_onnx(tmp_path / "tiny.onnx")
+    np.savez(
+        tmp_path / "calib.npz",
+        x=np.random.default_rng(0).normal(size=(3, 3, 8, 8)).astype(np.float32),
+    )
+    spill = tmp_path / "spill"
+    out = tmp_path / "out"
+    argv = [sys.executable, "-c", _RUNNER, str(spill), "quantize", str(model), "--calib",
+            str(tmp_path / "calib.npz"), "--out", str(out), "--target", TARGET, "--no-progress"]  # fmt: skip
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if line.strip() == "spilled":
+            break
+    assert any(spill.glob(f"{SPILL_PREFIX}*/*.npy")), "nothing was spilled"
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == code, err
+    assert err.strip().splitlines()[-1] == "autoq: interrupted"
+    assert "Traceback" not in err
+    assert list(spill.iterdir()) == []
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["calib.npz", "spill", "tiny.onnx"]
+
+
+_KILLED_WHILE_WRITING = textwrap.dedent("""
+    import sys, time
+    from autoq import cli
+    write = cli._write
+    def write_then_wait(out, *a, **k):
+        files = write(out, *a, **k)
+        print("staged", flush=True)
+        time.sleep(120)
+        return files
+    cli._write = write_then_wait
+    sys.exit(cli.main(sys.argv[1:]))
+""")
+
+
+def test_kill_while_writing_leaves_the_old_result(tmp_path, capsys):
+    """SIGKILL after the new files are staged: --out still holds the old result, whole;
+    the next run removes the killed run's staging folder."""
+    from test_cli import run
+
+    model = tiny_onnx(tmp_path / "tiny.onnx")
+    np.savez(
+        tmp_path / "calib.npz", x=np.random.default_rng(0).normal(size=(3, 3, 8, 8)).astype("f4")
+    )
+    out = tmp_path / "out"
+    args = ["quantize", str(model), "--calib", str(tmp_path / "calib.npz"), "--out", str(out),
+            "--target", TARGET, "--no-progress"]  # fmt: skip
+    assert run(capsys, *args)[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    p = subprocess.Popen([sys.executable, "-c", _KILLED_WHILE_WRITING, *args, "--samples", "2"],
+                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    for line in p.stdout:
+        if line.strip() == "staged":
+            break
+    p.kill()
+    p.wait()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [x for x in tmp_path.iterdir() if "autoq-tmp" in x.name]  # the killed run's
+    assert run(capsys, *args)[0] == 0
+    assert [x for x in tmp_path.iterdir() if "autoq-tmp" in x.name] == []

@@ -1,0 +1,100 @@
+"""autoq.loop_schedule: the cheap default schedule of calibration's kernels changes the
+speed, never the bits (float data, every reduction kind the models use), and calibration
+with it chooses exactly the qparams it chose without it."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from autoq import Config, calibrate, simulate
+from autoq.loop_schedule import pipeline_with_loop_schedule, schedule_reductions
+from models import small_cnn
+
+OPT_TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
+
+
+def _module(shape, body):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(list(shape), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(body(bb, x))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _conv(bb, x, k=3, cout=16, groups=1, stride=1):
+    cin = x.ty.shape.values[1]
+    w = np.random.default_rng(3).normal(size=(cout, int(cin) // groups, k, k)).astype("float32")
+    return bb.emit(
+        relax.op.nn.conv2d(x, relax.const(w), strides=stride, padding=k // 2, groups=groups)
+    )
+
+
+CASES = {
+    "conv3x3": ((1, 8, 12, 12), lambda bb, x: _conv(bb, x)),
+    "conv7x7_stride2_odd": ((1, 3, 15, 15), lambda bb, x: _conv(bb, x, k=7, stride=2)),
+    "depthwise": ((1, 8, 10, 10), lambda bb, x: _conv(bb, x, cout=8, groups=8)),
+    "dense": (
+        (3, 40),
+        lambda bb, x: bb.emit(
+            relax.op.matmul(
+                x, relax.const(np.random.default_rng(4).normal(size=(40, 24)).astype("float32"))
+            )
+        ),
+    ),
+    "maxpool": ((1, 4, 9, 9), lambda bb, x: bb.emit(relax.op.nn.max_pool2d(x, 3, 2))),
+    "mean": ((1, 6, 7, 7), lambda bb, x: bb.emit(relax.op.mean(x, axis=[2, 3], keepdims=True))),
+    "softmax": ((2, 33), lambda bb, x: bb.emit(relax.op.nn.softmax(x))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_schedule_keeps_the_bits(case):
+    target = OPT_TARGET  # vectorized AVX-512 code with FMA contraction available
+    shape, body = CASES[case]
+    mod = _module(shape, body)
+    x = np.random.default_rng(0).normal(size=shape).astype("float32") * 3
+    outs = []
+    for pipeline in (None, pipeline_with_loop_schedule(target)):
+        ex = (
+            tvm.compile(mod, target, relax_pipeline=pipeline)
+            if pipeline
+            else tvm.compile(mod, target)
+        )
+        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy())
+    assert outs[0].dtype == outs[1].dtype and np.array_equal(outs[0], outs[1])
+
+
+def test_reduction_kernels_get_parallel_vector_loops():
+    shape, body = CASES["conv3x3"]
+    legal = relax.transform.LegalizeOps()(_module(shape, body))
+    conv = next(f for gv, f in legal.functions_items() if gv.name_hint.startswith("conv2d"))
+    text = schedule_reductions(conv).script()
+    assert "T.parallel" in text and "T.vectorized" in text
+    assert "T.parallel" not in conv.script()
+    # elementwise kernels (no reduction) are left alone
+    relu = relax.transform.LegalizeOps()(
+        _module((1, 4), lambda bb, x: bb.emit(relax.op.nn.relu(x)))
+    )
+    f = next(f for _, f in relu.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+    assert schedule_reductions(f).same_as(f)
+
+
+@pytest.mark.parametrize("mode", ["topological", "fp32"])
+def test_calibration_qparams_unchanged(monkeypatch, mode):
+    mod, params, data = small_cnn()
+    config = Config(progress=False, calibration=mode)
+    sim = simulate(mod, params, config)
+    fast = calibrate(sim, params, data(6, 2), config, target=OPT_TARGET)
+    monkeypatch.setattr(importlib.import_module("autoq.calibrate"), "_pipeline", lambda t: None)
+    plain = calibrate(sim, params, data(6, 2), config, target=OPT_TARGET)
+    assert set(fast) == set(plain)
+    for sid in plain:
+        a, b = fast[sid], plain[sid]
+        assert np.array_equal(a.scale, b.scale) and np.array_equal(a.zero_point, b.zero_point), sid

@@ -1,0 +1,263 @@
+"""autoq.tune: MetaSchedule into a JSON database that compiles reuse (bit-exact with the
+untuned module), no new trials for kernels already tuned, measurement through an RPC
+tracker with two servers on 127.0.0.1, and the VNNI intrinsic fix.
+
+The tuning tests use one tiny int8 conv (two kernels: quantize+pad, conv+requantize) and
+one trial per kernel with the random cost model: they check the plumbing (records written,
+found, applied, outputs unchanged), not the speed (benchmarks/ measure that). Each pays
+MetaSchedule's one-off import of TVM's tensor intrinsics (20-90 s on 2 busy cores).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import autoq
+from autoq import Config
+from autoq.tune import Tracker, TuningError, tune
+from autoq.tuning_database import RECORD_FILE, WORKLOAD_FILE, tuned_kernels
+from models import Builder, conv, image_data
+
+TUNE_DEPS = ("psutil", "xgboost", "cloudpickle")
+needs_tune_deps = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in TUNE_DEPS),
+    reason="autoq.tune needs psutil, xgboost, cloudpickle (pip install 'autoq[tune]')",
+)
+needs_tornado = pytest.mark.skipif(
+    importlib.util.find_spec("tornado") is None,
+    reason="TVM's RPC tracker needs tornado (pip install 'autoq[tune]')",
+)
+
+
+def one_conv():
+    """An int8 conv 4->8, 3x3, with bias (realized by autoq.quantize)."""
+    b = Builder(5)
+    x = b.input("x", (1, 4, 8, 8))
+    mod, params = b.build(lambda b: conv(b, x, "c", 4, 8))
+    q = autoq.quantize(mod, params, image_data((1, 4, 8, 8), 1, 8), Config(progress=False))
+    return q, image_data((1, 4, 8, 8), 9, 2)
+
+
+def outputs(qmod, samples, database=None, cpu_kernels=False):
+    vm = relax.VirtualMachine(
+        autoq.compile(qmod, database=database, cpu_kernels=cpu_kernels), tvm.cpu()
+    )
+    return [vm["main"](tvm.runtime.tensor(x)).numpy() for x in samples]
+
+
+def check_tuned(qmod, samples, folder):
+    done, kernels = tuned_kernels(qmod, autoq.default_target(), folder)
+    assert done == kernels and len(kernels) == 2, (done, kernels)
+    for got, ref in zip(outputs(qmod, samples, folder), outputs(qmod, samples), strict=True):
+        assert got.dtype == ref.dtype and np.array_equal(got, ref)
+
+
+def test_tracker_parse_and_json():
+    t = Tracker.parse("127.0.0.1:9190/rk3399")
+    assert (t.host, t.port, t.key) == ("127.0.0.1", 9190, "rk3399")
+    assert Tracker.loads(t.dumps()) == t
+    with pytest.raises(ValueError, match="HOST:PORT/KEY"):
+        Tracker.parse("127.0.0.1/rk3399")
+    with pytest.raises(ValueError, match="port"):
+        Tracker("h", 70000, "k")
+    with pytest.raises(ValueError, match="--key"):
+        Tracker("h", 9190, "")
+
+
+def test_bad_arguments_name_the_option(tmp_path):
+    q = tvm.IRModule()
+    with pytest.raises(ValueError, match="database=FOLDER"):
+        tune(q, trials=1)
+    with pytest.raises(ValueError, match="trials"):
+        tune(q, trials=0, database=tmp_path)
+    with pytest.raises(ValueError, match="cost_model"):
+        tune(q, trials=1, database=tmp_path, cost_model="gbdt")
+    with pytest.raises(FileNotFoundError, match="autoq tune"):
+        autoq.compile(q, database=tmp_path / "missing")
+
+
+@pytest.mark.tuning
+@needs_tune_deps
+def test_tune_writes_a_database_that_compiles_reuse(tmp_path):
+    qmod, samples = one_conv()
+    folder = tmp_path / "tuning"
+    r = tune(
+        qmod, trials=2, trials_per_task=1, database=folder, cost_model="random", seed=0,
+        cpu_kernels=False,
+    )  # fmt: skip
+    assert (r.tasks, r.reused, r.trials, r.failed) == (2, 0, 2, 0), r
+    assert (folder / WORKLOAD_FILE).is_file() and (folder / RECORD_FILE).is_file()
+    check_tuned(qmod, samples, folder)
+    # the same shapes again: nothing left to tune, no trial measured
+    again = tune(qmod, trials=8, database=folder, cost_model="random", cpu_kernels=False)
+    assert (again.tasks, again.reused, again.trials) == (2, 2, 0), again
+    assert "no new trials" in again.summary()
+    # with autoq's CPU kernels (the default) the conv keeps its own schedule: not a task
+    kern = tune(qmod, trials=2, trials_per_task=1, database=folder, cost_model="random")
+    assert kern.tasks < r.tasks, (kern, r)
+    for got, ref in zip(
+        outputs(qmod, samples, folder, cpu_kernels=True), outputs(qmod, samples), strict=True
+    ):
+        assert np.array_equal(got, ref)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_servers(procs, port: int, key: str, count: int, timeout: float = 120.0) -> None:
+    from tvm import rpc
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            raise RuntimeError(
+                f"RPC process {dead[0].args} exited: {dead[0].stderr.read()[-2000:]}"
+            )
+        try:
+            summary = rpc.connect_tracker("127.0.0.1", port).summary()
+            free = [q for k, q in summary.get("queue_info", {}).items() if k == key]
+            if free and free[0].get("free", 0) >= count:
+                return
+        except (RuntimeError, ConnectionError, OSError):
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{count} RPC servers with key {key!r} did not register in {timeout} s")
+
+
+@pytest.fixture
+def rpc_tracker(tmp_path):
+    """A TVM RPC tracker and two servers (key autoq-test) on 127.0.0.1."""
+    port, key = _free_port(), "autoq-test"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    python = [sys.executable, "-m"]
+    tracker = ["tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port)]
+    tracker += ["--port-end", str(port + 1)]
+    server = ["tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}", "--key", key]
+    procs = [
+        subprocess.Popen(
+            [*python, *tracker],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / "tracker.log", "w"),
+        )
+    ]
+    try:
+        time.sleep(1.0)
+        for _ in range(2):
+            procs.append(
+                subprocess.Popen(
+                    [*python, *server, "--host", "127.0.0.1"],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=open(tmp_path / f"server{len(procs)}.log", "w"),
+                )
+            )
+        _wait_for_servers(procs, port, key, 2)
+        yield Tracker("127.0.0.1", port, key)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.mark.tuning
+@needs_tune_deps
+@needs_tornado
+def test_tune_measures_through_an_rpc_tracker(tmp_path, rpc_tracker):
+    qmod, samples = one_conv()
+    folder = tmp_path / "tuning"
+    r = tune(
+        qmod,
+        trials=2,
+        trials_per_task=1,
+        database=folder,
+        rpc=rpc_tracker,
+        cost_model="random",
+        seed=0,
+        cpu_kernels=False,
+    )
+    assert (r.tasks, r.trials, r.failed) == (2, 2, 0), r
+    check_tuned(qmod, samples, folder)
+
+
+@pytest.mark.tuning
+def test_all_failed_trials_raise(tmp_path, monkeypatch):
+    """A tuning run whose every candidate fails raises with the error (MetaSchedule itself
+    would return an untuned database silently)."""
+    if any(importlib.util.find_spec(m) is None for m in TUNE_DEPS):
+        pytest.skip("autoq.tune needs psutil, xgboost, cloudpickle")
+    tune_module = importlib.import_module("autoq.tune")
+
+    def broken_build(mod, target, _params=None):
+        raise RuntimeError("compiler exploded")
+
+    monkeypatch.setattr(tune_module, "build_candidate", broken_build)
+    qmod, _ = one_conv()
+    with pytest.raises(TuningError, match="compiler exploded"):
+        tune(qmod, trials=1, trials_per_task=1, database=tmp_path, cost_model="random")
+
+
+def _cpu_has_vnni() -> bool:
+    try:
+        return "avx512_vnni" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+@pytest.mark.tuning
+@pytest.mark.skipif(not _cpu_has_vnni(), reason="this CPU has no AVX-512 VNNI (vpdpbusd)")
+def test_vnni_intrinsic_compiles_and_matches_numpy():
+    """TVM's stock dot_16x4_vnni does not compile with the wheel's LLVM 22; ours does and
+    gives the exact u8 x s8 -> s32 dot products."""
+    from tvm.script import tirx as T
+
+    from autoq.x86_intrinsics import VNNI_INTRIN, register_vnni, target_has_vnni
+
+    @T.prim_func(s_tir=True)
+    def dot(
+        A: T.Buffer((3, 8), "uint8"), B: T.Buffer((2, 16, 4), "int8"), C: T.Buffer((3, 16), "int32")
+    ):
+        for m, ko, n, ki in T.grid(3, 2, 16, 4):
+            with T.sblock("C"):
+                vm, vn, vko, vki = T.axis.remap("SSRR", [m, n, ko, ki])
+                with T.init():
+                    C[vm, vn] = 0
+                C[vm, vn] = C[vm, vn] + T.Cast("int32", A[vm, vko * 4 + vki]) * T.Cast(
+                    "int32", B[vko, vn, vki]
+                )
+
+    target = autoq.default_target()
+    assert target_has_vnni(target)
+    assert not target_has_vnni(tvm.target.Target({"kind": "llvm", "mcpu": "znver3"}))
+    register_vnni()
+    sch = tvm.s_tir.Schedule(dot)
+    block = sch.get_sblock("C")
+    _, ko, n, _ = sch.get_loops(block)
+    sch.decompose_reduction(block, ko)
+    sch.tensorize(n, VNNI_INTRIN)
+    lib = tvm.compile(sch.mod, target)
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (3, 8)).astype("uint8")
+    b = rng.integers(-128, 128, (2, 16, 4)).astype("int8")
+    c = tvm.runtime.tensor(np.zeros((3, 16), "int32"))
+    lib["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), c)
+    ref = np.einsum("mok,onk->mn", a.reshape(3, 2, 4).astype(np.int64), b.astype(np.int64))
+    assert np.array_equal(c.numpy(), ref)
