@@ -314,12 +314,8 @@ class Config(JsonDocument):
     :mod:`autoq.bias_correction`). ``scale_search``: per-channel weight scales chosen on a
     grid of clipping ratios by the layer's output MSE (OMSE, Choukroun et al. 2019;
     :mod:`autoq.scale_search`). The integer weights and biases they choose are carried in
-    ``QParams.values`` (realized as they are; simulated exactly). Defaults measured on
-    EfficientNet-Lite0 (benchmarks/accuracy.py, 64 calibration / 160 held-out real crops,
-    top-1 agreement with fp32): nearest 0.806, GPTQ 0.919, GPTQ + bias correction 0.913,
-    bias correction alone 0.863, scale search alone 0.819; ResNet-50 cosine 0.99997 nearest,
-    0.99993 GPTQ + bias correction. GPTQ is the recommended setting (the default stays
-    ``nearest`` until the test suite is moved to it).
+    ``QParams.values`` (realized as they are; simulated exactly). EfficientNet-Lite0 top-1
+    agreement (benchmarks/results/accuracy.md): nearest 0.806, GPTQ 0.919 (recommended).
     """
 
     activation: QuantSpec = field(default_factory=_default_activation)
