@@ -21,7 +21,8 @@ leaky relu       alpha as a double                                  alpha as a f
 and ``autoq.hardsigmoid`` (fp32 ops registered here, legalized to their definition),
 ``nn.silu``, ``nn.gelu``, ``nn.gelu_tanh``, ``nn.layer_norm`` (positive axes, float32 epsilon),
 a single ``clip`` for a chain of clips (``relu6`` included), float convolutions without an
-explicit ``out_dtype``, and float32-valued attributes (leaky relu's alpha). A
+explicit ``out_dtype``, float32-valued attributes (leaky relu's alpha) and attention masks
+of ``finfo.min`` (-> -1e4, :mod:`autoq.attention_mask`). A
 rule only fires when its constants are the operation's (to 1e-6 relative): ``x * clip(x * 0.2
 + 0.5, 0, 1)`` (ONNX HardSigmoid's default alpha) is left alone. The rules are a table
 (:data:`RULES`); adding a decomposition is one row.
@@ -49,6 +50,7 @@ from tvm.relax.dpl import (
 from tvm.relax.transform.legalize_ops.common import register_legalize
 from tvm_ffi import structural_equal
 
+from .attention_mask import mask_multiply, mask_where, rewrite_mask_constant
 from .prepare import rebind
 from .toolkit import bindings, const_array, free_vars, op_name, with_main
 
@@ -355,6 +357,9 @@ RULES: list[Rule] = [
     Rule("clip_bounds", _clip_op, _float_bounds),
     Rule("layer_norm_attrs", _layer_norm_op, _canonical_layer_norm),
     Rule("leakyrelu_alpha", _leaky, _canonical_leaky),
+    # finfo.min attention masks -> a quantizable constant (autoq.attention_mask)
+    Rule("attention_mask_multiply", mask_multiply, rewrite_mask_constant),
+    Rule("attention_mask_where", mask_where, rewrite_mask_constant),
 ]
 
 

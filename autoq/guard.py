@@ -7,6 +7,9 @@ that on all-MiniLM-L6-v2: output cosine 0.34). Such a slot is not a calibration 
 a layer that must stay fp32. :func:`unbounded_slots` finds them with a short fp32 run before
 calibration; :func:`layers_using` names the layers to keep in fp32; ``autoq.quantize`` does
 both when ``Config.skip_unbounded`` is on (the default) and says which layers it kept.
+Masks the graph builds from a ``finfo.min`` constant never get here: canonicalization
+rewrites that constant to a quantizable one (:mod:`autoq.attention_mask`); the guard still
+catches sentinels that arrive as model inputs (a precomputed additive mask) or NaN/inf.
 """
 
 from __future__ import annotations
