@@ -26,6 +26,7 @@ from .qparams import QParam, QParams, load_qparams
 from .realize import realize
 from .report import Report
 from .simulate import SimResult, simulate
+from .tune import tune
 
 __version__ = "0.1.0"
 
@@ -62,4 +63,5 @@ __all__ = [
     "realize",
     "set_threads",
     "simulate",
+    "tune",
 ]

@@ -80,6 +80,21 @@ def _consts(n: int) -> list[DFPattern]:
     return [is_const() for _ in range(n)]
 
 
+def _requantize(x: DFPattern) -> DFPattern:
+    """``qnn.requantize`` with constant qparams, and with the constant int32 multiplier and
+    shift that integer rounding modes carry (``autoq.qnn.with_multipliers``)."""
+    return _qnn("requantize", x, *_consts(4)) | _qnn("requantize", x, *_consts(6))
+
+
+def _standalone_requantize(tail: str) -> Callable:
+    def build():
+        data = wildcard()
+        root = _clip_tail(_requantize(data), tail)
+        return root, {"data": data, "root": root}
+
+    return build
+
+
 def _clip_tail(x: DFPattern, tail: str) -> DFPattern:
     """relu/clip on the int8 grid (``autoq.allow_list``): maximum(q, zp), minimum(q, hi),
     maximum(minimum(q, hi), lo)."""
@@ -120,12 +135,12 @@ def _accumulating(core: str, bias: bool, residual: bool, end: str, tail: str) ->
             named["bias"] = b
         if residual:
             r = wildcard()
-            acc = is_op("relax.add")(acc, _qnn("requantize", r, *_consts(4)))
+            acc = is_op("relax.add")(acc, _requantize(r))
             named["residual"] = r
         if end == "dequantize":
             root = _qnn("dequantize", acc, *_consts(2))
         else:
-            root = _clip_tail(_qnn("requantize", acc, *_consts(4)), tail)
+            root = _clip_tail(_requantize(acc), tail)
         named["root"] = root
         return root, named
 
@@ -246,7 +261,7 @@ def _shapes() -> list[LayerShape]:
         out.append(
             LayerShape(
                 f"requantize{suffix}",
-                _single("qnn.requantize", 4, tail),
+                _standalone_requantize(tail),
                 doc="qnn.requantize int8 -> int8 (concat inputs, merged dequantize/quantize)"
                 + _tail_doc(tail),
             )

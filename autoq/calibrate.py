@@ -363,7 +363,9 @@ def run_plan(
                 chosen[sid] = (qp.scale, qp.zero_point)
                 if health is not None:
                     check = HealthCheck(qp)
-                    health[sid] = _merged([r.observer(sid, check) for r in runners]).compute()
+                    health[sid] = _merged([r.observer(sid, check) for r in runners]).compute(
+                        specs[sid]
+                    )
             tables = {
                 layer: sim.table(layer, result)
                 for layer, (_, out_sid, _) in sim.plan.tables.items()

@@ -30,6 +30,8 @@ class UserError(Exception):
 CLI_FIXES = (
     (r"[Pp]ass input_shapes=\{[^}]*\}", "pass --input-shape NAME=DIMS for each input"),
     (r"input_shapes=", "--input-shape "),
+    (r"input_shapes\[('[^']*')\]", r"--input-shape \1"),
+    (r"input_shapes (gives|names)", r"--input-shape \1"),
     (r"[Pp]ass optimize=False", "pass --no-onnx-optimize"),
     (r"\(optimize=False\)", "(--no-onnx-optimize)"),
     (r"try optimize=True", "try without --no-onnx-optimize"),

@@ -295,6 +295,7 @@ class Config(JsonDocument):
     spill to ``cache_dir`` or a temporary directory). ``progress``: show tqdm bars.
     ``skip_unbounded``: ``autoq.quantize`` keeps in fp32 the layers whose activations hold
     inf-like sentinels such as attention masks of ``finfo.min`` (see :mod:`autoq.guard`).
+    ``check_scales``: layers whose activation scale cannot represent its data go fp32 (:mod:`autoq.scale_health`).
     ``distributed``: calibrate on a Dask cluster (:class:`Distributed`); None (default):
     in this process, without importing Dask.
     ``int8_outputs``: the model's outputs also leave the integer graph as int8 (an exit slot,
@@ -327,6 +328,7 @@ class Config(JsonDocument):
     cache_dir: str | None = None
     progress: bool = True
     skip_unbounded: bool = True
+    check_scales: bool = True
     int8_outputs: bool = False
     distributed: Distributed | None = None
     weight_rounding: str = "nearest"
@@ -364,9 +366,8 @@ class Config(JsonDocument):
             raise ValueError(
                 f"Config.weight_rounding must be one of {', '.join(WEIGHT_ROUNDINGS)}, got {self.weight_rounding!r}"
             )
-        for name in (
-            "progress", "skip_unbounded", "int8_outputs", "bias_correction", "scale_search"
-        ):  # fmt: skip
+        for name in ("progress", "skip_unbounded", "check_scales", "int8_outputs",
+                     "bias_correction", "scale_search"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         if self.distributed is not None and not isinstance(self.distributed, Distributed):
@@ -410,6 +411,7 @@ class Config(JsonDocument):
             "cache_dir": self.cache_dir,
             "progress": self.progress,
             "skip_unbounded": self.skip_unbounded,
+            "check_scales": self.check_scales,
             "int8_outputs": self.int8_outputs,
             "distributed": None if self.distributed is None else self.distributed.to_json(),
             "weight_rounding": self.weight_rounding,

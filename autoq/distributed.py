@@ -251,19 +251,20 @@ def calibrate_distributed(
         for v in sim.graph.inputs
     ]
     t1 = time.perf_counter()
+    health: dict = {}  # the scale health of the activation slots (topological mode)
     with ShardSet(client, specs, dataset, config, shards) as shard_set:
         stats["load_s"] = time.perf_counter() - t1
         stats["shards"] = shard_set.count
         if config.calibration == "fp32":
             acts = _fp32(sim, shard_set, target, stats)
         else:
-            acts = _topological(sim, shard_set, result, config, target, stats)
+            acts = _topological(sim, shard_set, result, config, target, stats, health)
         for i, d in enumerate(shard_set.info()):
             stats[f"shard{i}_peak_rss_mb"] = d["peak_rss_mb"]
         n = sum(shard_set.counts)
     stats["total_s"] = time.perf_counter() - t0
     result.update(acts)
-    return make_qparams(sim, result, config, n, stats)
+    return make_qparams(sim, result, config, n, stats, health)
 
 
 class AnalysisFanOut:
@@ -328,7 +329,7 @@ def report_distributed(analysis, mod, params, dataset, client, shards: int | Non
         return fan_out(analysis)[0]
 
 
-def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats) -> dict:
+def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats, health) -> dict:
     plan, functions = build_plan(sim)
     t0 = time.perf_counter()
     lib = library_bytes(functions, target, sim.mod)
@@ -339,7 +340,7 @@ def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats) -> 
     stats["start_s"] = time.perf_counter() - t0
     remotes = shard_set.remotes()
     t0 = time.perf_counter()
-    result = run_plan(plan, remotes, sim.plan.specs, config, sim)
+    result = run_plan(plan, remotes, sim.plan.specs, config, sim, health)
     for r in remotes:
         r.wait()
     stats["run_plan_s"] = time.perf_counter() - t0

@@ -4,12 +4,16 @@ the demo, the benchmarks) runs :class:`Quantizer`.
 ``Quantizer(config).run(mod, params, dataset)`` does, in order:
 
 1. **match** the patterns once (:func:`autoq.matching.match`); every later stage reuses it;
+   a NaN/Inf weight is an error naming it (:func:`check_weights`);
 2. read the **dataset** once into one validated, repeatable view
-   (:func:`autoq.dataset.as_dataset`) that every stage iterates;
+   (:func:`autoq.dataset.as_dataset`) that every stage iterates (integer inputs checked
+   against the tables they index);
 3. the **unbounded-activation guard** (``Config.skip_unbounded``): layers touching attention
    masks of ``finfo.min`` stay fp32, with a warning (:mod:`autoq.guard`);
 4. **calibrate** (:mod:`autoq.calibrate`), or with ``Config(fallback=AutoFallback(...))``
-   calibrate + analyze + search (:mod:`autoq.auto_fallback`);
+   calibrate + analyze + search (:mod:`autoq.auto_fallback`); while a chosen activation
+   scale cannot represent its own data (``Config.check_scales``, :mod:`autoq.scale_health`)
+   the layers using it move to fp32, with a warning, and calibration runs again;
 5. **realize** the int8 module (:mod:`autoq.realize`);
 6. optionally the per-layer **report** (:mod:`autoq.analysis`).
 
@@ -218,7 +222,7 @@ class Quantizer:
             if sim is None:
                 sim = simulate(matched, None, _fixed(config))
             qparams = self._calibrate(sim, samples, _fixed(config), client)
-            bad = qparams.meta.get("scale_problems", {})
+            bad = qparams.meta.get("scale_problems", {}) if config.check_scales else {}
             layers = [x for x in layers_using(sim, bad) if x not in config.fallback.ids]
             if not layers:
                 return config, qparams, moved
@@ -226,7 +230,8 @@ class Quantizer:
                 f"keeping {len(layers)} layer(s) in fp32 because a chosen int8 scale cannot "
                 f"represent their calibration data: {', '.join(layers)}; "
                 + "; ".join(f"slot {s}: {why}" for s, why in bad.items())
-                + ". An extreme value in one sample? Remove it or use a percentile calibrator.",
+                + ". An extreme value in one sample? Remove it or use a percentile calibrator "
+                "(Config(check_scales=False) quantizes them anyway).",
                 stacklevel=4,
             )
             fb = config.fallback

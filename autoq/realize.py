@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import tvm
 from tvm import relax
+from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
 from . import primitives as P
 from . import qnn
@@ -48,7 +49,7 @@ from .toolkit import (
     with_main,
 )
 
-__all__ = ["RealizeContext", "finish_module", "propagate", "realize"]
+__all__ = ["RealizeContext", "explicit_multipliers", "finish_module", "propagate", "realize"]
 
 
 class RealQ:
@@ -417,7 +418,15 @@ def realize(
     ctx = RealizeContext(g, config, qparams, matches, rounding_points, exit_map)
     func = build_function(g, ctx, matches, "realize")
     out = propagate(with_main(g.module, func), config.rounding)
-    return finish_module(g, out["main"])
+    return finish_module(g, explicit_multipliers(out["main"]))
+
+
+def explicit_multipliers(func: relax.Function) -> relax.Function:
+    """Every integer-rounding ``qnn.requantize`` with constant scales gets its int32
+    multiplier and shift as constant arguments (:func:`autoq.qnn.with_multipliers`), so a
+    backend reads them off the op; float-rounding requantizes are unchanged."""
+    pattern = is_op("qnn.requantize")(*[wildcard() for _ in range(5)])
+    return rewrite_call(pattern, lambda call, _: qnn.with_multipliers(call), func)
 
 
 def finish_module(g: Graph, func: relax.Function) -> tvm.IRModule:

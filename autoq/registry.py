@@ -53,6 +53,9 @@ class Pattern:
     #: the realized result is already int8 (own output qparams, e.g. qnn.add); otherwise it
     #: is an int32 accumulator and gets an exit slot where a float op reads it (autoq.exits)
     int8_output: bool = False
+    #: used when ``Config.patterns`` is None; an opt-in pattern (False) runs only when
+    #: ``Config.patterns`` names it
+    default: bool = True
     #: ``dynamic(ctx, match)``: the realized form with run-time activation qparams
     #: (``Config(activation=QuantSpec(dynamic=True))``, :mod:`autoq.dynamic`); None: the
     #: pattern needs static qparams and stays fp32 in that mode
@@ -105,11 +108,13 @@ def load_patterns() -> None:
 
 
 def ordered_patterns(config: Config | None = None) -> list[Pattern]:
-    """The registered patterns ``config.patterns`` selects, in the order matching tries
-    them: descending priority, then name."""
+    """The registered patterns ``config.patterns`` selects (None: every default pattern),
+    in the order matching tries them: descending priority, then name."""
     load_patterns()
     pats = list(PATTERNS.values())
-    if config is not None and config.patterns is not None:
+    if config is None or config.patterns is None:
+        pats = [p for p in pats if p.default]
+    else:
         unknown = sorted(set(config.patterns) - set(PATTERNS))
         if unknown:
             raise ValueError(f"unknown patterns {unknown}; registered: {sorted(PATTERNS)}")

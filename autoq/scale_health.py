@@ -19,6 +19,11 @@ Worked example (int8, scale 1, zero point 0; values 0, 0.2, 3, 200)::
     >>> h = obs.compute(None)
     >>> h.count, h.nonzero, h.collapsed, h.clipped
     (4, 3, 1, 1)
+    >>> other = HealthObserver(1.0, 0, -128, 127)
+    >>> other.update(np.array([0.4]))
+    >>> obs.merge(other)  # shards merge exactly
+    >>> obs.compute().collapsed, obs.compute().count
+    (2, 5)
 
 (0.2 rounds to the zero point; 200 lies beyond 127.)
 """
@@ -96,8 +101,15 @@ class HealthObserver:
         self.hi = max(self.hi, float(x.max()))
 
     def merge(self, other: HealthObserver) -> None:
-        self.counts += other.counts
-        self.lo, self.hi = min(self.lo, other.lo), max(self.hi, other.hi)
+        self.merge_state(other.state())
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {"counts": self.counts.copy(), "range": np.array([self.lo, self.hi])}
+
+    def merge_state(self, state: dict[str, np.ndarray]) -> None:
+        self.counts += np.asarray(state["counts"], np.int64)
+        lo, hi = (float(v) for v in state["range"])
+        self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
 
     def compute(self, spec=None) -> SlotHealth:
         n, nz, col, clip = (int(v) for v in self.counts)

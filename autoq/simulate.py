@@ -249,8 +249,9 @@ class SimContext:
             self._acts[f"{sid}@{self.layer}"] = handle
         return handle
 
-    def weight(self, expr, axis: int) -> _LazyQ:
-        """The quantized version of the layer's weight; ``axis`` is its output-channel axis."""
+    def weight(self, expr, axis: int | None) -> _LazyQ:
+        """The quantized version of the layer's weight; ``axis`` is its output-channel axis
+        (None: always per tensor, e.g. the constant operand of an elementwise op)."""
         ref: WeightRef | None = self.g.weight_of(expr)
         if ref is None:
             raise ValueError(f"{self.layer}: operand {expr} is not a weight")
@@ -258,7 +259,7 @@ class SimContext:
         self._uses(sid)
         spec = self.spec("weight", self.layer)
         arr = np.asarray(ref.array, dtype=np.float32)
-        ax = axis % arr.ndim if spec.per_channel else None
+        ax = axis % arr.ndim if spec.per_channel and axis is not None else None
         length = arr.shape[ax] if ax is not None else None
         s, z = self._new_slot(
             sid, "weight", spec, arr.shape, ax, length, arr.shape, self.match.pattern.name

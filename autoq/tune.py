@@ -39,6 +39,8 @@ from pathlib import Path
 import tvm
 
 from .build import default_target
+from .cpu.injective import KERNEL_ATTR
+from .cpu.lowering import lower_to_cpu_kernels
 from .cpu_pipeline import fused
 from .json_document import JsonDocument
 from .tuning_database import open_database
@@ -171,6 +173,16 @@ def build_candidate(mod: tvm.IRModule, target, _params=None):
     return tvm_build(mod, target=target)
 
 
+def _check_args(trials, database, cost_model) -> None:
+    if database is None:
+        raise ValueError("autoq.tune needs database=FOLDER (where the tuning records are kept)")
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be a positive int, got {trials!r}")
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
+    _check_deps()
+
+
 def _check_deps() -> None:
     import importlib.util
 
@@ -261,12 +273,24 @@ def _contexts(tasks, strategy, seed: int | None) -> list:
     ]
 
 
+def _scheduled(mod: tvm.IRModule) -> bool:
+    """A task MetaSchedule must not touch: already scheduled, or one of autoq's packed
+    kernels (fixed, tensorized schedules: :mod:`autoq.cpu`)."""
+    if mod.attrs is not None and mod.attrs.get("tirx.is_scheduled", False):
+        return True
+    for _, f in mod.functions_items():
+        attrs = f.attrs or {}
+        if attrs.get("tirx.is_scheduled", False) or KERNEL_ATTR in attrs:
+            return True
+    return False
+
+
 def _pending_tasks(mod, target, database):
     """(all extracted tasks, those without a record in ``database``)."""
     from tvm.s_tir import meta_schedule as ms
 
     tasks = ms.relax_integration.extract_tasks(mod, target, module_equality="anchor-block")
-    tasks = [t for t in tasks if not t.mod.attrs.get("tirx.is_scheduled", False)]
+    tasks = [t for t in tasks if not _scheduled(t.dispatched[0])]
     pending = [
         t
         for t in tasks
@@ -286,6 +310,7 @@ def tune(
     progress: bool = True,
     seed: int | None = None,
     cost_model: str = "xgb",
+    cpu_kernels: bool = True,
 ) -> TuneResult:
     """Tune the kernels of ``qmod`` into the JSON database in folder ``database``.
 
@@ -295,24 +320,22 @@ def tune(
     of this machine. ``cost_model``: "xgb" (learned, the default) or "random" (no training:
     for tiny budgets). The search population grows with the per-kernel budget (64..512
     candidates), so small budgets do not pay for a full-size search. Kernels already in
-    the database are not tuned again. Returns what was
+    the database are not tuned again. ``cpu_kernels``: as in :func:`autoq.compile` (True:
+    the int8 convs/matmuls run on autoq's packed kernels, which keep their fixed schedules,
+    and the rest of the module is tuned; compile with the same value). Returns what was
     done (:class:`TuneResult`); compile with ``autoq.compile(qmod, target,
     database=database)``. Raises :class:`TuningError` when every trial failed."""
     from tvm.s_tir import meta_schedule as ms
 
-    if database is None:
-        raise ValueError("autoq.tune needs database=FOLDER (where the tuning records are kept)")
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-        raise ValueError(f"trials must be a positive int, got {trials!r}")
-    if cost_model not in COST_MODELS:
-        raise ValueError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
-    _check_deps()
+    _check_args(trials, database, cost_model)
     t0 = time.perf_counter()
     target = tuning_target(target)
     if target_has_vnni(target):
         register_vnni()
     folder = Path(database)
     db = open_database(folder)
+    if cpu_kernels:
+        qmod = lower_to_cpu_kernels(qmod, target)
     tasks, pending = _pending_tasks(fused(qmod, target), target, db)
     result = TuneResult(folder, len(tasks), len(tasks) - len(pending), 0, 0, 0.0)
     if not pending:

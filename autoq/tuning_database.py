@@ -62,15 +62,27 @@ def _register_if_used(folder: Path) -> None:
         register_vnni()  # records replay the VNNI tensorization
 
 
-def tuned_kernels(mod: tvm.IRModule, target, folder: str | Path) -> tuple[list[str], list[str]]:
-    """(kernels of ``mod`` that the database in ``folder`` has a schedule for, all kernels)
-    after fusion, by PrimFunc name."""
+def tuned_kernels(
+    mod: tvm.IRModule, target, folder: str | Path, cpu_kernels: bool = True
+) -> tuple[list[str], list[str]]:
+    """(kernels of ``mod`` that the database in ``folder`` has a schedule for, all the
+    kernels tuning may schedule) after fusion, by PrimFunc name; ``cpu_kernels`` as in
+    :func:`autoq.compile` (autoq's packed kernels keep their own schedules: not listed)."""
+    from .cpu.injective import KERNEL_ATTR
+    from .cpu.lowering import lower_to_cpu_kernels
+
+    if cpu_kernels:
+        mod = lower_to_cpu_kernels(mod, target)
     folder = Path(folder)
     database = open_database(folder, create=False)
     _register_if_used(folder)
     with target, database:
         mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(fused(mod, target))
-    kernels = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    kernels = [
+        gv.name_hint
+        for gv, f in mod.functions_items()
+        if isinstance(f, tvm.tirx.PrimFunc) and KERNEL_ATTR not in (f.attrs or {})
+    ]
     done = [n for n in kernels if mod[n].attrs and mod[n].attrs.get("tirx.is_scheduled", False)]
     return sorted(done), sorted(kernels)
 
@@ -84,6 +96,22 @@ def pipeline_with_database(target, folder: str | Path):
 
     def apply(mod: tvm.IRModule) -> tvm.IRModule:
         with database:
-            return relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+            mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+        return _schedule_rest(mod)
 
     return cpu_pipeline(target, apply)
+
+
+def _schedule_rest(mod: tvm.IRModule) -> tvm.IRModule:
+    """The kernels the database did not schedule get the default pipeline's cheap schedule
+    (:func:`autoq.cpu.injective.schedule_fused`); autoq's packed kernels keep theirs."""
+    from .cpu.injective import KERNEL_ATTR, schedule_fused
+
+    for gv, f in list(mod.functions_items()):
+        if not isinstance(f, tvm.tirx.PrimFunc):
+            continue
+        attrs = f.attrs or {}
+        if attrs.get("tirx.is_scheduled", False) or KERNEL_ATTR in attrs:
+            continue
+        mod[gv] = schedule_fused(f)
+    return mod

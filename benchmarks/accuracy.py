@@ -265,9 +265,18 @@ def quantize_row(name, mod, params, calib, evals, ref, config, note="") -> Row:
     secs = time.perf_counter() - t0
     t = res.timings
     cost = f"calibrate {t.get('calibrate', 0):.1f} s"
-    if "calibrate.weight_tuning" in t:
-        cost += f" (of which weight tuning {t['calibrate.weight_tuning']:.1f} s)"
+    cost += tuning_cost(res)
     return Row(name, agreement(ref, run_tvm(res.module, evals)), secs, f"{note}; {cost}")
+
+
+def tuning_cost(res) -> str:
+    """The weight-tuning time, also as a multiple of one pass of the simulated graph over
+    the calibration samples (the segments' run time)."""
+    t = res.timings.get("calibrate.weight_tuning")
+    if t is None:
+        return ""
+    run = res.qparams.meta.get("stats", {}).get("run_s") or float("nan")
+    return f" (weight tuning {t:.1f} s = {t / run:.2f} calibration passes)"
 
 
 def _int16(per_channel: bool):

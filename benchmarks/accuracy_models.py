@@ -46,8 +46,7 @@ def main(argv=None) -> None:
         f = common.fidelity(info.kind, ref, [runner.run(s) for s in evals])
         t = res.timings
         cost = f"calibrate {t.get('calibrate', 0):.1f} s"
-        if "calibrate.weight_tuning" in t:
-            cost += f" (weight tuning {t['calibrate.weight_tuning']:.1f} s)"
+        cost += A.tuning_cost(res)
         rows.append([name, *common.format_fidelity(f), f"{secs:.0f}", f"{note}; {cost}"])
         print(f"  {name}: {f}", flush=True)
     print()

@@ -3,13 +3,14 @@ autoq's generic lowering and ONNX Runtime, on ResNet-50 (open_nsfw) and on singl
 
 Rows (median latency in ms, 1 thread and 2 threads, measured in this run):
 
-* ResNet-50: ONNX Runtime fp32 and int8 (``quantize_static`` QDQ, per-channel int8 weights,
+* ResNet-50 (and ``--models ppocr_det,minilm``): ONNX Runtime fp32 and int8 (``quantize_static`` QDQ, per-channel int8 weights,
   uint8 activations = u8s8, MinMax, graph optimizations on), autoq int8 (mse calibration)
   with and without the kernels (the two must agree bit for bit), and the ratio to ORT int8;
 * single ops: conv 3x3 256->256 14x14 (autoq ``qnn.conv2d`` vs ORT ``QLinearConv`` u8s8) and
   GEMM 196x2304x256 (autoq ``qnn.dense`` vs ORT ``MatMulInteger`` u8s8).
 
 Run:  .venv/bin/python benchmarks/int8_kernels.py [--calib 16] [--repeats 20] [--skip-model]
+      [--models resnet50,ppocr_det,minilm]
 Numbers only: nothing here asserts a timing.
 """
 
@@ -61,13 +62,13 @@ def _print_table(title, rows, ref_name):
 # ------------------------------------------------------------------------------ ResNet-50
 
 
-def bench_resnet50(calib_n: int, repeats: int, log) -> None:
+def bench_model(name: str, calib_n: int, repeats: int, log) -> None:
     import tvm
     from tvm import relax
 
     import autoq
 
-    info = common.find_model("resnet50")
+    info = common.find_model(name)
     calib = common.make_dataset(info, "calib", calib_n)
     sample = common.make_dataset(info, "eval", 2)[0]
     target = autoq.default_target()
@@ -85,7 +86,7 @@ def bench_resnet50(calib_n: int, repeats: int, log) -> None:
             log(f"compile cpu_kernels={use}: {time.perf_counter() - t0:.1f} s")
         names = [p.name for p in qmod["main"].params]
         args = [tvm.runtime.tensor(sample[n]) for n in names]
-        same = np.array_equal(vms[True]["main"](*args).numpy(), vms[False]["main"](*args).numpy())
+        same = np.array_equal(_first(vms[True]["main"](*args)), _first(vms[False]["main"](*args)))
         log(f"autoq int8 outputs with and without kernels identical: {same}")
         times = {}
         for t in THREADS:
@@ -99,7 +100,12 @@ def bench_resnet50(calib_n: int, repeats: int, log) -> None:
             )
     ref = times["ORT int8 u8s8"]
     rows = [_row(name, v, ref) for name, v in times.items()]
-    _print_table(f"ResNet-50 (open_nsfw), batch 1, target mcpu={target.mcpu}", rows, "ORT int8")
+    title = common.MODEL_TITLES.get(name, name)
+    _print_table(f"{title}, batch 1, target mcpu={target.mcpu}", rows, "ORT int8")
+
+
+def _first(out) -> np.ndarray:
+    return out.numpy() if hasattr(out, "numpy") else out[0].numpy()
 
 
 # ------------------------------------------------------------------------------- single ops
@@ -225,6 +231,9 @@ def main(argv=None) -> int:
     p.add_argument("--calib", type=int, default=16, help="calibration samples (ResNet-50)")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per row (median)")
     p.add_argument("--skip-model", action="store_true", help="single ops only")
+    p.add_argument(
+        "--models", default="resnet50", help=f"comma-separated, of {','.join(common.MODEL_NAMES)}"
+    )
     args = p.parse_args(argv)
 
     def log(msg):
@@ -240,7 +249,8 @@ def main(argv=None) -> int:
     print(f"\ntarget mcpu={target.mcpu}, kernel ISA: {isa.name if isa else 'none (generic)'}")
     bench_ops(args.repeats)
     if not args.skip_model:
-        bench_resnet50(args.calib, args.repeats, log)
+        for name in args.models.split(","):
+            bench_model(name, args.calib, args.repeats, log)
     return 0
 
 

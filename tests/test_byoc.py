@@ -135,3 +135,46 @@ def test_pattern_table_names_and_errors():
         autoq.byoc.pattern_table("npu", ["conv3d"])
     with pytest.raises(ValueError, match="prefix"):
         autoq.byoc.pattern_table("a.b")
+
+
+def test_integer_rounding_puts_multiplier_and_shift_on_every_requantize():
+    """Config(rounding="half_even"): each qnn.requantize carries the int32 multiplier and
+    shift (m * 2**(shift - 31) ~= s_in / s_out) as constant arguments; the module computes
+    what the same ops without them compute (the legalization derives them from the scales),
+    and the pattern table still partitions the whole network into one region."""
+    from autoq import primitives as P
+    from autoq.toolkit import bindings, const_array
+
+    torch, net = torch_cnn()
+    mod, params = autoq.from_torch(net, (torch.zeros(SHAPE),))
+    config = autoq.Config(progress=False, rounding="half_even")
+    real = autoq.quantize(mod, params, _samples(4, 0), config)
+    calls = [
+        v
+        for _, v in bindings(real["main"])
+        if getattr(v, "op", None) == tvm.ir.Op.get("qnn.requantize")
+    ]
+    assert calls and all(len(c.args) == 7 for c in calls)
+    for c in calls:
+        s_in, s_out = const_array(c.args[1]), const_array(c.args[3])
+        m, sh = P.quantize_multiplier(s_in.astype(np.float64) / s_out.astype(np.float64))
+        np.testing.assert_array_equal(const_array(c.args[5]), m)
+        np.testing.assert_array_equal(const_array(c.args[6]), sh)
+
+    stripped = tvm.IRModule({"main": _strip_multipliers(real["main"])})
+    x = _samples(2, 9)
+    a_ex, b_ex = tvm.compile(real, TARGET), tvm.compile(stripped, TARGET)
+    for xi in x:
+        np.testing.assert_array_equal(_run(a_ex, xi), _run(b_ex, xi))
+    assert npu_backend.host_ops(npu_backend.partition(real)) == {"regions": 1}
+
+
+def _strip_multipliers(func):
+    from tvm.relax.dpl import is_op, rewrite_call, wildcard
+
+    pattern = is_op("qnn.requantize")(*[wildcard() for _ in range(7)])
+
+    def strip(call, _):
+        return tvm.ir.Call(call.op, list(call.args[:5]), call.attrs, list(call.ty_args))
+
+    return rewrite_call(pattern, strip, func)

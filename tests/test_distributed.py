@@ -241,3 +241,17 @@ def test_killed_worker_is_reported_with_its_shard(client, model):
     client.run(_arm, workers=[victim])
     with pytest.raises(ShardLostError, match=r"shard 2/2 \(samples 1, 3, \.\.\..*lost"):
         calibrate_distributed(sim, data, cfg, TARGET, client)
+
+
+def test_scale_health_merges_across_shards(client, model):
+    """An extreme value in the last shard's last sample: the distributed calibration finds
+    the same unusable scales (autoq.scale_health) as the in-process one."""
+    mod, params, data = model
+    data = [x.copy() for x in data]
+    data[-1][0, 0, 0, 0] = 1e30
+    cfg = config("max")
+    sim = simulate(mod, params, cfg)
+    want = calibrate(sim, params, data, cfg, target=TARGET)
+    got = calibrate_distributed(sim, data, cfg, TARGET, client, shards=2)
+    assert want.meta["scale_problems"] and "x" in want.meta["scale_problems"]
+    assert got.meta["scale_problems"] == want.meta["scale_problems"]

@@ -284,3 +284,24 @@ def test_exported_program_imports_like_its_module(data):
     for k in qparams:
         np.testing.assert_array_equal(qp2[k].scale, qparams[k].scale)
     assert all(np.array_equal(qp2.values[k], v) for k, v in qparams.values.items())
+
+
+def test_weights_quantized_in_the_graph_are_folded_to_the_same_integers(data):
+    """``convert_pt2e(fold_quantize=False)`` keeps float weights behind
+    ``quantize_per_channel``: the import quantizes them once, to the integers the default
+    (folded) conversion stores."""
+    from pt2e_models import quantizer
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    _, (_, folded, _) = _imported("resnet", "x86", data)
+    calib, test = data
+    exported = torch.export.export(make_model("resnet"), (torch.from_numpy(calib[:1]),))
+    prepared = prepare_pt2e(exported.module(), quantizer("x86"))
+    with torch.no_grad():
+        for i in range(len(calib)):
+            prepared(torch.from_numpy(calib[i : i + 1]))
+    gm = convert_pt2e(prepared, fold_quantize=False)
+    assert any(n.target == _QD.quantize_per_channel.default for n in gm.graph.nodes)
+    _, qp, _ = autoq.import_quantized(gm, example_inputs=(torch.from_numpy(test[:1]),))
+    weights = [k for k in folded.values if k.endswith(".weight")]
+    assert weights and all(np.array_equal(qp.values[k], folded.values[k]) for k in weights)

@@ -98,3 +98,44 @@ def test_signal_during_calibration_cleans_up(tmp_path, sig, code):
     assert "Traceback" not in err
     assert list(spill.iterdir()) == []
     assert sorted(x.name for x in tmp_path.iterdir()) == ["calib.npz", "spill", "tiny.onnx"]
+
+
+_KILLED_WHILE_WRITING = textwrap.dedent("""
+    import sys, time
+    from autoq import cli
+    write = cli._write
+    def write_then_wait(out, *a, **k):
+        files = write(out, *a, **k)
+        print("staged", flush=True)
+        time.sleep(120)
+        return files
+    cli._write = write_then_wait
+    sys.exit(cli.main(sys.argv[1:]))
+""")
+
+
+def test_kill_while_writing_leaves_the_old_result(tmp_path, capsys):
+    """SIGKILL after the new files are staged: --out still holds the old result, whole;
+    the next run removes the killed run's staging folder."""
+    from test_cli import run
+
+    model = tiny_onnx(tmp_path / "tiny.onnx")
+    np.savez(
+        tmp_path / "calib.npz", x=np.random.default_rng(0).normal(size=(3, 3, 8, 8)).astype("f4")
+    )
+    out = tmp_path / "out"
+    args = ["quantize", str(model), "--calib", str(tmp_path / "calib.npz"), "--out", str(out),
+            "--target", TARGET, "--no-progress"]  # fmt: skip
+    assert run(capsys, *args)[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    p = subprocess.Popen([sys.executable, "-c", _KILLED_WHILE_WRITING, *args, "--samples", "2"],
+                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    for line in p.stdout:
+        if line.strip() == "staged":
+            break
+    p.kill()
+    p.wait()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [x for x in tmp_path.iterdir() if "autoq-tmp" in x.name]  # the killed run's
+    assert run(capsys, *args)[0] == 0
+    assert [x for x in tmp_path.iterdir() if "autoq-tmp" in x.name] == []

@@ -92,3 +92,23 @@ def test_hand_edited_tiny_scale_is_refused():
     autoq.check_scales(MOD, PARAMS, qp, SAMPLES, target=TARGET)  # the calibrated ones fit
     with pytest.raises(CalibrationError, match=r"slot 'relu_0': \d+% of its values fall outside"):
         autoq.check_scales(MOD, PARAMS, edited, SAMPLES, target=TARGET)
+
+
+def test_worked_examples():
+    import doctest
+
+    from autoq import scale_health
+
+    assert doctest.testmod(scale_health).failed == 0
+
+
+def test_check_can_be_turned_off():
+    """Config(check_scales=False): the old behaviour, the useless scale is kept (output all
+    zeros), and the configuration round-trips through JSON."""
+    data = [x.copy() for x in SAMPLES]
+    data[9][0, 3] = 1e30
+    cfg = autoq.Config(progress=False, check_scales=False)
+    assert autoq.Config.loads(cfg.dumps()) == cfg
+    r = autoq.Quantizer(cfg, target=TARGET).run(MOD, PARAMS, data)
+    assert not r.fp32_layers
+    assert np.all(_outputs(r.module) == 0)

@@ -48,8 +48,10 @@ def one_conv():
     return q, image_data((1, 4, 8, 8), 9, 2)
 
 
-def outputs(qmod, samples, database=None):
-    vm = relax.VirtualMachine(autoq.compile(qmod, database=database), tvm.cpu())
+def outputs(qmod, samples, database=None, cpu_kernels=False):
+    vm = relax.VirtualMachine(
+        autoq.compile(qmod, database=database, cpu_kernels=cpu_kernels), tvm.cpu()
+    )
     return [vm["main"](tvm.runtime.tensor(x)).numpy() for x in samples]
 
 
@@ -84,18 +86,29 @@ def test_bad_arguments_name_the_option(tmp_path):
         autoq.compile(q, database=tmp_path / "missing")
 
 
+@pytest.mark.tuning
 @needs_tune_deps
 def test_tune_writes_a_database_that_compiles_reuse(tmp_path):
     qmod, samples = one_conv()
     folder = tmp_path / "tuning"
-    r = tune(qmod, trials=2, trials_per_task=1, database=folder, cost_model="random", seed=0)
+    r = tune(
+        qmod, trials=2, trials_per_task=1, database=folder, cost_model="random", seed=0,
+        cpu_kernels=False,
+    )  # fmt: skip
     assert (r.tasks, r.reused, r.trials, r.failed) == (2, 0, 2, 0), r
     assert (folder / WORKLOAD_FILE).is_file() and (folder / RECORD_FILE).is_file()
     check_tuned(qmod, samples, folder)
     # the same shapes again: nothing left to tune, no trial measured
-    again = tune(qmod, trials=8, database=folder, cost_model="random")
+    again = tune(qmod, trials=8, database=folder, cost_model="random", cpu_kernels=False)
     assert (again.tasks, again.reused, again.trials) == (2, 2, 0), again
     assert "no new trials" in again.summary()
+    # with autoq's CPU kernels (the default) the conv keeps its own schedule: not a task
+    kern = tune(qmod, trials=2, trials_per_task=1, database=folder, cost_model="random")
+    assert kern.tasks < r.tasks, (kern, r)
+    for got, ref in zip(
+        outputs(qmod, samples, folder, cpu_kernels=True), outputs(qmod, samples), strict=True
+    ):
+        assert np.array_equal(got, ref)
 
 
 def _free_port() -> int:
@@ -165,6 +178,7 @@ def rpc_tracker(tmp_path):
                 p.kill()
 
 
+@pytest.mark.tuning
 @needs_tune_deps
 @needs_tornado
 def test_tune_measures_through_an_rpc_tracker(tmp_path, rpc_tracker):
@@ -178,17 +192,19 @@ def test_tune_measures_through_an_rpc_tracker(tmp_path, rpc_tracker):
         rpc=rpc_tracker,
         cost_model="random",
         seed=0,
+        cpu_kernels=False,
     )
     assert (r.tasks, r.trials, r.failed) == (2, 2, 0), r
     check_tuned(qmod, samples, folder)
 
 
+@pytest.mark.tuning
 def test_all_failed_trials_raise(tmp_path, monkeypatch):
     """A tuning run whose every candidate fails raises with the error (MetaSchedule itself
     would return an untuned database silently)."""
     if any(importlib.util.find_spec(m) is None for m in TUNE_DEPS):
         pytest.skip("autoq.tune needs psutil, xgboost, cloudpickle")
-    from autoq import tune as tune_module
+    tune_module = importlib.import_module("autoq.tune")
 
     def broken_build(mod, target, _params=None):
         raise RuntimeError("compiler exploded")
@@ -197,3 +213,51 @@ def test_all_failed_trials_raise(tmp_path, monkeypatch):
     qmod, _ = one_conv()
     with pytest.raises(TuningError, match="compiler exploded"):
         tune(qmod, trials=1, trials_per_task=1, database=tmp_path, cost_model="random")
+
+
+def _cpu_has_vnni() -> bool:
+    try:
+        return "avx512_vnni" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+@pytest.mark.tuning
+@pytest.mark.skipif(not _cpu_has_vnni(), reason="this CPU has no AVX-512 VNNI (vpdpbusd)")
+def test_vnni_intrinsic_compiles_and_matches_numpy():
+    """TVM's stock dot_16x4_vnni does not compile with the wheel's LLVM 22; ours does and
+    gives the exact u8 x s8 -> s32 dot products."""
+    from tvm.script import tirx as T
+
+    from autoq.x86_intrinsics import VNNI_INTRIN, register_vnni, target_has_vnni
+
+    @T.prim_func(s_tir=True)
+    def dot(
+        A: T.Buffer((3, 8), "uint8"), B: T.Buffer((2, 16, 4), "int8"), C: T.Buffer((3, 16), "int32")
+    ):
+        for m, ko, n, ki in T.grid(3, 2, 16, 4):
+            with T.sblock("C"):
+                vm, vn, vko, vki = T.axis.remap("SSRR", [m, n, ko, ki])
+                with T.init():
+                    C[vm, vn] = 0
+                C[vm, vn] = C[vm, vn] + T.Cast("int32", A[vm, vko * 4 + vki]) * T.Cast(
+                    "int32", B[vko, vn, vki]
+                )
+
+    target = autoq.default_target()
+    assert target_has_vnni(target)
+    assert not target_has_vnni(tvm.target.Target({"kind": "llvm", "mcpu": "znver3"}))
+    register_vnni()
+    sch = tvm.s_tir.Schedule(dot)
+    block = sch.get_sblock("C")
+    _, ko, n, _ = sch.get_loops(block)
+    sch.decompose_reduction(block, ko)
+    sch.tensorize(n, VNNI_INTRIN)
+    lib = tvm.compile(sch.mod, target)
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (3, 8)).astype("uint8")
+    b = rng.integers(-128, 128, (2, 16, 4)).astype("int8")
+    c = tvm.runtime.tensor(np.zeros((3, 16), "int32"))
+    lib["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), c)
+    ref = np.einsum("mok,onk->mn", a.reshape(3, 2, 4).astype(np.int64), b.astype(np.int64))
+    assert np.array_equal(c.numpy(), ref)

@@ -19,14 +19,14 @@ from __future__ import annotations
 from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
-__all__ = ["AVX2_DOT", "VNNI_DOT", "register_intrinsics"]
+__all__ = ["AVX2_DOT", "VNNI_DOT", "register_intrinsics", "vnni_desc", "vnni_impl"]
 
 VNNI_DOT = "autoq_dot_16x4_vnni"
 AVX2_DOT = "autoq_dot_8x2_avx2"
 
 
 @T.prim_func(s_tir=True)
-def _vnni_desc(
+def vnni_desc(
     A: T.Buffer((4,), "uint8", offset_factor=1),
     B: T.Buffer((16, 4), "int8", offset_factor=1),
     C: T.Buffer((16,), "int32", offset_factor=1),
@@ -42,7 +42,7 @@ def _vnni_desc(
 
 
 @T.prim_func(s_tir=True)
-def _vnni_impl(
+def vnni_impl(
     A: T.Buffer((4,), "uint8", offset_factor=1),
     B: T.Buffer((16, 4), "int8", offset_factor=1),
     C: T.Buffer((16,), "int32", offset_factor=1),
@@ -99,5 +99,5 @@ def _avx2_impl(
 
 def register_intrinsics() -> None:
     """Register both intrinsics with TVM (safe to call any number of times)."""
-    TensorIntrin.register(VNNI_DOT, _vnni_desc, _vnni_impl, override=True)
+    TensorIntrin.register(VNNI_DOT, vnni_desc, vnni_impl, override=True)
     TensorIntrin.register(AVX2_DOT, _avx2_desc, _avx2_impl, override=True)

@@ -187,12 +187,12 @@ class _Reader:
         qp, rng = self.qparams(node, rule)
         src = node.args[0]
         self.q_of[node] = (src, qp, rng)
-        if src.op == "get_attr":
-            t = _numpy(self.fetch(src.target))
-            if t.dtype.kind == "f":
-                from .. import primitives as P
-
-                self.folded[node] = P.quantize(t, qp.scale, qp.zero_point, qp.dtype, qp.axis)
+        if src.op == "get_attr" and self.fetch(src.target).dtype.is_floating_point:
+            # a constant quantized in the graph (fold_quantize=False): run the model's own op
+            # once (torch rounds x * (1 / scale), not x / scale: the integers torch folds)
+            args = [self.value(a) if isinstance(a, self.torch.fx.Node) else a for a in node.args]
+            with self.torch.no_grad():
+                self.folded[node] = _numpy(node.target(*args, **node.kwargs))
 
     def dequantize(self, node, rule: Rule) -> None:
         qp, _ = self.qparams(node, rule)

@@ -42,7 +42,7 @@ from .checks import ACC_DTYPE, ACC_INPUT_DTYPES, QDTYPES, QnnError
 from .dynamic_quantize import dynamic_quantize
 from .elementwise import add, multiply, subtract
 from .lut import lut
-from .quantize import dequantize, quantize, requantize
+from .quantize import dequantize, quantize, requantize, with_multipliers
 from .registration import OPS
 from .simulated import simulated_dequantize, simulated_quantize
 
@@ -66,4 +66,5 @@ __all__ = [
     "simulated_quantize",
     "subtract",
     "sum",
+    "with_multipliers",
 ]

@@ -123,7 +123,8 @@ def _legalize_float(bb, call, out_shape, qmin, qmax):
 
         return te.compute(out_shape, g, name=op.replace(".", "_"))
 
-    return call_te(bb, f, [], list(call.args), op.replace(".", "_"))
+    # the operands stay tensors (a 0-d constant operand, x * c, is not an immediate)
+    return call_te(bb, f, list(call.args[:2]), list(call.args[2:]), op.replace(".", "_"))
 
 
 def _legalize_integer(bb, call, out_shape, qmin, qmax):
@@ -152,7 +153,7 @@ def _legalize_integer(bb, call, out_shape, qmin, qmax):
 
         return te.compute(out_shape, g, name=op.replace(".", "_"))
 
-    return call_te(bb, f, [], [a, b, z_a, z_b, z_o], op.replace(".", "_"))
+    return call_te(bb, f, [a, b], [z_a, z_b, z_o], op.replace(".", "_"))
 
 
 def _legalize_elementwise(bb, call):

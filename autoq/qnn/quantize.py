@@ -4,6 +4,7 @@ integers, and between two integer grids (float or integer-only rounding)."""
 from __future__ import annotations
 
 import numpy as np
+import tvm
 from tvm import relax, te
 
 from .. import primitives as P
@@ -109,24 +110,54 @@ def requantize(
     axis: int = -1,
     out_dtype: str = "int8",
     rounding: str = "float",
+    multiplier=None,
+    shift=None,
 ) -> relax.Call:
-    """Re-express ``data`` (int8/uint8/int16/int32) with new qparams; see primitives.requantize."""
+    """Re-express ``data`` (int8/uint8/int16/int32) with new qparams; see primitives.requantize.
+
+    ``multiplier``, ``shift`` (integer rounding modes only, both or neither): int32 tensors
+    shaped like the scales with ``multiplier * 2**(shift - 31) ~= input_scale /
+    output_scale`` (:func:`autoq.primitives.quantize_multiplier`); the legalization uses
+    them instead of computing them from the scales. :func:`with_multipliers` adds them."""
+    args = [data, input_scale, input_zero_point, output_scale, output_zero_point]
+    if (multiplier is None) != (shift is None):
+        raise ValueError("qnn.requantize: give both multiplier and shift, or neither")
+    if multiplier is not None:
+        args += [multiplier, shift]
     return make_call(
-        "qnn.requantize",
-        [data, input_scale, input_zero_point, output_scale, output_zero_point],
-        {"axis": axis, "out_dtype": out_dtype, "rounding": rounding},
+        "qnn.requantize", args, {"axis": axis, "out_dtype": out_dtype, "rounding": rounding}
     )
 
 
+def with_multipliers(call: relax.Call) -> relax.Call:
+    """An integer-rounding ``qnn.requantize`` with constant scales, its int32 multiplier and
+    shift added as constant arguments (what a backend reads off the op); other calls
+    (float rounding, runtime scales, already explicit) are returned unchanged."""
+    if len(call.args) != 5 or attr(call, "rounding") == "float":
+        return call
+    s_in, s_out = call.args[1], call.args[3]
+    if const_array(s_in) is None or const_array(s_out) is None:
+        return call
+    m, sh = _integer_multiplier(call.op.name, s_in, s_out)
+    return tvm.ir.Call(call.op, [*call.args, m, sh], call.attrs, list(call.ty_args))
+
+
 def _infer_requantize(op, call):
-    data, s_in, z_in, s_out, z_out = call.args
+    if len(call.args) not in (5, 7):
+        fail(op, "arguments", "5, or 7 with multiplier and shift", len(call.args))
+    data, s_in, z_in, s_out, z_out, *given = call.args
     in_dtype = check_dtype(op, "data", data, [*QDTYPES, ACC_DTYPE])
     out_dtype = attr(call, "out_dtype")
     check_out_dtype(op, out_dtype, (*QDTYPES, ACC_DTYPE))
-    check_rounding(op, attr(call, "rounding"))
+    rounding = attr(call, "rounding")
+    check_rounding(op, rounding)
     shape, axis = dims(data), attr(call, "axis")
     check_qparams(op, s_in, z_in, in_dtype, shape, axis, ("input_scale", "input_zero_point"))
     check_qparams(op, s_out, z_out, out_dtype, shape, axis, ("output_scale", "output_zero_point"))
+    if given and rounding == "float":
+        fail(op, "multiplier", "no multiplier/shift with rounding='float'", "both")
+    for name, e in zip(("multiplier", "shift"), given, strict=False):
+        check_dtype(op, name, e, ["int32"])
     return tensor_type(shape, out_dtype)
 
 
@@ -157,7 +188,7 @@ def _integer_multiplier(op, s_in, s_out):
 def _legalize_requantize(bb, call):
     out_dtype, axis, rounding = attr(call, "out_dtype"), attr(call, "axis"), attr(call, "rounding")
     qmin, qmax = P.qrange(out_dtype)
-    x, s_in, z_in, s_out, z_out = call.args
+    x, s_in, z_in, s_out, z_out, *given = call.args
     if rounding == "float":
         clip_dtype = "float64" if out_dtype == ACC_DTYPE else "float32"
 
@@ -171,7 +202,7 @@ def _legalize_requantize(bb, call):
             return te.compute(x.shape, g, name="requantize")
 
         return call_te(bb, f, [], [x, s_in, z_in, s_out, z_out], "qnn_requantize")
-    m, sh = _integer_multiplier("qnn.requantize", s_in, s_out)
+    m, sh = given if given else _integer_multiplier("qnn.requantize", s_in, s_out)
 
     def f_int(x, zi, zo, m, sh):
         def g(*i):

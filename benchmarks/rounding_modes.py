@@ -1,0 +1,57 @@
+"""Does the simulated graph predict the realized integers, per requantize rounding mode?
+
+autoq's default rounding is ``"float"`` (``quantize(dequantize(q))`` in float32, what the
+simulated graph computes). This script measures, on the bundled digits CNN (4 convolutions,
+residual add, global average pool, dense; ``autoq.demo``) calibrated on 100 training
+images and evaluated on 64 test images, how many integers of every activation slot of the
+realized graph differ from the simulated graph's prediction (``autoq.fidelity.compare``),
+and the digit accuracy of each realized module, for every mode of
+``autoq.primitives.ROUNDING_MODES``.
+
+Run:  python benchmarks/rounding_modes.py [--eval 64]
+Numbers only.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import tvm
+from tvm import relax
+
+import autoq
+from autoq import primitives as P
+from autoq.calibrate import samples_for
+from autoq.demo import MODEL_FILE, calibration_images, load_digits
+from autoq.fidelity import compare
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--eval", type=int, default=64)
+    args = ap.parse_args()
+    target = autoq.default_target()
+    digits = load_digits()
+    mod, params = autoq.from_onnx(MODEL_FILE)
+    base = autoq.Config(progress=False)
+    sim = autoq.simulate(mod, params, base)
+    qp = autoq.calibrate(sim, params, calibration_images(100, digits), base, target=target)
+    xs = [x[None] for x in digits.test_x[: args.eval]]
+    labels = digits.test_labels[: args.eval]
+    print(f"digits CNN, {len(xs)} test images, CPU {target.attrs.get('mcpu', '')}\n")
+    print("| rounding | slot integers | differing from simulation | max LSB | accuracy |")
+    print("| --- | --- | --- | --- | --- |")
+    for mode in P.ROUNDING_MODES:
+        real = autoq.realize(mod, params, qp, base.replace(rounding=mode))
+        rep = compare(sim, real, qp, samples_for(xs, sim.graph.inputs), target=target)
+        n, d = sum(rep.elements.values()), sum(rep.differing.values())
+        vm = relax.VirtualMachine(tvm.compile(real, target), tvm.cpu())
+        pred = [int(np.argmax(vm["main"](tvm.runtime.tensor(x)).numpy())) for x in xs]
+        acc = float(np.mean(np.asarray(pred) == labels))
+        lsb = max(rep.max_lsb.values(), default=0)
+        print(f"| {mode} | {n} | {d} ({100 * d / max(n, 1):.3f}%) | {lsb} | {acc:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
