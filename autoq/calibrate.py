@@ -52,6 +52,7 @@ from .weight_tuning import WeightTuner
 __all__ = [
     "calibrate",
     "calibrate_weights",
+    "calibration_pipeline",
     "choose_qparams",
     "feed_observers",
     "fp32_observers",
@@ -60,6 +61,7 @@ __all__ = [
     "fp32_slot_runner",
     "make_qparams",
     "observe",
+    "refuse_constant_inputs",
     "run_plan",
     "samples_for",
     "static_values",
@@ -200,7 +202,7 @@ def calibrate(
     else:
         acts, tuner = _calibrate_topological(sim, samples, result, config, target, stats, health)
     stats["total_s"] = time.perf_counter() - t0
-    _refuse_constant_inputs(sim, health, samples.num_samples)
+    refuse_constant_inputs(sim, health, samples.num_samples)
     result.update(acts)
     return make_qparams(sim, result, config, samples.num_samples, stats, health, tuner)
 
@@ -247,7 +249,7 @@ def scale_problems(health: dict, qparams: dict) -> dict[str, str]:
     return out
 
 
-def _refuse_constant_inputs(sim: SimResult, health: dict, n) -> None:
+def refuse_constant_inputs(sim: SimResult, health: dict, n) -> None:
     """A float model input that holds one value in every calibration sample is not
     calibration data (all-zero images, a placeholder array): every scale chosen from it
     would be a guess."""
@@ -381,7 +383,7 @@ def run_plan(
     return result
 
 
-def _pipeline(target):
+def calibration_pipeline(target):
     """The simulated graph's kernels with a cheap default schedule (vectorized, parallel;
     bit-identical results, see :mod:`autoq.loop_schedule`)."""
     if isinstance(target, dict | str):
@@ -394,7 +396,7 @@ def _calibrate_topological(
 ) -> dict[str, QParam]:
     plan, functions = build_plan(sim)
     t0 = time.perf_counter()
-    vm = compile_vm(functions, target, sim.mod, pipeline=_pipeline(target))
+    vm = compile_vm(functions, target, sim.mod, pipeline=calibration_pipeline(target))
     stats["compile_s"] = time.perf_counter() - t0
     stats["segments"] = len(plan.segments)
     budget = config.memory_budget_mb * 2**20
@@ -439,7 +441,9 @@ def fp32_slot_runner(sim: SimResult, slots: list[str], target):
     """``run(samples)``: for each sample, the fp32 values of the tensors that the
     activation ``slots`` quantize (one compiled float graph with those tensors as outputs)."""
     g = sim.graph
-    vm = compile_vm(fp32_slot_functions(sim, slots), target, g.module, pipeline=_pipeline(target))
+    vm = compile_vm(
+        fp32_slot_functions(sim, slots), target, g.module, pipeline=calibration_pipeline(target)
+    )
     weights = [g.params[p.name] for p in g.weight_params]
     return fp32_runner(vm, [v.name for v in g.inputs], weights)
 

@@ -36,9 +36,12 @@ import time
 from . import calibrators
 from .calibrate import (
     calibrate_weights,
+    calibration_pipeline,
+    checked_result,
     fp32_observers,
     fp32_slot_functions,
     make_qparams,
+    refuse_constant_inputs,
     run_plan,
     samples_for,
     static_values,
@@ -47,6 +50,7 @@ from .calibration_plan import build_plan
 from .config import Config, Distributed
 from .dataset import InputSpec, as_dataset, is_shard_source
 from .remote_shards import RemoteShard, ShardLostError, result_of
+from .scale_health import HealthCheck
 from .shard_actor import ShardActor, shard_name
 from .simulate import SimResult
 from .toolkit import compile_executable
@@ -110,9 +114,10 @@ def open_client(dist: Distributed | None, cluster=None):
 
 
 def library_bytes(functions: dict, target, base=None) -> bytes:
-    """``functions`` compiled (:func:`autoq.toolkit.compile_executable`) and exported as the
-    bytes of a shared library, for :func:`autoq.shard_actor.load_vm` in a worker."""
-    ex = compile_executable(functions, target, base)
+    """``functions`` compiled like in-process calibration does
+    (:func:`autoq.toolkit.compile_executable` with :func:`autoq.calibrate.calibration_pipeline`)
+    and exported as the bytes of a shared library, for :func:`autoq.shard_actor.load_vm`."""
+    ex = compile_executable(functions, target, base, calibration_pipeline(target))
     with tempfile.TemporaryDirectory(prefix="autoq-lib-") as d:
         path = os.path.join(d, "calibration.so")
         ex.export_library(path)
@@ -243,6 +248,11 @@ def calibrate_distributed(
     ``config.distributed.shards``. ``meta["stats"]`` adds the per-shard timings."""
     for sid in sim.activation_slots():
         calibrators.check_mergeable(sim.plan.specs[sid].calibrator)
+    if config.weight_tuning:
+        raise ValueError(
+            "Config.weight_rounding/bias_correction/scale_search are not distributed yet: "
+            "calibrate in-process (Config(distributed=None), no cluster=) to use them"
+        )
     t0 = time.perf_counter()
     result = calibrate_weights(sim)
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
@@ -255,14 +265,16 @@ def calibrate_distributed(
     with ShardSet(client, specs, dataset, config, shards) as shard_set:
         stats["load_s"] = time.perf_counter() - t1
         stats["shards"] = shard_set.count
+        health: dict = {}
         if config.calibration == "fp32":
-            acts = _fp32(sim, shard_set, target, stats)
+            acts = _fp32(sim, shard_set, target, stats, health)
         else:
             acts = _topological(sim, shard_set, result, config, target, stats, health)
         for i, d in enumerate(shard_set.info()):
             stats[f"shard{i}_peak_rss_mb"] = d["peak_rss_mb"]
         n = sum(shard_set.counts)
     stats["total_s"] = time.perf_counter() - t0
+    refuse_constant_inputs(sim, health, n)
     result.update(acts)
     return make_qparams(sim, result, config, n, stats, health)
 
@@ -353,7 +365,7 @@ def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats, hea
     return result
 
 
-def _fp32(sim, shard_set: ShardSet, target, stats) -> dict:
+def _fp32(sim, shard_set: ShardSet, target, stats, health) -> dict:
     slots = sim.activation_slots()
     g = sim.graph
     t0 = time.perf_counter()
@@ -371,7 +383,15 @@ def _fp32(sim, shard_set: ShardSet, target, stats) -> dict:
     merged = _merge_passes(
         fp32_observers(specs, ranges), shard_set.call("fp32_states", specs, ranges)
     )
-    return {s: o.compute(sp) for s, o, sp in zip(slots, merged, specs, strict=True)}
+    result = {
+        s: checked_result(o.compute(sp), sp.calibrator, s)
+        for s, o, sp in zip(slots, merged, specs, strict=True)
+    }
+    qps = [result[s] for s in slots]  # the chosen scales against the values they represent
+    checks = [HealthCheck(q).observer() for q in qps]
+    checks = _merge_passes(checks, shard_set.call("fp32_health_states", qps))
+    health.update({s: o.compute() for s, o in zip(slots, checks, strict=True)})
+    return result
 
 
 def _merge_passes(observers: list, shard_states: list[list]) -> list:

@@ -79,8 +79,8 @@ class PendingObserver:
     def merge_state(self, state: dict) -> None:
         self.resolve().merge_state(state)
 
-    def compute(self, spec):
-        return self.resolve().compute(spec)
+    def compute(self, *spec):
+        return self.resolve().compute(*spec)
 
     def data_range(self):
         return self.resolve().data_range()

@@ -220,6 +220,14 @@ class ShardActor:
             raise RuntimeError(f"{self.name}: start_analysis was not called")
         return self.analysis
 
+    def fp32_health_states(self, qparams: list) -> list:
+        """The :mod:`autoq.scale_health` observer states of each slot's chosen qparams
+        over the shard's fp32 values (the fp32 mode's last pass)."""
+        from .scale_health import HealthCheck
+
+        checks = [HealthCheck(q).observer() for q in qparams]
+        return [o.state() for o in feed_observers(checks, self.fp32(self.samples()))]
+
     def close(self) -> None:
         self.close_runner()
         self.fp32 = self.analysis = None

@@ -189,6 +189,14 @@ def test_shard_sources_split_the_data(tmp_path):
         NpzShards(str(tmp_path / "*.npz"))
 
 
+def test_weight_tuning_is_refused_before_any_work(model):
+    mod, params, data = model
+    cfg = config("max", bias_correction=True)
+    sim = simulate(mod, params, cfg)
+    with pytest.raises(ValueError, match="not distributed yet"):
+        calibrate_distributed(sim, data, cfg, TARGET, client=None)
+
+
 def test_in_process_runs_never_import_dask():
     import subprocess
     import sys

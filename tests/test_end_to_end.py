@@ -249,6 +249,10 @@ def test_unbounded_attention_masks_stay_fp32():
     assert str(q.attrs["autoq.skipped_unbounded"]) == "add_0"
     got = np.stack([Runner(q)(s["x"], s["mask"]) for s in test])
     assert rel_err(got, ref) < TOL
+    # with the guard off, the scale health check keeps the mask add in fp32 instead
+    caught = autoq.Quantizer(Config(progress=False, skip_unbounded=False), target=TARGET)
+    caught = caught.run(mod, params, data)
+    assert caught.fp32_layers.get("add_0") == "unusable scale (scale health)", caught.fp32_layers
     # quantizing the mask anyway destroys the scores (every score rounds to one value)
     bad = autoq.quantize(
         mod,
