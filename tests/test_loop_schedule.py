@@ -92,7 +92,9 @@ def test_calibration_qparams_unchanged(monkeypatch, mode):
     config = Config(progress=False, calibration=mode)
     sim = simulate(mod, params, config)
     fast = calibrate(sim, params, data(6, 2), config, target=OPT_TARGET)
-    monkeypatch.setattr(importlib.import_module("autoq.calibrate"), "_pipeline", lambda t: None)
+    monkeypatch.setattr(
+        importlib.import_module("autoq.calibrate"), "calibration_pipeline", lambda t: None
+    )
     plain = calibrate(sim, params, data(6, 2), config, target=OPT_TARGET)
     assert set(fast) == set(plain)
     for sid in plain:

@@ -120,16 +120,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_for_servers(procs, port: int, key: str, count: int, timeout: float = 120.0) -> None:
+def _wait_for_servers(procs, port: int, key: str, count: int, logs, timeout: float = 120.0) -> None:
     from tvm import rpc
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        dead = [p for p in procs if p.poll() is not None]
+        dead = [i for i, p in enumerate(procs) if p.poll() is not None]
         if dead:
-            raise RuntimeError(
-                f"RPC process {dead[0].args} exited: {dead[0].stderr.read()[-2000:]}"
-            )
+            i = dead[0]
+            raise RuntimeError(f"RPC process {procs[i].args} exited: {logs[i].read_text()[-2000:]}")
         try:
             summary = rpc.connect_tracker("127.0.0.1", port).summary()
             free = [q for k, q in summary.get("queue_info", {}).items() if k == key]
@@ -141,47 +140,60 @@ def _wait_for_servers(procs, port: int, key: str, count: int, timeout: float = 1
     raise TimeoutError(f"{count} RPC servers with key {key!r} did not register in {timeout} s")
 
 
-@pytest.fixture
-def rpc_tracker(tmp_path):
-    """A TVM RPC tracker and two servers (key autoq-test) on 127.0.0.1."""
-    port, key = _free_port(), "autoq-test"
+def _start_rpc(folder, port: int, key: str) -> list:
+    """A tracker on ``port`` and two servers registered with it (their logs in ``folder``)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     python = [sys.executable, "-m"]
     tracker = ["tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port)]
     tracker += ["--port-end", str(port + 1)]
     server = ["tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}", "--key", key]
-    procs = [
-        subprocess.Popen(
-            [*python, *tracker],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=open(tmp_path / "tracker.log", "w"),
-        )
-    ]
-    try:
-        time.sleep(1.0)
-        for _ in range(2):
+    server += ["--host", "127.0.0.1"]
+    logs = [folder / "tracker.log", folder / "server1.log", folder / "server2.log"]
+    procs = []
+    for i, cmd in enumerate([tracker, server, server]):
+        if i == 1:
+            time.sleep(1.0)
+        with open(logs[i], "w") as log:
             procs.append(
-                subprocess.Popen(
-                    [*python, *server, "--host", "127.0.0.1"],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=open(tmp_path / f"server{len(procs)}.log", "w"),
-                )
+                subprocess.Popen([*python, *cmd], env=env, stdout=subprocess.DEVNULL, stderr=log)
             )
-        _wait_for_servers(procs, port, key, 2)
+    try:
+        _wait_for_servers(procs, port, key, 2, logs)
+    except RuntimeError:
+        _stop(procs)
+        raise
+    return procs
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+@pytest.fixture
+def rpc_tracker(tmp_path):
+    """A TVM RPC tracker and two servers (key autoq-test) on 127.0.0.1; a start that dies
+    (a port taken between choosing and binding it) is retried on new ports."""
+    key = "autoq-test"
+    for attempt in range(3):
+        port = _free_port()
+        try:
+            procs = _start_rpc(tmp_path, port, key)
+            break
+        except RuntimeError:
+            if attempt == 2:
+                raise
+    try:
         yield Tracker("127.0.0.1", port, key)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop(procs)
 
 
-@pytest.mark.tuning
 @needs_tune_deps
 @needs_tornado
 def test_tune_measures_through_an_rpc_tracker(tmp_path, rpc_tracker):
