@@ -38,7 +38,7 @@ import tvm
 from .analysis import Analysis
 from .auto_fallback import FallbackDecision, auto_fallback, split_holdout
 from .build import default_target
-from .calibrate import calibrate, fp32_slot_runner, samples_for, scale_problems
+from .calibrate import calibrate, feed_observers, fp32_slot_runner, samples_for, scale_problems
 from .config import AutoFallback, Config
 from .dataset import is_shard_source
 from .distributed import (
@@ -314,10 +314,10 @@ def check_scales(
     sim = simulate(match(mod, params, config), None, _fixed(config))
     slots = [s for s in sim.activation_slots() if s in qparams]
     run = fp32_slot_runner(sim, slots, target or default_target())
-    checks = [HealthCheck(qparams[s]).observer() for s in slots]
-    for outs in run(samples_for(dataset, sim.graph.inputs)):
-        for obs, x in zip(checks, outs, strict=True):
-            obs.update(x)
+    checks = feed_observers(
+        [HealthCheck(qparams[s]).observer() for s in slots],
+        run(samples_for(dataset, sim.graph.inputs)),
+    )
     bad = scale_problems({s: o.compute() for s, o in zip(slots, checks, strict=True)}, qparams)
     if bad:
         raise CalibrationError(
