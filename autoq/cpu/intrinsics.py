@@ -25,20 +25,30 @@ VNNI_DOT = "autoq_dot_16x4_vnni"
 AVX2_DOT = "autoq_dot_8x2_avx2"
 
 
-@T.prim_func(s_tir=True)
-def vnni_desc(
-    A: T.Buffer((4,), "uint8", offset_factor=1),
-    B: T.Buffer((16, 4), "int8", offset_factor=1),
-    C: T.Buffer((16,), "int32", offset_factor=1),
-) -> None:
-    with T.sblock("root"):
-        T.reads(C[0:16], A[0:4], B[0:16, 0:4])
-        T.writes(C[0:16])
-        for i in T.serial(0, 16):
-            for k in T.serial(0, 4):
-                with T.sblock("update"):
-                    vi, vk = T.axis.remap("SR", [i, k])
-                    C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
+def _dot_desc(lanes: int, k: int, a_dtype: str, b_dtype: str):
+    """The description both intrinsics share: ``C[i] += int32(A[k]) * int32(B[i, k])`` over a
+    ``lanes x k`` block of B, int32 accumulators."""
+
+    @T.prim_func(s_tir=True)
+    def desc(
+        A: T.Buffer((k,), a_dtype, offset_factor=1),
+        B: T.Buffer((lanes, k), b_dtype, offset_factor=1),
+        C: T.Buffer((lanes,), "int32", offset_factor=1),
+    ) -> None:
+        with T.sblock("root"):
+            T.reads(C[0:lanes], A[0:k], B[0:lanes, 0:k])
+            T.writes(C[0:lanes])
+            for i in T.serial(0, lanes):
+                for j in T.serial(0, k):
+                    with T.sblock("update"):
+                        vi, vj = T.axis.remap("SR", [i, j])
+                        C[vi] = C[vi] + T.cast(A[vj], "int32") * T.cast(B[vi, vj], "int32")
+
+    return desc
+
+
+vnni_desc = _dot_desc(16, 4, "uint8", "int8")
+_avx2_desc = _dot_desc(8, 2, "int16", "int16")
 
 
 @T.prim_func(s_tir=True)
@@ -60,22 +70,6 @@ def vnni_impl(
             b_i8,
             dtype="int32x16",
         )
-
-
-@T.prim_func(s_tir=True)
-def _avx2_desc(
-    A: T.Buffer((2,), "int16", offset_factor=1),
-    B: T.Buffer((8, 2), "int16", offset_factor=1),
-    C: T.Buffer((8,), "int32", offset_factor=1),
-) -> None:
-    with T.sblock("root"):
-        T.reads(C[0:8], A[0:2], B[0:8, 0:2])
-        T.writes(C[0:8])
-        for i in T.serial(0, 8):
-            for k in T.serial(0, 2):
-                with T.sblock("update"):
-                    vi, vk = T.axis.remap("SR", [i, k])
-                    C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
 
 
 @T.prim_func(s_tir=True)
