@@ -6,7 +6,8 @@ the scheduled PrimFuncs of :mod:`autoq.cpu.conv2d` / :mod:`autoq.cpu.dense`, the
 packed into constants once (depthwise conv: :mod:`autoq.cpu.depthwise`); every call the
 kernels do not cover (grouped conv other than depthwise,
 non-constant or asymmetric weights, per-axis or runtime activation zero points, dynamic
-shapes, uint8 weights) keeps the op's own legalization.
+shapes, uint8 weights) keeps the op's own legalization. float32 softmax over the last axis
+becomes :mod:`autoq.cpu.softmax` (row-parallel, denormal probabilities flushed to 0).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .dense import dense_kernel
 from .depthwise import depthwise_kernel
 from .isa import Isa, isa_of
 from .packing import compensation, pack_conv_weight, pack_dense_weight
+from .softmax import softmax_kernel
 
 __all__ = ["lower_to_cpu_kernels"]
 
@@ -127,7 +129,24 @@ def _matmul(isa: Isa, fallback, bb, call):
     return _dense_call(isa, bb, a, np.ascontiguousarray(w.T), dt, za)
 
 
-_LOWERINGS = {"qnn.conv2d": _conv2d, "qnn.dense": _dense, "qnn.matmul": _matmul}
+def _softmax(_isa: Isa, fallback, bb, call):
+    (data,) = call.args
+    shape = shape_of(data)
+    axis = int(call.attrs["axis"])
+    if shape is None or dtype_of(data) != "float32" or len(shape) < 2:
+        return fallback(bb, call)
+    if axis not in (-1, len(shape) - 1):
+        return fallback(bb, call)
+    gv = bb.add_func(softmax_kernel(shape).without_attr("global_symbol"), "autoq_softmax")
+    return relax.call_tir(gv, [data], out_ty=relax.TensorType(shape, "float32"))
+
+
+_LOWERINGS = {
+    "qnn.conv2d": _conv2d,
+    "qnn.dense": _dense,
+    "qnn.matmul": _matmul,
+    "relax.nn.softmax": _softmax,
+}
 
 
 def lower_to_cpu_kernels(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
