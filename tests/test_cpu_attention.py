@@ -10,11 +10,15 @@ import doctest
 import numpy as np
 import pytest
 import tvm
+from test_cpu_kernels import PATHS  # the two ISA paths, skipped where the CPU lacks one
 from tvm import relax
 
 import autoq
+from autoq.cpu import batch_matmul as batch_matmul_mod
 from autoq.cpu import softmax as softmax_mod
+from autoq.cpu.batch_matmul import batch_matmul_kernel
 from autoq.cpu.injective import schedule_fused
+from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.cpu.softmax import softmax_kernel
 
 TINY = np.finfo(np.float32).tiny
@@ -105,5 +109,47 @@ def test_schedule_fused_vectorizes_the_matmul():
     assert "T.vectorized" in text and "T.parallel" in text
 
 
+# batch, M, K, N, lhs dtype, lhs zero point, rhs zero point
+BATCH_MATMULS = {
+    "heads": (3, 10, 8, 40, "int8", 3, -9),
+    "odd-k-n": (2, 5, 7, 19, "int8", -128, 127),
+    "uint8-lhs": (1, 9, 12, 16, "uint8", 131, 0),
+    "zero-points-0": (2, 4, 4, 33, "int8", 0, 0),
+}
+
+
+@pytest.mark.parametrize("case", BATCH_MATMULS.values(), ids=BATCH_MATMULS.keys())
+@pytest.mark.parametrize(("isa", "mcpu"), PATHS)
+def test_batch_matmul_kernel_bit_exact(isa, mcpu, case):
+    batch, m, k, n, dt, za, zb = case
+    rng = np.random.default_rng(3)
+    lo, hi = (-128, 128) if dt == "int8" else (0, 256)
+    a = rng.integers(lo, hi, (batch, m, k)).astype(dt)
+    b = rng.integers(-128, 128, (batch, k, n)).astype(np.int8)
+    a[0, 0, :] = hi - 1  # extreme rows/columns: nothing may saturate
+    b[0, :, 0] = -128
+    func = batch_matmul_kernel(batch, m, k, n, isa, dt, za, zb)
+    lib = tvm.compile(
+        tvm.IRModule({"main": func}), tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+    )
+    out = tvm.runtime.tensor(np.zeros((batch, m, n), np.int32))
+    lib["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), out)
+    want = (a.astype(np.int64) - za) @ (b.astype(np.int64) - zb)
+    np.testing.assert_array_equal(out.numpy(), want)
+
+
 def test_doctests():
-    assert doctest.testmod(softmax_mod).failed == 0
+    for module in (softmax_mod, batch_matmul_mod):
+        assert doctest.testmod(module).failed == 0
+
+
+def test_attention_model_uses_the_kernels():
+    """The realized tiny attention block lowers q @ k^T and its softmax to these kernels
+    (test_cpu_kernels checks its outputs against the generic lowering, bit for bit)."""
+    from models import attention
+
+    mod, params, data = attention()
+    qmod = autoq.quantize(mod, params, data(8, 1), autoq.Config(progress=False))
+    names = {gv.name_hint for gv in lower_to_cpu_kernels(qmod, TARGET).functions}
+    assert any(n.startswith("autoq_batch_matmul_") for n in names), sorted(names)
+    assert "autoq_softmax" in names
