@@ -215,6 +215,57 @@ def test_realized_model_same_outputs_with_kernels(isa, mcpu, make):
         np.testing.assert_array_equal(a, b)
 
 
+def _conv_transpose_module(x_shape, w, strides, padding=(0, 0)):
+    """main(x) = relu(conv2d_transpose(x, const w) + bias), float32 NCHW / IOHW."""
+    x = relax.Var("x", relax.TensorType(x_shape, "float32"))
+    bias = np.linspace(-1, 1, w.shape[1], dtype=np.float32).reshape(1, -1, 1, 1)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = relax.op.nn.conv2d_transpose(x, relax.const(w), strides=strides, padding=padding)
+            out = bb.emit_output(relax.op.nn.relu(relax.op.add(bb.emit(y), relax.const(bias))))
+        bb.emit_func_output(out)
+    return tvm.IRModule({"main": bb.get()["main"]})
+
+
+def conv_transpose_reference(x, w, strides):
+    """float64 conv2d_transpose with kernel == stride: every output pixel reads one input."""
+    sh, sw = strides
+    out = np.einsum("nchw,cors->nohrws", x.astype(np.float64), w.astype(np.float64))
+    n, o, h, _, wd, _ = out.shape
+    return out.reshape(n, o, h * sh, wd * sw)
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "w_shape", "strides", "padding", "kernel"),
+    [
+        ((1, 6, 5, 7), (6, 3, 2, 2), (2, 2), (0, 0), True),
+        ((2, 3, 4, 3), (3, 5, 3, 1), (3, 1), (0, 0), True),
+        ((1, 4, 5, 5), (4, 2, 3, 3), (2, 2), (1, 1), False),  # overlapping taps: generic
+    ],
+)
+def test_conv2d_transpose_kernel_same_as_generic(x_shape, w_shape, strides, padding, kernel):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    mod = _conv_transpose_module(x_shape, w, strides, padding)
+    target = _target(HOST)
+    lowered = lower_to_cpu_kernels(mod, target)
+    names = [gv.name_hint for gv in lowered.functions]
+    assert ("autoq_conv2d_transpose" in names) == kernel
+    outs = [
+        relax.VirtualMachine(autoq.compile(mod, target, cpu_kernels=use), tvm.cpu())["main"](
+            tvm.runtime.tensor(x)
+        ).numpy()
+        for use in (True, False)
+    ]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    if kernel:
+        bias = np.linspace(-1, 1, w_shape[1]).reshape(1, -1, 1, 1)
+        ref = np.maximum(conv_transpose_reference(x, w, strides) + bias, 0)
+        np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=1e-5)
+
+
 def test_doctests():
     for module in (packing, tiling, isa_mod):
         assert doctest.testmod(module).failed == 0
