@@ -20,7 +20,7 @@ from autoq.cpu import isa as isa_mod
 from autoq.cpu import packing, tiling
 from autoq.cpu.conv2d import ConvShape, conv2d_kernel
 from autoq.cpu.dense import dense_kernel
-from autoq.cpu.depthwise import depthwise_kernel
+from autoq.cpu.depthwise import blocked, depthwise_kernel, depthwise_weight
 from autoq.cpu.isa import AVX2, VNNI, isa_of
 from autoq.cpu.lowering import lower_to_cpu_kernels
 from models import attention, mlp, small_cnn
@@ -142,14 +142,23 @@ def test_dense_kernel_bit_exact(isa, mcpu, m, k, n, dtype, zx):
 
 @pytest.mark.parametrize(
     ("c", "h", "k", "s", "pad", "dtype", "zx"),
-    [(8, 9, 3, 1, 1, "int8", -128), (5, 11, 5, 2, 2, "uint8", 140), (3, 6, 3, 1, 0, "int8", 4)],
+    [
+        (8, 9, 3, 1, 1, "int8", -128),
+        (5, 11, 5, 2, 2, "uint8", 140),
+        (3, 6, 3, 1, 0, "int8", 4),
+        (4, 40, 3, 1, 1, "int8", 7),  # wide 3x3: the row kernel
+        (17, 70, 3, 2, 1, "uint8", 120),
+    ],
 )
 @pytest.mark.parametrize("mcpu", [HOST, "haswell"])
 def test_depthwise_kernel_bit_exact(mcpu, c, h, k, s, pad, dtype, zx):
     rng = np.random.default_rng(2)
     x, w = _data(rng, (2, c, h, h + 1), dtype), _data(rng, (c, 1, k, k), "int8")
     shape = ConvShape(2, c, h, h + 1, c, (k, k), (s, s), (pad,) * 4)
-    got = _run(depthwise_kernel(shape, dtype, zx), mcpu, [x, w], (2, c, *shape.out_hw))
+    lanes = 16 if mcpu == HOST else 8
+    assert blocked(shape) == (h < 40)
+    args = [x, depthwise_weight(shape, w, lanes)]
+    got = _run(depthwise_kernel(shape, dtype, zx, lanes), mcpu, args, (2, c, *shape.out_hw))
     ref = np.concatenate(
         [
             conv_reference(x[:, i : i + 1], w[i : i + 1], zx, (s, s), (pad,) * 4, (1, 1))

@@ -22,7 +22,7 @@ from ..toolkit import const_array, dtype_of, shape_of
 from .conv2d import ConvShape, conv2d_kernel
 from .conv_transpose import conv2d_transpose_kernel
 from .dense import dense_kernel
-from .depthwise import depthwise_kernel
+from .depthwise import depthwise_kernel, depthwise_weight
 from .isa import Isa, isa_of
 from .packing import compensation, pack_conv_weight, pack_dense_weight
 
@@ -84,10 +84,10 @@ def _conv2d(isa: Isa, fallback, bb, call):
     )  # fmt: skip
     out = (n, w.shape[0], *shape.out_hw)
     if depthwise:
-        gv = bb.add_func(
-            depthwise_kernel(shape, dt, zx).without_attr("global_symbol"), "autoq_depthwise"
-        )
-        return relax.call_tir(gv, [data, weight], out_ty=relax.TensorType(out, "int32"))
+        func = depthwise_kernel(shape, dt, zx, isa.lanes)
+        gv = bb.add_func(func.without_attr("global_symbol"), "autoq_depthwise")
+        packed = relax.const(depthwise_weight(shape, w, isa.lanes))
+        return relax.call_tir(gv, [data, packed], out_ty=relax.TensorType(out, "int32"))
     func = conv2d_kernel(shape, isa, dt, zx)
     packed = pack_conv_weight(
         w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype, isa.padded_channels(w.shape[0])
