@@ -22,6 +22,7 @@ from autoq.cpu.conv2d import ConvShape, conv2d_kernel
 from autoq.cpu.dense import dense_kernel
 from autoq.cpu.depthwise import blocked, depthwise_kernel, depthwise_weight
 from autoq.cpu.isa import AVX2, VNNI, isa_of
+from autoq.cpu.injective import schedule_fused
 from autoq.cpu.lowering import lower_to_cpu_kernels
 from models import attention, mlp, small_cnn
 
@@ -273,6 +274,25 @@ def test_conv2d_transpose_kernel_same_as_generic(x_shape, w_shape, strides, padd
         bias = np.linspace(-1, 1, w_shape[1]).reshape(1, -1, 1, 1)
         ref = np.maximum(conv_transpose_reference(x, w, strides) + bias, 0)
         np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_upsampling_read_is_unrolled_and_exact():
+    """A fused elementwise function reading ``a[..., j // 2]`` (nearest upsampling x2) gets
+    its innermost loop split by 2 and unrolled; same values as numpy."""
+    from tvm import te
+
+    a = te.placeholder((64, 40), "int8", name="a")
+    b = te.placeholder((64, 80), "int8", name="b")
+    out = te.compute((64, 80), lambda i, j: a[i, j // 2].astype("int32") + b[i, j], name="up")
+    func = schedule_fused(te.create_prim_func([a, b, out]))
+    assert "T.unroll(2)" in func.script()
+    lib = tvm.compile(tvm.IRModule({"main": func}), _target(HOST))
+    rng = np.random.default_rng(4)
+    xa, xb = _data(rng, (64, 40), "int8"), _data(rng, (64, 80), "int8")
+    got = tvm.runtime.tensor(np.zeros((64, 80), np.int32))
+    lib["main"](tvm.runtime.tensor(xa), tvm.runtime.tensor(xb), got)
+    ref = np.repeat(xa.astype(np.int32), 2, axis=1) + xb
+    np.testing.assert_array_equal(got.numpy(), ref)
 
 
 def test_doctests():
