@@ -21,8 +21,8 @@ from autoq.cpu import packing, tiling
 from autoq.cpu.conv2d import ConvShape, conv2d_kernel
 from autoq.cpu.dense import dense_kernel
 from autoq.cpu.depthwise import blocked, depthwise_kernel, depthwise_weight
-from autoq.cpu.isa import AVX2, VNNI, isa_of
 from autoq.cpu.injective import schedule_fused
+from autoq.cpu.isa import AVX2, VNNI, isa_of
 from autoq.cpu.lowering import lower_to_cpu_kernels
 from models import attention, mlp, small_cnn
 
