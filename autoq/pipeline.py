@@ -50,6 +50,7 @@ from .distributed import (
 )
 from .dynamic import realize_dynamic
 from .errors import CalibrationError, InputError
+from .escalation import escalate
 from .guard import keep_unbounded_in_fp32, layers_using
 from .matching import Matched, match
 from .qparams import QParams
@@ -179,8 +180,9 @@ class Quantizer:
                     matched, sim, calib, config, client
                 )
             reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
+            search = escalate if config.fallback.precision == "int16_tensors" else auto_fallback
             with clock("auto_fallback"), self._fan_out(client, mod, params, samples) as fan:
-                out = auto_fallback(
+                out = search(
                     matched, None, samples, config, qparams, target=self.target, fan_out=fan
                 )
             config, qparams, decision = out.config, out.qparams, out.decision

@@ -1035,6 +1035,34 @@ def tvm_import_onnx(info: ModelInfo):
     return from_onnx(model, shape_dict=dict(info.input_shapes), keep_params_in_input=False)
 
 
+def embedding_setup(name: str, n_calib: int, n_eval: int, log=print):
+    """(model info, calibration set, eval set, ORT fp32 eval outputs with graph
+    optimizations off) for an embedding benchmark, logging the machine and the data."""
+    log(machine_summary())
+    info = find_model(name)
+    calib = make_dataset(info, "calib", n_calib)
+    evalset = make_dataset(info, "eval", n_eval)
+    log(f"calib: {calib.description}; eval: {evalset.description}")
+    return info, calib, evalset, ort_outputs(ort_session(info.path, 2, False), evalset)
+
+
+def autoq_quantize(info: ModelInfo, config, calib):
+    """``autoq.Quantizer(config)`` on the prepared model (warnings silenced): returns the
+    result, its wall time in seconds and a :class:`TvmRunner` of the quantized module."""
+    import warnings
+
+    import autoq
+    from autoq import frontends
+
+    mod, params = frontends.from_onnx(info.path, input_shapes=dict(info.input_shapes))
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = autoq.Quantizer(config).run(mod, params, calib)
+    quant_s = time.perf_counter() - t0
+    return res, quant_s, TvmRunner(res.module, [v.name for v in res.matched.graph.inputs])
+
+
 class TvmRunner:
     """A compiled Relax module on the CPU; ``input_names`` order = ``main``'s parameters."""
 
