@@ -18,6 +18,14 @@
    :mod:`autoq.calibrators`), picks the qparams and sends them back with the segment to run.
    In ``fp32`` mode each shard streams its samples through the float graph once (twice for
    histogram calibrators) and sends its states.
+4. weight tuning (``Config.weight_rounding="gptq"``, ``bias_correction``, ``scale_search``,
+   :mod:`autoq.weight_tuning`) runs in the same loop: before a segment, every shard sums
+   the Hessian ``X^T X`` and the mean input of the layers reading the segment's heads over
+   its samples (in int64 over the input's integer codes: exact, so the merged sums do not
+   depend on the split or the merge order, :class:`autoq.hessian.CodeHessian`); the
+   coordinator merges them, runs GPTQ / the scale search / the bias correction (all three
+   need only these sums) and sends the tuned weights, biases and weight scales to the
+   shards, which recompute their prologue before the segment runs.
 
 The qparams are the same bit for bit as in-process calibration, for any number of shards
 and workers (``tests/test_distributed.py``). A worker that dies fails the run with
@@ -45,6 +53,7 @@ from .calibrate import (
     run_plan,
     samples_for,
     static_values,
+    warn_untuned,
 )
 from .calibration_plan import build_plan
 from .config import Config, Distributed
@@ -54,6 +63,7 @@ from .scale_health import HealthCheck
 from .shard_actor import ShardActor, shard_name
 from .simulate import SimResult
 from .toolkit import compile_executable
+from .weight_tuning import WeightTuner
 
 __all__ = [
     "AnalysisFanOut",
@@ -248,11 +258,6 @@ def calibrate_distributed(
     ``config.distributed.shards``. ``meta["stats"]`` adds the per-shard timings."""
     for sid in sim.activation_slots():
         calibrators.check_mergeable(sim.plan.specs[sid].calibrator)
-    if config.weight_tuning:
-        raise ValueError(
-            "Config.weight_rounding/bias_correction/scale_search are not distributed yet: "
-            "calibrate in-process (Config(distributed=None), no cluster=) to use them"
-        )
     t0 = time.perf_counter()
     result = calibrate_weights(sim)
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
@@ -265,18 +270,19 @@ def calibrate_distributed(
     with ShardSet(client, specs, dataset, config, shards) as shard_set:
         stats["load_s"] = time.perf_counter() - t1
         stats["shards"] = shard_set.count
-        health: dict = {}
+        tuner = None
         if config.calibration == "fp32":
             acts = _fp32(sim, shard_set, target, stats, health)
         else:
-            acts = _topological(sim, shard_set, result, config, target, stats, health)
+            acts, tuner = _topological(sim, shard_set, result, config, target, stats, health)
         for i, d in enumerate(shard_set.info()):
             stats[f"shard{i}_peak_rss_mb"] = d["peak_rss_mb"]
         n = sum(shard_set.counts)
     stats["total_s"] = time.perf_counter() - t0
     refuse_constant_inputs(sim, health, n)
+    warn_untuned(config)
     result.update(acts)
-    return make_qparams(sim, result, config, n, stats, health)
+    return make_qparams(sim, result, config, n, stats, health, tuner)
 
 
 class AnalysisFanOut:
@@ -341,7 +347,7 @@ def report_distributed(analysis, mod, params, dataset, client, shards: int | Non
         return fan_out(analysis)[0]
 
 
-def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats, health) -> dict:
+def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats, health) -> tuple:
     plan, functions = build_plan(sim)
     t0 = time.perf_counter()
     lib = library_bytes(functions, target, sim.mod)
@@ -351,8 +357,9 @@ def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats, hea
     shard_set.call("start_topological", lib, plan, static_values(sim, plan, weight_qp))
     stats["start_s"] = time.perf_counter() - t0
     remotes = shard_set.remotes()
+    tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None
     t0 = time.perf_counter()
-    result = run_plan(plan, remotes, sim.plan.specs, config, sim, health)
+    result = run_plan(plan, remotes, sim.plan.specs, config, sim, health, tuner)
     for r in remotes:
         r.wait()
     stats["run_plan_s"] = time.perf_counter() - t0
@@ -362,7 +369,7 @@ def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats, hea
     missing = [s for s in sim.activation_slots() if s not in result]
     if missing:
         raise RuntimeError(f"internal error: activation slots {missing} were never calibrated")
-    return result
+    return result, tuner
 
 
 def _fp32(sim, shard_set: ShardSet, target, stats, health) -> dict:

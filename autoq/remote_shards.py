@@ -2,11 +2,13 @@
 
 :class:`RemoteShard` has the interface of :class:`autoq.shard_runner.ShardRunner` that
 :func:`autoq.calibrate.run_plan` uses (``n``, ``range_observer``, ``observer``,
-``run_segment``), so the coordinator loop is the same code in-process and distributed. Calls
-do not block: ``run_segment`` submits the run and returns; ``observer`` submits the
+``run_segment``; ``feed``, ``update_static`` for weight tuning), so the coordinator loop is
+the same code in-process and distributed. Calls do not block: ``run_segment`` and
+``update_static`` submit their work and return; ``observer`` (``feed``) submits the
 statistics request (after the shard's previous run has finished) and returns a
-:class:`PendingObserver`, which fetches the state only when the coordinator merges it. All
-shards therefore work at the same time, and the coordinator waits once per slot.
+:class:`PendingObserver` (:class:`PendingResult`), which fetches the state only when the
+coordinator merges it. All shards therefore work at the same time, and the coordinator
+waits once per slot.
 
 A call that fails because the worker holding the shard died (or its connection was lost)
 raises :class:`ShardLostError` naming the shard and its samples: a shard's samples are
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["PendingObserver", "RemoteShard", "ShardLostError", "result_of"]
+__all__ = ["PendingObserver", "PendingResult", "RemoteShard", "ShardLostError", "result_of"]
 
 
 class ShardLostError(RuntimeError):
@@ -86,6 +88,20 @@ class PendingObserver:
         return self.resolve().data_range()
 
 
+class PendingResult:
+    """A statistic a worker is still filling (``RemoteShard.feed``): ``resolve()`` fetches it
+    once, when the coordinator merges it."""
+
+    def __init__(self, future, shard: str, what: str):
+        self._future, self.shard, self.what = future, shard, what
+        self._value = None
+
+    def resolve(self):
+        if self._value is None:
+            self._value = result_of(self._future, self.shard, self.what)
+        return self._value
+
+
 class RemoteShard:
     """One shard actor seen from the coordinator (see the module docstring). ``actor``: the
     Dask actor handle of an :class:`autoq.shard_actor.ShardActor`; ``name``: its shard;
@@ -125,6 +141,16 @@ class RemoteShard:
             self.label,
             f"the statistics of {slot}",
         )
+
+    def feed(self, slot: str, sink) -> PendingResult:
+        """``sink`` fed ``slot``'s input on the shard's samples, computed in the worker."""
+        self.wait()
+        return PendingResult(self.actor.feed(slot, sink), self.label, f"the sums of {slot}")
+
+    def update_static(self, values: dict) -> None:
+        """Submit tuned weight inputs (key -> array); the shard's next call waits for it."""
+        self.wait()
+        self._pending = (self.actor.update_static(values), "updating the tuned weights")
 
     def run_segment(self, j: int, qparams: dict, progress=None, tables=None) -> None:
         """Submit segment ``j`` (its errors surface at the next call, or :meth:`wait`);

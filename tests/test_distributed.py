@@ -189,12 +189,32 @@ def test_shard_sources_split_the_data(tmp_path):
         NpzShards(str(tmp_path / "*.npz"))
 
 
-def test_weight_tuning_is_refused_before_any_work(model):
+TUNING = {
+    "gptq": {"weight_rounding": "gptq"},
+    "all": {"weight_rounding": "gptq", "bias_correction": True, "scale_search": True},
+}
+
+
+@pytest.mark.parametrize(("name", "shards"), [("gptq", 3), ("all", 2)])
+def test_weight_tuning_gives_the_in_process_weights(client, model, name, shards):
+    """GPTQ, bias correction and the scale search on the shards' merged (exact) Hessians:
+    the same weight scales, activation qparams and tuned integers (QParams.values)."""
     mod, params, data = model
-    cfg = config("max", bias_correction=True)
+    cfg = config("max", **TUNING[name])
     sim = simulate(mod, params, cfg)
-    with pytest.raises(ValueError, match="not distributed yet"):
-        calibrate_distributed(sim, data, cfg, TARGET, client=None)
+    want = calibrate(sim, params, data, cfg, target=TARGET)
+    got = calibrate_distributed(sim, data, cfg, TARGET, client, shards=shards)
+    assert_identical(want, got)
+    tuned = want.meta["weight_tuning"]
+    assert tuned["gptq"] >= 3, tuned  # the layers with enough rows were really rounded
+    if name == "all":
+        assert tuned["searched"] >= 3 and tuned["bias_corrected"] >= 3, tuned
+    assert {k: got.meta["weight_tuning"][k] for k in tuned if k != "tune_s"} == {
+        k: v for k, v in tuned.items() if k != "tune_s"
+    }
+    assert want.values and list(got.values) == list(want.values)
+    for k, v in want.values.items():
+        assert got.values[k].dtype == v.dtype and got.values[k].tobytes() == v.tobytes(), k
 
 
 def test_in_process_runs_never_import_dask():
