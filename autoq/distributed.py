@@ -71,6 +71,7 @@ __all__ = [
     "ShardSet",
     "calibrate_distributed",
     "head_samples",
+    "input_specs",
     "library_bytes",
     "open_client",
     "report_distributed",
@@ -141,6 +142,13 @@ def head_samples(dataset, inputs, k: int = 2) -> list[dict]:
     if is_shard_source(dataset):
         return list(itertools.islice(dataset.shard(0, 1), k))
     return list(itertools.islice(samples_for(dataset, inputs), k))
+
+
+def input_specs(inputs) -> list[InputSpec]:
+    """The :class:`InputSpec` of each model input Var (what the shards validate against)."""
+    return [
+        InputSpec(v.name, tuple(int(d) for d in v.ty.shape.values), str(v.ty.dtype)) for v in inputs
+    ]
 
 
 class ShardSet:
@@ -261,10 +269,7 @@ def calibrate_distributed(
     t0 = time.perf_counter()
     result = calibrate_weights(sim)
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
-    specs = [
-        InputSpec(v.name, tuple(int(d) for d in v.ty.shape.values), str(v.ty.dtype))
-        for v in sim.graph.inputs
-    ]
+    specs = input_specs(sim.graph.inputs)
     t1 = time.perf_counter()
     health: dict = {}  # the scale health of the activation slots (topological mode)
     with ShardSet(client, specs, dataset, config, shards) as shard_set:
@@ -306,7 +311,7 @@ class AnalysisFanOut:
         from .metrics import sqnr_of_sums
 
         self.close()
-        specs = list(analysis.samples.specs)
+        specs = input_specs(analysis.sim.graph.inputs)
         ss = self.shard_set = ShardSet(
             self.client, specs, self.dataset, analysis.config, self.shards
         )

@@ -139,11 +139,20 @@ class Quantizer:
                 f"the dataset {dataset.describe()} is read by the workers of a distributed "
                 "calibration: give Config(distributed=Distributed(...)) or cluster=..."
             )
-        if isinstance(self.config.fallback, AutoFallback) or self.want_report:
-            raise ValueError(
-                "the automatic fallback and the report need the samples in this process too: "
-                f"give the dataset itself instead of {dataset.describe()}"
-            )
+        fb = self.config.fallback
+        if isinstance(fb, AutoFallback):  # what runs on the workers: SQNR trials, the report
+            needs = {
+                "metric=<callable>": callable(fb.metric),
+                "precision='int16'": fb.precision == "int16",
+                f"holdout={fb.holdout}": fb.holdout > 0,
+            }
+            bad = [k for k, v in needs.items() if v]
+            if bad:
+                raise ValueError(
+                    f"AutoFallback({', '.join(bad)}) needs the samples in this process too: "
+                    f"give the dataset itself instead of {dataset.describe()}, or use "
+                    "the default metric='sqnr', precision='fp32', holdout=0"
+                )
         return dataset
 
     def _run(self, mod, params, dataset) -> QuantizeResult:
@@ -179,7 +188,7 @@ class Quantizer:
                     matched, sim, calib, config, client
                 )
             reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
-            with clock("auto_fallback"), self._fan_out(client, mod, params, samples) as fan:
+            with clock("auto_fallback"), self._fan_out(client, mod, params, calib) as fan:
                 out = auto_fallback(
                     matched, None, samples, config, qparams, target=self.target, fan_out=fan
                 )

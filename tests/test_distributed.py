@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -143,17 +144,48 @@ def test_report_fans_out(client, model):
 
 
 def test_auto_fallback_trials_fan_out(client, model):
-    """AutoFallback on the cluster: the report and every SQNR trial computed from the
-    workers' sums give the in-process decision, trial for trial."""
+    """AutoFallback (2 held-out samples) on the cluster: the report and every SQNR trial
+    computed from the workers' sums (over the calibration part) give the in-process
+    decision, trial for trial."""
     mod, params, data = model
-    fb = autoq.AutoFallback(min_sqnr=60.0, max_fp32_layers=2)  # unreachable: every step runs
+    fb = autoq.AutoFallback(min_sqnr=60.0, max_fp32_layers=2, holdout=2)  # unreachable
     cfg = config("max").replace(fallback=fb)
     with pytest.warns(UserWarning, match="not reached"):
         want = autoq.Quantizer(cfg, target=TARGET).run(mod, params, data).decision
     with pytest.warns(UserWarning, match="not reached"):
         got = autoq.Quantizer(cfg, target=TARGET, cluster=client).run(mod, params, data).decision
     assert [t["metric"] for t in got.trials] == [t["metric"] for t in want.trials]
-    assert len(want.trials) == 3 and got.layers == want.layers and not got.met
+    assert len(want.trials) >= 3 and got.layers == want.layers and not got.met
+    # the held-out check ran on the same samples (the coordinator's), with the same verdicts
+    assert [t.get("kept") for t in got.trials] == [t.get("kept") for t in want.trials]
+    assert any("kept" in t for t in want.trials)
+
+
+def test_report_and_auto_fallback_from_a_worker_side_source(client, model):
+    """AutoFallback + report with a source only the workers read: the decision, trial for
+    trial, and the report of in-process runs over the samples in shard order (shard 1's
+    samples, then shard 2's); the options that need the samples here are refused."""
+    mod, params, data = model
+    fb = autoq.AutoFallback(min_sqnr=60.0, max_fp32_layers=1)  # unreachable: the search runs
+    cfg = config("max").replace(fallback=fb)
+    with pytest.warns(UserWarning, match="not reached"):
+        want = autoq.Quantizer(cfg, target=TARGET, report=True).run(
+            mod, params, data[0::2] + data[1::2]
+        )
+    q = autoq.Quantizer(cfg, target=TARGET, report=True, cluster=client)
+    with pytest.warns(UserWarning, match="not reached"):
+        got = q.run(mod, params, CallableShards(shard_of_seven))
+    assert [t["metric"] for t in got.decision.trials] == [t["metric"] for t in want.decision.trials]
+    assert len(want.decision.trials) == 2 and got.decision.layers == want.decision.layers
+    a, b = want.report.to_json(), got.report.to_json()
+    a.pop("meta"), b.pop("meta")
+    assert a == b and got.report.samples == 7
+    with pytest.raises(ValueError, match=r"samples .* are read by the workers"):
+        got.analysis.run()
+    for bad in (dict(precision="int16"), dict(holdout=2)):
+        q = autoq.Quantizer(cfg.replace(fallback=replace(fb, **bad)), target=TARGET, cluster=client)
+        with pytest.raises(ValueError, match=r"AutoFallback\((precision|holdout).*give the data"):
+            q.run(mod, params, CallableShards(shard_of_seven))
 
 
 def bad_second_shard(i: int, n: int):
