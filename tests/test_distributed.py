@@ -264,8 +264,10 @@ def test_in_process_runs_never_import_dask():
 
 
 def test_config_and_cli(tmp_path):
-    cfg = Config(distributed=Distributed(scheduler="tcp://127.0.0.1:8786", shards=4))
+    cfg = Config(distributed=Distributed(scheduler="tcp://127.0.0.1:8786", shards=4, retries=2))
     assert Config.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ValueError, match="retries must be an int >= 0"):
+        Distributed(workers=1, retries=-1)
     with pytest.raises(ValueError, match="exactly one of scheduler"):
         Distributed()
     with pytest.raises(ValueError, match="workers must be an int >= 1"):
@@ -291,16 +293,26 @@ def _arm():
     os.environ["AUTOQ_TEST_KILL"] = "1"
 
 
-def test_killed_worker_is_reported_with_its_shard(client, model):
-    """Runs last in the module (the nanny restarts the killed worker afterwards, with
-    nothing left to run on it)."""
+def test_killed_worker_is_restarted_or_reported_with_its_shard(client, model):
+    """A worker killed during calibration: its shard is restarted on the other worker (its
+    samples reloaded, the segments so far replayed) and the qparams are the in-process
+    ones; with ``retries=0`` the run fails with an error naming the shard. (The nanny
+    restarts a killed worker, unarmed.)"""
     mod, params, data = model
     cfg = config(kill_on_second_shard)
     sim = simulate(mod, params, cfg)
+    want = calibrate(sim, params, data, cfg, target=TARGET)
     victim = sorted(client.scheduler_info(n_workers=-1)["workers"])[1]  # holds shard 2
     client.run(_arm, workers=[victim])
+    with pytest.warns(UserWarning, match=r"shard 2/2 \(samples 1, 3, .*restarting the shard"):
+        got = calibrate_distributed(sim, data, cfg, TARGET, client, shards=2)
+    assert_identical(want, got)
+    client.wait_for_workers(2, timeout=120)
+    victim = sorted(client.scheduler_info(n_workers=-1)["workers"])[1]
+    client.run(_arm, workers=[victim])
+    once = cfg.replace(distributed=Distributed(scheduler="unused", retries=0))
     with pytest.raises(ShardLostError, match=r"shard 2/2 \(samples 1, 3, \.\.\..*lost"):
-        calibrate_distributed(sim, data, cfg, TARGET, client)
+        calibrate_distributed(sim, data, once, TARGET, client, shards=2)
 
 
 def test_scale_health_merges_across_shards(client, model):
