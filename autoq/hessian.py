@@ -301,7 +301,7 @@ class CodeHessian(Hessian):
         c = np.asarray(codes)
         if c.dtype.kind not in "iu":
             raise ValueError(f"CodeHessian takes integer codes (q - zero_point), got {c.dtype}")
-        m = int(np.abs(c.astype(np.int64)).max(initial=0))
+        m = max(int(c.max(initial=0)), -int(c.min(initial=0)))
         dtype = np.dtype(np.float32 if m * m <= _EXACT_INT[np.dtype(np.float32)] else np.float64)
         if m * m > _EXACT_INT[dtype]:
             raise ValueError(f"codes up to {m} are too large for an exact Hessian")
