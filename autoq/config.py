@@ -233,6 +233,7 @@ class Distributed:
     ``shards``: how many shards the samples are split into (default: one per worker; shard
     ``i`` lives on worker ``i % workers``). ``timeout_s``: how long to wait for the workers
     to appear. Each shard caches its activations within ``Config.memory_budget_mb``.
+    ``retries``: restarts of a lost shard on another worker (:mod:`autoq.remote_shards`).
 
     >>> Distributed.from_json(Distributed(workers=2).to_json()) == Distributed(workers=2)
     True
@@ -242,18 +243,17 @@ class Distributed:
     workers: int | None = None
     shards: int | None = None
     timeout_s: float = 60.0
+    retries: int = 1
 
     def __post_init__(self) -> None:
-        if self.scheduler is not None and (
-            not isinstance(self.scheduler, str) or not self.scheduler
-        ):
-            raise TypeError(
-                f"Distributed.scheduler must be an address string, got {self.scheduler!r}"
-            )
+        if (s := self.scheduler) is not None and (not isinstance(s, str) or not s):
+            raise TypeError(f"Distributed.scheduler must be an address string, got {s!r}")
         for name in ("workers", "shards"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"Distributed.{name} must be an int >= 1 or None, got {v!r}")
+        if type(self.retries) is not int or self.retries < 0:  # (bool is not int)
+            raise ValueError(f"Distributed.retries must be an int >= 0, got {self.retries!r}")
         if (self.scheduler is None) == (self.workers is None):
             raise ValueError(
                 "Distributed needs exactly one of scheduler (the address of a running Dask "

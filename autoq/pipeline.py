@@ -140,11 +140,20 @@ class Quantizer:
                 f"the dataset {dataset.describe()} is read by the workers of a distributed "
                 "calibration: give Config(distributed=Distributed(...)) or cluster=..."
             )
-        if isinstance(self.config.fallback, AutoFallback) or self.want_report:
-            raise ValueError(
-                "the automatic fallback and the report need the samples in this process too: "
-                f"give the dataset itself instead of {dataset.describe()}"
-            )
+        fb = self.config.fallback
+        if isinstance(fb, AutoFallback):  # what runs on the workers: SQNR trials, the report
+            needs = {
+                "metric=<callable>": callable(fb.metric),
+                "precision='int16'": fb.precision == "int16",
+                f"holdout={fb.holdout}": fb.holdout > 0,
+            }
+            bad = [k for k, v in needs.items() if v]
+            if bad:
+                raise ValueError(
+                    f"AutoFallback({', '.join(bad)}) needs the samples in this process too: "
+                    f"give the dataset itself instead of {dataset.describe()}, or use "
+                    "the default metric='sqnr', precision='fp32', holdout=0"
+                )
         return dataset
 
     def _run(self, mod, params, dataset) -> QuantizeResult:
@@ -181,7 +190,7 @@ class Quantizer:
                 )
             reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
             search = escalate if config.fallback.precision == "int16_tensors" else auto_fallback
-            with clock("auto_fallback"), self._fan_out(client, mod, params, samples) as fan:
+            with clock("auto_fallback"), self._fan_out(client, mod, params, calib) as fan:
                 out = search(
                     matched, None, samples, config, qparams, target=self.target, fan_out=fan
                 )
