@@ -144,7 +144,7 @@ class Quantizer:
         if isinstance(fb, AutoFallback):  # what runs on the workers: SQNR trials, the report
             needs = {
                 "metric=<callable>": callable(fb.metric),
-                "precision='int16'": fb.precision == "int16",
+                f"precision={fb.precision!r}": fb.precision in ("int16", "int16_tensors"),
                 f"holdout={fb.holdout}": fb.holdout > 0,
             }
             bad = [k for k, v in needs.items() if v]

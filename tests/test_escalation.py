@@ -5,8 +5,6 @@ equals its simulated graph bit for bit."""
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 from tvm import relax
@@ -120,12 +118,14 @@ def test_search_finds_the_outlier_tensor_within_budget(calibrated):
     limit = int(0.2 * eg.n_activation_slots)
     assert 1 <= len(found["tensors"]) <= limit
     assert found["metric"] > found["base"] + 3.0  # >= 3 dB better on calibration samples
-    # greedy by measured effect: the first kept tensor is the one with the best effect alone
-    assert found["tensors"][0] == found["ranking"][0]["layer"]
-    # every kept tensor improved the metric when it was added
-    kept = [t for t in found["trials"] if t.get("kept")]
-    vals = [found["base"]] + [t["metric"] for t in kept]
-    assert all(b > a for a, b in itertools.pairwise(vals))
+    # in the order of the measured ranking (most costly back in int8 first), a prefix
+    ranked = [r["layer"] for r in found["ranking"]]
+    assert found["tensors"] == ranked[: len(found["tensors"])]
+    scores = [r["score"] for r in found["ranking"]]
+    assert scores == sorted(scores)
+    # the held-out samples chose the prefix: its held-out SQNR is the best one seen
+    greedy = [t for t in found["trials"] if t["kind"] == "greedy"]
+    assert greedy and greedy[len(found["tensors"]) - 1]["kept"]
     # the winner is a tensor carrying the outlier channel (residual stream / LN input)
     test = data(4, 11)
     ref = eg.run_fp32(test)
@@ -134,7 +134,7 @@ def test_search_finds_the_outlier_tensor_within_budget(calibrated):
 
 def test_pipeline_realizes_the_choice_bit_exactly_and_round_trips():
     mod, params = tiny_transformer()
-    fb = AutoFallback(precision="int16_tensors", min_sqnr=99.0, holdout=3)
+    fb = AutoFallback(precision="int16_tensors", min_sqnr=99.0)  # held-out: the search test
     res = autoq.Quantizer(Config(progress=False, check_scales=False, fallback=fb)).run(
         mod, params, data(10, 1)
     )
