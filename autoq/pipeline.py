@@ -144,7 +144,7 @@ class Quantizer:
         if isinstance(fb, AutoFallback):  # what runs on the workers: SQNR trials, the report
             needs = {
                 "metric=<callable>": callable(fb.metric),
-                "precision='int16'": fb.precision == "int16",
+                f"precision={fb.precision!r}": fb.precision in ("int16", "int16_tensors"),
                 f"holdout={fb.holdout}": fb.holdout > 0,
             }
             bad = [k for k, v in needs.items() if v]
@@ -237,6 +237,10 @@ class Quantizer:
             layers = [x for x in layers_using(sim, bad) if x not in config.fallback.ids]
             if not layers:
                 return config, qparams, moved
+            wide = _widen_bad_slots(config, bad)
+            if wide is not None:
+                config, sim = wide, None
+                continue
             warnings.warn(
                 f"keeping {len(layers)} layer(s) in fp32 because a chosen int8 scale cannot "
                 f"represent their calibration data: {', '.join(layers)}; "
@@ -261,6 +265,24 @@ class Quantizer:
         module = _attach(module, qparams, None, [])
         int8 = [m for m in matched.layers if m not in reasons]
         return QuantizeResult(module, qparams, self.config, matched, int8, reasons, timings=timings)
+
+
+def _widen_bad_slots(config: Config, bad: dict) -> Config | None:
+    """With ``AutoFallback(precision="int16_tensors")`` an unusable int8 scale is a tensor
+    for int16 (it counts against ``max_int16_fraction``), not a reason for fp32 layers: the
+    config with ``bad``'s 8-bit slots in ``int16_tensors`` (None otherwise / if none left)."""
+    fb = config.fallback
+    if not (isinstance(fb, AutoFallback) and fb.precision == "int16_tensors"):
+        return None
+    new = [s for s in bad if s not in config.int16_tensors]
+    if not new:
+        return None
+    warnings.warn(
+        f"int16 for {len(new)} tensor(s) whose int8 scale cannot represent their calibration "
+        "data: " + "; ".join(f"{s}: {bad[s]}" for s in new),
+        stacklevel=5,
+    )
+    return config.replace(int16_tensors=(*config.int16_tensors, *new))
 
 
 def check_weights(weights: dict) -> None:
