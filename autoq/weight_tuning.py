@@ -130,10 +130,15 @@ class InputStats:
         self.hessians = {t.layer: t.hessian() for t in tasks}
 
     def update(self, x: np.ndarray) -> None:
+        for h in self.hessians.values():  # quantized after the rows are gathered (cheaper)
+            h.update(x, self.fake_quantize)
+
+    def fake_quantize(self, x: np.ndarray) -> np.ndarray:
+        """What the layer reads (0 stays 0: the zero point is an integer)."""
         qp = self.qp
-        xq = P.dequantize(P.quantize(x, qp.scale, qp.zero_point, qp.dtype), qp.scale, qp.zero_point)
-        for h in self.hessians.values():
-            h.update(xq)
+        return P.dequantize(
+            P.quantize(x, qp.scale, qp.zero_point, qp.dtype), qp.scale, qp.zero_point
+        )
 
     def merge(self, other: InputStats) -> None:
         for k, h in self.hessians.items():
