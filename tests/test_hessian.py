@@ -9,7 +9,14 @@ import pytest
 from reference_ops import conv2d_loops
 
 import autoq.hessian as Hm
-from autoq.hessian import ConvGeometry, Hessian, conv_unfold, flatten_conv_weight, output_error
+from autoq.hessian import (
+    CodeHessian,
+    ConvGeometry,
+    Hessian,
+    conv_unfold,
+    flatten_conv_weight,
+    output_error,
+)
 
 GEOMETRIES = {
     "plain 3x3": dict(c=3, o=4, k=(3, 3), strides=(1, 1), padding=(1, 1, 1, 1), groups=1),
@@ -63,10 +70,8 @@ def test_unfold_times_weight_is_the_convolution(name):
 
 @pytest.mark.parametrize("name", ["plain 3x3", "groups 2", "depthwise 5x5 stride 2"])
 def test_output_error_is_the_conv_output_mse(name):
-    """tr(dW H dW^T) with H streamed over two batches == 2/n ||conv(x, dW)||^2 per channel
-    (float32 data, as calibration feeds it; H's products are float32: rtol 1e-5)."""
+    """tr(dW H dW^T) with H streamed over two batches == 2/n ||conv(x, dW)||^2 per channel."""
     geom, x, w = _case(GEOMETRIES[name], seed=1, n=3)
-    x = x.astype(np.float32)
     dw = np.random.default_rng(2).normal(size=w.shape) * 0.01
     h = Hessian.conv2d(geom, x.shape[1])
     h.update(x[:1])
@@ -75,24 +80,22 @@ def test_output_error_is_the_conv_output_mse(name):
     y = _loop_conv(geom, x, dw)
     rows = y.shape[0] * y.shape[2] * y.shape[3]
     ref = 2.0 / rows * (y**2).sum(axis=(0, 2, 3))
-    np.testing.assert_allclose(err, ref, rtol=1e-5)
+    np.testing.assert_allclose(err, ref, rtol=1e-10)
     assert h.rows == rows
     # the mean patch gives the mean output of each channel
     mean_out = np.einsum("gok,gk->go", flatten_conv_weight(dw, geom.groups), h.mean()).reshape(-1)
-    np.testing.assert_allclose(mean_out, y.mean(axis=(0, 2, 3)), rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(mean_out, y.mean(axis=(0, 2, 3)), rtol=1e-9, atol=1e-15)
 
 
 def test_max_rows_keeps_evenly_spaced_rows():
     geom, x, _ = _case(GEOMETRIES["plain 3x3"], seed=5, n=1)
-    x = x.astype(np.float32)  # H's products are float32 (float64 totals)
     full, sub = Hessian.conv2d(geom, 3), Hessian.conv2d(geom, 3, max_rows=10)
     full.update(x)
     sub.update(x)
     rows = conv_unfold(x, geom)[0]  # 42 rows
     keep = rows[np.linspace(0, len(rows) - 1, 10).round().astype(int)]
     assert sub.rows == 10 and full.rows == len(rows)
-    keep = keep.astype(np.float64)
-    np.testing.assert_allclose(sub.matrix()[0], 2 * keep.T @ keep / 10, rtol=1e-5)
+    np.testing.assert_allclose(sub.matrix()[0], 2 * keep.T @ keep / 10, rtol=1e-12)
     same = Hessian.conv2d(geom, 3, max_rows=1000)
     same.update(x)
     np.testing.assert_array_equal(same.matrix(), full.matrix())
@@ -100,11 +103,11 @@ def test_max_rows_keeps_evenly_spaced_rows():
 
 def test_dense_hessian_and_errors():
     rng = np.random.default_rng(3)
-    x = rng.normal(size=(4, 5, 3)).astype(np.float32)  # leading axes are rows
+    x = rng.normal(size=(4, 5, 3))  # leading axes are rows
     h = Hessian.dense(3)
     h.update(x)
-    xs = x.reshape(-1, 3).astype(np.float64)
-    np.testing.assert_allclose(h.matrix()[0], 2 * xs.T @ xs / 20, rtol=1e-5)
+    xs = x.reshape(-1, 3)
+    np.testing.assert_allclose(h.matrix()[0], 2 * xs.T @ xs / 20, rtol=1e-12)
     with pytest.raises(ValueError, match="4 features, expected 3"):
         h.update(np.zeros((2, 4)))
     with pytest.raises(ValueError, match="no data"):
@@ -115,40 +118,75 @@ def test_dense_hessian_and_errors():
         ConvGeometry(kernel=1, padding=(1, 2, 3))
 
 
-def test_buffered_products_equal_one_product_per_batch(monkeypatch):
-    """Batches are buffered before one product (FLUSH_ELEMENTS): flushing after every
-    batch gives the same H and mean, up to float32 products."""
-    import autoq.hessian as hessian_mod
-
-    geom, x, _ = _case(GEOMETRIES["plain 3x3"], seed=7, n=4)
-    x = x.astype(np.float32)
-    buffered = Hessian.conv2d(geom, x.shape[1])
-    for i in range(4):
-        buffered.update(x[i : i + 1])
-    monkeypatch.setattr(hessian_mod, "FLUSH_ELEMENTS", 1)
-    each = Hessian.conv2d(geom, x.shape[1])
-    for i in range(4):
-        each.update(x[i : i + 1])
-        assert not each._pending
-    assert buffered.rows == each.rows
-    tol = 1e-6 * np.abs(each.matrix()).max()  # float32 products of cancelling terms
-    np.testing.assert_allclose(buffered.matrix(), each.matrix(), rtol=1e-5, atol=tol)
-    np.testing.assert_allclose(buffered.mean(), each.mean(), rtol=1e-6)
+def _int_reference(rows: np.ndarray) -> np.ndarray:
+    """sum of r r^T over the rows in Python integers (exact, no BLAS)."""
+    r = rows.astype(object)
+    return np.array([[[sum(a * b) for b in g.T] for a in g.T] for g in r], dtype=object)
 
 
-def test_elementwise_on_gathered_rows_equals_elementwise_on_the_input():
-    """A fake quantization (0 -> 0) applied to the kept rows gives the H of the fake
-    quantized input (zero padding included)."""
-    from autoq import primitives as P
+@pytest.mark.parametrize("bound", [127, 4000, 30000], ids=["int8", "float32 1-row chunks", "int16"])
+def test_code_hessian_is_exact_for_any_split_and_order(bound):
+    """Integer codes: the int64 sums equal Python's exact integer sums (BLAS products in
+    chunks that keep every partial sum exact), and shards merged in any order give the
+    same bits as one pass; matrix()/mean() are the float Hessian of x = scale * codes."""
+    geom = ConvGeometry(kernel=(3, 3), padding=(1, 1, 1, 1), groups=2)
+    rng = np.random.default_rng(7)
+    batches = [rng.integers(-bound, bound + 1, size=(1, 4, 5, 6)) for _ in range(6)]
+    one = CodeHessian.conv2d(geom, 4, scale=0.25)
+    for b in batches:
+        one.update(b.astype(np.int16 if bound > 127 else np.int8))
+    rows = np.concatenate([conv_unfold(b, geom) for b in batches], axis=1)
+    one.flush()  # the rows are buffered until a full exact product (or matrix()/mean())
+    assert one.rows == rows.shape[1] == 180
+    assert (one.sum.astype(object) == _int_reference(rows)).all()
+    np.testing.assert_array_equal(one.row_sum, rows.sum(axis=1))
+    shards = [CodeHessian.conv2d(geom, 4, scale=0.25) for _ in range(3)]
+    for k, b in enumerate(batches):  # round-robin, like a streamed distributed dataset
+        shards[k % 3].update(b)
+    merged = shards[2]
+    merged.merge(shards[0])
+    merged.merge(shards[1])
+    assert merged.matrix().tobytes() == one.matrix().tobytes()
+    assert merged.mean().tobytes() == one.mean().tobytes()
+    ref = Hessian.conv2d(geom, 4)
+    for b in batches:
+        ref.update(0.25 * b.astype(np.float64))
+    np.testing.assert_allclose(one.matrix(), ref.matrix(), rtol=1e-12)
+    np.testing.assert_allclose(one.mean(), ref.mean(), rtol=1e-12)
 
-    geom, x, _ = _case(GEOMETRIES["plain 3x3"], seed=9, n=2)
-    x = x.astype(np.float32)
 
-    def fq(v):
-        return P.dequantize(P.quantize(v, np.float32(0.05), 3), np.float32(0.05), 3)
+def test_code_hessian_errors():
+    h = CodeHessian.dense(3, scale=1.0)
+    with pytest.raises(ValueError, match="integer codes"):
+        h.update(np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match="no data"):
+        h.matrix()
+    h.update(np.ones((2, 3), np.int8))
+    with pytest.raises(ValueError, match="cannot merge"):
+        h.merge(CodeHessian.dense(3, scale=2.0))
+    with pytest.raises(ValueError, match="positive"):
+        CodeHessian.dense(3, scale=0.0)
 
-    late, early = Hessian.conv2d(geom, 3, max_rows=20), Hessian.conv2d(geom, 3, max_rows=20)
-    late.update(x, fq)
-    early.update(fq(x))
-    np.testing.assert_array_equal(late.matrix(), early.matrix())
-    np.testing.assert_array_equal(late.mean(), early.mean())
+
+def test_code_hessian_buffers_rows_until_a_full_exact_product():
+    """int8 codes: 1024 rows per exact float32 product; a 30-row batch is buffered, 40 of
+    them are summed in one product (and the rest at matrix()), the same int64 sums as a
+    flush after every batch; pickling (a shard's statistics) sends the sums."""
+    import pickle
+
+    rng = np.random.default_rng(11)
+    batches = [rng.integers(-128, 128, size=(30, 5)).astype(np.int8) for _ in range(40)]
+    buffered, each = CodeHessian.dense(5, scale=0.5), CodeHessian.dense(5, scale=0.5)
+    buffered.update(batches[0])
+    assert buffered.sum is None and buffered.rows == 30
+    for b in batches[1:]:
+        buffered.update(b)
+    assert buffered.sum is not None  # 35 batches made 1050 >= 1024 rows: one product
+    for b in batches:
+        each.update(b)
+        each.flush()
+    back = pickle.loads(pickle.dumps(buffered))
+    for h in (buffered, back):
+        assert h.rows == 1200
+        assert h.matrix().tobytes() == each.matrix().tobytes()
+        np.testing.assert_array_equal(h.row_sum, each.row_sum)

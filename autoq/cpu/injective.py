@@ -1,10 +1,14 @@
 """A fixed schedule for the fused elementwise / pooling PrimFuncs around the int8 kernels.
 
 TVM's default CPU pipeline leaves every fused function (bias add + requantize + residual
-add, pooling, padding, ...) as a naive, single-threaded loop nest. :func:`schedule_fused`
-gives each one the same cheap schedule: intermediate blocks inlined where possible, then
-every remaining block parallel over its leading spatial loops (the innermost loop is left
-to LLVM's vectorizer). Semantics are unchanged (no reordering of any reduction).
+add, pooling, padding, softmax, layer norm, a matmul of two activations, ...) as a naive,
+single-threaded loop nest. :func:`schedule_fused` gives each one the same cheap schedule:
+intermediate blocks inlined where possible (never into a reduction, whose inner loop would
+recompute them, with transposes or exps, on every step), reductions vectorized and register
+blocked by :func:`autoq.loop_schedule.schedule_reductions`, then every remaining block
+parallel over its leading spatial loops (the innermost loop is left to LLVM's vectorizer;
+when it reads ``x[..., i // k]``, a fused nearest-neighbour upsampling, it is split by ``k``
+and the ``k`` copies unrolled). Semantics are unchanged: every output keeps its reduction order, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import math
 import tvm
 from tvm import tirx
 from tvm.s_tir import Schedule, ScheduleError
+
+from ..loop_schedule import rows_for, schedule_reductions
 
 __all__ = ["KERNEL_ATTR", "ScheduleFused", "schedule_fused"]
 
@@ -52,21 +58,73 @@ def _parallelize(sch: Schedule, block) -> None:
     sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
 
 
-def schedule_fused(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """``func`` with its blocks inlined where possible and parallelized."""
+_CHILDREN = ("a", "b", "value", "condition", "true_value", "false_value")
+
+
+def _divisors(expr, var, found: set) -> set:
+    """Constant ``k`` of every ``var // k`` (truncating or floor) inside ``expr``."""
+    if isinstance(expr, (tirx.Div, tirx.FloorDiv)) and expr.a.same_as(var):
+        if isinstance(expr.b, tirx.IntImm) and expr.b.value > 1:
+            found.add(int(expr.b.value))
+    for name in _CHILDREN:
+        child = getattr(expr, name, None)
+        if isinstance(child, tvm.ir.expr.Expr):
+            _divisors(child, var, found)
+    for child in getattr(expr, "args", None) or ():
+        if isinstance(child, tvm.ir.expr.Expr):
+            _divisors(child, var, found)
+    return found
+
+
+def _unroll_upsampling(sch: Schedule, block) -> None:
+    """A block reading ``x[..., i // k]`` along its innermost loop (nearest-neighbour
+    upsampling by ``k``, fused into an elementwise function): split that loop by ``k`` and
+    unroll the ``k`` copies, so that the read becomes contiguous in the outer loop and LLVM
+    vectorizes it instead of computing a clamped division per element."""
+    loops = sch.get_loops(block)
+    stmt = sch.get(block)
+    if not loops or not stmt.iter_vars:
+        return
+    var = stmt.iter_vars[-1].var
+    extent = _extent(sch, loops[-1])
+    found: set = set()
+    for region in stmt.reads:
+        for r in region.region:
+            _divisors(r.min, var, found)
+    ks = [k for k in sorted(found) if extent and extent % k == 0 and extent > k]
+    if len(ks) == 1:
+        sch.unroll(sch.split(loops[-1], [None, ks[0]])[1])
+
+
+def _feeds_reduction(sch: Schedule, block) -> bool:
+    for consumer in sch.get_consumers(block):
+        kinds = [iv.iter_type for iv in sch.get(consumer).iter_vars]
+        if tirx.IterVar.CommReduce in kinds:
+            return True
+    return False
+
+
+def schedule_fused(func: tirx.PrimFunc, rows: int = 4) -> tirx.PrimFunc:
+    """``func`` with its blocks inlined where possible, its reductions scheduled
+    (``rows``: vectors accumulated together, see :func:`autoq.loop_schedule.rows_for`) and
+    its blocks parallelized."""
     try:
         sch = Schedule(func, error_render_level="none")
         blocks = _blocks(sch)
     except RuntimeError:  # ScheduleError, InternalError: no root block, not TE-built
         return func
     for block in blocks[:-1]:
+        if _feeds_reduction(sch, block):
+            continue
         try:
             sch.compute_inline(block)
         except ScheduleError:
             pass
+    sch = Schedule(schedule_reductions(sch.mod["main"], rows), error_render_level="none")
     for block in _blocks(sch):
         try:
             _parallelize(sch, block)
+            _unroll_upsampling(sch, block)
         except ScheduleError:
             pass
     return sch.mod["main"]
@@ -77,13 +135,15 @@ class ScheduleFused:
     """Module pass: :func:`schedule_fused` on every PrimFunc not marked with ``KERNEL_ATTR``."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        target = tvm.target.Target.current(allow_none=True)
+        rows = rows_for(target) if target is not None else 4
         updates = {}
         for gv, func in mod.functions.items():
             if not isinstance(func, tirx.PrimFunc):
                 continue
             if func.attrs is not None and KERNEL_ATTR in func.attrs:
                 continue
-            updates[gv] = schedule_fused(func)
+            updates[gv] = schedule_fused(func, rows)
         for gv, func in updates.items():
             mod[gv] = func
         return mod
