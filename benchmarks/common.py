@@ -782,12 +782,16 @@ def _child_main(target: str, args_path: str, result_path: str) -> None:
 ORT_METHODS = ("minmax", "entropy", "percentile")
 
 
-def ort_session(path: Path | str, threads: int = 1, optimize: bool = False):
+def ort_session(path: Path | str, threads: int = 1, optimize: bool = False, spinning: bool = True):
     """A CPU session; ``optimize=False`` disables all graph optimizations (the QDQ graph then
-    runs exactly as written: float ops between QuantizeLinear/DequantizeLinear)."""
+    runs exactly as written: float ops between QuantizeLinear/DequantizeLinear).
+    ``spinning=False``: idle intra-op threads sleep instead of spinning (ORT's default spins,
+    which takes cores from whatever runs next, e.g. an interleaved peer)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
+    if not spinning:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL

@@ -107,10 +107,14 @@ def test_canonical_forms_of_the_mlp_and_attention():
     seq = op_sequence(real)
     ops = _core(seq)
     assert ops.count("qnn.dense") == 4 and ops.count("qnn.matmul") == 2
-    # k^T is transposed on int8, softmax and the scaling stay fp32 between dequantize/quantize
+    # k^T is transposed on int8; the scores' scaling by a constant is an int8 layer
+    # (multiply_const); softmax stays fp32 between dequantize/quantize
     assert ("permute_dims", "int8") in seq
     i = ops.index("nn.softmax")
-    assert ops[i - 2 : i + 2] == ["qnn.dequantize", "multiply", "nn.softmax", "qnn.quantize"]
+    assert ops[i - 4 : i + 2] == [
+        "qnn.matmul", "qnn.requantize", "qnn.multiply", "qnn.dequantize", "nn.softmax",
+        "qnn.quantize",
+    ]  # fmt: skip
     # the residual is requantized to int32 at the accumulator's scale and added
     assert ops[-3:] == ["qnn.requantize", "add", "qnn.dequantize"]
     assert seq[-3] == ("qnn.requantize", "int32")

@@ -27,6 +27,7 @@ from .conv_transpose import conv2d_transpose_kernel
 from .dense import dense_kernel
 from .depthwise import depthwise_kernel, depthwise_weight
 from .isa import Isa, isa_of
+from .lut import lut_kernel
 from .packing import compensation, pack_conv_weight, pack_dense_weight
 from .softmax import softmax_kernel
 
@@ -194,12 +195,24 @@ def _softmax(_isa: Isa, fallback, bb, call):
     return relax.call_tir(gv, [data], out_ty=relax.TensorType(shape, "float32"))
 
 
+def _lut(_isa: Isa, fallback, bb, call):
+    """``qnn.lut`` -> :func:`autoq.cpu.lut.lut_kernel` (static shapes)."""
+    data, table = call.args
+    shape = shape_of(data)
+    if shape is None:
+        return fallback(bb, call)
+    func = lut_kernel(shape, dtype_of(data), dtype_of(table))
+    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_lut")
+    return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, dtype_of(table)))
+
+
 _LOWERINGS = {
     "qnn.conv2d": _conv2d,
     "qnn.dense": _dense,
     "qnn.matmul": _matmul,
     "relax.nn.conv2d_transpose": _conv2d_transpose,
     "relax.nn.softmax": _softmax,
+    "qnn.lut": _lut,
 }
 
 
