@@ -21,8 +21,10 @@ leaky relu       alpha as a double                                  alpha as a f
 and ``autoq.hardsigmoid`` (fp32 ops registered here, legalized to their definition),
 ``nn.silu``, ``nn.gelu``, ``nn.gelu_tanh``, ``nn.layer_norm`` (positive axes, float32 epsilon),
 a single ``clip`` for a chain of clips (``relu6`` included), float convolutions without an
-explicit ``out_dtype``, float32-valued attributes (leaky relu's alpha) and attention masks
-of ``finfo.min`` (-> -1e4, :mod:`autoq.attention_mask`). A
+explicit ``out_dtype``, float32-valued attributes (leaky relu's alpha), attention masks
+of ``finfo.min`` (-> -1e4, :mod:`autoq.attention_mask`) and a division by a constant as a
+multiplication by its float32 reciprocal (``x / c`` -> ``x * (1/c)``, within 1.5 ulp; so
+``x / c`` is quantized like ``x * c``, after the rules that read a ``/ 6`` or ``/ sqrt 2``). A
 rule only fires when its constants are the operation's (to 1e-6 relative): ``x * clip(x * 0.2
 + 0.5, 0, 1)`` (ONNX HardSigmoid's default alpha) is left alone. The rules are a table
 (:data:`RULES`); adding a decomposition is one row.
@@ -343,6 +345,25 @@ def _canonical_leaky(m, p):
     return None if alpha == _f32(alpha) else relax.op.nn.leakyrelu(m[p["x"]], _f32(alpha))
 
 
+def _divide_by_constant():
+    x, c = wildcard(), is_const()
+    return is_op("relax.divide")(x, c), {"x": x, "c": c}
+
+
+def _reciprocal(m, p):
+    """``x / c`` -> ``x * float32(1 / c)`` for a float32 constant ``c`` with no zero or
+    non-finite entry. Not bit-identical in float32 (``x * (1/c)`` is within 1.5 ulp of
+    ``x / c``; exact when ``c`` is a power of two), far below an 8-bit step (2**-24 vs
+    2**-8 relative); one form lets ``x * c`` patterns quantize it."""
+    c = const_array(m[p["c"]])
+    if c is None or c.dtype != np.float32 or not np.all(np.isfinite(c) & (c != 0)):
+        return None
+    inv = (np.float64(1.0) / c.astype(np.float64)).astype(np.float32)
+    if not np.all(np.isfinite(inv)):
+        return None
+    return relax.op.multiply(m[p["x"]], relax.const(inv, "float32"))
+
+
 #: the rewrite table, applied in order, each to a fixed point
 RULES: list[Rule] = [
     Rule("clip_chain", _clip_chain, _merge_clips),
@@ -360,6 +381,8 @@ RULES: list[Rule] = [
     # finfo.min attention masks -> a quantizable constant (autoq.attention_mask)
     Rule("attention_mask_multiply", mask_multiply, rewrite_mask_constant),
     Rule("attention_mask_where", mask_where, rewrite_mask_constant),
+    # after every rule that reads a division by a constant (hardswish's / 6, gelu's / sqrt 2)
+    Rule("divide_by_constant", _divide_by_constant, _reciprocal),
 ]
 
 

@@ -82,23 +82,33 @@ class HealthObserver:
         self.scale = float(np.asarray(scale).reshape(-1)[0])
         self.zero_point = int(np.asarray(zero_point).reshape(-1)[0])
         self.qmin, self.qmax = qmin, qmax
+        # rint(x / s) + zp is the zero point iff |x| <= s / 2, below the grid iff
+        # x < (qmin - zp - 1/2) s, above it iff x > (qmax - zp + 1/2) s: thresholds, so an
+        # update is a few passes of comparisons in the data's own dtype (no float64 copy,
+        # no division; it runs on every activation of every calibration sample).
+        self.half = 0.5 * self.scale
+        self.below = (qmin - self.zero_point - 0.5) * self.scale
+        self.above = (qmax - self.zero_point + 0.5) * self.scale
         self.counts = np.zeros(4, np.int64)  # count, nonzero, collapsed, clipped
         self.lo, self.hi = np.inf, -np.inf
 
     def update(self, x: np.ndarray) -> None:
-        x = np.asarray(x, np.float64).reshape(-1)
+        """Count ``x`` (exact up to values within one ulp of a rounding boundary, where
+        the comparison in ``x``'s dtype and ``rint`` of the quotient may disagree)."""
+        x = np.asarray(x)
+        if not np.issubdtype(x.dtype, np.floating):
+            x = x.astype(np.float64)
+        x = x.reshape(-1)
         if not x.size:
             return
-        q = np.rint(x / self.scale) + self.zero_point
-        nonzero = x != 0
-        self.counts += (
-            x.size,
-            int(nonzero.sum()),
-            int((nonzero & (q == self.zero_point)).sum()),
-            int(((q < self.qmin) | (q > self.qmax)).sum()),
-        )
-        self.lo = min(self.lo, float(x.min()))
-        self.hi = max(self.hi, float(x.max()))
+        lo, hi = float(x.min()), float(x.max())
+        nonzero = int(np.count_nonzero(x))
+        near_zero = int(np.count_nonzero(np.abs(x) <= self.half))  # zeros included
+        clipped = int(np.count_nonzero(x < self.below)) if lo < self.below else 0
+        clipped += int(np.count_nonzero(x > self.above)) if hi > self.above else 0
+        self.counts += (x.size, nonzero, near_zero - (x.size - nonzero), clipped)
+        self.lo = min(self.lo, lo)
+        self.hi = max(self.hi, hi)
 
     def merge(self, other: HealthObserver) -> None:
         self.merge_state(other.state())

@@ -70,11 +70,13 @@ def _check(kind: Kind, bias: bool, residual: bool):
         if reason is None and bias:
             reason = _check_bias(g, nodes, kind, out_shape)
         if reason is None and residual:
-            r = nodes["residual"]
+            r, own = nodes["residual"], [nodes["core"], nodes.get("biased")]
             if not is_activation(g, r) or shape_of(r) != shape_of(
                 nodes.get("biased", nodes["core"])
             ):
                 reason = "residual is not a float32 activation of the output's shape"
+            elif any(r.same_as(v) for v in own if v is not None):
+                reason = "the residual is the layer's own output (y + y)"
         return reason
 
     return check

@@ -1,6 +1,7 @@
 """Shared simulate/realize for elementwise ops with their own output qparams: of two
 activations, or of an activation and a constant (``x + c``, ``x - c``, ``x * c``; the
-canonical graph has the constant second).
+canonical graph has the constant second, and ``x / c`` is ``x * (1/c)`` after
+:mod:`autoq.canonicalize`).
 
 Simulated::   out = dequantize(simulated_quantize(dequantize(q_a) <op> dequantize(q_b), s_o, zp_o))
 Realized::    q_out = qnn.<op>(q_a, q_b, s_a, zp_a, s_b, zp_b, s_o, zp_o)   -> int8
@@ -74,5 +75,4 @@ def make(kind: str, doc: str = "", constant: bool = False) -> Pattern:
     return Pattern(
         f"{kind}_const" if constant else kind, 1, build, check, simulate, realize,
         weight="rhs" if constant else None, anchor="root", doc=doc, int8_output=True,
-        default=not constant,
     )  # fmt: skip

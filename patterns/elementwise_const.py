@@ -3,13 +3,11 @@
 ``qnn.multiply`` with the constant as an int8 tensor with its own per-tensor qparams (see
 ``patterns/_elementwise.py``).
 
-**Opt-in** (``Pattern.default=False``): they run only when ``Config.patterns`` names them,
-e.g. ``Config(patterns=(*[p.name for p in autoq.registry.ordered_patterns()],
-"multiply_const"))`` (``ordered_patterns()`` lists the default ones). By default these
-ops stay fp32 as before: turning them on changes the layer list of attention graphs (the
-``scores * 1/sqrt(d)`` before softmax becomes an int8 layer) and, for pre-quantized files,
-reports a fallback wherever the file leaves such an op in float (an inline constant has no
-initializer the file could quantize); making them the default needs those two decided.
+On by default (the issue's integer-only activations; the measurement behind the decision is
+in docs/ops.md). ``x / c`` reaches them as ``x * (1/c)`` (:mod:`autoq.canonicalize`). An
+imported pre-quantized file supplies the constant's integers and qparams (ONNX Runtime
+quantizes the constant input of Add/Mul like an activation), also when TVM's ONNX importer
+inlined the initializer as a Relax constant.
 """
 
 from autoq.registry import register

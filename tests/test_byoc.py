@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax
 
 import autoq
@@ -44,6 +45,19 @@ def onnx_path(tmp_path_factory):
         input_names=["x"], output_names=["y"],
     )  # fmt: skip
     return path
+
+
+@pytest.fixture(scope="module")
+def int8_modules(onnx_path):
+    """source -> the int8 module (built once per source, shared by the tests)."""
+    cache: dict[str, tvm.IRModule] = {}
+
+    def get(source: str) -> tvm.IRModule:
+        if source not in cache:
+            cache[source] = _int8_module(source, onnx_path)
+        return cache[source]
+
+    return get
 
 
 def _int8_module(source: str, onnx_path) -> tvm.IRModule:
@@ -81,8 +95,8 @@ def _composites(partitioned: tvm.IRModule) -> list[str]:
 
 
 @pytest.mark.parametrize("source", ["torch", "onnx", "qdq"])
-def test_the_whole_network_is_one_integer_region_and_bit_exact(source, onnx_path):
-    mod = _int8_module(source, onnx_path)
+def test_the_whole_network_is_one_integer_region_and_bit_exact(source, int8_modules):
+    mod = int8_modules(source)
     part = npu_backend.partition(mod)
     # nothing left on the host but the call of the one region: 0 integer ops outside the
     # composites, 0 fp32 ops between the input quantize and the output dequantize
@@ -100,6 +114,18 @@ def test_the_whole_network_is_one_integer_region_and_bit_exact(source, onnx_path
         ref = _run(ref_ex, xi)
         np.testing.assert_array_equal(_run(npu_ex, xi), ref)
         assert np.abs(ref).max() > 0  # a real output, not all zeros
+
+
+def test_torch_and_onnx_give_the_same_int8_module(int8_modules):
+    """The realized int8 modules of the two frontends are one graph, constants included
+    (same slot ids, same qparams from the same calibration samples, same int8 weights)."""
+    a, b = int8_modules("torch")["main"], int8_modules("onnx")["main"]
+    tvm.ir.assert_structural_equal(
+        a.without_attr("global_symbol"), b.without_attr("global_symbol"), map_free_vars=True
+    )
+    # the comparison sees constants: the ORT file's own int8 weights make another module
+    qdq = int8_modules("qdq")["main"]
+    assert not tvm_ffi.structural_equal(a, qdq, map_free_vars=True)
 
 
 def test_checks_reject_float_and_leaked_intermediates():

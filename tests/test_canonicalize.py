@@ -171,20 +171,6 @@ def test_canonical_ops_compute_their_definition(name, ref):
 # ------------------------------------------------------------------ torch vs ONNX import
 
 
-def _constants_rounded(mod):
-    """The module with every float constant rounded to 6 significant digits, so that two
-    imports agree when their constants are within ~1e-6 relative."""
-
-    class Round(relax.PyExprMutator):
-        def visit_constant_(self, op):
-            a = op.value.numpy()
-            if a.dtype.kind == "f":
-                a = np.asarray([float(f"{v:.6g}") for v in a.ravel()], a.dtype).reshape(a.shape)
-            return relax.const(a, str(a.dtype))
-
-    return relax.PyExprMutator.visit_expr(Round(mod), mod["main"])
-
-
 def test_torch_and_onnx_imports_of_one_network_canonicalize_to_the_same_graph(tmp_path):
     import autoq
     from autoq.graph import prepare

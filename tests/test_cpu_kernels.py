@@ -20,9 +20,11 @@ from autoq.cpu import isa as isa_mod
 from autoq.cpu import packing, tiling
 from autoq.cpu.conv2d import ConvShape, conv2d_kernel
 from autoq.cpu.dense import dense_kernel
-from autoq.cpu.depthwise import depthwise_kernel
+from autoq.cpu.depthwise import blocked, depthwise_kernel, depthwise_weight
+from autoq.cpu.injective import schedule_fused
 from autoq.cpu.isa import AVX2, VNNI, isa_of
 from autoq.cpu.lowering import lower_to_cpu_kernels
+from autoq.cpu.lut import lut_kernel
 from models import attention, mlp, small_cnn
 
 
@@ -142,14 +144,23 @@ def test_dense_kernel_bit_exact(isa, mcpu, m, k, n, dtype, zx):
 
 @pytest.mark.parametrize(
     ("c", "h", "k", "s", "pad", "dtype", "zx"),
-    [(8, 9, 3, 1, 1, "int8", -128), (5, 11, 5, 2, 2, "uint8", 140), (3, 6, 3, 1, 0, "int8", 4)],
+    [
+        (8, 9, 3, 1, 1, "int8", -128),
+        (5, 11, 5, 2, 2, "uint8", 140),
+        (3, 6, 3, 1, 0, "int8", 4),
+        (4, 40, 3, 1, 1, "int8", 7),  # wide 3x3: the row kernel
+        (17, 70, 3, 2, 1, "uint8", 120),
+    ],
 )
 @pytest.mark.parametrize("mcpu", [HOST, "haswell"])
 def test_depthwise_kernel_bit_exact(mcpu, c, h, k, s, pad, dtype, zx):
     rng = np.random.default_rng(2)
     x, w = _data(rng, (2, c, h, h + 1), dtype), _data(rng, (c, 1, k, k), "int8")
     shape = ConvShape(2, c, h, h + 1, c, (k, k), (s, s), (pad,) * 4)
-    got = _run(depthwise_kernel(shape, dtype, zx), mcpu, [x, w], (2, c, *shape.out_hw))
+    lanes = 16 if mcpu == HOST else 8
+    assert blocked(shape) == (h < 40)
+    args = [x, depthwise_weight(shape, w, lanes)]
+    got = _run(depthwise_kernel(shape, dtype, zx, lanes), mcpu, args, (2, c, *shape.out_hw))
     ref = np.concatenate(
         [
             conv_reference(x[:, i : i + 1], w[i : i + 1], zx, (s, s), (pad,) * 4, (1, 1))
@@ -213,6 +224,88 @@ def test_realized_model_same_outputs_with_kernels(isa, mcpu, make):
         outs.append([vm["main"](tvm.runtime.tensor(x)).numpy() for x in data(3, 5)])
     for a, b in zip(*outs, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _conv_transpose_module(x_shape, w, strides, padding=(0, 0)):
+    """main(x) = relu(conv2d_transpose(x, const w) + bias), float32 NCHW / IOHW."""
+    x = relax.Var("x", relax.TensorType(x_shape, "float32"))
+    bias = np.linspace(-1, 1, w.shape[1], dtype=np.float32).reshape(1, -1, 1, 1)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = relax.op.nn.conv2d_transpose(x, relax.const(w), strides=strides, padding=padding)
+            out = bb.emit_output(relax.op.nn.relu(relax.op.add(bb.emit(y), relax.const(bias))))
+        bb.emit_func_output(out)
+    return tvm.IRModule({"main": bb.get()["main"]})
+
+
+def conv_transpose_reference(x, w, strides):
+    """float64 conv2d_transpose with kernel == stride: every output pixel reads one input."""
+    sh, sw = strides
+    out = np.einsum("nchw,cors->nohrws", x.astype(np.float64), w.astype(np.float64))
+    n, o, h, _, wd, _ = out.shape
+    return out.reshape(n, o, h * sh, wd * sw)
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "w_shape", "strides", "padding", "kernel"),
+    [
+        ((1, 6, 5, 7), (6, 3, 2, 2), (2, 2), (0, 0), True),
+        ((2, 3, 4, 3), (3, 5, 3, 1), (3, 1), (0, 0), True),
+        ((1, 4, 5, 5), (4, 2, 3, 3), (2, 2), (1, 1), False),  # overlapping taps: generic
+    ],
+)
+def test_conv2d_transpose_kernel_same_as_generic(x_shape, w_shape, strides, padding, kernel):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    mod = _conv_transpose_module(x_shape, w, strides, padding)
+    target = _target(HOST)
+    lowered = lower_to_cpu_kernels(mod, target)
+    names = [gv.name_hint for gv in lowered.functions]
+    assert ("autoq_conv2d_transpose" in names) == kernel
+    outs = [
+        relax.VirtualMachine(autoq.compile(mod, target, cpu_kernels=use), tvm.cpu())["main"](
+            tvm.runtime.tensor(x)
+        ).numpy()
+        for use in (True, False)
+    ]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    if kernel:
+        bias = np.linspace(-1, 1, w_shape[1]).reshape(1, -1, 1, 1)
+        ref = np.maximum(conv_transpose_reference(x, w, strides) + bias, 0)
+        np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8"])
+def test_lut_kernel_matches_numpy(dtype):
+    rng = np.random.default_rng(5)
+    x = _data(rng, (2, 3, 70, 50), dtype)
+    table = rng.integers(-128, 128, 256).astype(np.int8)
+    lib = tvm.compile(tvm.IRModule({"main": lut_kernel(x.shape, dtype, "int8")}), _target(HOST))
+    got = tvm.runtime.tensor(np.zeros(x.shape, np.int8))
+    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(table), got)
+    qmin = -128 if dtype == "int8" else 0
+    np.testing.assert_array_equal(got.numpy(), table[x.astype(np.int32) - qmin])
+
+
+def test_fused_upsampling_read_is_unrolled_and_exact():
+    """A fused elementwise function reading ``a[..., j // 2]`` (nearest upsampling x2) gets
+    its innermost loop split by 2 and unrolled; same values as numpy."""
+    from tvm import te
+
+    a = te.placeholder((64, 40), "int8", name="a")
+    b = te.placeholder((64, 80), "int8", name="b")
+    out = te.compute((64, 80), lambda i, j: a[i, j // 2].astype("int32") + b[i, j], name="up")
+    func = schedule_fused(te.create_prim_func([a, b, out]))
+    assert "T.unroll(2)" in func.script()
+    lib = tvm.compile(tvm.IRModule({"main": func}), _target(HOST))
+    rng = np.random.default_rng(4)
+    xa, xb = _data(rng, (64, 40), "int8"), _data(rng, (64, 80), "int8")
+    got = tvm.runtime.tensor(np.zeros((64, 80), np.int32))
+    lib["main"](tvm.runtime.tensor(xa), tvm.runtime.tensor(xb), got)
+    ref = np.repeat(xa.astype(np.int32), 2, axis=1) + xb
+    np.testing.assert_array_equal(got.numpy(), ref)
 
 
 def test_doctests():

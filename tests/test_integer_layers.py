@@ -1,6 +1,6 @@
 """Layers that used to stay fake-quantized and now run on integers (issue 14): windowed
 average pools (patterns/avg_pool2d.py) and elementwise ops with a constant operand
-(patterns/elementwise_const.py).
+(patterns/elementwise_const.py; ``x / c`` through canonicalization as ``x * (1/c)``).
 
 Each is checked three ways: the realized graph has the integer form and no float op; the
 simulated graph predicts every realized integer bit for bit (autoq.fidelity.compare); and
@@ -14,7 +14,6 @@ import pytest
 from test_realize import cfg, exact, quantize_all
 from tvm import relax
 
-from autoq.registry import ordered_patterns
 from models import Builder, conv, op_sequence, run
 
 SHAPE = (1, 4, 8, 8)
@@ -37,15 +36,9 @@ def _data(n=3):
     return [np.random.default_rng(i).normal(size=SHAPE).astype(np.float32) for i in range(n)]
 
 
-def _with_constant_patterns():
-    """The default patterns plus the opt-in ones of patterns/elementwise_const.py."""
-    names = [p.name for p in ordered_patterns()]
-    return cfg(patterns=(*names, "add_const", "subtract_const", "multiply_const"))
-
-
 def _check(mod, params, expected_ops, rel_tol):
     data = _data()
-    sim, qp, real = quantize_all(mod, params, data, _with_constant_patterns())
+    sim, qp, real = quantize_all(mod, params, data, cfg())
     seq = op_sequence(real)
     for item in expected_ops:
         assert item in seq, seq
@@ -101,12 +94,16 @@ CONSTANTS = {
 }
 
 
-def test_elementwise_with_a_constant_operand_is_opt_in():
-    """By default ``x * c`` stays fp32 (the opt-in patterns are off)."""
-    op, c, _ = CONSTANTS["multiply"]
-    mod, params = _model(op, c)
-    _, _, real = quantize_all(mod, params, _data(), cfg())
-    assert ("multiply", "float32") in op_sequence(real)
+def test_division_by_a_constant_is_a_multiplication_by_its_reciprocal():
+    """``x / c`` is canonicalized to ``x * float32(1/c)`` and quantized like ``x * c``."""
+    c = np.array([0.5, 3.0, -7.0, 2.0], np.float32).reshape(1, 4, 1, 1)
+    mod, params = _model(relax.op.divide, c)
+    qp, _ = _check(mod, params, [("qnn.multiply", "int8")], 0.05)
+    (layer,) = [k for k in qp if k.endswith(".weight") and k != "c1.weight"]
+    w = qp[layer]
+    np.testing.assert_allclose(
+        (np.round((1 / c) / w.scale) - w.zero_point) * w.scale, 1 / c, atol=float(w.scale) / 2
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CONSTANTS))

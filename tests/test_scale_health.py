@@ -5,12 +5,16 @@ relative error), not only the warning."""
 
 from __future__ import annotations
 
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 import tvm
+from hypothesis import assume, given, settings
 from tvm import relax
 
 import autoq
+from autoq import scale_health
 from autoq.errors import CalibrationError, DatasetError
 from models import TARGET, mlp
 
@@ -112,3 +116,28 @@ def test_check_can_be_turned_off():
     r = autoq.Quantizer(cfg, target=TARGET).run(MOD, PARAMS, data)
     assert not r.fp32_layers
     assert np.all(_outputs(r.module) == 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=hnp.arrays(
+        st.sampled_from([np.float32, np.float64]),
+        st.integers(1, 300),
+        elements=st.floats(-1e4, 1e4, allow_nan=False, width=32),
+    ),
+    scale=st.sampled_from([1e-3, 0.02, 0.37, 3.0, 50.0]),
+    zero_point=st.integers(-30, 30),
+)
+def test_counts_match_the_rounded_grid(values, scale, zero_point):
+    """The observer counts with thresholds (no division): on values away from a rounding
+    boundary (x / s never exactly k + 1/2 here: such ties are a one-ulp band) they equal
+    the definition on the grid, q = rint(x / s) + zp, counted in float64."""
+    q_exact = values.astype(np.float64) / scale
+    assume(not np.any(np.abs(q_exact - np.floor(q_exact) - 0.5) < 1e-6))
+    obs = scale_health.HealthObserver(scale, zero_point, -128, 127)
+    obs.update(values)
+    q = np.rint(q_exact) + zero_point
+    nonzero = values != 0
+    want = [values.size, nonzero.sum(), (nonzero & (q == zero_point)).sum()]
+    want.append(((q < -128) | (q > 127)).sum())
+    assert obs.counts.tolist() == [int(v) for v in want]

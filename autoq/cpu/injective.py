@@ -6,8 +6,9 @@ single-threaded loop nest. :func:`schedule_fused` gives each one the same cheap 
 intermediate blocks inlined where possible (never into a reduction, whose inner loop would
 recompute them, with transposes or exps, on every step), reductions vectorized and register
 blocked by :func:`autoq.loop_schedule.schedule_reductions`, then every remaining block
-parallel over its leading spatial loops (the innermost loop is left to LLVM's vectorizer).
-Semantics are unchanged: every output keeps its reduction order, bit for bit.
+parallel over its leading spatial loops (the innermost loop is left to LLVM's vectorizer;
+when it reads ``x[..., i // k]``, a fused nearest-neighbour upsampling, it is split by ``k``
+and the ``k`` copies unrolled). Semantics are unchanged: every output keeps its reduction order, bit for bit.
 """
 
 from __future__ import annotations
@@ -57,6 +58,44 @@ def _parallelize(sch: Schedule, block) -> None:
     sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
 
 
+_CHILDREN = ("a", "b", "value", "condition", "true_value", "false_value")
+
+
+def _divisors(expr, var, found: set) -> set:
+    """Constant ``k`` of every ``var // k`` (truncating or floor) inside ``expr``."""
+    if isinstance(expr, (tirx.Div, tirx.FloorDiv)) and expr.a.same_as(var):
+        if isinstance(expr.b, tirx.IntImm) and expr.b.value > 1:
+            found.add(int(expr.b.value))
+    for name in _CHILDREN:
+        child = getattr(expr, name, None)
+        if isinstance(child, tvm.ir.expr.Expr):
+            _divisors(child, var, found)
+    for child in getattr(expr, "args", None) or ():
+        if isinstance(child, tvm.ir.expr.Expr):
+            _divisors(child, var, found)
+    return found
+
+
+def _unroll_upsampling(sch: Schedule, block) -> None:
+    """A block reading ``x[..., i // k]`` along its innermost loop (nearest-neighbour
+    upsampling by ``k``, fused into an elementwise function): split that loop by ``k`` and
+    unroll the ``k`` copies, so that the read becomes contiguous in the outer loop and LLVM
+    vectorizes it instead of computing a clamped division per element."""
+    loops = sch.get_loops(block)
+    stmt = sch.get(block)
+    if not loops or not stmt.iter_vars:
+        return
+    var = stmt.iter_vars[-1].var
+    extent = _extent(sch, loops[-1])
+    found: set = set()
+    for region in stmt.reads:
+        for r in region.region:
+            _divisors(r.min, var, found)
+    ks = [k for k in sorted(found) if extent and extent % k == 0 and extent > k]
+    if len(ks) == 1:
+        sch.unroll(sch.split(loops[-1], [None, ks[0]])[1])
+
+
 def _feeds_reduction(sch: Schedule, block) -> bool:
     for consumer in sch.get_consumers(block):
         kinds = [iv.iter_type for iv in sch.get(consumer).iter_vars]
@@ -85,6 +124,7 @@ def schedule_fused(func: tirx.PrimFunc, rows: int = 4) -> tirx.PrimFunc:
     for block in _blocks(sch):
         try:
             _parallelize(sch, block)
+            _unroll_upsampling(sch, block)
         except ScheduleError:
             pass
     return sch.mod["main"]

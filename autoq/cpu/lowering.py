@@ -23,9 +23,11 @@ from .. import qnn  # noqa: F401  (registers the qnn.* ops whose legalizations a
 from ..toolkit import const_array, dtype_of, shape_of
 from .batch_matmul import batch_matmul_kernel
 from .conv2d import ConvShape, conv2d_kernel
+from .conv_transpose import conv2d_transpose_kernel
 from .dense import dense_kernel
-from .depthwise import depthwise_kernel
+from .depthwise import depthwise_kernel, depthwise_weight
 from .isa import Isa, isa_of
+from .lut import lut_kernel
 from .packing import compensation, pack_conv_weight, pack_dense_weight
 from .softmax import softmax_kernel
 
@@ -87,10 +89,10 @@ def _conv2d(isa: Isa, fallback, bb, call):
     )  # fmt: skip
     out = (n, w.shape[0], *shape.out_hw)
     if depthwise:
-        gv = bb.add_func(
-            depthwise_kernel(shape, dt, zx).without_attr("global_symbol"), "autoq_depthwise"
-        )
-        return relax.call_tir(gv, [data, weight], out_ty=relax.TensorType(out, "int32"))
+        func = depthwise_kernel(shape, dt, zx, isa.lanes)
+        gv = bb.add_func(func.without_attr("global_symbol"), "autoq_depthwise")
+        packed = relax.const(depthwise_weight(shape, w, isa.lanes))
+        return relax.call_tir(gv, [data, packed], out_ty=relax.TensorType(out, "int32"))
     func = conv2d_kernel(shape, isa, dt, zx)
     packed = pack_conv_weight(
         w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype, isa.padded_channels(w.shape[0])
@@ -154,6 +156,33 @@ def _matmul(isa: Isa, fallback, bb, call):
     return _dense_call(isa, bb, a, np.ascontiguousarray(w.T), dt, za)
 
 
+def _conv2d_transpose(_isa: Isa, fallback, bb, call):
+    """float32 conv2d_transpose with kernel == stride (NCHW / IOHW, no padding, dilation,
+    output padding or groups) -> the sub-pixel kernel; anything else -> ``fallback``."""
+    data, weight = call.args
+    a = call.attrs
+    x_shape, w_shape = shape_of(data), shape_of(weight)
+    plain = (
+        x_shape is not None
+        and w_shape is not None
+        and len(x_shape) == 4
+        and dtype_of(data) == dtype_of(weight) == "float32"
+        and str(a.out_dtype) in ("", "None", "void", "float32")
+        and (a.data_layout, a.kernel_layout, a.out_layout) == ("NCHW", "IOHW", "NCHW")
+        and int(a.groups) == 1
+        and tuple(int(v) for v in a.strides) == tuple(w_shape[2:])
+        and not any(int(v) for v in a.padding)
+        and not any(int(v) for v in a.output_padding)
+        and all(int(v) == 1 for v in a.dilation)
+    )
+    if not plain:
+        return fallback(bb, call)
+    func = conv2d_transpose_kernel(x_shape, w_shape)
+    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_conv2d_transpose")
+    out = (x_shape[0], w_shape[1], x_shape[2] * w_shape[2], x_shape[3] * w_shape[3])
+    return relax.call_tir(gv, [data, weight], out_ty=relax.TensorType(out, "float32"))
+
+
 def _softmax(_isa: Isa, fallback, bb, call):
     (data,) = call.args
     shape = shape_of(data)
@@ -166,11 +195,24 @@ def _softmax(_isa: Isa, fallback, bb, call):
     return relax.call_tir(gv, [data], out_ty=relax.TensorType(shape, "float32"))
 
 
+def _lut(_isa: Isa, fallback, bb, call):
+    """``qnn.lut`` -> :func:`autoq.cpu.lut.lut_kernel` (static shapes)."""
+    data, table = call.args
+    shape = shape_of(data)
+    if shape is None:
+        return fallback(bb, call)
+    func = lut_kernel(shape, dtype_of(data), dtype_of(table))
+    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_lut")
+    return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, dtype_of(table)))
+
+
 _LOWERINGS = {
     "qnn.conv2d": _conv2d,
     "qnn.dense": _dense,
     "qnn.matmul": _matmul,
+    "relax.nn.conv2d_transpose": _conv2d_transpose,
     "relax.nn.softmax": _softmax,
+    "qnn.lut": _lut,
 }
 
 

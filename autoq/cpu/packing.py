@@ -71,6 +71,22 @@ def pack_dense_weight(
     return np.ascontiguousarray(wp.transpose(0, 2, 1, 3)).astype(dtype)
 
 
+def pack_depthwise_weight(w: np.ndarray, lanes: int) -> np.ndarray:
+    """``[C, 1, KH, KW]`` depthwise weights as int16 ``[C/lanes, KH, KW, lanes]``, channels
+    zero-padded to a multiple of ``lanes``.
+
+    >>> w = np.arange(3 * 1 * 1 * 2).reshape(3, 1, 1, 2).astype(np.int8)
+    >>> p = pack_depthwise_weight(w, lanes=2)
+    >>> p.shape
+    (2, 1, 2, 2)
+    >>> p[:, 0, 1].tolist()  # tap (0, 1) of channels 0..3
+    [[1, 3], [5, 0]]
+    """
+    c, _, kh, kw = w.shape
+    wp = _pad_to(w[:, 0], (round_up(c, lanes), kh, kw)).reshape(-1, lanes, kh, kw)
+    return np.ascontiguousarray(wp.transpose(0, 2, 3, 1)).astype(np.int16)
+
+
 def compensation(w: np.ndarray, zero_point: int, padded: int) -> np.ndarray:
     """int32 ``zero_point * sum(w)`` per output channel (axis 0), zero-padded to ``padded``.
 

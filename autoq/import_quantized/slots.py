@@ -67,25 +67,26 @@ def _check_weight(view: FileView, m: Match) -> str | None:
     if not wkey or wkey not in m.nodes:
         return None
     ref = view.g.weight_of(m.nodes[wkey])
-    if ref is None or ref.name is None:
-        return "its weight is not a named initializer"
-    c = view.const(ref.name)
+    if ref is None:
+        return "its weight is not a constant"
+    c = view.const(ref.name) if ref.name is not None else view.inline_const(ref.array)
+    if c is None and ref.name is None:
+        return "its constant operand is stored in float in the file"
     if c is None:
         return f"its weight {ref.name!r} is stored in float in the file"
+    name = ref.name or c.name
     if c.q.dtype not in ("int8", "uint8"):
-        return f"its weight {ref.name!r} is {c.q.dtype} (qnn weights are int8/uint8)"
+        return f"its weight {name!r} is {c.q.dtype} (qnn weights are int8/uint8)"
     perm = weight_layout(ref.array, c)
     if perm is None:
         return (
-            f"its weight {ref.name!r} no longer holds the file's values after import "
+            f"its weight {name!r} no longer holds the file's values after import "
             "(changed by a fusion? try optimize=False)"
         )
     if c.q.axis is not None:
         want = 0 if m.pattern.name.startswith("conv2d") else ref.array.ndim - 1
         if perm.index(c.q.axis) != want:
-            return (
-                f"its weight {ref.name!r} is quantized per axis {c.q.axis}, not per output channel"
-            )
+            return f"its weight {name!r} is quantized per axis {c.q.axis}, not per output channel"
     view.weights[m.layer] = LayerWeight(ref, c, perm)
     return None
 

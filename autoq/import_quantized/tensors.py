@@ -198,6 +198,16 @@ class FileView:
     def const(self, param_name: str | None) -> FileConst | None:
         return self.by_param.get(param_name) if param_name else None
 
+    def inline_const(self, array: np.ndarray) -> FileConst | None:
+        """The file's integer initializer behind a constant the importer inlined (TVM's
+        ONNX frontend makes scalar initializers, e.g. an attention scale, Relax
+        constants): the first one whose dequantized values are ``array`` in some layout
+        (any of them gives those same real values)."""
+        for c in self.split.consts.values():
+            if c.values.size == array.size and weight_layout(array, c) is not None:
+                return c
+        return None
+
 
 # --------------------------------------------------------------------- the float module
 
