@@ -311,16 +311,16 @@ class Config(JsonDocument):
 
     Data-aware weights (:mod:`autoq.weight_tuning`; run inside topological calibration, on
     each conv/dense layer's quantized input, just before the layer's output is observed):
-    ``weight_rounding``: ``"nearest"`` (round each weight on its own) or ``"gptq"`` (GPTQ,
-    Frantar et al. 2022, arXiv:2210.17323: columns rounded in order, the error fed forward
-    through ``H = 2 X^T X / n``; :mod:`autoq.gptq`). ``bias_correction``: add the mean
+    ``weight_rounding``: ``"gptq"`` (default; Frantar et al. 2022, arXiv:2210.17323: columns
+    rounded in order, the error fed forward through ``H = 2 X^T X / n``; :mod:`autoq.gptq`)
+    or ``"nearest"`` (each weight on its own; weights stay constants of the simulated graph). ``bias_correction``: add the mean
     output shift the rounded weights cause, ``(W - W_q) E[x]``, to the bias (Nagel et al.
     2019, "Data-Free Quantization", sec. 4.2, with the empirical input mean;
     :mod:`autoq.bias_correction`). ``scale_search``: per-channel weight scales chosen on a
     grid of clipping ratios by the layer's output MSE (OMSE, Choukroun et al. 2019;
     :mod:`autoq.scale_search`). The integer weights and biases they choose are carried in
     ``QParams.values`` (realized as they are; simulated exactly). EfficientNet-Lite0 top-1
-    agreement (benchmarks/results/accuracy.md): nearest 0.806, GPTQ 0.919 (recommended).
+    agreement (benchmarks/results/accuracy.md): nearest 0.806, GPTQ 0.919 (so the default).
     """
 
     activation: QuantSpec = field(default_factory=_default_activation)
@@ -337,7 +337,7 @@ class Config(JsonDocument):
     check_scales: bool = True
     int8_outputs: bool = False
     distributed: Distributed | None = None
-    weight_rounding: str = "nearest"
+    weight_rounding: str = "gptq"
     bias_correction: bool = False
     scale_search: bool = False
     int16_tensors: tuple[str, ...] = ()

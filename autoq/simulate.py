@@ -209,12 +209,17 @@ class SimContext:
     def _value_input(self, key: str, expr, shape) -> relax.Expr:
         """``expr``'s value, or with ``Config.tunes_weights`` a runtime input ``<key>.value``
         (calibration may replace a weight by the dequantized integers it chose, a bias by the
-        corrected one: :mod:`autoq.weight_tuning`; :meth:`SimResult.input_values`)."""
+        corrected one: :mod:`autoq.weight_tuning`; :meth:`SimResult.input_values`).
+        Switch mode: a layer switched off reads the model's own tensor, as a layer kept in
+        fp32 is realized with it."""
         if not self.config.tunes_weights:
             return self.value(expr)
         var = relax.Var(f"{key}.value", relax.TensorType(list(shape), "float32"))
         self.value_vars[key] = var
-        return var
+        if not self.switches:
+            return var
+        on = relax.op.greater(self._switch(), const(0.0, "float32"))
+        return self.emit(relax.op.where(on, var, relax.op.reshape(self.value(expr), list(shape))))
 
     # ---- slots
     def activation(self, expr) -> _LazyQ:

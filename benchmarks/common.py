@@ -19,6 +19,7 @@ Benchmarks print numbers; they never assert timings.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -28,7 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata, resources
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -80,7 +81,12 @@ DEFAULT_SEQ_LEN = 128  # the padding length in the tokenizer.json that gt-all-mi
 
 
 def _pkg_file(package: str, *parts: str) -> Path:
-    path = Path(str(resources.files(package).joinpath(*parts)))
+    """A data file inside an installed package, located without importing the package
+    (rapidocr_onnxruntime's ``__init__`` imports OpenCV, which only the files are not)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"install it first: /work/venv/bin/pip install {package}")
+    path = Path(spec.submodule_search_locations[0]).joinpath(*parts)
     if not path.exists():
         raise FileNotFoundError(f"{package} does not ship {'/'.join(parts)} (looked at {path})")
     return path

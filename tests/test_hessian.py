@@ -136,6 +136,7 @@ def test_code_hessian_is_exact_for_any_split_and_order(bound):
     for b in batches:
         one.update(b.astype(np.int16 if bound > 127 else np.int8))
     rows = np.concatenate([conv_unfold(b, geom) for b in batches], axis=1)
+    one.flush()  # the rows are buffered until a full exact product (or matrix()/mean())
     assert one.rows == rows.shape[1] == 180
     assert (one.sum.astype(object) == _int_reference(rows)).all()
     np.testing.assert_array_equal(one.row_sum, rows.sum(axis=1))
@@ -165,3 +166,27 @@ def test_code_hessian_errors():
         h.merge(CodeHessian.dense(3, scale=2.0))
     with pytest.raises(ValueError, match="positive"):
         CodeHessian.dense(3, scale=0.0)
+
+
+def test_code_hessian_buffers_rows_until_a_full_exact_product():
+    """int8 codes: 1024 rows per exact float32 product; a 30-row batch is buffered, 40 of
+    them are summed in one product (and the rest at matrix()), the same int64 sums as a
+    flush after every batch; pickling (a shard's statistics) sends the sums."""
+    import pickle
+
+    rng = np.random.default_rng(11)
+    batches = [rng.integers(-128, 128, size=(30, 5)).astype(np.int8) for _ in range(40)]
+    buffered, each = CodeHessian.dense(5, scale=0.5), CodeHessian.dense(5, scale=0.5)
+    buffered.update(batches[0])
+    assert buffered.sum is None and buffered.rows == 30
+    for b in batches[1:]:
+        buffered.update(b)
+    assert buffered.sum is not None  # 35 batches made 1050 >= 1024 rows: one product
+    for b in batches:
+        each.update(b)
+        each.flush()
+    back = pickle.loads(pickle.dumps(buffered))
+    for h in (buffered, back):
+        assert h.rows == 1200
+        assert h.matrix().tobytes() == each.matrix().tobytes()
+        np.testing.assert_array_equal(h.row_sum, each.row_sum)
