@@ -432,6 +432,8 @@ def explicit_multipliers(func: relax.Function) -> relax.Function:
     pattern = is_op("qnn.requantize")(*[wildcard() for _ in range(5)])
 
     def rewrite(call, _):
+        if not is_call(call, "qnn.requantize"):
+            return call
         return qnn.with_multipliers(call, layer_multiplier(call, values.get))
 
     return rewrite_call(pattern, rewrite, func)
