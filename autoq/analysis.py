@@ -44,6 +44,7 @@ from . import primitives as P
 from .build import default_target
 from .calibrate import calibrate, samples_for
 from .config import AutoFallback, Config
+from .dataset import is_shard_source
 from .exits import int32_carriers
 from .metrics import ErrorStats, fake_quant
 from .qparams import QParams, f32_list
@@ -169,7 +170,10 @@ class Analysis:
                 "same config"
             )
         g = sim.graph
-        self.samples = samples_for(dataset, g.inputs)
+        #: the validated samples; None when ``dataset`` is a shard source that the workers
+        #: of a distributed run read (``autoq.distributed.AnalysisFanOut``)
+        self.source = dataset if is_shard_source(dataset) else None
+        self.samples = None if self.source is not None else samples_for(dataset, g.inputs)
         self.layers = [m.layer for m in sim.matches]
         self._weights = {
             p.name: tvm.runtime.tensor(np.ascontiguousarray(g.params[p.name]))
@@ -257,6 +261,16 @@ class Analysis:
             self._weights[p.name] for p in g.weight_params
         ]
 
+    def _own(self):
+        """The analysis dataset (not when the workers read it)."""
+        if self.samples is None:
+            raise ValueError(
+                f"this analysis' samples ({self.source.describe()}) are read by the workers "
+                "of a distributed run, not by this process: run it with "
+                "autoq.distributed.report_distributed / AnalysisFanOut, or give the samples"
+            )
+        return self.samples
+
     # ---- public
     def run(self, disabled: Iterable[str] = (), samples=None) -> list:
         """Model outputs of the calibrated simulated graph with the ``disabled`` layers in
@@ -266,7 +280,7 @@ class Analysis:
         unknown = disabled - set(self.layers)
         if unknown:
             raise ValueError(f"unknown layers {sorted(unknown)}")
-        data = self.samples if samples is None else samples_for(samples, self.sim.graph.inputs)
+        data = self._own() if samples is None else samples_for(samples, self.sim.graph.inputs)
         f = self.vm["sim"]
         return [_as_outputs(as_list(f(*self._sim_args(s, disabled))), self.n_out) for s in data]
 
@@ -274,7 +288,7 @@ class Analysis:
         """Model outputs of the fp32 graph (cached for the analysis dataset)."""
         if samples is None and self._fp32_outputs is not None:
             return self._fp32_outputs
-        data = self.samples if samples is None else samples_for(samples, self.sim.graph.inputs)
+        data = self._own() if samples is None else samples_for(samples, self.sim.graph.inputs)
         f = self.vm["fp32"]
         outs = [_as_outputs(as_list(f(*self._fp32_args(s))), self.n_out) for s in data]
         if samples is None:
@@ -291,7 +305,7 @@ class Analysis:
         t0 = time.perf_counter()
         tally = self._tally()
         fp32_outs = []
-        for sample in self.samples:
+        for sample in self._own():
             fp32_outs.append(self._report_sample(sample, tally))
         self._fp32_outputs = fp32_outs
         return self._finish(tally, len(fp32_outs), t0)
@@ -320,7 +334,7 @@ class Analysis:
         log: list = []
         tally = self._tally(lambda key: _LoggedStats(key, log))
         per_sample, fp32_outs = [], []
-        for sample in self.samples:
+        for sample in self._own():
             start = len(log)
             fp32_outs.append(self._report_sample(sample, tally))
             per_sample.append(log[start:])

@@ -28,7 +28,7 @@ from . import primitives as P
 from .analysis import Analysis
 from .build import default_target
 from .calibrate import calibrate
-from .config import AutoFallback, Config, Fallback, Override, QuantSpec
+from .config import AutoFallback, Config, Fallback, Override
 from .json_document import JsonDocument
 from .metrics import sqnr_db
 from .qparams import QParam, QParams
@@ -83,6 +83,9 @@ class FallbackDecision(JsonDocument):
     def config(self, config: Config) -> Config:
         """``config`` with the decision applied (fallback ids or int16 overrides)."""
         overrides = tuple(config.overrides)
+        if self.precision == "int16_tensors":
+            tensors = (*config.int16_tensors, *self.layers)
+            return config.replace(fallback=self.fallback(config.fallback), int16_tensors=tensors)
         if self.precision == "int16":
             overrides = _int16_overrides(config, self.layers)
         return config.replace(fallback=self.fallback(config.fallback), overrides=overrides)
@@ -117,20 +120,9 @@ class FallbackDecision(JsonDocument):
         return "\n".join(lines)
 
 
-def _int16_spec(act: QuantSpec) -> QuantSpec:
-    return QuantSpec(
-        dtype="int16",
-        symmetric=act.symmetric,
-        narrow_range=act.narrow_range,
-        reduce_range=act.reduce_range,
-        per_channel=False,
-        calibrator=act.calibrator,
-    )
-
-
 def _int16_overrides(config: Config, layers: Sequence[str]) -> tuple[Override, ...]:
     """``config.overrides`` plus int16 activation overrides for ``layers``."""
-    spec = _int16_spec(config.activation)
+    spec = config.activation.as_int16()
     return (*config.overrides, *(Override(layer, activation=spec) for layer in layers))
 
 

@@ -65,6 +65,7 @@ __all__ = [
     "run_plan",
     "samples_for",
     "static_values",
+    "warn_untuned",
 ]
 
 
@@ -193,18 +194,23 @@ def calibrate(
     tuner = None
     if config.calibration == "fp32":
         acts = _calibrate_fp32(sim, samples, config, target, stats, health)
-        if config.weight_tuning:
-            warnings.warn(
-                "Config.weight_rounding/bias_correction/scale_search run inside topological "
-                "calibration only; calibration='fp32' leaves the weights rounded to nearest",
-                stacklevel=2,
-            )
+        warn_untuned(config)
     else:
         acts, tuner = _calibrate_topological(sim, samples, result, config, target, stats, health)
     stats["total_s"] = time.perf_counter() - t0
     refuse_constant_inputs(sim, health, samples.num_samples)
     result.update(acts)
     return make_qparams(sim, result, config, samples.num_samples, stats, health, tuner)
+
+
+def warn_untuned(config: Config) -> None:
+    """Weight tuning asked for with ``calibration="fp32"``: say it does not apply."""
+    if config.calibration == "fp32" and config.weight_tuning:
+        warnings.warn(
+            "Config.weight_rounding/bias_correction/scale_search run inside topological "
+            "calibration only; calibration='fp32' leaves the weights rounded to nearest",
+            stacklevel=3,
+        )
 
 
 def make_qparams(

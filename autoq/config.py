@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from . import primitives as P
-from .json_document import JsonDocument
+from .json_document import JsonDocument, callable_from_json, callable_to_json
 
 __all__ = ["AutoFallback", "Config", "Distributed", "Fallback", "Override", "QuantSpec"]
 
@@ -68,6 +68,10 @@ class QuantSpec:
     @property
     def qrange(self) -> tuple[int, int]:
         return P.qrange(self.dtype, self.narrow_range, self.reduce_range)
+
+    def as_int16(self) -> QuantSpec:
+        """This spec with int16 (per tensor): mixed precision for a sensitive tensor."""
+        return replace(self, dtype="int16", per_channel=False, dynamic=False)
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "calibrator"}
@@ -229,6 +233,7 @@ class Distributed:
     ``shards``: how many shards the samples are split into (default: one per worker; shard
     ``i`` lives on worker ``i % workers``). ``timeout_s``: how long to wait for the workers
     to appear. Each shard caches its activations within ``Config.memory_budget_mb``.
+    ``retries``: restarts of a lost shard on another worker (:mod:`autoq.remote_shards`).
 
     >>> Distributed.from_json(Distributed(workers=2).to_json()) == Distributed(workers=2)
     True
@@ -238,18 +243,17 @@ class Distributed:
     workers: int | None = None
     shards: int | None = None
     timeout_s: float = 60.0
+    retries: int = 1
 
     def __post_init__(self) -> None:
-        if self.scheduler is not None and (
-            not isinstance(self.scheduler, str) or not self.scheduler
-        ):
-            raise TypeError(
-                f"Distributed.scheduler must be an address string, got {self.scheduler!r}"
-            )
+        if (s := self.scheduler) is not None and (not isinstance(s, str) or not s):
+            raise TypeError(f"Distributed.scheduler must be an address string, got {s!r}")
         for name in ("workers", "shards"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"Distributed.{name} must be an int >= 1 or None, got {v!r}")
+        if type(self.retries) is not int or self.retries < 0:  # (bool is not int)
+            raise ValueError(f"Distributed.retries must be an int >= 0, got {self.retries!r}")
         if (self.scheduler is None) == (self.workers is None):
             raise ValueError(
                 "Distributed needs exactly one of scheduler (the address of a running Dask "
@@ -298,6 +302,7 @@ class Config(JsonDocument):
     ``check_scales``: layers whose activation scale cannot represent its data go fp32 (:mod:`autoq.scale_health`).
     ``distributed``: calibrate on a Dask cluster (:class:`Distributed`); None (default):
     in this process, without importing Dask.
+    ``int16_tensors``: activation slot ids quantized as int16 (:mod:`autoq.escalation`).
     ``int8_outputs``: the model's outputs also leave the integer graph as int8 (an exit slot,
     see :mod:`autoq.exits`, on every output an int32 result feeds). Off by default: an output
     reads its layer's int32 accumulator through one ``qnn.dequantize``, which keeps the
@@ -306,16 +311,16 @@ class Config(JsonDocument):
 
     Data-aware weights (:mod:`autoq.weight_tuning`; run inside topological calibration, on
     each conv/dense layer's quantized input, just before the layer's output is observed):
-    ``weight_rounding``: ``"nearest"`` (round each weight on its own) or ``"gptq"`` (GPTQ,
-    Frantar et al. 2022, arXiv:2210.17323: columns rounded in order, the error fed forward
-    through ``H = 2 X^T X / n``; :mod:`autoq.gptq`). ``bias_correction``: add the mean
+    ``weight_rounding``: ``"gptq"`` (default; Frantar et al. 2022, arXiv:2210.17323: columns
+    rounded in order, the error fed forward through ``H = 2 X^T X / n``; :mod:`autoq.gptq`)
+    or ``"nearest"`` (each weight on its own; weights stay constants of the simulated graph). ``bias_correction``: add the mean
     output shift the rounded weights cause, ``(W - W_q) E[x]``, to the bias (Nagel et al.
     2019, "Data-Free Quantization", sec. 4.2, with the empirical input mean;
     :mod:`autoq.bias_correction`). ``scale_search``: per-channel weight scales chosen on a
     grid of clipping ratios by the layer's output MSE (OMSE, Choukroun et al. 2019;
     :mod:`autoq.scale_search`). The integer weights and biases they choose are carried in
     ``QParams.values`` (realized as they are; simulated exactly). EfficientNet-Lite0 top-1
-    agreement (benchmarks/results/accuracy.md): nearest 0.806, GPTQ 0.919 (recommended).
+    agreement (benchmarks/results/accuracy.md): nearest 0.806, GPTQ 0.919 (so the default).
     """
 
     activation: QuantSpec = field(default_factory=_default_activation)
@@ -332,9 +337,10 @@ class Config(JsonDocument):
     check_scales: bool = True
     int8_outputs: bool = False
     distributed: Distributed | None = None
-    weight_rounding: str = "nearest"
+    weight_rounding: str = "gptq"
     bias_correction: bool = False
     scale_search: bool = False
+    int16_tensors: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -371,6 +377,7 @@ class Config(JsonDocument):
                      "bias_correction", "scale_search"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
+        _str_tuple(self, "int16_tensors")
         if self.distributed is not None and not isinstance(self.distributed, Distributed):
             raise TypeError(
                 f"Config.distributed must be a Distributed or None, got {self.distributed!r}"
@@ -418,6 +425,7 @@ class Config(JsonDocument):
             "weight_rounding": self.weight_rounding,
             "bias_correction": self.bias_correction,
             "scale_search": self.scale_search,
+            "int16_tensors": list(self.int16_tensors),
         }
 
     @classmethod
@@ -436,6 +444,7 @@ class Config(JsonDocument):
             d["overrides"] = tuple(Override.from_json(o) for o in d["overrides"])
         if d.get("patterns") is not None:
             d["patterns"] = tuple(d["patterns"])
+        d["int16_tensors"] = tuple(d.get("int16_tensors", ()))
         if d.get("distributed") is not None:
             d["distributed"] = Distributed.from_json(d["distributed"])
         return cls(**d)
@@ -471,30 +480,7 @@ def _check_dynamic_config(config: Config) -> None:
 
 
 AUTO_RANKINGS = ("local", "revert")
-AUTO_PRECISIONS = ("fp32", "int16")
-
-
-def _callable_to_json(f) -> str:
-    mod, name = getattr(f, "__module__", None), getattr(f, "__qualname__", "")
-    if not mod or not name or "<" in name:
-        raise ValueError(
-            f"AutoFallback.metric {f!r} cannot be written to JSON: only module-level functions "
-            "(saved as 'module:name') round-trip; lambdas and local functions do not"
-        )
-    return f"{mod}:{name}"
-
-
-def _callable_from_json(ref: str):
-    import importlib
-
-    mod, _, name = ref.partition(":")
-    try:
-        obj = importlib.import_module(mod)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"AutoFallback.metric {ref!r} cannot be imported: {e}") from None
-    return obj
+AUTO_PRECISIONS = ("fp32", "int16", "int16_tensors")
 
 
 @dataclass(frozen=True)
@@ -534,6 +520,10 @@ class AutoFallback(Fallback):
     SQNR on them (else it is skipped and the search goes on with the next one), so the
     fp32 layers are the ones that help beyond the calibration samples. With a callable
     ``metric`` the held-out check uses the output SQNR too (the metric decides the budget).
+    ``precision="int16_tensors"``: no layer leaves int8; instead activation *tensors* the
+    metric is most sensitive to go int16 (greedy by measured effect, at most
+    ``max_int16_fraction`` of them; :mod:`autoq.escalation`), written to
+    ``Config.int16_tensors``.
     """
 
     metric: Any = "sqnr"
@@ -543,6 +533,7 @@ class AutoFallback(Fallback):
     ranking: str = "local"
     precision: str = "fp32"
     holdout: int = 0
+    max_int16_fraction: float = 0.2
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -564,6 +555,12 @@ class AutoFallback(Fallback):
             raise ValueError(
                 f"AutoFallback.ranking must be one of {', '.join(AUTO_RANKINGS)}, got {self.ranking!r}"
             )
+        if not (
+            isinstance(self.max_int16_fraction, int | float) and 0 <= self.max_int16_fraction <= 1
+        ):
+            raise ValueError(
+                f"AutoFallback.max_int16_fraction must be in [0, 1], got {self.max_int16_fraction!r}"
+            )
         if self.precision not in AUTO_PRECISIONS:
             raise ValueError(
                 f"AutoFallback.precision must be one of {', '.join(AUTO_PRECISIONS)}, got {self.precision!r}"
@@ -576,13 +573,16 @@ class AutoFallback(Fallback):
     def to_json(self) -> dict:
         d = super().to_json()
         d.update(
-            metric=self.metric if isinstance(self.metric, str) else _callable_to_json(self.metric),
+            metric=self.metric
+            if isinstance(self.metric, str)
+            else callable_to_json(self.metric, "AutoFallback.metric"),
             min_sqnr=self.min_sqnr,
             max_drop=self.max_drop,
             max_fp32_layers=self.max_fp32_layers,
             ranking=self.ranking,
             precision=self.precision,
             holdout=self.holdout,
+            max_int16_fraction=self.max_int16_fraction,
         )
         return d
 
@@ -592,7 +592,7 @@ class AutoFallback(Fallback):
         d = dict(d)
         m = d.get("metric", "sqnr")
         if isinstance(m, str) and m != "sqnr":
-            d["metric"] = _callable_from_json(m)
+            d["metric"] = callable_from_json(m, "AutoFallback.metric")
         return cls(**d)
 
 

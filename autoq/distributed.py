@@ -18,10 +18,21 @@
    :mod:`autoq.calibrators`), picks the qparams and sends them back with the segment to run.
    In ``fp32`` mode each shard streams its samples through the float graph once (twice for
    histogram calibrators) and sends its states.
+4. weight tuning (``Config.weight_rounding="gptq"``, ``bias_correction``, ``scale_search``,
+   :mod:`autoq.weight_tuning`) runs in the same loop: before a segment, every shard sums
+   the Hessian ``X^T X`` and the mean input of the layers reading the segment's heads over
+   its samples (in int64 over the input's integer codes: exact, so the merged sums do not
+   depend on the split or the merge order, :class:`autoq.hessian.CodeHessian`); the
+   coordinator merges them, runs GPTQ / the scale search / the bias correction (all three
+   need only these sums) and sends the tuned weights, biases and weight scales to the
+   shards, which recompute their prologue before the segment runs.
 
 The qparams are the same bit for bit as in-process calibration, for any number of shards
-and workers (``tests/test_distributed.py``). A worker that dies fails the run with
-:class:`ShardLostError` naming the shard; nothing is silently calibrated on fewer samples.
+and workers (``tests/test_distributed.py``). A worker that dies during topological
+calibration has its shards restarted on another worker (``Distributed.retries`` times: the
+samples reloaded, the segments so far replayed, the same result); otherwise the run fails
+with :class:`ShardLostError` naming the shard. Nothing is silently calibrated on fewer
+samples.
 Only this module imports Dask, and only when a distributed run is asked for.
 """
 
@@ -32,6 +43,7 @@ import itertools
 import os
 import tempfile
 import time
+from dataclasses import fields
 
 from . import calibrators
 from .calibrate import (
@@ -45,6 +57,7 @@ from .calibrate import (
     run_plan,
     samples_for,
     static_values,
+    warn_untuned,
 )
 from .calibration_plan import build_plan
 from .config import Config, Distributed
@@ -54,6 +67,7 @@ from .scale_health import HealthCheck
 from .shard_actor import ShardActor, shard_name
 from .simulate import SimResult
 from .toolkit import compile_executable
+from .weight_tuning import WeightTuner
 
 __all__ = [
     "AnalysisFanOut",
@@ -61,6 +75,7 @@ __all__ = [
     "ShardSet",
     "calibrate_distributed",
     "head_samples",
+    "input_specs",
     "library_bytes",
     "open_client",
     "report_distributed",
@@ -133,6 +148,13 @@ def head_samples(dataset, inputs, k: int = 2) -> list[dict]:
     return list(itertools.islice(samples_for(dataset, inputs), k))
 
 
+def input_specs(inputs) -> list[InputSpec]:
+    """The :class:`InputSpec` of each model input Var (what the shards validate against)."""
+    return [
+        InputSpec(v.name, tuple(int(d) for d in v.ty.shape.values), str(v.ty.dtype)) for v in inputs
+    ]
+
+
 class ShardSet:
     """The shard actors of one run, created on ``client``'s workers (shard ``i`` on worker
     ``i % workers``) with their samples loaded (see the module docstring). Use as a context
@@ -146,48 +168,77 @@ class ShardSet:
         n = shards or (dist.shards if dist is not None and dist.shards else len(workers))
         self.client, self.count = client, n
         self.workers = [workers[i % len(workers)] for i in range(n)]
-        budget = config.memory_budget_mb * 2**20
-        futures = [
-            client.submit(
-                ShardActor, i, n, specs, budget, config.cache_dir,
-                actor=True, workers=[w], allow_other_workers=False, pure=False,
-            )
-            for i, w in enumerate(self.workers)
-        ]  # fmt: skip
-        self.actors = [result_of(f, shard_name(i, n), "start") for i, f in enumerate(futures)]
+        self.dataset, self.specs, self.config = dataset, specs, config
         self.names = [shard_name(i, n) for i in range(n)]
+        futures = [self._actor(i, w) for i, w in enumerate(self.workers)]
+        self.actors = [result_of(f, s, "start") for f, s in zip(futures, self.names, strict=True)]
         try:
-            self.counts = self._load(dataset, specs)
+            self.counts = self._load(range(n))
+            self._check_counts()
         except BaseException:
             self.close()
             raise
 
-    def _load(self, dataset, specs) -> list[int]:
-        n = self.count
+    def _actor(self, i: int, worker: str):
+        """The future of a new, empty actor for shard ``i`` on ``worker``."""
+        budget = self.config.memory_budget_mb * 2**20
+        return self.client.submit(
+            ShardActor, i, self.count, self.specs, budget, self.config.cache_dir,
+            actor=True, workers=[worker], allow_other_workers=False, pure=False,
+        )  # fmt: skip
+
+    def _load(self, shards) -> list[int]:
+        """Load the samples of ``shards`` (indices) into their actors; every shard's count."""
+        n, dataset = self.count, self.dataset
+        counts = [0] * n
         if is_shard_source(dataset):
-            futs = [a.read(dataset) for a in self.actors]
-            counts = [result_of(f, s, "reading") for f, s in zip(futs, self.names, strict=True)]
-        else:
-            counts = [0] * n
-            pending: list = [None] * n
-            chunks: list[list] = [[] for _ in range(n)]
-            for k, sample in enumerate(as_dataset(dataset, specs)):
-                i = k % n
-                chunks[i].append(sample)
-                if len(chunks[i]) == PUSH_CHUNK:
-                    pending[i] = self._push(i, chunks[i], pending[i], counts)
-                    chunks[i] = []
-            for i in range(n):
-                if chunks[i]:
-                    pending[i] = self._push(i, chunks[i], pending[i], counts)
-                self._confirm(i, pending[i], counts)
+            futs = {i: self.actors[i].read(dataset) for i in shards}
+            for i, f in futs.items():
+                counts[i] = result_of(f, self.names[i], "reading")
+            return counts
+        pending: list = [None] * n
+        chunks: list[list] = [[] for _ in range(n)]
+        for k, sample in enumerate(as_dataset(dataset, self.specs)):
+            i = k % n
+            if i not in shards:
+                continue
+            chunks[i].append(sample)
+            if len(chunks[i]) == PUSH_CHUNK:
+                pending[i] = self._push(i, chunks[i], pending[i], counts)
+                chunks[i] = []
+        for i in shards:
+            if chunks[i]:
+                pending[i] = self._push(i, chunks[i], pending[i], counts)
+            self._confirm(i, pending[i], counts)
+        return counts
+
+    def restart(self, i: int):
+        """A new actor for shard ``i`` on a live worker (another one than its last, if
+        any), holding the shard's samples again (re-read, or streamed again from the
+        dataset); replaces the old one. Raises :class:`ShardLostError` when that fails."""
+        live = sorted(self.client.scheduler_info(n_workers=-1)["workers"])
+        others = [w for w in live if w != self.workers[i]] or live
+        if not others:
+            raise ShardLostError(f"{self.names[i]}: no live worker to restart it on")
+        worker = others[i % len(others)]
+        self.actors[i] = result_of(self._actor(i, worker), self.names[i], "restart")
+        self.workers[i] = worker
+        count = self._load([i])[i]
+        if count != self.counts[i]:
+            raise ShardLostError(
+                f"{self.names[i]} reloaded {count} samples, it held {self.counts[i]}: the "
+                "dataset did not give the same samples again (a one-shot iterator?)"
+            )
+        return self.actors[i]
+
+    def _check_counts(self) -> None:
+        n, counts = self.count, self.counts
         empty = [s for s, c in zip(self.names, counts, strict=True) if c == 0]
         if empty:
             raise ValueError(
                 f"{', '.join(empty)} got no samples ({sum(counts)} samples for {n} shards): "
                 "use fewer shards (Distributed(shards=...)) or more samples"
             )
-        return counts
 
     def _push(self, i: int, chunk: list, pending, counts: list[int]):
         """Send a chunk to shard ``i`` once its previous chunk has arrived (at most one
@@ -213,11 +264,17 @@ class ShardSet:
             return [(i, j) for i, c in enumerate(self.counts) for j in range(c)]
         return [(k % self.count, k // self.count) for k in range(sum(self.counts))]
 
-    def remotes(self) -> list[RemoteShard]:
+    def remotes(self, retries: int = 0) -> list[RemoteShard]:
+        """The shards for :func:`autoq.calibrate.run_plan`; a lost one is restarted
+        (:meth:`restart`) up to ``retries`` times."""
         return [
-            RemoteShard(a, name, c, f"samples {i}, {i + self.count}, ... of the dataset")
-            for i, (a, name, c) in enumerate(zip(self.actors, self.names, self.counts, strict=True))
-        ]
+            RemoteShard(
+                self.actors[i], self.names[i], self.counts[i],
+                f"samples {i}, {i + self.count}, ... of the dataset",
+                restart=lambda i=i: self.restart(i), retries=retries,
+            )
+            for i in range(self.count)
+        ]  # fmt: skip
 
     def call(self, method: str, *args) -> list:
         """``method(*args)`` on every shard at once; their results in shard order."""
@@ -248,35 +305,28 @@ def calibrate_distributed(
     ``config.distributed.shards``. ``meta["stats"]`` adds the per-shard timings."""
     for sid in sim.activation_slots():
         calibrators.check_mergeable(sim.plan.specs[sid].calibrator)
-    if config.weight_tuning:
-        raise ValueError(
-            "Config.weight_rounding/bias_correction/scale_search are not distributed yet: "
-            "calibrate in-process (Config(distributed=None), no cluster=) to use them"
-        )
     t0 = time.perf_counter()
     result = calibrate_weights(sim)
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
-    specs = [
-        InputSpec(v.name, tuple(int(d) for d in v.ty.shape.values), str(v.ty.dtype))
-        for v in sim.graph.inputs
-    ]
+    specs = input_specs(sim.graph.inputs)
     t1 = time.perf_counter()
     health: dict = {}  # the scale health of the activation slots (topological mode)
     with ShardSet(client, specs, dataset, config, shards) as shard_set:
         stats["load_s"] = time.perf_counter() - t1
         stats["shards"] = shard_set.count
-        health: dict = {}
+        tuner = None
         if config.calibration == "fp32":
             acts = _fp32(sim, shard_set, target, stats, health)
         else:
-            acts = _topological(sim, shard_set, result, config, target, stats, health)
+            acts, tuner = _topological(sim, shard_set, result, config, target, stats, health)
         for i, d in enumerate(shard_set.info()):
             stats[f"shard{i}_peak_rss_mb"] = d["peak_rss_mb"]
         n = sum(shard_set.counts)
     stats["total_s"] = time.perf_counter() - t0
     refuse_constant_inputs(sim, health, n)
+    warn_untuned(config)
     result.update(acts)
-    return make_qparams(sim, result, config, n, stats, health)
+    return make_qparams(sim, result, config, n, stats, health, tuner)
 
 
 class AnalysisFanOut:
@@ -300,7 +350,7 @@ class AnalysisFanOut:
         from .metrics import sqnr_of_sums
 
         self.close()
-        specs = list(analysis.samples.specs)
+        specs = input_specs(analysis.sim.graph.inputs)
         ss = self.shard_set = ShardSet(
             self.client, specs, self.dataset, analysis.config, self.shards
         )
@@ -341,18 +391,25 @@ def report_distributed(analysis, mod, params, dataset, client, shards: int | Non
         return fan_out(analysis)[0]
 
 
-def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats, health) -> dict:
+def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats, health) -> tuple:
     plan, functions = build_plan(sim)
     t0 = time.perf_counter()
     lib = library_bytes(functions, target, sim.mod)
     stats["compile_s"] = time.perf_counter() - t0
     stats["segments"] = len(plan.segments)
     t0 = time.perf_counter()
-    shard_set.call("start_topological", lib, plan, static_values(sim, plan, weight_qp))
+    dist = config.distributed  # cluster= without it: Distributed's default retries
+    default = {f.name: f.default for f in fields(Distributed)}["retries"]
+    remotes = shard_set.remotes(dist.retries if dist is not None else default)
+    static = static_values(sim, plan, weight_qp)
+    for r in remotes:
+        r.submit("start_topological", lib, plan, static, what="start")
+    for r in remotes:
+        r.wait()
     stats["start_s"] = time.perf_counter() - t0
-    remotes = shard_set.remotes()
+    tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None
     t0 = time.perf_counter()
-    result = run_plan(plan, remotes, sim.plan.specs, config, sim, health)
+    result = run_plan(plan, remotes, sim.plan.specs, config, sim, health, tuner)
     for r in remotes:
         r.wait()
     stats["run_plan_s"] = time.perf_counter() - t0
@@ -362,7 +419,7 @@ def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats, hea
     missing = [s for s in sim.activation_slots() if s not in result]
     if missing:
         raise RuntimeError(f"internal error: activation slots {missing} were never calibrated")
-    return result
+    return result, tuner
 
 
 def _fp32(sim, shard_set: ShardSet, target, stats, health) -> dict:

@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["JsonDocument", "write_atomic"]
+__all__ = ["JsonDocument", "callable_from_json", "callable_to_json", "write_atomic"]
 
 
 def write_atomic(path: str | Path, text: str) -> Path:
@@ -41,3 +41,28 @@ class JsonDocument:
 
     def save(self, path: str | Path) -> Path:
         return write_atomic(path, self.dumps())
+
+
+def callable_to_json(f, what: str) -> str:
+    """``'module:qualname'`` of a module-level function (option ``what``, for the error)."""
+    mod, name = getattr(f, "__module__", None), getattr(f, "__qualname__", "")
+    if not mod or not name or "<" in name:
+        raise ValueError(
+            f"{what} {f!r} cannot be written to JSON: only module-level functions "
+            "(saved as 'module:name') round-trip; lambdas and local functions do not"
+        )
+    return f"{mod}:{name}"
+
+
+def callable_from_json(ref: str, what: str):
+    """The function ``'module:qualname'`` names (inverse of :func:`callable_to_json`)."""
+    import importlib
+
+    mod, _, name = ref.partition(":")
+    try:
+        obj = importlib.import_module(mod)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what} {ref!r} cannot be imported: {e}") from None
+    return obj

@@ -25,7 +25,7 @@ import tvm
 
 from .cpu_pipeline import unfused_pipeline
 
-__all__ = ["pipeline_with_loop_schedule", "schedule_module", "schedule_reductions"]
+__all__ = ["pipeline_with_loop_schedule", "rows_for", "schedule_module", "schedule_reductions"]
 
 _LANES = (16, 8, 4)
 _DATA_PAR, _REDUCE = 0, 2

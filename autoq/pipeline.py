@@ -50,6 +50,7 @@ from .distributed import (
 )
 from .dynamic import realize_dynamic
 from .errors import CalibrationError, InputError
+from .escalation import escalate
 from .guard import keep_unbounded_in_fp32, layers_using
 from .matching import Matched, match
 from .qparams import QParams
@@ -139,11 +140,20 @@ class Quantizer:
                 f"the dataset {dataset.describe()} is read by the workers of a distributed "
                 "calibration: give Config(distributed=Distributed(...)) or cluster=..."
             )
-        if isinstance(self.config.fallback, AutoFallback) or self.want_report:
-            raise ValueError(
-                "the automatic fallback and the report need the samples in this process too: "
-                f"give the dataset itself instead of {dataset.describe()}"
-            )
+        fb = self.config.fallback
+        if isinstance(fb, AutoFallback):  # what runs on the workers: SQNR trials, the report
+            needs = {
+                "metric=<callable>": callable(fb.metric),
+                f"precision={fb.precision!r}": fb.precision in ("int16", "int16_tensors"),
+                f"holdout={fb.holdout}": fb.holdout > 0,
+            }
+            bad = [k for k, v in needs.items() if v]
+            if bad:
+                raise ValueError(
+                    f"AutoFallback({', '.join(bad)}) needs the samples in this process too: "
+                    f"give the dataset itself instead of {dataset.describe()}, or use "
+                    "the default metric='sqnr', precision='fp32', holdout=0"
+                )
         return dataset
 
     def _run(self, mod, params, dataset) -> QuantizeResult:
@@ -179,8 +189,9 @@ class Quantizer:
                     matched, sim, calib, config, client
                 )
             reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
-            with clock("auto_fallback"), self._fan_out(client, mod, params, samples) as fan:
-                out = auto_fallback(
+            search = escalate if config.fallback.precision == "int16_tensors" else auto_fallback
+            with clock("auto_fallback"), self._fan_out(client, mod, params, calib) as fan:
+                out = search(
                     matched, None, samples, config, qparams, target=self.target, fan_out=fan
                 )
             config, qparams, decision = out.config, out.qparams, out.decision
@@ -226,6 +237,10 @@ class Quantizer:
             layers = [x for x in layers_using(sim, bad) if x not in config.fallback.ids]
             if not layers:
                 return config, qparams, moved
+            wide = _widen_bad_slots(config, bad)
+            if wide is not None:
+                config, sim = wide, None
+                continue
             warnings.warn(
                 f"keeping {len(layers)} layer(s) in fp32 because a chosen int8 scale cannot "
                 f"represent their calibration data: {', '.join(layers)}; "
@@ -250,6 +265,24 @@ class Quantizer:
         module = _attach(module, qparams, None, [])
         int8 = [m for m in matched.layers if m not in reasons]
         return QuantizeResult(module, qparams, self.config, matched, int8, reasons, timings=timings)
+
+
+def _widen_bad_slots(config: Config, bad: dict) -> Config | None:
+    """With ``AutoFallback(precision="int16_tensors")`` an unusable int8 scale is a tensor
+    for int16 (it counts against ``max_int16_fraction``), not a reason for fp32 layers: the
+    config with ``bad``'s 8-bit slots in ``int16_tensors`` (None otherwise / if none left)."""
+    fb = config.fallback
+    if not (isinstance(fb, AutoFallback) and fb.precision == "int16_tensors"):
+        return None
+    new = [s for s in bad if s not in config.int16_tensors]
+    if not new:
+        return None
+    warnings.warn(
+        f"int16 for {len(new)} tensor(s) whose int8 scale cannot represent their calibration "
+        "data: " + "; ".join(f"{s}: {bad[s]}" for s in new),
+        stacklevel=5,
+    )
+    return config.replace(int16_tensors=(*config.int16_tensors, *new))
 
 
 def check_weights(weights: dict) -> None:

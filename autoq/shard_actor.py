@@ -165,6 +165,18 @@ class ShardActor:
         self._runner().run_segment(j, qparams, tables=tables)
         return time.perf_counter() - t0
 
+    def feed(self, slot: str, sink):
+        """``sink`` (e.g. :class:`autoq.weight_tuning.InputStats`) fed ``slot``'s input on
+        every sample of the shard, returned with its sums."""
+        return self._runner().feed(slot, sink)
+
+    def update_static(self, values: dict) -> float:
+        """Replace tuned weight / bias / weight-qparam inputs and recompute the prologue;
+        returns the seconds it took."""
+        t0 = time.perf_counter()
+        self._runner().update_static(values)
+        return time.perf_counter() - t0
+
     def finish_topological(self) -> dict:
         """The runner's timings and cache statistics; frees its cached activations."""
         r = self._runner()

@@ -189,6 +189,12 @@ class SimContext:
     def spec(self, kind: str, layer: str) -> QuantSpec:
         return self.config.layer_spec(kind, layer)
 
+    def act_spec(self, sid: str, layer: str) -> QuantSpec:
+        """The spec of activation slot ``sid`` created by ``layer``: the layer's, in int16
+        when ``Config.int16_tensors`` names the slot (:mod:`autoq.escalation`)."""
+        spec = self.spec("activation", layer)
+        return spec.as_int16() if sid in self.config.int16_tensors else spec
+
     def _new_slot(self, sid, kind, spec, shape, axis, length, tensor_shape, op):
         if sid in self.plan.slots:
             raise ValueError(f"slot id {sid!r} is used twice; layer ids must be unique")
@@ -203,12 +209,17 @@ class SimContext:
     def _value_input(self, key: str, expr, shape) -> relax.Expr:
         """``expr``'s value, or with ``Config.tunes_weights`` a runtime input ``<key>.value``
         (calibration may replace a weight by the dequantized integers it chose, a bias by the
-        corrected one: :mod:`autoq.weight_tuning`; :meth:`SimResult.input_values`)."""
+        corrected one: :mod:`autoq.weight_tuning`; :meth:`SimResult.input_values`).
+        Switch mode: a layer switched off reads the model's own tensor, as a layer kept in
+        fp32 is realized with it."""
         if not self.config.tunes_weights:
             return self.value(expr)
         var = relax.Var(f"{key}.value", relax.TensorType(list(shape), "float32"))
         self.value_vars[key] = var
-        return var
+        if not self.switches:
+            return var
+        on = relax.op.greater(self._switch(), const(0.0, "float32"))
+        return self.emit(relax.op.where(on, var, relax.op.reshape(self.value(expr), list(shape))))
 
     # ---- slots
     def activation(self, expr) -> _LazyQ:
@@ -232,7 +243,7 @@ class SimContext:
             return self._acts[key]
         if sid in self._acts:
             return self._acts[sid]
-        spec = self.spec("activation", self.layer)
+        spec = self.act_spec(sid, self.layer)
         s, z = self._new_slot(
             sid, "activation", spec, None, None, None, shape_of(expr), self.match.pattern.name
         )
@@ -302,7 +313,7 @@ class SimContext:
         slot is not 8-bit."""
         m = self.match
         in_sid = self.tensor_id(m["data"])
-        spec = self.spec("activation", m.layer)
+        spec = self.act_spec(m.layer, m.layer)
         in_dtype = self.plan.specs[in_sid].dtype
         if spec.dtype not in LUT_DTYPES or in_dtype not in LUT_DTYPES:
             return self.output(real)
@@ -335,7 +346,7 @@ class SimContext:
         m = self.match
         sid = m.layer
         self._uses(sid)
-        spec = self.spec("activation", sid)
+        spec = self.act_spec(sid, sid)
         s, z = self._new_slot(
             sid, "activation", spec, None, None, None, shape_of(m.root), m.pattern.name
         )
@@ -504,6 +515,7 @@ def simulate(
         return qvars + [ctx.switch_vars[m.layer] for m in matches if m.layer in ctx.switch_vars]
 
     func = build_function(g, ctx, matches, "simulate", qparam_inputs)
+    _check_int16_tensors(config, ctx.plan)
     return SimResult(
         with_main(g.module, func),
         g,
@@ -518,3 +530,13 @@ def simulate(
         table_vars=dict(ctx.table_vars),
         value_vars=dict(ctx.value_vars),
     )
+
+
+def _check_int16_tensors(config: Config, plan: SlotPlan) -> None:
+    acts = [s for s, info in plan.slots.items() if info.kind == "activation"]
+    bad = [t for t in config.int16_tensors if t not in acts]
+    if bad:
+        raise ValueError(
+            f"Config.int16_tensors names {bad} which are not activation tensors of the "
+            f"quantized model; closest slot ids: {closest(bad[0], acts)}"
+        )

@@ -8,7 +8,7 @@ for every such layer it
 
 1. streams the slot's cached input, quantized with the qparams just chosen (what the layer
    really reads, carrying every upstream rounding), into the layer's
-   :class:`autoq.hessian.Hessian` ``H = 2 X^T X / n`` and mean input row (im2col patches for
+   :class:`autoq.hessian.CodeHessian` ``H = 2 X^T X / n`` and mean input row (im2col patches for
    a convolution, at most :data:`MAX_ROWS` output pixels per sample);
 2. with ``scale_search``: replaces the per-channel weight scales by the clipping ratio that
    minimizes the layer's output MSE (:func:`autoq.scale_search.search_scales`; symmetric
@@ -28,8 +28,10 @@ end :meth:`WeightTuner.values` turns them into the integers ``QParams.values`` c
 (after ``fit_bias_scales``), which realize uses as they are and
 :meth:`autoq.simulate.SimResult.input_values` dequantizes for the simulated graph.
 
-Statistics merge exactly across shards (:meth:`autoq.hessian.Hessian.merge`), like the
-calibrators' observers. Cost: one pass over each layer's cached input (no extra run of the
+Statistics merge exactly across shards, like the calibrators' observers: the Hessians sum
+the input's integer codes in int64 (:class:`autoq.hessian.CodeHessian`), so any split of
+the samples and any merge order give the same bits, and a distributed run
+(:mod:`autoq.distributed`) tunes the same weights as one process. Cost: one pass over each layer's cached input (no extra run of the
 graph) plus the GPTQ/search arithmetic; reported in ``QParams.meta["weight_tuning"]``.
 """
 
@@ -43,7 +45,7 @@ import numpy as np
 from . import primitives as P
 from .config import Config
 from .gptq import gptq, rtn
-from .hessian import ConvGeometry, Hessian, flatten_conv_weight
+from .hessian import CodeHessian, ConvGeometry, flatten_conv_weight
 from .qparams import QParam
 from .registry import slot_id_of
 from .scale_search import search_scales
@@ -71,10 +73,13 @@ class LayerTask:
     geom: ConvGeometry | None
     has_bias: bool
 
-    def hessian(self, max_rows: int | None = MAX_ROWS) -> Hessian:
+    def hessian(self, scale: float, max_rows: int | None = MAX_ROWS) -> CodeHessian:
+        """The exact Hessian of the layer's input codes quantized with ``scale``."""
         if self.geom is None:
-            return Hessian.dense(self.weight.shape[0], max_rows)
-        return Hessian.conv2d(self.geom, self.weight.shape[1] * self.geom.groups, max_rows)
+            return CodeHessian.dense(self.weight.shape[0], max_rows, scale=scale)
+        return CodeHessian.conv2d(
+            self.geom, self.weight.shape[1] * self.geom.groups, max_rows, scale=scale
+        )
 
     def flat(self, w: np.ndarray) -> np.ndarray:
         """``(G, O, K)`` rows of output channels (the matrices :class:`Hessian` fits)."""
@@ -123,21 +128,34 @@ def layer_tasks(sim) -> dict[str, list[LayerTask]]:
 
 
 class InputStats:
-    """The Hessians of the layers reading one slot, fed that slot's *quantized* values."""
+    """The Hessians of the layers reading one slot, fed that slot's *quantized* values
+    (as integer codes: :class:`autoq.hessian.CodeHessian`, exact whatever the split of the
+    samples into shards and the order they merge in)."""
 
     def __init__(self, tasks: list[LayerTask], qp: QParam):
+        scale = np.asarray(qp.scale).reshape(-1)
+        if scale.size != 1:
+            raise ValueError(
+                f"weight tuning needs a per-tensor input scale for {[t.layer for t in tasks]}, "
+                f"got {scale.size} scales"
+            )
         self.qp = qp
-        self.hessians = {t.layer: t.hessian() for t in tasks}
+        self.hessians = {t.layer: t.hessian(float(scale[0])) for t in tasks}
 
     def update(self, x: np.ndarray) -> None:
         qp = self.qp
-        xq = P.dequantize(P.quantize(x, qp.scale, qp.zero_point, qp.dtype), qp.scale, qp.zero_point)
+        q = P.quantize(x, qp.scale, qp.zero_point, qp.dtype).astype(np.int32)
+        codes = q - np.asarray(qp.zero_point, np.int32)
         for h in self.hessians.values():
-            h.update(xq)
+            h.update(codes)
 
     def merge(self, other: InputStats) -> None:
         for k, h in self.hessians.items():
-            h.merge(other.hessians[k])
+            h.merge(other.resolve().hessians[k])
+
+    def resolve(self) -> InputStats:
+        """Itself (a shard's statistics computed elsewhere resolve to one of these)."""
+        return self
 
 
 class WeightTuner:
@@ -162,15 +180,16 @@ class WeightTuner:
         updates: dict[int, np.ndarray] = {}
         for sid, group in tasks:
             shards = [r.feed(sid, InputStats(group, act_qp[sid])) for r in runners]
+            merged = shards[0].resolve()
             for other in shards[1:]:
-                shards[0].merge(other)
+                merged.merge(other)
             for task in group:
-                updates.update(self._tune(task, shards[0].hessians[task.layer]))
+                updates.update(self._tune(task, merged.hessians[task.layer]))
         for r in runners:
             r.update_static(updates)
         self.stats["tune_s"] += time.perf_counter() - t0
 
-    def _tune(self, task: LayerTask, h: Hessian) -> dict[int, np.ndarray]:
+    def _tune(self, task: LayerTask, h: CodeHessian) -> dict[int, np.ndarray]:
         cfg, spec = self.config, self.sim.plan.specs[task.weight_slot]
         qmin, qmax = spec.qrange
         qp = self.weight_qp[task.weight_slot]

@@ -273,10 +273,15 @@ def tuning_cost(res) -> str:
     """The weight-tuning time, also as a multiple of one pass of the simulated graph over
     the calibration samples (the segments' run time)."""
     t = res.timings.get("calibrate.weight_tuning")
+    d = res.decision
+    fb = "" if d is None else (
+        f"; fallback {d.precision} {', '.join(d.layers) or '-'}: search {d.seconds:.0f} s "
+        f"+ analysis {d.analysis_seconds:.0f} s, {d.evaluations} runs"
+    )  # fmt: skip
     if t is None:
-        return ""
+        return fb
     run = res.qparams.meta.get("stats", {}).get("run_s") or float("nan")
-    return f" (weight tuning {t:.1f} s = {t / run:.2f} calibration passes)"
+    return f" (weight tuning {t:.1f} s = {t / run:.2f} calibration passes){fb}"
 
 
 def _int16(per_channel: bool):
@@ -321,6 +326,20 @@ def baseline_configs() -> dict[str, tuple[object, str]]:
             "a int8 percentile 99.99",
         ),
         "max": (plain.replace(activation=autoq.QuantSpec(calibrator="max")), "a int8 max"),
+        # at most 3 layers above int8, chosen by the output SQNR (an unreachable budget: the
+        # search uses what it may); each kept group must raise the SQNR on 8 held-out samples
+        "fallback3": (
+            base.replace(fallback=autoq.AutoFallback(min_sqnr=99.0, max_fp32_layers=3, holdout=8)),
+            "defaults + AutoFallback: <= 3 fp32 layers, 8 of the samples held out",
+        ),
+        "fallback3_int16": (
+            base.replace(
+                fallback=autoq.AutoFallback(
+                    min_sqnr=99.0, max_fp32_layers=3, holdout=8, precision="int16"
+                )
+            ),
+            "defaults + AutoFallback: <= 3 layers int16 (else fp32), 8 held out",
+        ),
     }
 
 

@@ -19,6 +19,7 @@ Benchmarks print numbers; they never assert timings.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -28,7 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata, resources
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -80,7 +81,12 @@ DEFAULT_SEQ_LEN = 128  # the padding length in the tokenizer.json that gt-all-mi
 
 
 def _pkg_file(package: str, *parts: str) -> Path:
-    path = Path(str(resources.files(package).joinpath(*parts)))
+    """A data file inside an installed package, located without importing the package
+    (rapidocr_onnxruntime's ``__init__`` imports OpenCV, which only the files are not)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"install it first: /work/venv/bin/pip install {package}")
+    path = Path(spec.submodule_search_locations[0]).joinpath(*parts)
     if not path.exists():
         raise FileNotFoundError(f"{package} does not ship {'/'.join(parts)} (looked at {path})")
     return path
@@ -782,12 +788,16 @@ def _child_main(target: str, args_path: str, result_path: str) -> None:
 ORT_METHODS = ("minmax", "entropy", "percentile")
 
 
-def ort_session(path: Path | str, threads: int = 1, optimize: bool = False):
+def ort_session(path: Path | str, threads: int = 1, optimize: bool = False, spinning: bool = True):
     """A CPU session; ``optimize=False`` disables all graph optimizations (the QDQ graph then
-    runs exactly as written: float ops between QuantizeLinear/DequantizeLinear)."""
+    runs exactly as written: float ops between QuantizeLinear/DequantizeLinear).
+    ``spinning=False``: idle intra-op threads sleep instead of spinning (ORT's default spins,
+    which takes cores from whatever runs next, e.g. an interleaved peer)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
+    if not spinning:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -1033,6 +1043,34 @@ def tvm_import_onnx(info: ModelInfo):
 
     model = onnx.load(str(info.path))
     return from_onnx(model, shape_dict=dict(info.input_shapes), keep_params_in_input=False)
+
+
+def embedding_setup(name: str, n_calib: int, n_eval: int, log=print):
+    """(model info, calibration set, eval set, ORT fp32 eval outputs with graph
+    optimizations off) for an embedding benchmark, logging the machine and the data."""
+    log(machine_summary())
+    info = find_model(name)
+    calib = make_dataset(info, "calib", n_calib)
+    evalset = make_dataset(info, "eval", n_eval)
+    log(f"calib: {calib.description}; eval: {evalset.description}")
+    return info, calib, evalset, ort_outputs(ort_session(info.path, 2, False), evalset)
+
+
+def autoq_quantize(info: ModelInfo, config, calib):
+    """``autoq.Quantizer(config)`` on the prepared model (warnings silenced): returns the
+    result, its wall time in seconds and a :class:`TvmRunner` of the quantized module."""
+    import warnings
+
+    import autoq
+    from autoq import frontends
+
+    mod, params = frontends.from_onnx(info.path, input_shapes=dict(info.input_shapes))
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = autoq.Quantizer(config).run(mod, params, calib)
+    quant_s = time.perf_counter() - t0
+    return res, quant_s, TvmRunner(res.module, [v.name for v in res.matched.graph.inputs])
 
 
 class TvmRunner:

@@ -27,7 +27,6 @@ import os
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,18 +56,8 @@ def mask_rewrite(value: float | None):
 
 
 def autoq_row(info, config, calib, evalset, label, mask_value, log) -> dict:
-    import autoq
-    from autoq import frontends
-
     with mask_rewrite(mask_value):
-        mod, params = frontends.from_onnx(info.path, input_shapes=dict(info.input_shapes))
-        t0 = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            res = autoq.Quantizer(config).run(mod, params, calib)
-        quant_s = time.perf_counter() - t0
-    names = [v.name for v in res.matched.graph.inputs]
-    runner = common.TvmRunner(res.module, names)
+        res, quant_s, runner = common.autoq_quantize(info, config, calib)
     outs = [runner.run(s) for s in evalset]
     common.TvmRunner.set_threads(1)
     ms = common.median_ms(lambda: runner.run(evalset[0]), repeats=5, warmup=1)
@@ -128,12 +117,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     log = print
-    log(common.machine_summary())
-    info = common.find_model("minilm")
-    calib = common.make_dataset(info, "calib", args.calib)
-    evalset = common.make_dataset(info, "eval", args.eval)
-    log(f"calib: {calib.description}; eval: {evalset.description}")
-    ref = common.ort_outputs(common.ort_session(info.path, 2, False), evalset)
+    info, calib, evalset, ref = common.embedding_setup("minilm", args.calib, args.eval, log)
     rows = []
     for label, cfg, static, mask_value in configs(args):
         if (static and args.skip_static) or (not static and args.skip_dynamic):

@@ -4,8 +4,10 @@ autoq's generic lowering and ONNX Runtime, on ResNet-50 (open_nsfw) and on singl
 Rows (median latency in ms, 1 thread and 2 threads, measured in this run):
 
 * ResNet-50 (and ``--models ppocr_det,minilm``): ONNX Runtime fp32 and int8 (``quantize_static`` QDQ, per-channel int8 weights,
-  uint8 activations = u8s8, MinMax, graph optimizations on), autoq int8 (mse calibration)
-  with and without the kernels (the two must agree bit for bit), and the ratio to ORT int8;
+  uint8 activations = u8s8, MinMax, graph optimizations on, idle threads not spinning),
+  autoq int8 (default config) with and without the kernels (the two must agree bit for bit),
+  and the ratio to ORT int8; ORT fp32, ORT int8 and autoq with kernels run interleaved
+  (one call each per round, medians), so that load changes on a shared box hit all alike;
 * single ops: conv 3x3 256->256 14x14 (autoq ``qnn.conv2d`` vs ORT ``QLinearConv`` u8s8) and
   GEMM 196x2304x256 (autoq ``qnn.dense`` vs ORT ``MatMulInteger`` u8s8).
 
@@ -17,6 +19,8 @@ Numbers only: nothing here asserts a timing.
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import sys
 import tempfile
 import time
@@ -29,6 +33,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 THREADS = (1, 2)
+
+
+def _interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict[str, tuple[float, float]]:
+    """(median, min) ms of each callable, the callables run in turn (one call each per
+    round): a change of the machine's load hits all of them alike (the box is shared)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    return {key: (float(np.median(ts) * 1e3), float(np.min(ts) * 1e3)) for key, ts in times.items()}
 
 
 def _tvm_latency(vm, args, threads: int, repeats: int) -> float:
@@ -62,7 +81,7 @@ def _print_table(title, rows, ref_name):
 # ------------------------------------------------------------------------------ ResNet-50
 
 
-def bench_model(name: str, calib_n: int, repeats: int, log) -> None:
+def bench_model(name: str, calib_n: int, repeats: int, log, skip_generic: bool = False) -> None:
     import tvm
     from tvm import relax
 
@@ -80,26 +99,36 @@ def bench_model(name: str, calib_n: int, repeats: int, log) -> None:
         qmod = autoq.quantize(mod, params, calib.samples, autoq.Config(progress=False))
         log(f"autoq quantize ({calib_n} samples): {time.perf_counter() - t0:.1f} s")
         vms = {}
-        for use in (True, False):
+        for use in (True,) if skip_generic else (True, False):
             t0 = time.perf_counter()
             vms[use] = relax.VirtualMachine(autoq.compile(qmod, target, cpu_kernels=use), tvm.cpu())
             log(f"compile cpu_kernels={use}: {time.perf_counter() - t0:.1f} s")
         names = [p.name for p in qmod["main"].params]
         args = [tvm.runtime.tensor(sample[n]) for n in names]
-        same = np.array_equal(_first(vms[True]["main"](*args)), _first(vms[False]["main"](*args)))
-        log(f"autoq int8 outputs with and without kernels identical: {same}")
-        times = {}
+        if not skip_generic:
+            same = np.array_equal(
+                _first(vms[True]["main"](*args)), _first(vms[False]["main"](*args))
+            )
+            log(f"autoq int8 outputs with and without kernels identical: {same}")
+        times: dict[str, dict[int, float]] = {}
         for t in THREADS:
-            times.setdefault("ORT fp32", {})[t] = _ort_latency(info.path, sample, t, repeats)
-            times.setdefault("ORT int8 u8s8", {})[t] = _ort_latency(ort_int8, sample, t, repeats)
-            times.setdefault("autoq int8, kernels", {})[t] = _tvm_latency(
-                vms[True], args, t, repeats
-            )
-            times.setdefault("autoq int8, generic lowering", {})[t] = _tvm_latency(
-                vms[False], args, t, max(3, repeats // 5)
-            )
+            common.TvmRunner.set_threads(t)
+            sessions = {
+                "ORT fp32": common.ort_session(info.path, t, True, spinning=False),
+                "ORT int8 u8s8": common.ort_session(ort_int8, t, True, spinning=False),
+            }
+            fns = {key: functools.partial(sess.run, None, sample) for key, sess in sessions.items()}
+            fns["autoq int8, kernels"] = functools.partial(vms[True]["main"], *args)
+            for key, (median, least) in _interleaved(fns, repeats).items():
+                times.setdefault(key, {})[t] = median
+                log(f"{t} thread(s) {key}: median {median:.2f} ms, min {least:.2f} ms")
+            if not skip_generic:
+                times.setdefault("autoq int8, generic lowering", {})[t] = common.median_ms(
+                    functools.partial(vms[False]["main"], *args), 2, warmup=1
+                )
+        log(f"load average after the timings: {os.getloadavg()}")
     ref = times["ORT int8 u8s8"]
-    rows = [_row(name, v, ref) for name, v in times.items()]
+    rows = [_row(key, v, ref) for key, v in times.items()]
     title = common.MODEL_TITLES.get(name, name)
     _print_table(f"{title}, batch 1, target mcpu={target.mcpu}", rows, "ORT int8")
 
@@ -231,6 +260,10 @@ def main(argv=None) -> int:
     p.add_argument("--calib", type=int, default=16, help="calibration samples (ResNet-50)")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per row (median)")
     p.add_argument("--skip-model", action="store_true", help="single ops only")
+    p.add_argument("--skip-ops", action="store_true", help="models only")
+    p.add_argument(
+        "--skip-generic", action="store_true", help="no rows for autoq's generic lowering"
+    )
     p.add_argument(
         "--models", default="resnet50", help=f"comma-separated, of {','.join(common.MODEL_NAMES)}"
     )
@@ -247,10 +280,11 @@ def main(argv=None) -> int:
     target = autoq.default_target()
     isa = isa_of(target)
     print(f"\ntarget mcpu={target.mcpu}, kernel ISA: {isa.name if isa else 'none (generic)'}")
-    bench_ops(args.repeats)
+    if not args.skip_ops:
+        bench_ops(args.repeats)
     if not args.skip_model:
         for name in args.models.split(","):
-            bench_model(name, args.calib, args.repeats, log)
+            bench_model(name, args.calib, args.repeats, log, args.skip_generic)
     return 0
 
 

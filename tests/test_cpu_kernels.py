@@ -24,6 +24,7 @@ from autoq.cpu.depthwise import blocked, depthwise_kernel, depthwise_weight
 from autoq.cpu.injective import schedule_fused
 from autoq.cpu.isa import AVX2, VNNI, isa_of
 from autoq.cpu.lowering import lower_to_cpu_kernels
+from autoq.cpu.lut import lut_kernel
 from models import attention, mlp, small_cnn
 
 
@@ -214,7 +215,7 @@ def test_realized_model_same_outputs_with_kernels(isa, mcpu, make):
     target = _target(mcpu)
     lowered = lower_to_cpu_kernels(qmod, target)
     kernels = [gv.name_hint for gv in lowered.functions if gv.name_hint.startswith("autoq_")]
-    dense_or_conv = [name for name in kernels if "depthwise" not in name]
+    dense_or_conv = [name for name in kernels if name.split("_")[1] in ("conv2d", "dense")]
     assert dense_or_conv and all(name.split("_")[2].startswith(isa.name) for name in dense_or_conv)
     assert (make is small_cnn) == any("depthwise" in name for name in kernels)
     outs = []
@@ -274,6 +275,18 @@ def test_conv2d_transpose_kernel_same_as_generic(x_shape, w_shape, strides, padd
         bias = np.linspace(-1, 1, w_shape[1]).reshape(1, -1, 1, 1)
         ref = np.maximum(conv_transpose_reference(x, w, strides) + bias, 0)
         np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8"])
+def test_lut_kernel_matches_numpy(dtype):
+    rng = np.random.default_rng(5)
+    x = _data(rng, (2, 3, 70, 50), dtype)
+    table = rng.integers(-128, 128, 256).astype(np.int8)
+    lib = tvm.compile(tvm.IRModule({"main": lut_kernel(x.shape, dtype, "int8")}), _target(HOST))
+    got = tvm.runtime.tensor(np.zeros(x.shape, np.int8))
+    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(table), got)
+    qmin = -128 if dtype == "int8" else 0
+    np.testing.assert_array_equal(got.numpy(), table[x.astype(np.int32) - qmin])
 
 
 def test_fused_upsampling_read_is_unrolled_and_exact():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -143,17 +144,48 @@ def test_report_fans_out(client, model):
 
 
 def test_auto_fallback_trials_fan_out(client, model):
-    """AutoFallback on the cluster: the report and every SQNR trial computed from the
-    workers' sums give the in-process decision, trial for trial."""
+    """AutoFallback (2 held-out samples) on the cluster: the report and every SQNR trial
+    computed from the workers' sums (over the calibration part) give the in-process
+    decision, trial for trial."""
     mod, params, data = model
-    fb = autoq.AutoFallback(min_sqnr=60.0, max_fp32_layers=2)  # unreachable: every step runs
+    fb = autoq.AutoFallback(min_sqnr=60.0, max_fp32_layers=2, holdout=2)  # unreachable
     cfg = config("max").replace(fallback=fb)
     with pytest.warns(UserWarning, match="not reached"):
         want = autoq.Quantizer(cfg, target=TARGET).run(mod, params, data).decision
     with pytest.warns(UserWarning, match="not reached"):
         got = autoq.Quantizer(cfg, target=TARGET, cluster=client).run(mod, params, data).decision
     assert [t["metric"] for t in got.trials] == [t["metric"] for t in want.trials]
-    assert len(want.trials) == 3 and got.layers == want.layers and not got.met
+    assert len(want.trials) >= 3 and got.layers == want.layers and not got.met
+    # the held-out check ran on the same samples (the coordinator's), with the same verdicts
+    assert [t.get("kept") for t in got.trials] == [t.get("kept") for t in want.trials]
+    assert any("kept" in t for t in want.trials)
+
+
+def test_report_and_auto_fallback_from_a_worker_side_source(client, model):
+    """AutoFallback + report with a source only the workers read: the decision, trial for
+    trial, and the report of in-process runs over the samples in shard order (shard 1's
+    samples, then shard 2's); the options that need the samples here are refused."""
+    mod, params, data = model
+    fb = autoq.AutoFallback(min_sqnr=60.0, max_fp32_layers=1)  # unreachable: the search runs
+    cfg = config("max").replace(fallback=fb)
+    with pytest.warns(UserWarning, match="not reached"):
+        want = autoq.Quantizer(cfg, target=TARGET, report=True).run(
+            mod, params, data[0::2] + data[1::2]
+        )
+    q = autoq.Quantizer(cfg, target=TARGET, report=True, cluster=client)
+    with pytest.warns(UserWarning, match="not reached"):
+        got = q.run(mod, params, CallableShards(shard_of_seven))
+    assert [t["metric"] for t in got.decision.trials] == [t["metric"] for t in want.decision.trials]
+    assert len(want.decision.trials) == 2 and got.decision.layers == want.decision.layers
+    a, b = want.report.to_json(), got.report.to_json()
+    a.pop("meta"), b.pop("meta")
+    assert a == b and got.report.samples == 7
+    with pytest.raises(ValueError, match=r"samples .* are read by the workers"):
+        got.analysis.run()
+    for bad in (dict(precision="int16"), dict(holdout=2)):
+        q = autoq.Quantizer(cfg.replace(fallback=replace(fb, **bad)), target=TARGET, cluster=client)
+        with pytest.raises(ValueError, match=r"AutoFallback\((precision|holdout).*give the data"):
+            q.run(mod, params, CallableShards(shard_of_seven))
 
 
 def bad_second_shard(i: int, n: int):
@@ -189,12 +221,32 @@ def test_shard_sources_split_the_data(tmp_path):
         NpzShards(str(tmp_path / "*.npz"))
 
 
-def test_weight_tuning_is_refused_before_any_work(model):
+TUNING = {
+    "gptq": {"weight_rounding": "gptq"},
+    "all": {"weight_rounding": "gptq", "bias_correction": True, "scale_search": True},
+}
+
+
+@pytest.mark.parametrize(("name", "shards"), [("gptq", 3), ("all", 2)])
+def test_weight_tuning_gives_the_in_process_weights(client, model, name, shards):
+    """GPTQ, bias correction and the scale search on the shards' merged (exact) Hessians:
+    the same weight scales, activation qparams and tuned integers (QParams.values)."""
     mod, params, data = model
-    cfg = config("max", bias_correction=True)
+    cfg = config("max", **TUNING[name])
     sim = simulate(mod, params, cfg)
-    with pytest.raises(ValueError, match="not distributed yet"):
-        calibrate_distributed(sim, data, cfg, TARGET, client=None)
+    want = calibrate(sim, params, data, cfg, target=TARGET)
+    got = calibrate_distributed(sim, data, cfg, TARGET, client, shards=shards)
+    assert_identical(want, got)
+    tuned = want.meta["weight_tuning"]
+    assert tuned["gptq"] >= 3, tuned  # the layers with enough rows were really rounded
+    if name == "all":
+        assert tuned["searched"] >= 3 and tuned["bias_corrected"] >= 3, tuned
+    assert {k: got.meta["weight_tuning"][k] for k in tuned if k != "tune_s"} == {
+        k: v for k, v in tuned.items() if k != "tune_s"
+    }
+    assert want.values and list(got.values) == list(want.values)
+    for k, v in want.values.items():
+        assert got.values[k].dtype == v.dtype and got.values[k].tobytes() == v.tobytes(), k
 
 
 def test_in_process_runs_never_import_dask():
@@ -212,8 +264,10 @@ def test_in_process_runs_never_import_dask():
 
 
 def test_config_and_cli(tmp_path):
-    cfg = Config(distributed=Distributed(scheduler="tcp://127.0.0.1:8786", shards=4))
+    cfg = Config(distributed=Distributed(scheduler="tcp://127.0.0.1:8786", shards=4, retries=2))
     assert Config.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ValueError, match="retries must be an int >= 0"):
+        Distributed(workers=1, retries=-1)
     with pytest.raises(ValueError, match="exactly one of scheduler"):
         Distributed()
     with pytest.raises(ValueError, match="workers must be an int >= 1"):
@@ -239,16 +293,26 @@ def _arm():
     os.environ["AUTOQ_TEST_KILL"] = "1"
 
 
-def test_killed_worker_is_reported_with_its_shard(client, model):
-    """Runs last in the module (the nanny restarts the killed worker afterwards, with
-    nothing left to run on it)."""
+def test_killed_worker_is_restarted_or_reported_with_its_shard(client, model):
+    """A worker killed during calibration: its shard is restarted on the other worker (its
+    samples reloaded, the segments so far replayed) and the qparams are the in-process
+    ones; with ``retries=0`` the run fails with an error naming the shard. (The nanny
+    restarts a killed worker, unarmed.)"""
     mod, params, data = model
     cfg = config(kill_on_second_shard)
     sim = simulate(mod, params, cfg)
+    want = calibrate(sim, params, data, cfg, target=TARGET)
     victim = sorted(client.scheduler_info(n_workers=-1)["workers"])[1]  # holds shard 2
     client.run(_arm, workers=[victim])
+    with pytest.warns(UserWarning, match=r"shard 2/2 \(samples 1, 3, .*restarting the shard"):
+        got = calibrate_distributed(sim, data, cfg, TARGET, client, shards=2)
+    assert_identical(want, got)
+    client.wait_for_workers(2, timeout=120)
+    victim = sorted(client.scheduler_info(n_workers=-1)["workers"])[1]
+    client.run(_arm, workers=[victim])
+    once = cfg.replace(distributed=Distributed(scheduler="unused", retries=0))
     with pytest.raises(ShardLostError, match=r"shard 2/2 \(samples 1, 3, \.\.\..*lost"):
-        calibrate_distributed(sim, data, cfg, TARGET, client)
+        calibrate_distributed(sim, data, once, TARGET, client, shards=2)
 
 
 def test_scale_health_merges_across_shards(client, model):

@@ -9,7 +9,14 @@ import pytest
 from reference_ops import conv2d_loops
 
 import autoq.hessian as Hm
-from autoq.hessian import ConvGeometry, Hessian, conv_unfold, flatten_conv_weight, output_error
+from autoq.hessian import (
+    CodeHessian,
+    ConvGeometry,
+    Hessian,
+    conv_unfold,
+    flatten_conv_weight,
+    output_error,
+)
 
 GEOMETRIES = {
     "plain 3x3": dict(c=3, o=4, k=(3, 3), strides=(1, 1), padding=(1, 1, 1, 1), groups=1),
@@ -109,3 +116,77 @@ def test_dense_hessian_and_errors():
         conv_unfold(np.zeros((1, 3, 4, 4)), ConvGeometry(kernel=1, groups=2))
     with pytest.raises(ValueError, match="padding"):
         ConvGeometry(kernel=1, padding=(1, 2, 3))
+
+
+def _int_reference(rows: np.ndarray) -> np.ndarray:
+    """sum of r r^T over the rows in Python integers (exact, no BLAS)."""
+    r = rows.astype(object)
+    return np.array([[[sum(a * b) for b in g.T] for a in g.T] for g in r], dtype=object)
+
+
+@pytest.mark.parametrize("bound", [127, 4000, 30000], ids=["int8", "float32 1-row chunks", "int16"])
+def test_code_hessian_is_exact_for_any_split_and_order(bound):
+    """Integer codes: the int64 sums equal Python's exact integer sums (BLAS products in
+    chunks that keep every partial sum exact), and shards merged in any order give the
+    same bits as one pass; matrix()/mean() are the float Hessian of x = scale * codes."""
+    geom = ConvGeometry(kernel=(3, 3), padding=(1, 1, 1, 1), groups=2)
+    rng = np.random.default_rng(7)
+    batches = [rng.integers(-bound, bound + 1, size=(1, 4, 5, 6)) for _ in range(6)]
+    one = CodeHessian.conv2d(geom, 4, scale=0.25)
+    for b in batches:
+        one.update(b.astype(np.int16 if bound > 127 else np.int8))
+    rows = np.concatenate([conv_unfold(b, geom) for b in batches], axis=1)
+    one.flush()  # the rows are buffered until a full exact product (or matrix()/mean())
+    assert one.rows == rows.shape[1] == 180
+    assert (one.sum.astype(object) == _int_reference(rows)).all()
+    np.testing.assert_array_equal(one.row_sum, rows.sum(axis=1))
+    shards = [CodeHessian.conv2d(geom, 4, scale=0.25) for _ in range(3)]
+    for k, b in enumerate(batches):  # round-robin, like a streamed distributed dataset
+        shards[k % 3].update(b)
+    merged = shards[2]
+    merged.merge(shards[0])
+    merged.merge(shards[1])
+    assert merged.matrix().tobytes() == one.matrix().tobytes()
+    assert merged.mean().tobytes() == one.mean().tobytes()
+    ref = Hessian.conv2d(geom, 4)
+    for b in batches:
+        ref.update(0.25 * b.astype(np.float64))
+    np.testing.assert_allclose(one.matrix(), ref.matrix(), rtol=1e-12)
+    np.testing.assert_allclose(one.mean(), ref.mean(), rtol=1e-12)
+
+
+def test_code_hessian_errors():
+    h = CodeHessian.dense(3, scale=1.0)
+    with pytest.raises(ValueError, match="integer codes"):
+        h.update(np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match="no data"):
+        h.matrix()
+    h.update(np.ones((2, 3), np.int8))
+    with pytest.raises(ValueError, match="cannot merge"):
+        h.merge(CodeHessian.dense(3, scale=2.0))
+    with pytest.raises(ValueError, match="positive"):
+        CodeHessian.dense(3, scale=0.0)
+
+
+def test_code_hessian_buffers_rows_until_a_full_exact_product():
+    """int8 codes: 1024 rows per exact float32 product; a 30-row batch is buffered, 40 of
+    them are summed in one product (and the rest at matrix()), the same int64 sums as a
+    flush after every batch; pickling (a shard's statistics) sends the sums."""
+    import pickle
+
+    rng = np.random.default_rng(11)
+    batches = [rng.integers(-128, 128, size=(30, 5)).astype(np.int8) for _ in range(40)]
+    buffered, each = CodeHessian.dense(5, scale=0.5), CodeHessian.dense(5, scale=0.5)
+    buffered.update(batches[0])
+    assert buffered.sum is None and buffered.rows == 30
+    for b in batches[1:]:
+        buffered.update(b)
+    assert buffered.sum is not None  # 35 batches made 1050 >= 1024 rows: one product
+    for b in batches:
+        each.update(b)
+        each.flush()
+    back = pickle.loads(pickle.dumps(buffered))
+    for h in (buffered, back):
+        assert h.rows == 1200
+        assert h.matrix().tobytes() == each.matrix().tobytes()
+        np.testing.assert_array_equal(h.row_sum, each.row_sum)

@@ -46,10 +46,10 @@ def one_conv_bias():
 
 def test_conv2d_bias_realized_form_is_pinned():
     """quantize -> qnn.conv2d -> add(int32 bias constant) -> dequantize, every constant
-    computed here from the qparams with the numpy primitives."""
+    computed here from the qparams with the numpy primitives (round-to-nearest weights)."""
     mod, params = one_conv_bias()
     data = [np.random.default_rng(i).normal(size=(1, 3, 6, 6)).astype(np.float32) for i in range(3)]
-    c = cfg()
+    c = cfg(weight_rounding="nearest")
     sim, qp, real = quantize_all(mod, params, data, c)
     xq, wq = qp["x"], qp["c.weight"]
     w_int8 = P.quantize(params["c.weight"], wq.scale, wq.zero_point, axis=0)

@@ -1,12 +1,14 @@
 """A fixed schedule for the fused elementwise / pooling PrimFuncs around the int8 kernels.
 
 TVM's default CPU pipeline leaves every fused function (bias add + requantize + residual
-add, pooling, padding, ...) as a naive, single-threaded loop nest. :func:`schedule_fused`
-gives each one the same cheap schedule: intermediate blocks inlined where possible, then
-every remaining block parallel over its leading spatial loops (the innermost loop is left
-to LLVM's vectorizer; when it reads ``x[..., i // k]``, a fused nearest-neighbour upsampling,
-it is split by ``k`` and the ``k`` copies unrolled). Semantics are unchanged (no reordering
-of any reduction).
+add, pooling, padding, softmax, layer norm, a matmul of two activations, ...) as a naive,
+single-threaded loop nest. :func:`schedule_fused` gives each one the same cheap schedule:
+intermediate blocks inlined where possible (never into a reduction, whose inner loop would
+recompute them, with transposes or exps, on every step), reductions vectorized and register
+blocked by :func:`autoq.loop_schedule.schedule_reductions`, then every remaining block
+parallel over its leading spatial loops (the innermost loop is left to LLVM's vectorizer;
+when it reads ``x[..., i // k]``, a fused nearest-neighbour upsampling, it is split by ``k``
+and the ``k`` copies unrolled). Semantics are unchanged: every output keeps its reduction order, bit for bit.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import math
 import tvm
 from tvm import tirx
 from tvm.s_tir import Schedule, ScheduleError
+
+from ..loop_schedule import rows_for, schedule_reductions
 
 __all__ = ["KERNEL_ATTR", "ScheduleFused", "schedule_fused"]
 
@@ -92,18 +96,31 @@ def _unroll_upsampling(sch: Schedule, block) -> None:
         sch.unroll(sch.split(loops[-1], [None, ks[0]])[1])
 
 
-def schedule_fused(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """``func`` with its blocks inlined where possible and parallelized."""
+def _feeds_reduction(sch: Schedule, block) -> bool:
+    for consumer in sch.get_consumers(block):
+        kinds = [iv.iter_type for iv in sch.get(consumer).iter_vars]
+        if tirx.IterVar.CommReduce in kinds:
+            return True
+    return False
+
+
+def schedule_fused(func: tirx.PrimFunc, rows: int = 4) -> tirx.PrimFunc:
+    """``func`` with its blocks inlined where possible, its reductions scheduled
+    (``rows``: vectors accumulated together, see :func:`autoq.loop_schedule.rows_for`) and
+    its blocks parallelized."""
     try:
         sch = Schedule(func, error_render_level="none")
         blocks = _blocks(sch)
     except RuntimeError:  # ScheduleError, InternalError: no root block, not TE-built
         return func
     for block in blocks[:-1]:
+        if _feeds_reduction(sch, block):
+            continue
         try:
             sch.compute_inline(block)
         except ScheduleError:
             pass
+    sch = Schedule(schedule_reductions(sch.mod["main"], rows), error_render_level="none")
     for block in _blocks(sch):
         try:
             _parallelize(sch, block)
@@ -118,13 +135,15 @@ class ScheduleFused:
     """Module pass: :func:`schedule_fused` on every PrimFunc not marked with ``KERNEL_ATTR``."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        target = tvm.target.Target.current(allow_none=True)
+        rows = rows_for(target) if target is not None else 4
         updates = {}
         for gv, func in mod.functions.items():
             if not isinstance(func, tirx.PrimFunc):
                 continue
             if func.attrs is not None and KERNEL_ATTR in func.attrs:
                 continue
-            updates[gv] = schedule_fused(func)
+            updates[gv] = schedule_fused(func, rows)
         for gv, func in updates.items():
             mod[gv] = func
         return mod

@@ -6,7 +6,9 @@ the scheduled PrimFuncs of :mod:`autoq.cpu.conv2d` / :mod:`autoq.cpu.dense`, the
 packed into constants once (depthwise conv: :mod:`autoq.cpu.depthwise`); every call the
 kernels do not cover (grouped conv other than depthwise,
 non-constant or asymmetric weights, per-axis or runtime activation zero points, dynamic
-shapes, uint8 weights) keeps the op's own legalization.
+shapes, uint8 weights) keeps the op's own legalization. float32 softmax over the last axis
+becomes :mod:`autoq.cpu.softmax` (row-parallel, denormal probabilities flushed to 0); a
+``qnn.matmul`` of two activations (int8 rhs, same batch axes) :mod:`autoq.cpu.batch_matmul`.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ from tvm import relax
 
 from .. import qnn  # noqa: F401  (registers the qnn.* ops whose legalizations are the fallback)
 from ..toolkit import const_array, dtype_of, shape_of
+from .batch_matmul import batch_matmul_kernel
 from .conv2d import ConvShape, conv2d_kernel
 from .conv_transpose import conv2d_transpose_kernel
 from .dense import dense_kernel
 from .depthwise import depthwise_kernel, depthwise_weight
 from .isa import Isa, isa_of
+from .lut import lut_kernel
 from .packing import compensation, pack_conv_weight, pack_dense_weight
+from .softmax import softmax_kernel
 
 __all__ = ["lower_to_cpu_kernels"]
 
@@ -119,8 +124,31 @@ def _dense(isa: Isa, fallback, bb, call):
     return _dense_call(isa, bb, data, ops[2], ops[0], ops[1])
 
 
+def _activation_matmul(isa: Isa, bb, call):
+    """``call_tir`` of :mod:`autoq.cpu.batch_matmul` for a qnn.matmul of two activations
+    with the same static batch axes, or None."""
+    a, b, _s_a, z_a, _s_b, z_b = call.args
+    za, zb = _scalar(z_a), _scalar(z_b)
+    sa, sb = shape_of(a), shape_of(b)
+    if za is None or zb is None or sa is None or sb is None or len(sa) < 2:
+        return None
+    if dtype_of(a) not in _ACT_DTYPES or dtype_of(b) != "int8" or sa[:-2] != sb[:-2]:
+        return None
+    batch = int(np.prod(sa[:-2], dtype=np.int64))
+    (m, k), n = sa[-2:], sb[-1]
+    a3 = bb.emit(relax.op.reshape(a, [batch, m, k]))
+    b3 = bb.emit(relax.op.reshape(b, [batch, k, n]))
+    func = batch_matmul_kernel(batch, m, k, n, isa, dtype_of(a), za, zb)
+    gv = bb.add_func(func.without_attr("global_symbol"), f"autoq_batch_matmul_{isa.name}")
+    out = bb.emit(relax.call_tir(gv, [a3, b3], out_ty=relax.TensorType((batch, m, n), "int32")))
+    return relax.op.reshape(out, [*sa[:-2], m, n])
+
+
 def _matmul(isa: Isa, fallback, bb, call):
     a, b, _s_a, z_a, _s_b, z_b = call.args
+    if const_array(b) is None:
+        lowered = _activation_matmul(isa, bb, call)
+        return fallback(bb, call) if lowered is None else lowered
     ops = _operands(a, b, z_a, z_b)
     if ops is None or ops[2].ndim != 2:
         return fallback(bb, call)
@@ -155,11 +183,36 @@ def _conv2d_transpose(_isa: Isa, fallback, bb, call):
     return relax.call_tir(gv, [data, weight], out_ty=relax.TensorType(out, "float32"))
 
 
+def _softmax(_isa: Isa, fallback, bb, call):
+    (data,) = call.args
+    shape = shape_of(data)
+    axis = int(call.attrs["axis"])
+    if shape is None or dtype_of(data) != "float32" or len(shape) < 2:
+        return fallback(bb, call)
+    if axis not in (-1, len(shape) - 1):
+        return fallback(bb, call)
+    gv = bb.add_func(softmax_kernel(shape).without_attr("global_symbol"), "autoq_softmax")
+    return relax.call_tir(gv, [data], out_ty=relax.TensorType(shape, "float32"))
+
+
+def _lut(_isa: Isa, fallback, bb, call):
+    """``qnn.lut`` -> :func:`autoq.cpu.lut.lut_kernel` (static shapes)."""
+    data, table = call.args
+    shape = shape_of(data)
+    if shape is None:
+        return fallback(bb, call)
+    func = lut_kernel(shape, dtype_of(data), dtype_of(table))
+    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_lut")
+    return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, dtype_of(table)))
+
+
 _LOWERINGS = {
     "qnn.conv2d": _conv2d,
     "qnn.dense": _dense,
     "qnn.matmul": _matmul,
     "relax.nn.conv2d_transpose": _conv2d_transpose,
+    "relax.nn.softmax": _softmax,
+    "qnn.lut": _lut,
 }
 
 

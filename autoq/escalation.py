@@ -1,0 +1,395 @@
+"""Automatic int16 escalation: the activation tensors the output is sensitive to go int16.
+
+``Config(fallback=AutoFallback(precision="int16_tensors", max_int16_fraction=0.2))``: after
+calibration, :func:`escalate` measures, for each candidate activation tensor (slot), how much
+the model's metric drops when that tensor goes back to int8 while the other candidates are
+int16 (candidates: the ``SHORTLIST`` x budget tensors whose own int8 SQNR is lowest). With
+the others int16 each tensor's own cost shows; ranked by "only this one int16" it hides under
+the error of all the rest (MiniLM, 32 held-out sentences: cosine 0.985 that way vs 0.991
+for this ranking, budget 22 tensors). It then adds the tensors in that order until the
+metric meets the budget or ``max_int16_fraction`` of the activation tensors are int16; with
+``AutoFallback.holdout`` the result is the prefix of that sequence with the best output
+SQNR on the held-out samples (tensors that only help the calibration samples are dropped).
+Every layer stays quantized (int8 weights, integer kernels); the chosen
+tensors are written to ``Config.int16_tensors`` (slot ids), which :mod:`autoq.simulate`
+gives an int16 spec, so realize/simulate agree bit for bit as for any int16 slot.
+
+**One compile for the whole search.** :class:`EscalationGraph` rewrites the calibrated
+simulated graph so that every candidate slot's quantize reads three more runtime inputs,
+``<slot>.int16`` (a float32 switch), ``<slot>.scale16`` and ``<slot>.zero_point16``: with
+the switch on, the slot's integers are the int16 ones re-expressed on the int8 grid,
+``(q16 - z16) * s16 / s + z``, so every consumer (which dequantizes with ``s``, ``z``)
+computes with the int16 value (up to float32 rounding). A lookup-table activation whose
+input or output slot is switched computes its float activation and quantizes it, as the
+realized graph does for a 16-bit slot. Each trial is then one run over the first
+``TRIAL_SAMPLES`` calibration samples (SQNR metric; a callable metric picks its own).
+
+int16 qparams come from the tensor's full observed range on the calibration samples, times
+:data:`INT16_HEADROOM` (:func:`int16_qparam`): the int8 calibrator's clipping is what int16
+is there to avoid, and values beyond the calibration range are what clipped it on new data.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from . import qnn
+from .auto_fallback import FallbackDecision, FallbackOutcome, split_holdout
+from .build import default_target
+from .calibrate import calibrate, calibration_pipeline, samples_for
+from .config import AutoFallback, Config, QuantSpec
+from .metrics import ErrorStats, fake_quant, sqnr_db
+from .qparams import QParam, QParams
+from .simulate import SimResult, simulate
+from .toolkit import as_list, bindings, compile_vm, const, is_call, make_function, output_fields
+
+__all__ = ["EscalationGraph", "escalate", "escalate_search", "int16_qparam"]
+
+WIDE = {"int8": "int16", "uint8": "int16"}
+
+
+#: int16 ranges are the observed range times this: 16 bits leave room for values beyond
+#: the calibration samples (MiniLM, every activation int16, 32 held-out sentences: cosine
+#: 0.9955 / 0.9986 / 0.9996 with headroom 1 / 2 / 4), at 2 bits of resolution
+INT16_HEADROOM = 4.0
+
+
+def int16_qparam(lo: float, hi: float, spec: QuantSpec) -> QParam:
+    """int16 qparams for a tensor observed in ``[lo, hi]`` (``spec``: its spec): the range
+    widened by :data:`INT16_HEADROOM` around 0.
+
+    >>> qp = int16_qparam(-1.0, 3.0, QuantSpec())
+    >>> qp.dtype, float(qp.rmin), float(qp.rmax)
+    ('int16', -4.0, 12.0)
+    """
+    s = spec.as_int16()
+    lo, hi = min(lo, 0.0) * INT16_HEADROOM, max(hi, 0.0) * INT16_HEADROOM
+    return QParam.from_range(
+        np.float32(lo), np.float32(hi), s.dtype, s.symmetric, s.narrow_range, s.reduce_range
+    )
+
+
+def _f32(x) -> relax.Expr:
+    return relax.op.astype(x, "float32")
+
+
+class EscalationGraph:
+    """The calibrated simulated graph with a runtime int16 switch per candidate slot
+    (module docstring); :meth:`run` runs it with any set of slots switched to int16."""
+
+    def __init__(self, sim: SimResult, qparams: QParams, samples, target):
+        t0 = time.perf_counter()
+        self.sim, self.qparams = sim, qparams
+        g = sim.graph
+        self.samples = samples_for(samples, g.inputs)
+        #: per-tensor 8-bit activation slots with a quantize of their own
+        self.candidates = [
+            sid
+            for sid in sim.activation_slots()
+            if sid in sim.sq_vars
+            and qparams[sid].dtype in WIDE
+            and np.ndim(qparams[sid].scale) == 0
+        ]
+        self.n_activation_slots = len(sim.activation_slots())
+        #: activation slots int16 before the search (``Config.int16_tensors``, overrides)
+        self.already_int16 = [s for s in sim.activation_slots() if qparams[s].dtype not in WIDE]
+        self._vars = {
+            sid: (
+                relax.Var(f"{sid}.int16", relax.TensorType([], "float32")),
+                relax.Var(f"{sid}.scale16", relax.TensorType([], "float32")),
+                relax.Var(f"{sid}.zero_point16", relax.TensorType([], "int32")),
+            )
+            for sid in self.candidates
+        }
+        func = sim.mod["main"]
+        pairs, pre = self._rewrite(func)
+        params = list(func.params) + [v for t in self._vars.values() for v in t]
+        self._params = params
+        self.n_out = len(output_fields(func.body.body))
+        functions = {
+            "trial": make_function("trial", params, pairs, output_fields(func.body.body)),
+            "ranges": make_function("ranges", params, pairs, pre),
+            "fp32": make_function(
+                "fp32", list(g.inputs) + list(g.weight_params), g.bindings,
+                output_fields(g.output),
+            ),
+        }  # fmt: skip
+        consts = {p.name: np.ascontiguousarray(g.params[p.name]) for p in g.weight_params}
+        consts.update(sim.input_values(qparams))
+        self._consts = {k: tvm.runtime.tensor(v) for k, v in consts.items()}
+        self._on = tvm.runtime.tensor(np.float32(1.0))
+        self._off = tvm.runtime.tensor(np.float32(0.0))
+        self.vm = compile_vm(functions, target, sim.mod, pipeline=calibration_pipeline(target))
+        self.compile_s = time.perf_counter() - t0
+        self.qparams16 = self._int16_qparams()
+
+    def _rewrite(self, func) -> tuple[list, list]:
+        """The bindings of ``func`` with the candidates' quantizes switchable, and the float
+        input of each candidate's quantize (for its observed range)."""
+        sim = self.sim
+        sq_of = {sim.sq_vars[sid]: sid for sid in self.candidates}
+        # a LUT layer's table input -> (its input slot, its output slot)
+        lut_of = {sim.table_vars[layer]: t[:2] for layer, t in sim.plan.tables.items()}
+        out, pre = [], []
+        for var, value in bindings(func):
+            sid = sq_of.get(var)
+            if sid is not None:
+                sel, s16, z16 = self._vars[sid]
+                data, s, z = value.args[:3]
+                q8 = relax.Var(f"{sid}.q8")
+                q16 = relax.Var(f"{sid}.q16")
+                out.append((q8, value))
+                out.append((q16, qnn.simulated_quantize(data, s16, z16, dtype="int16")))
+                on8 = relax.op.add(
+                    relax.op.multiply(relax.op.subtract(q16, _f32(z16)), relax.op.divide(s16, s)),
+                    _f32(z),
+                )
+                on = relax.op.greater(sel, const(0.0, "float32"))
+                out.append((var, relax.op.where(on, on8, q8)))
+                pre.append(data)
+                continue
+            key = lut_of.get(value.args[0]) if is_call(value, "relax.take") else None
+            if key is not None:
+                sels = [self._vars[s][0] for s in key if s in self._vars]
+                observed = sim.sq_vars[key[1]]
+                if sels:
+                    on = sels[0] if len(sels) == 1 else relax.op.maximum(*sels)
+                    on = relax.op.greater(on, const(0.0, "float32"))
+                    table = relax.Var(f"{key[1]}.table_q")
+                    out.append((table, value))
+                    out.append((var, relax.op.where(on, observed, table)))
+                    continue
+            out.append((var, value))
+        return out, pre
+
+    def _args(self, sample: dict, selected: set, qp16: dict) -> list:
+        inputs = {v.name for v in self.sim.graph.inputs}
+        args = []
+        for p in self._params:
+            name = p.name
+            if name in inputs:
+                args.append(tvm.runtime.tensor(sample[name]))
+            elif name in self._consts:
+                args.append(self._consts[name])
+            else:
+                sid, _, kind = name.rpartition(".")
+                if kind == "int16":
+                    args.append(self._on if sid in selected else self._off)
+                elif kind == "scale16":
+                    args.append(tvm.runtime.tensor(np.float32(qp16[sid].scale)))
+                else:
+                    args.append(tvm.runtime.tensor(np.int32(qp16[sid].zero_point)))
+        return args
+
+    def _int16_qparams(self) -> dict[str, QParam]:
+        """int16 qparams of every candidate from its observed range (all slots int8), and
+        each candidate's own int8 SQNR on those values (``self.local_sqnr``)."""
+        lo = {s: math.inf for s in self.candidates}
+        hi = {s: -math.inf for s in self.candidates}
+        err = {s: ErrorStats() for s in self.candidates}
+        dummy = {s: QParam(np.float32(1.0), np.int32(0), "int16") for s in self.candidates}
+        f = self.vm["ranges"]
+        for sample in self.samples:
+            vals = as_list(f(*self._args(sample, set(), dummy)))
+            for sid, v in zip(self.candidates, vals, strict=True):
+                a = v.numpy()
+                lo[sid] = min(lo[sid], float(a.min()))
+                hi[sid] = max(hi[sid], float(a.max()))
+                err[sid].add(a, fake_quant(a, self.qparams[sid])[0])
+        #: slot -> SQNR (dB) of its int8 quantization alone, on the calibration samples
+        self.local_sqnr = {sid: e.sqnr for sid, e in err.items()}
+        specs = self.sim.plan.specs
+        return {s: int16_qparam(lo[s], hi[s], specs[s]) for s in self.candidates}
+
+    def run(self, selected: Iterable[str] = (), samples=None) -> list:
+        """Model outputs (one per sample) with the ``selected`` slots int16."""
+        selected = set(selected)
+        unknown = selected - set(self.candidates)
+        if unknown:
+            raise ValueError(f"not escalable slots {sorted(unknown)}")
+        data = self.samples if samples is None else samples_for(samples, self.sim.graph.inputs)
+        f = self.vm["trial"]
+        outs = []
+        for s in data:
+            vals = [v.numpy() for v in as_list(f(*self._args(s, selected, self.qparams16)))]
+            outs.append(vals[0] if self.n_out == 1 else vals)
+        return outs
+
+    def run_fp32(self, samples=None) -> list:
+        """Model outputs of the fp32 graph, one per sample."""
+        g = self.sim.graph
+        data = self.samples if samples is None else samples_for(samples, g.inputs)
+        f, outs = self.vm["fp32"], []
+        for s in data:
+            args = [tvm.runtime.tensor(s[v.name]) for v in g.inputs]
+            args += [self._consts[p.name] for p in g.weight_params]
+            vals = [v.numpy() for v in as_list(f(*args))]
+            outs.append(vals[0] if self.n_out == 1 else vals)
+        return outs
+
+    def runner(self, selected: Iterable[str] = ()) -> Callable:
+        selected = tuple(selected)
+        return lambda samples: self.run(selected, samples)
+
+    def qparams_with(self, selected: Sequence[str], dst: SimResult) -> QParams:
+        """The calibrated qparams with ``selected`` slots int16, for ``dst`` (the graph
+        simulated with ``Config.int16_tensors = selected``: same slot ids)."""
+        out = {sid: self.qparams[sid] for sid in dst.slots}
+        for sid in selected:
+            out[sid] = self.qparams16[sid]
+        meta = dict(self.qparams.meta)
+        meta["specs"] = {s: sp.to_json() for s, sp in dst.plan.specs.items()}
+        return QParams(out, dict(dst.slots), meta, dict(self.qparams.values))
+
+
+#: the SQNR metric's trials run on the first TRIAL_SAMPLES calibration samples
+TRIAL_SAMPLES = 4
+#: tensors measured one by one: the SHORTLIST x budget with the lowest own int8 SQNR
+SHORTLIST = 3
+
+
+def escalate_search(
+    eg: EscalationGraph, fb: AutoFallback, reference_run: Callable, held=()
+) -> dict:
+    """Greedy search (module docstring). ``reference_run(samples) -> outputs``: the fp32
+    model. Returns ``{"tensors", "metric", "met", "budget", "ranking", "trials", ...}``."""
+    t0 = time.perf_counter()
+    if fb.metric == "sqnr":
+        some = list(eg.samples)[:TRIAL_SAMPLES]
+        ref = reference_run(some)
+
+        def score(sel):
+            return sqnr_db(ref, eg.run(sel, some))
+
+        reference, within = math.inf, (lambda v: v >= fb.min_sqnr)
+        name, budget = "output SQNR (dB)", f"SQNR >= {fb.min_sqnr:g} dB"
+    else:
+        reference = float(fb.metric(reference_run))
+
+        def score(sel):
+            return float(fb.metric(eg.runner(sel)))
+
+        def within(v):
+            return reference - v <= fb.max_drop
+
+        name = getattr(fb.metric, "__name__", "metric")
+        budget = f"drop <= {fb.max_drop:g} from fp32 {reference:.6g}"
+    total = math.floor(fb.max_int16_fraction * eg.n_activation_slots + 1e-9)
+    limit = max(0, total - len(eg.already_int16))
+    trials: list[dict] = []
+
+    def trial(sel, kind):
+        v = score(sel)
+        trials.append({"k": len(sel), "layers": list(sel), "metric": v, "kind": kind})
+        return v
+
+    base = trial([], "base")
+    ranking, top = [], base
+    if not within(base) and limit > 0:
+        shortlist = sorted(eg.candidates, key=lambda sid: eg.local_sqnr[sid])
+        shortlist = shortlist[: SHORTLIST * limit]
+        top = trial(shortlist, "all")
+        for sid in shortlist:  # what each costs back in int8 while the others are int16
+            ranking.append(
+                {"layer": sid, "score": trial([x for x in shortlist if x != sid], "revert")}
+            )
+        ranking.sort(key=lambda r: r["score"])
+    gain = _held_gain(eg, reference_run, held)
+    chosen, value, final = [], base, ([], base)
+    for r in ranking:  # add in ranked order; keep the prefix the held-out samples prefer
+        if within(value) or len(chosen) >= limit or not r["score"] < top:
+            break
+        chosen = [*chosen, r["layer"]]
+        value = trial(chosen, "greedy")
+        kept = gain(chosen)
+        trials[-1]["kept"] = kept
+        if kept:
+            final = (list(chosen), value)
+    chosen, value = final
+    for r in ranking:
+        r["reason"] = (
+            f"{name} {r['score']:.4g} with this tensor int8 and the other shortlisted ones "
+            f"int16 (all int16: {top:.4g}, all int8: {base:.4g}); its own int8 SQNR "
+            f"{eg.local_sqnr[r['layer']]:.1f} dB"
+        )
+    return {
+        "tensors": chosen,
+        "metric": value,
+        "base": base,
+        "met": within(value),
+        "metric_name": name,
+        "reference": reference,
+        "budget": f"{budget}; at most {total} of {eg.n_activation_slots} activation tensors "
+        f"int16 ({len(eg.already_int16)} already)",
+        "ranking": ranking,
+        "trials": trials,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _held_gain(eg: EscalationGraph, reference_run, held):
+    """``gain(selected) -> bool``: whether ``selected`` raise the output SQNR on the held-out
+    samples above the best so far (always True without held-out samples)."""
+    if not held:
+        return lambda sel: True
+    ref = reference_run(held)
+    best = [sqnr_db(ref, eg.run([], held))]
+
+    def gain(sel):
+        v = sqnr_db(ref, eg.run(sel, held))
+        if v > best[0]:
+            best[0] = v
+            return True
+        return False
+
+    return gain
+
+
+def escalate(
+    model, params, dataset, config: Config, qparams: QParams | None = None, target=None,
+    fan_out=None,
+) -> FallbackOutcome:  # fmt: skip
+    """Run ``AutoFallback(precision="int16_tensors")`` end to end (module docstring):
+    calibrate (unless ``qparams`` are given, calibrated on the dataset minus the held-out
+    samples), compile the :class:`EscalationGraph`, search, and return the config with
+    ``int16_tensors`` and its qparams (same call shape as :func:`autoq.auto_fallback.auto_fallback`)."""
+    fb = config.fallback
+    if not isinstance(fb, AutoFallback) or fb.precision != "int16_tensors":
+        raise TypeError('config.fallback must be an AutoFallback(precision="int16_tensors")')
+    if fan_out is not None:
+        raise ValueError(
+            'AutoFallback(precision="int16_tensors") searches in this process: calibrate '
+            "without a cluster, or use precision='fp32'/'int16'"
+        )
+    target = target or default_target()
+    base_cfg = config.replace(fallback=fb.fixed())
+    calib, held = split_holdout(dataset, fb.holdout)
+    sim = simulate(model, params, base_cfg)
+    if qparams is None:
+        qparams = calibrate(sim, params, calib, base_cfg, target=target)
+    eg = EscalationGraph(sim, qparams, calib, target)
+    found = escalate_search(eg, fb, eg.run_fp32, held)
+    decision = FallbackDecision(
+        layers=found["tensors"],
+        precision="int16_tensors",
+        met=found["met"],
+        metric_name=found["metric_name"],
+        metric=found["metric"],
+        reference=found["reference"],
+        budget=found["budget"],
+        ranking=found["ranking"],
+        trials=found["trials"],
+        seconds=found["seconds"],
+        analysis_seconds=eg.compile_s,
+        evaluations=len(found["trials"]),
+    )
+    final_cfg = decision.config(base_cfg)
+    final_qp = eg.qparams_with(found["tensors"], simulate(model, params, final_cfg))
+    final_qp.meta["fallback"] = decision.to_json()
+    return FallbackOutcome(final_cfg, final_qp, decision, None, None)

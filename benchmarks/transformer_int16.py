@@ -1,0 +1,140 @@
+"""Static int8 all-MiniLM-L6-v2 with automatic int16 escalation of sensitive tensors.
+
+Rows (fidelity against ONNX Runtime fp32 with graph optimizations off, on held-out pydoc
+sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime.py):
+
+* autoq static default (``check_scales`` keeps layers whose int8 scale collapses most of
+  their values in fp32);
+* autoq static, every layer int8 (``check_scales=False``);
+* autoq ``AutoFallback(precision="int16_tensors", max_int16_fraction=F)`` (every layer
+  quantized; the search of :mod:`autoq.escalation` picks the int16 tensors, with
+  ``holdout`` held-out calibration sentences), for each ``--fractions``;
+* autoq dynamic per token (no data), for reference;
+* ONNX Runtime ``quantize_static`` (QDQ, minmax, per-channel weights, MatMul/Gemm only: what
+  keeps it usable on this model, see vs_onnxruntime.md) and ``quantize_dynamic``
+  (per-channel), in the same run.
+
+Columns: NN@1 (nearest-neighbour agreement within the eval set), cosine mean/min, the
+activation tensors in int16 (count / all activation tensors), layers left in fp32, the
+quantize wall time (machine shared: load average printed).
+
+Run:  HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/transformer_int16.py [--calib 16 --eval 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import common
+import dynamic_quantization
+
+HEADERS = ["runtime", "NN@1", "cos mean", "cos min", "int16 tensors", "fp32 layers", "quantize s"]
+
+
+def autoq_row(info, config, calib, evalset, label, log) -> dict:
+    res, quant_s, runner = common.autoq_quantize(info, config, calib)
+    outs = [runner.run(s) for s in evalset]
+    acts = [s for s, i in res.qparams.slots.items() if i.kind == "activation"]
+    wide = [s for s in acts if res.qparams[s].dtype == "int16"]
+    log(f"  {label}: {len(res.int8_layers)} quantized layers, {len(res.fp32_layers)} fp32, "
+        f"int16 tensors {wide}, {quant_s:.1f} s")  # fmt: skip
+    if res.decision is not None:
+        log("    " + res.decision.summary().replace("\n", "\n    "))
+    return {
+        "label": label,
+        "outputs": outs,
+        "int16": f"{len(wide)}/{len(acts)} ({100 * len(wide) / len(acts):.0f}%)",
+        "fp32": str(len(res.fp32_layers)),
+        "quant_s": quant_s,
+    }
+
+
+def ort_rows(info, calib, evalset, log) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="autoq-int16-") as tmp:
+        out = Path(tmp) / "static.onnx"
+        r = common.ort_quantize(info, calib, "minmax", out, op_types=["MatMul", "Gemm"])
+        outs = common.ort_outputs(common.ort_session(out, 2, False), evalset)
+        rows.append({"label": "ORT quantize_static minmax [MatMul,Gemm]", "outputs": outs,
+                     "int16": "", "fp32": "", "quant_s": r["calib_s"]})  # fmt: skip
+    dyn = dynamic_quantization.ort_dynamic_row(info, evalset, True, log)
+    rows.append(dict(dyn, int16="", fp32=""))
+    log("  ORT rows done")
+    return rows
+
+
+def configs(args):
+    from autoq import AutoFallback, Config, QuantSpec
+
+    rows = [
+        ("autoq static default", Config(progress=False)),
+        ("autoq static, all layers int8", Config(progress=False, check_scales=False)),
+    ]
+    for f in args.fractions:
+        fb = AutoFallback(
+            precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
+            min_sqnr=args.min_sqnr,
+        )  # fmt: skip
+        rows.append((f"autoq int16 escalation (<= {f:.0%})",
+                     Config(progress=False, check_scales=False, fallback=fb)))  # fmt: skip
+    dyn = Config(activation=QuantSpec(dynamic=True, granularity="token"), progress=False)
+    rows.append(("autoq dynamic (token), no data", dyn))
+    return rows
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calib", type=int, default=16, help="calibration sentences")
+    p.add_argument("--holdout", type=int, default=4, help="of which held out by the search")
+    p.add_argument("--eval", type=int, default=64, help="evaluation sentences (disjoint)")
+    p.add_argument("--fractions", default="0.2", help="escalation budgets, comma-separated")
+    p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
+    p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
+    p.add_argument("--out", default="", help="write the table to this markdown file too")
+    args = p.parse_args(argv)
+    args.fractions = [float(v) for v in args.fractions.split(",") if v.strip()]
+    args.skip = [v for v in args.skip.split(",") if v]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    lines: list[str] = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    info, calib, evalset, ref = common.embedding_setup("minilm", args.calib, args.eval, log)
+    log(f"load average at start: {os.getloadavg()}")
+    rows = []
+    for label, cfg in configs(args):
+        if any(s in label for s in args.skip):
+            continue
+        data = None if cfg.activation.dynamic else list(calib)
+        rows.append(autoq_row(info, cfg, data, evalset, label, log))
+    if not any("ORT" in s for s in args.skip):
+        rows += ort_rows(info, list(calib), evalset, log)
+    table = []
+    for r in rows:
+        f = common.fidelity("embedding", ref, r["outputs"])
+        table.append([r["label"], f"{f['agree'] * 100:.1f}%", f"{f['cos']:.5f}",
+                      f"{f['cos_min']:.5f}", r["int16"], r["fp32"], f"{r['quant_s']:.1f}"])  # fmt: skip
+    log(common.markdown_table(HEADERS, table))
+    log(f"load average at end: {os.getloadavg()}")
+    if args.out:
+        from autoq.json_document import write_atomic
+
+        write_atomic(args.out, "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

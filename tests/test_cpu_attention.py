@@ -1,0 +1,155 @@
+"""autoq.cpu on the attention ops of a transformer: the row-parallel softmax (same floats as
+TVM's own softmax except denormal probabilities, which are 0) and the fused reductions that
+``ScheduleFused`` now schedules (matmul of two activations, int8 and float32), bit for bit
+against the unscheduled kernels and numpy."""
+
+from __future__ import annotations
+
+import doctest
+
+import numpy as np
+import pytest
+import tvm
+from test_cpu_kernels import PATHS  # the two ISA paths, skipped where the CPU lacks one
+from tvm import relax
+
+import autoq
+from autoq.cpu import batch_matmul as batch_matmul_mod
+from autoq.cpu import softmax as softmax_mod
+from autoq.cpu.batch_matmul import batch_matmul_kernel
+from autoq.cpu.injective import schedule_fused
+from autoq.cpu.lowering import lower_to_cpu_kernels
+from autoq.cpu.softmax import softmax_kernel
+
+TINY = np.finfo(np.float32).tiny
+TARGET = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
+
+
+def _relax_vm(build, inputs, fuse_schedule: bool):
+    """main(*inputs) = build(bb, *vars), compiled with or without autoq's CPU kernels."""
+    params = [
+        relax.Var(f"x{i}", relax.TensorType(a.shape, str(a.dtype))) for i, a in enumerate(inputs)
+    ]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        out = bb.emit(build(*params))
+        bb.emit_func_output(out)
+    ex = autoq.compile(bb.get(), TARGET, cpu_kernels=fuse_schedule)
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    return vm["main"](*[tvm.runtime.tensor(a) for a in inputs]).numpy()
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 5, 40), (7, 33), (2, 4, 16)])
+def test_softmax_same_floats_except_flushed_denormals(shape):
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=shape) * 3).astype(np.float32)
+    x[..., shape[-1] // 2 :] -= 100.0  # an attention mask: exp(-100) is denormal
+    lib = tvm.compile(tvm.IRModule({"main": softmax_kernel(shape)}), TARGET)
+    out = tvm.runtime.tensor(np.zeros(shape, np.float32))
+    lib["main"](tvm.runtime.tensor(x), out)
+    got = out.numpy()
+    ref = _relax_vm(lambda v: relax.op.nn.softmax(v, axis=-1), [x], fuse_schedule=False)
+    assert np.any((ref > 0) & (ref < TINY)), "the case must contain denormal probabilities"
+    normal = ref >= TINY
+    np.testing.assert_array_equal(got[normal], ref[normal])
+    assert not np.any(got[~normal])
+    e = np.exp(x.astype(np.float64) - x.max(axis=-1, keepdims=True))
+    np.testing.assert_allclose(got, e / e.sum(axis=-1, keepdims=True), rtol=1e-5, atol=1e-30)
+
+
+def test_softmax_lowered_only_for_last_axis_float32():
+    x = np.random.default_rng(1).normal(size=(2, 6, 5)).astype(np.float32)
+    for axis in (1, -1):
+        got = _relax_vm(lambda v, a=axis: relax.op.nn.softmax(v, axis=a), [x], True)
+        ref = _relax_vm(lambda v, a=axis: relax.op.nn.softmax(v, axis=a), [x], False)
+        np.testing.assert_array_equal(got, ref)  # no denormals here: identical
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float32"])
+def test_scheduled_batch_matmul_bit_exact(dtype):
+    """A matmul of two activations (attention's q @ k^T, p @ v) after ScheduleFused: vector
+    accumulators, register blocked, parallel; same per-output reduction order."""
+    rng = np.random.default_rng(2)
+    if dtype == "int8":
+        a = rng.integers(-128, 128, (1, 3, 24, 8)).astype(np.int8)
+        b = rng.integers(-128, 128, (1, 3, 8, 40)).astype(np.int8)
+
+        def build(x, y):
+            return relax.op.matmul(
+                relax.op.astype(x, "int32"), relax.op.astype(y, "int32"), out_dtype="int32"
+            )
+
+        want = a.astype(np.int64) @ b.astype(np.int64)
+    else:
+        a = rng.random((1, 3, 24, 40)).astype(np.float32)
+        b = rng.normal(size=(1, 3, 40, 32)).astype(np.float32)
+
+        def build(x, y):
+            return relax.op.matmul(x, y)
+
+        want = None
+    got = _relax_vm(build, [a, b], fuse_schedule=True)
+    ref = _relax_vm(build, [a, b], fuse_schedule=False)
+    np.testing.assert_array_equal(got, ref)
+    if want is not None:
+        np.testing.assert_array_equal(got, want)
+
+
+def test_schedule_fused_vectorizes_the_matmul():
+    x = relax.Var("x", relax.TensorType((1, 2, 16, 8), "float32"))
+    y = relax.Var("y", relax.TensorType((1, 2, 8, 32), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, y]):
+        out = bb.emit(relax.op.matmul(x, y))
+        bb.emit_func_output(out)
+    with TARGET:
+        mod = relax.transform.LegalizeOps()(bb.get())
+    (func,) = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    text = schedule_fused(func, 8).script()
+    assert "T.vectorized" in text and "T.parallel" in text
+
+
+# batch, M, K, N, lhs dtype, lhs zero point, rhs zero point
+BATCH_MATMULS = {
+    "heads": (3, 10, 8, 40, "int8", 3, -9),
+    "odd-k-n": (2, 5, 7, 19, "int8", -128, 127),
+    "uint8-lhs": (1, 9, 12, 16, "uint8", 131, 0),
+    "zero-points-0": (2, 4, 4, 33, "int8", 0, 0),
+}
+
+
+@pytest.mark.parametrize("case", BATCH_MATMULS.values(), ids=BATCH_MATMULS.keys())
+@pytest.mark.parametrize(("isa", "mcpu"), PATHS)
+def test_batch_matmul_kernel_bit_exact(isa, mcpu, case):
+    batch, m, k, n, dt, za, zb = case
+    rng = np.random.default_rng(3)
+    lo, hi = (-128, 128) if dt == "int8" else (0, 256)
+    a = rng.integers(lo, hi, (batch, m, k)).astype(dt)
+    b = rng.integers(-128, 128, (batch, k, n)).astype(np.int8)
+    a[0, 0, :] = hi - 1  # extreme rows/columns: nothing may saturate
+    b[0, :, 0] = -128
+    func = batch_matmul_kernel(batch, m, k, n, isa, dt, za, zb)
+    lib = tvm.compile(
+        tvm.IRModule({"main": func}), tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+    )
+    out = tvm.runtime.tensor(np.zeros((batch, m, n), np.int32))
+    lib["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), out)
+    want = (a.astype(np.int64) - za) @ (b.astype(np.int64) - zb)
+    np.testing.assert_array_equal(out.numpy(), want)
+
+
+def test_doctests():
+    for module in (softmax_mod, batch_matmul_mod):
+        assert doctest.testmod(module).failed == 0
+
+
+def test_attention_model_uses_the_kernels():
+    """The realized tiny attention block lowers q @ k^T and its softmax to these kernels
+    (test_cpu_kernels checks its outputs against the generic lowering, bit for bit)."""
+    from models import attention
+
+    mod, params, data = attention()
+    qmod = autoq.quantize(mod, params, data(8, 1), autoq.Config(progress=False))
+    names = {gv.name_hint for gv in lower_to_cpu_kernels(qmod, TARGET).functions}
+    assert any(n.startswith("autoq_batch_matmul_") for n in names), sorted(names)
+    assert "autoq_softmax" in names
