@@ -35,19 +35,19 @@ import common
 THREADS = (1, 2)
 
 
-def _interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict[str, float]:
-    """Median ms of each callable, the callables run in turn (one call each per round): a
-    change of the machine's load hits all of them alike (the box is shared)."""
+def _interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict[str, tuple[float, float]]:
+    """(median, min) ms of each callable, the callables run in turn (one call each per
+    round): a change of the machine's load hits all of them alike (the box is shared)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    times = {name: [] for name in fns}
+    times = {key: [] for key in fns}
     for _ in range(repeats):
-        for name, fn in fns.items():
+        for key, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: float(np.median(ts) * 1e3) for name, ts in times.items()}
+            times[key].append(time.perf_counter() - t0)
+    return {key: (float(np.median(ts) * 1e3), float(np.min(ts) * 1e3)) for key, ts in times.items()}
 
 
 def _tvm_latency(vm, args, threads: int, repeats: int) -> float:
@@ -117,19 +117,18 @@ def bench_model(name: str, calib_n: int, repeats: int, log, skip_generic: bool =
                 "ORT fp32": common.ort_session(info.path, t, True, spinning=False),
                 "ORT int8 u8s8": common.ort_session(ort_int8, t, True, spinning=False),
             }
-            fns = {
-                name: functools.partial(sess.run, None, sample) for name, sess in sessions.items()
-            }
+            fns = {key: functools.partial(sess.run, None, sample) for key, sess in sessions.items()}
             fns["autoq int8, kernels"] = functools.partial(vms[True]["main"], *args)
-            for name, ms in _interleaved(fns, repeats).items():
-                times.setdefault(name, {})[t] = ms
+            for key, (median, least) in _interleaved(fns, repeats).items():
+                times.setdefault(key, {})[t] = median
+                log(f"{t} thread(s) {key}: median {median:.2f} ms, min {least:.2f} ms")
             if not skip_generic:
                 times.setdefault("autoq int8, generic lowering", {})[t] = common.median_ms(
                     functools.partial(vms[False]["main"], *args), 2, warmup=1
                 )
         log(f"load average after the timings: {os.getloadavg()}")
     ref = times["ORT int8 u8s8"]
-    rows = [_row(name, v, ref) for name, v in times.items()]
+    rows = [_row(key, v, ref) for key, v in times.items()]
     title = common.MODEL_TITLES.get(name, name)
     _print_table(f"{title}, batch 1, target mcpu={target.mcpu}", rows, "ORT int8")
 
