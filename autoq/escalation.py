@@ -45,6 +45,7 @@ from .build import default_target
 from .calibrate import calibrate, calibration_pipeline, samples_for
 from .config import AutoFallback, Config, QuantSpec
 from .metrics import ErrorStats, fake_quant, sqnr_db
+from .primitives import quantize_bias
 from .qparams import QParam, QParams
 from .simulate import SimResult, simulate
 from .toolkit import as_list, bindings, compile_vm, const, is_call, make_function, output_fields
@@ -245,7 +246,13 @@ class EscalationGraph:
             out[sid] = self.qparams16[sid]
         meta = dict(self.qparams.meta)
         meta["specs"] = {s: sp.to_json() for s, sp in dst.plan.specs.items()}
-        return QParams(out, dict(dst.slots), meta, dict(self.qparams.values))
+        values = dict(self.qparams.values)
+        for layer, (_arr, x_sid, w_sid) in dst.plan.biases.items():
+            key = f"{layer}.bias"
+            if key in values and x_sid in selected:  # int32 at the new accumulator scale
+                b = self.sim.value_input(key, self.qparams)
+                values[key] = quantize_bias(b, out[x_sid].scale, out[w_sid].scale).values
+        return QParams(out, dict(dst.slots), meta, values)
 
 
 #: the SQNR metric's trials run on the first TRIAL_SAMPLES calibration samples

@@ -25,7 +25,6 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 __all__ = [
-    "ELEMENTWISE_TIES",
     "INT_RANGES",
     "ROUNDING_MODES",
     "BiasQuantization",
@@ -442,10 +441,6 @@ def requantize(
     return np.clip(y, qmin, qmax).astype(dtype)
 
 
-#: The tie rule of the one rounding that integer-only elementwise ops make, where it is not
-#: the rounding mode's own name: ``tflite`` rounds ties away from zero, ``tflite_single`` up.
-ELEMENTWISE_TIES = {"tflite": "half_away", "tflite_single": "half_up"}
-
 _ELEMENTWISE = {
     "add": lambda x, y: x + y,
     "subtract": lambda x, y: x - y,
@@ -518,8 +513,9 @@ def elementwise(
     ``float``: ``quantize(dequantize(lhs) op dequantize(rhs))`` in float32. Integer modes:
     ``out_zp + round(((lhs - zl) * ma op (rhs - zr) * mb) / 2**shift)`` (add/subtract) or
     ``out_zp + round((lhs - zl) * (rhs - zr) * ma / 2**shift)`` (multiply), one rounding with
-    the mode's tie rule (``tflite`` rounds ties away from zero, ``tflite_single`` up), with
-    multipliers from :func:`elementwise_multipliers`.
+    the mode's tie rule (``tflite_single``: up), with multipliers from
+    :func:`elementwise_multipliers`. ``tflite`` follows TFLite's kernel instead:
+    :func:`autoq.tflite_arith.elementwise`.
 
     0.5 * (3 - 1) + 0.25 * (2 - 0) = 1.5 at output scale 1.0 is a tie:
 
@@ -530,8 +526,11 @@ def elementwise(
     ...  for r in ("float", "half_even", "half_away", "half_up")]
     [-2, -2, -2, -1]
     """
-    if rounding not in ROUNDING_MODES:
-        raise ValueError(f"unknown rounding mode {rounding!r}; expected one of {ROUNDING_MODES}")
+    if rounding not in ROUNDING_MODES or rounding == "tflite":
+        raise ValueError(
+            f"unknown rounding mode {rounding!r} here: expected float, half_even, half_away, "
+            "half_up or tflite_single (ties up); tflite: autoq.tflite_arith.elementwise"
+        )
     fn = _ELEMENTWISE[kind]
     if rounding == "float":
         real = fn(
@@ -542,7 +541,7 @@ def elementwise(
     da = np.asarray(lhs, np.int64) - np.int64(lhs_zero_point)
     db = np.asarray(rhs, np.int64) - np.int64(rhs_zero_point)
     acc = elementwise_accumulator(kind, da, db, ma, mb)
-    tie = ELEMENTWISE_TIES.get(rounding, rounding)
+    tie = "half_up" if rounding == "tflite_single" else rounding
     y = rounding_right_shift(acc, shift, tie) + np.int64(out_zero_point)
     qmin, qmax = qrange(dtype)
     return np.clip(y, qmin, qmax).astype(dtype)

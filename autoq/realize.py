@@ -36,6 +36,7 @@ from .matching import as_matched
 from .qparams import QParam, QParams
 from .registry import Match, slot_id_of
 from .simulate import build_function
+from .tflite_multipliers import layer_multiplier
 from .toolkit import (
     BindingWriter,
     bindings,
@@ -424,9 +425,18 @@ def realize(
 def explicit_multipliers(func: relax.Function) -> relax.Function:
     """Every integer-rounding ``qnn.requantize`` with constant scales gets its int32
     multiplier and shift as constant arguments (:func:`autoq.qnn.with_multipliers`), so a
-    backend reads them off the op; float-rounding requantizes are unchanged."""
+    backend reads them off the op; float-rounding requantizes are unchanged. In the
+    ``tflite`` modes a requantize ending a layer gets the multiplier TFLite's kernel
+    computes for it (:mod:`autoq.tflite_multipliers`)."""
+    values = dict(bindings(func))
     pattern = is_op("qnn.requantize")(*[wildcard() for _ in range(5)])
-    return rewrite_call(pattern, lambda call, _: qnn.with_multipliers(call), func)
+
+    def rewrite(call, _):
+        if not is_call(call, "qnn.requantize"):
+            return call
+        return qnn.with_multipliers(call, layer_multiplier(call, values.get))
+
+    return rewrite_call(pattern, rewrite, func)
 
 
 def finish_module(g: Graph, func: relax.Function) -> tvm.IRModule:

@@ -11,7 +11,8 @@ Rows (one per model):
 Columns: import wall time (``import_quantized``, including TVM's import of the float graph),
 TVM latency of the imported module (``autoq.compile`` for this CPU, untuned; median of
 ``--repeats`` runs of one sample; TVM, torch and LiteRT all on one thread), the source runtime's latency (torch eager on the ``convert_pt2e``
-module; LiteRT with reference kernels, and its default XNNPACK delegate), and agreement with
+module; LiteRT with reference kernels, its optimized builtin kernels, and its default XNNPACK
+delegate), and agreement with
 the source runtime on held-out inputs: the fraction of output values equal and the largest
 difference in LSB of the output scale (PT2E X86 models have a float output: the difference
 is then shown in units of the classifier's input scale x max row sum of |W|, what one LSB of
@@ -103,7 +104,11 @@ def tflite_row(name: str, repeats: int) -> list[dict]:
 
     path = ROOT / "tests" / "data" / f"{name}_int8.tflite"
     xs = np.load(ROOT / "tests" / "data" / "tiny_cnn_int8_inputs.npz")["x"]
-    xs = xs[:2] if name == "one_conv" else xs
+    if name == "one_conv":
+        xs = xs[:2]
+    else:  # the 8 committed crops and 8 random int8 images (as tests/test_import_tflite.py)
+        rand = np.random.default_rng(5).integers(-128, 128, (8, 32, 32, 3)).astype(np.int8)
+        xs = np.concatenate([xs, rand])
     t0 = time.perf_counter()
     mod, _, report = autoq.import_quantized(str(path))
     import_s = time.perf_counter() - t0
@@ -114,6 +119,7 @@ def tflite_row(name: str, repeats: int) -> list[dict]:
     rows = []
     for label, resolver in (
         ("LiteRT ref", OpResolverType.BUILTIN_REF),
+        ("LiteRT optimized", OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES),
         ("LiteRT xnnpack", OpResolverType.AUTO),
     ):
         it = Interpreter(

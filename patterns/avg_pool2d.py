@@ -16,6 +16,14 @@ Pools with a varying count (``count_include_pad=False`` with padding, partial ``
 windows) are rejected and stay fp32 between ``qnn.dequantize`` and ``qnn.quantize``.
 ``autoq.byoc`` names the realized form ``avg_pool2d_requantize`` (the all-ones kernel with
 weight scale 1 tells it from a convolution).
+
+``rounding="tflite"``/``"tflite_single"`` (unpadded pools): TFLite's AVERAGE_POOL_2D, the
+raw integers summed and the sum divided by N rounded half away from zero, on the input's
+grid (:mod:`autoq.tflite_arith`)::
+
+    acc = qnn.conv2d(q, ones, s, 0, 1.0, 0)        (int32: sum of the raw q)
+    avg = qnn.requantize(acc, s / N, 0, s, 0, rounding="half_away", multiplier, shift)
+    out = qnn.dequantize(avg, s, zp)               (dropped when the consumer's grid is the same)
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
 from autoq import qnn
+from autoq import tflite_arith as TA
 from autoq.registry import Pattern, register
 from autoq.toolkit import const, shape_of
 
@@ -97,13 +106,32 @@ def simulate(ctx, m):
 def realize(ctx, m):
     call, c, kh, kw = _frame(ctx, m)
     x = ctx.activation(m["data"])
+    # TFLite sums the raw integers (zero point 0: the average on a shifted real axis; a
+    # padded pool keeps the canonical form, its padding must be the real value 0)
+    tflite = ctx.rounding in TA.TFLITE_MODES and not any(_conv_attrs(call)["padding"])
+    zp = const(0, "int32") if tflite else x.zero_point_c
     acc = qnn.conv2d(
-        x.q, const(_ones(c, kh, kw, x.dtype)), x.scale_c, x.zero_point_c,
+        x.q, const(_ones(c, kh, kw, x.dtype)), x.scale_c, zp,
         const(1.0, "float32"), const(0, "int32"), groups=c, **_conv_attrs(call),
     )  # fmt: skip
     acc = ctx.emit(acc)
-    scale = np.float32(x.scale) / np.float32(kh * kw)
-    return qnn.dequantize(acc, const(scale, "float32"), const(0, "int32"))
+    scale = const(np.float32(x.scale) / np.float32(kh * kw), "float32")
+    if tflite:
+        avg = ctx.emit(_tflite_average(acc, x, scale, kh * kw))
+        return qnn.dequantize(avg, x.scale_c, x.zero_point_c)
+    return qnn.dequantize(acc, scale, const(0, "int32"))
+
+
+def _tflite_average(acc, x, scale, count: int):
+    """TFLite's AVERAGE_POOL_2D: the raw window sum divided by the count, rounded half away
+    from zero, on the input's grid (``half_away`` requantize with zero points 0 and the
+    multiplier of :func:`autoq.tflite_arith.average_multiplier`: the same integers)."""
+    m, shift = TA.average_multiplier(count)
+    zero = const(0, "int32")
+    return qnn.requantize(
+        acc, scale, zero, x.scale_c, zero, out_dtype=x.dtype, rounding="half_away",
+        multiplier=const(m, "int32"), shift=const(shift, "int32"),
+    )  # fmt: skip
 
 
 PATTERN = register(

@@ -135,9 +135,9 @@ def test_search_finds_the_outlier_tensor_within_budget(calibrated):
 def test_pipeline_realizes_the_choice_bit_exactly_and_round_trips():
     mod, params = tiny_transformer()
     fb = AutoFallback(precision="int16_tensors", min_sqnr=99.0)  # held-out: the search test
-    res = autoq.Quantizer(Config(progress=False, check_scales=False, fallback=fb)).run(
-        mod, params, data(10, 1)
-    )
+    # bias correction: a corrected int32 bias moves to the int16 input's accumulator scale
+    cfg = Config(progress=False, check_scales=False, fallback=fb, bias_correction=True)
+    res = autoq.Quantizer(cfg).run(mod, params, data(10, 1))
     d = res.decision
     assert d.precision == "int16_tensors" and d.layers
     assert res.config.int16_tensors == tuple(d.layers) and not res.fp32_layers

@@ -22,6 +22,7 @@ from tvm import relax
 
 from autoq import primitives as P
 from autoq import qnn
+from autoq import tflite_arith as TA
 from autoq.qnn import QnnError
 from models import build_tuple_module as build_module
 from models import run_tuple
@@ -594,7 +595,9 @@ def test_elementwise(op, scales):
     ab = np.broadcast_arrays(a, b)
     for dt, zo in outs:
         for mode in modes:
-            ref = P.elementwise(op, ab[0], sa, za, ab[1], sb, zb, so, zo, dt, mode)
+            # tflite follows TFLite's kernels (three roundings for add/subtract)
+            ref_fn = TA.elementwise if mode == "tflite" else P.elementwise
+            ref = ref_fn(op, ab[0], sa, za, ab[1], sb, zb, so, zo, dt, mode)
             assert_bit_exact(next(got), ref, f"{dt} {mode}")
     ref = P.elementwise(op, ab[0], sa, za, ab[1], sb, zb, so, -1, "int8", "float")
     assert_bit_exact(next(got), ref, "runtime scales")

@@ -20,7 +20,7 @@ from .. import qnn
 from ..config import Config
 from ..matching import Matched
 from ..qparams import QParam, QParams
-from ..realize import propagate, realize
+from ..realize import explicit_multipliers, propagate, realize
 from ..toolkit import (
     BindingWriter,
     bindings,
@@ -116,7 +116,7 @@ def finish(mod: tvm.IRModule, split: SplitResult, rounding: str) -> tvm.IRModule
     new = w.finish(params, result)
     new = relax.analysis.remove_all_unused(new.with_attr("global_symbol", "main"))
     mod = propagate(with_main(mod, new), rounding)
-    func = relax.analysis.remove_all_unused(mod["main"])
+    func = explicit_multipliers(relax.analysis.remove_all_unused(mod["main"]))
     out_mod = with_main(mod, func.with_attr("global_symbol", "main"))
     out_mod = relax.transform.EliminateCommonSubexpr()(relax.transform.Normalize()(out_mod))
     return relax.transform.CanonicalizeBindings()(out_mod)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from tvm import relax, te, tirx
 
 from .. import primitives as P
+from .. import tflite_arith as TA
 from .checks import (
     QDTYPES,
     QnnError,
@@ -28,6 +29,7 @@ from .tensor_exprs import (
     call_te,
     clip_int64,
     dequantize_value,
+    fixed_point_multiply,
     param_at,
     quantize_value,
     rshift_round,
@@ -136,12 +138,18 @@ def _legalize_integer(bb, call, out_shape, qmin, qmax):
         "use rounding='float' for runtime scales",
     )
     kind = op.split(".")[1]
-    ma, mb, shift = P.elementwise_multipliers(kind, *scales)
-    mode = P.ELEMENTWISE_TIES.get(rounding, rounding)
     ndim = len(out_shape)
 
     def int64(v):
         return tirx.const(int(v), "int64")
+
+    if rounding == "tflite":
+        return _legalize_tflite(bb, call, out_shape, qmin, qmax, scales)
+    # tflite_single: one rounding of the exact result, ties up (TFLite's three-rounding
+    # kernel built with single rounding is autoq.tflite_arith.elementwise; its two-stage
+    # legalization disagreed with it on subtract ties: not used)
+    mode = "half_up" if rounding == "tflite_single" else rounding
+    ma, mb, shift = P.elementwise_multipliers(kind, *scales)
 
     def f(a, b, za, zb, zo):
         def g(*i):
@@ -150,6 +158,36 @@ def _legalize_integer(bb, call, out_shape, qmin, qmax):
             acc = P.elementwise_accumulator(kind, da, db, ma, mb, const=int64)
             y = rshift_round(acc, int64(shift), mode) + param_at(zo, i, 0).astype("int64")
             return clip_int64(y, qmin, qmax, out_dtype)
+
+        return te.compute(out_shape, g, name=op.replace(".", "_"))
+
+    return call_te(bb, f, [a, b], [z_a, z_b, z_o], op.replace(".", "_"))
+
+
+def _legalize_tflite(bb, call, out_shape, qmin, qmax, scales):
+    """TFLite's ADD/SUB/MUL kernels (:mod:`autoq.tflite_arith`) in two stages: the raw
+    rescaled sum (or product), then its output rescale (one stage would nest the three
+    fixed-point multiplies into one expression, slow to compile)."""
+    op, out_dtype, rounding = call.op.name, attr(call, "out_dtype"), attr(call, "rounding")
+    a, b, _, z_a, _, z_b, _, z_o = call.args
+    kind, ndim = op.split(".")[1], len(out_shape)
+    shift = TA.left_shift([type_of(a).dtype, type_of(b).dtype])
+    mults = TA.elementwise_multipliers(kind, *scales, shift=shift)
+
+    def multiply(x, m, s):
+        return fixed_point_multiply(x, tirx.const(m, "int64"), tirx.const(s, "int64"), rounding)
+
+    def f(a, b, za, zb, zo):
+        def raw(*i):
+            da = _broadcast_index(a, i, ndim).astype("int64") - param_at(za, i, 0).astype("int64")
+            db = _broadcast_index(b, i, ndim).astype("int64") - param_at(zb, i, 0).astype("int64")
+            return TA.elementwise_operands(kind, da, db, mults, multiply, shift)
+
+        r = te.compute(out_shape, raw, name="tflite_operands")
+
+        def g(*i):
+            y = TA.elementwise_output(kind, r[i], mults, multiply)
+            return clip_int64(y + param_at(zo, i, 0).astype("int64"), qmin, qmax, out_dtype)
 
         return te.compute(out_shape, g, name=op.replace(".", "_"))
 

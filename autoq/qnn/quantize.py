@@ -129,16 +129,20 @@ def requantize(
     )
 
 
-def with_multipliers(call: relax.Call) -> relax.Call:
+def with_multipliers(call: relax.Call, given: tuple | None = None) -> relax.Call:
     """An integer-rounding ``qnn.requantize`` with constant scales, its int32 multiplier and
-    shift added as constant arguments (what a backend reads off the op); other calls
-    (float rounding, runtime scales, already explicit) are returned unchanged."""
+    shift added as constant arguments (what a backend reads off the op): ``given`` (int32
+    arrays shaped like the scales) or computed from the two scales; other calls (float
+    rounding, runtime scales, already explicit) are returned unchanged."""
     if len(call.args) != 5 or attr(call, "rounding") == "float":
         return call
     s_in, s_out = call.args[1], call.args[3]
     if const_array(s_in) is None or const_array(s_out) is None:
         return call
-    m, sh = _integer_multiplier(call.op.name, s_in, s_out)
+    if given is not None:
+        m, sh = (relax.const(np.asarray(v, np.int32)) for v in given)
+    else:
+        m, sh = _integer_multiplier(call.op.name, s_in, s_out)
     return tvm.ir.Call(call.op, [*call.args, m, sh], call.attrs, list(call.ty_args))
 
 

@@ -128,12 +128,17 @@ def fixed_point_multiply(x, m, shift, rounding):
         left = te.max(shift, zero)
         right = te.max(-shift, zero)
         lo, hi = tirx.const(-(2**31), i64), tirx.const(2**31 - 1, i64)
+        # each intermediate appears once or twice: TFLite's ADD nests three of these, and
+        # an expression that copies its operand many times takes minutes to simplify
         xs = te.max(te.min(x << left, hi), lo)
-        ab = xs * m
-        nudge = tirx.Select(ab >= zero, tirx.const(1 << 30, i64), tirx.const(1 - (1 << 30), i64))
-        high = tirx.truncdiv(ab + nudge, tirx.const(1 << 31, i64))
-        high = tirx.Select(tirx.And(xs == lo, m == lo), hi, high)
-        return rshift_round(high, right, "half_away")
+        # gemmlowp's doubling high multiply: (ab + nudge) / 2**31 truncated toward zero, with
+        # nudge 2**30 (ab >= 0) or 1 - 2**30 (ab < 0), is floor((ab + 2**30) / 2**31) in both
+        # cases (m >= 0 never meets the saturating case m = xs = -2**31)
+        high = (xs * m + tirx.const(1 << 30, i64)) >> tirx.const(31, i64)
+        # RoundingDivideByPOT, ties away from zero: floor((high + half - [high < 0]) / 2**right)
+        half = (tirx.const(1, i64) << right) >> tirx.const(1, i64)
+        neg = tirx.Select(tirx.And(high < zero, right > zero), tirx.const(1, i64), zero)
+        return (high + half - neg) >> right
     mode = "half_up" if rounding == "tflite_single" else rounding
     total = tirx.const(31, i64) - shift
     prod = x * m
