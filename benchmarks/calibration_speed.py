@@ -31,7 +31,9 @@ import numpy as np
 MODEL = "resnet50"
 
 
-def autoq_calibration(info, samples, calibration: str, loop_schedule: bool = True) -> dict:
+def autoq_calibration(
+    info, samples, calibration: str, loop_schedule: bool = True, weight_rounding=None
+) -> dict:
     """autoq.quantize in this process; calibrate's own statistics plus the stage times.
     ``loop_schedule=False``: the kernels as tvm.compile leaves them (the previous speed)."""
     import importlib
@@ -40,13 +42,14 @@ def autoq_calibration(info, samples, calibration: str, loop_schedule: bool = Tru
     from autoq import frontends
 
     cal = importlib.import_module("autoq.calibrate")
-    original = cal.__dict__.setdefault("_original_pipeline", cal._pipeline)
-    cal._pipeline = original if loop_schedule else (lambda target: None)
+    original = cal.__dict__.setdefault("original_pipeline", cal.calibration_pipeline)
+    cal.calibration_pipeline = original if loop_schedule else (lambda target: None)
 
     mod, params = frontends.from_onnx(info.path, input_shapes=dict(info.input_shapes))
     # the MinMax calibrator, like the ORT row (autoq's default, mse, adds ~3 s of histograms)
     act = autoq.QuantSpec(dtype="int8", symmetric=False, calibrator="max")
-    cfg = autoq.Config(activation=act, calibration=calibration, progress=False)
+    extra = {} if weight_rounding is None else {"weight_rounding": weight_rounding}
+    cfg = autoq.Config(activation=act, calibration=calibration, progress=False, **extra)
     t0 = time.perf_counter()
     res = autoq.Quantizer(cfg).run(mod, params, samples)
     wall = time.perf_counter() - t0
@@ -65,6 +68,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="also run autoq without the loop schedule (and check the qparams are identical)",
     )
+    p.add_argument(
+        "--weight-rounding",
+        default=None,
+        help="Config.weight_rounding for the autoq rows (default: the Config default, gptq)",
+    )
     args = p.parse_args(argv)
     info = common.find_model(MODEL)
     samples = common.make_dataset(info, "calib", args.samples).samples
@@ -72,12 +80,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="autoq-calib-speed-") as tmp:
         ort = common.ort_quantize(info, samples, "minmax", Path(tmp) / "ort.onnx", "uint8")
     log(f"ORT quantize_static MinMax: {ort['calib_s']:.2f} s")
-    a = autoq_calibration(info, samples, args.calibration)
+    a = autoq_calibration(info, samples, args.calibration, weight_rounding=args.weight_rounding)
     log(f"autoq: { {k: v for k, v in a.items() if k != 'qparams'} }")
     calib = a["total_s"] - a["compile_s"]
     base = None
     if args.baseline:
-        base = autoq_calibration(info, samples, args.calibration, loop_schedule=False)
+        base = autoq_calibration(
+            info, samples, args.calibration, False, weight_rounding=args.weight_rounding
+        )
         same = all(
             np.array_equal(a["qparams"][s].scale, base["qparams"][s].scale)
             and np.array_equal(a["qparams"][s].zero_point, base["qparams"][s].zero_point)
@@ -88,7 +98,12 @@ def main(argv=None) -> int:
         )
     print(f"## Calibration speed: ResNet-50 (open_nsfw), {args.samples} real image crops\n")
     print(common.machine_summary())
-    print(f"threads: TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS', 'all cores')}\n")
+    print(f"threads: TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS', 'all cores')}")
+    import autoq
+
+    wr = args.weight_rounding or autoq.Config().weight_rounding
+    tuning = a.get("calibrate.weight_tuning")
+    print(f"weight rounding: {wr}; weight tuning inside the calibration: {common.fmt(tuning)} s\n")
     rows = [
         [f"autoq {args.calibration} calibration (max)", common.fmt(calib), common.fmt(a["compile_s"]),
          common.fmt(a.get("run_s")), common.fmt(a.get("observe_s")), f"{calib / ort['calib_s']:.2f}x"],
