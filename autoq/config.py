@@ -480,7 +480,7 @@ def _check_dynamic_config(config: Config) -> None:
 
 
 AUTO_RANKINGS = ("local", "revert")
-AUTO_PRECISIONS = ("fp32", "int16", "int16_tensors")
+AUTO_PRECISIONS = ("fp32", "int16", "int16_tensors", "int16_first")
 
 
 @dataclass(frozen=True)
@@ -522,8 +522,8 @@ class AutoFallback(Fallback):
     ``metric`` the held-out check uses the output SQNR too (the metric decides the budget).
     ``precision="int16_tensors"``: no layer leaves int8; instead activation *tensors* the
     metric is most sensitive to go int16 (greedy by measured effect, at most
-    ``max_int16_fraction`` of them; :mod:`autoq.escalation`), written to
-    ``Config.int16_tensors``.
+    ``max_int16_fraction`` of them; :mod:`autoq.escalation`) -> ``Config.int16_tensors``.
+    ``"int16_first"``: per layer int16, else fp32 (:mod:`autoq.int16_first`).
     """
 
     metric: Any = "sqnr"
