@@ -10,7 +10,8 @@ its weights stay int8) and only when that does not help in fp32 (with the layers
 result it reads, as :mod:`autoq.auto_fallback` does). A step is kept only if it raises the
 metric on the calibration samples *and*, with ``AutoFallback.holdout``, the output SQNR on
 the held-out samples; the walk stops when the metric meets the budget or
-``max_fp32_layers`` layers (int16 and fp32 together) are above int8.
+``max_fp32_layers`` layers (int16 and fp32 together) are above int8, or after the first
+:data:`WALK` x ``max_fp32_layers`` ranked layers.
 
 **One compile for the whole search.** The trials run on an
 :class:`autoq.escalation.EscalationGraph` built on the simulated graph *with layer switches*
@@ -41,6 +42,10 @@ from .metrics import sqnr_db
 from .qparams import QParams
 from .report import fmt_db, json_num, sort_key
 from .simulate import simulate
+
+#: the walk tries at most WALK x ``max_fp32_layers`` ranked layers (when nothing helps, it
+#: would otherwise cost two trials per layer of the model)
+WALK = 4
 
 __all__ = ["apply_decision", "int16_first", "int16_first_search", "layer_int16_slots"]
 
@@ -143,7 +148,7 @@ def int16_first_search(eg: EscalationGraph, fb: AutoFallback, held=()) -> Fallba
     value = trials([], [], "base")
     ranking = _rank(eg, fb, trials, layers, feeders) if not trials.within(value) else []
     fp32, i16 = [], []
-    for r in ranking:
+    for r in ranking[: WALK * max(fb.max_fp32_layers, 1)]:
         if trials.within(value):
             break
         x = r["layer"]
