@@ -266,6 +266,9 @@ def quantize_row(name, mod, params, calib, evals, ref, config, note="") -> Row:
     t = res.timings
     cost = f"calibrate {t.get('calibrate', 0):.1f} s"
     cost += tuning_cost(res)
+    if res.equalization is not None:
+        eq = res.equalization
+        cost += f"; equalized {len(eq.pairs)} pairs, skipped {len(eq.skipped)} convs"
     return Row(name, agreement(ref, run_tvm(res.module, evals)), secs, f"{note}; {cost}")
 
 
@@ -313,6 +316,10 @@ def baseline_configs() -> dict[str, tuple[object, str]]:
             plain.replace(weight_rounding="gptq", bias_correction=True, scale_search=True),
             "+ GPTQ + bias correction + scale search",
         ),
+        # Config.equalization (DFQ): on EfficientNet-Lite0 only the links without ReLU6 and
+        # without a residual branch qualify (project conv -> next expand conv)
+        "equalization": (plain.replace(equalization=True), "+ cross-layer equalization"),
+        "default+eq": (base.replace(equalization=True), "defaults + cross-layer equalization"),
         "a16": (
             plain.replace(overrides=(autoq.Override("*", activation=_int16(False)),)),
             "w int8, a int16: weight error (+ a small activation error)",
