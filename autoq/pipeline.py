@@ -165,7 +165,8 @@ class Quantizer:
     def _run(self, mod, params, dataset) -> QuantizeResult:
         equalized, t0 = None, time.perf_counter()
         if self.config.equalization:
-            mod, params, equalized = equalize_layers(mod, params)
+            mod, new_params, equalized = equalize_layers(mod, params)
+            params = None if params is None else new_params
         seconds = time.perf_counter() - t0
         if self.config.activation.dynamic:
             result = self._run_dynamic(mod, params)

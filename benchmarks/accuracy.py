@@ -265,10 +265,7 @@ def quantize_row(name, mod, params, calib, evals, ref, config, note="") -> Row:
     secs = time.perf_counter() - t0
     t = res.timings
     cost = f"calibrate {t.get('calibrate', 0):.1f} s"
-    cost += tuning_cost(res)
-    if res.equalization is not None:
-        eq = res.equalization
-        cost += f"; equalized {len(eq.pairs)} pairs, skipped {len(eq.skipped)} convs"
+    cost += tuning_cost(res) + equalization_note(res)
     return Row(name, agreement(ref, run_tvm(res.module, evals)), secs, f"{note}; {cost}")
 
 
@@ -285,6 +282,14 @@ def tuning_cost(res) -> str:
         return fb
     run = res.qparams.meta.get("stats", {}).get("run_s") or float("nan")
     return f" (weight tuning {t:.1f} s = {t / run:.2f} calibration passes){fb}"
+
+
+def equalization_note(res) -> str:
+    """What ``Config.equalization`` rescaled ("" when it was off)."""
+    eq = res.equalization
+    if eq is None:
+        return ""
+    return f"; equalized {len(eq.pairs)} pairs, skipped {len(eq.skipped)} convs"
 
 
 def _int16(per_channel: bool):
