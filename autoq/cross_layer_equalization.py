@@ -128,14 +128,18 @@ class _Scan:
         return us[0] if len(us) == 1 else None
 
     def tensor(self, expr, user) -> _Tensor | None:
-        """A weight operand: a parameter that only ``user`` reads (through reshapes that
-        only it reads), or a constant operand of ``user``."""
-        arr = const_array(expr)
-        if arr is not None:
-            idx = next(i for i, a in enumerate(self.value_of[user].args) if a.same_as(expr))
-            return _Tensor(arr, site=(user, idx))
+        """A weight operand of binding ``user``: a parameter or a constant that only it
+        reads, possibly through reshape bindings (or a reshape of a parameter written
+        inside its call) that only it reads. The values come in ``expr``'s shape."""
         shape = shape_of(expr)
         while not (isinstance(expr, relax.Var) and expr in self.pvar):
+            arr = const_array(expr)
+            if arr is not None and shape is not None and arr.size == int(np.prod(shape)):
+                args = self.value_of[user].args
+                idx = next((i for i, a in enumerate(args) if a.same_as(expr)), None)
+                if idx is None:  # a constant inside a nested call: not rewritten
+                    return None
+                return _Tensor(arr.reshape(shape), site=(user, idx), stored_shape=arr.shape)
             if isinstance(expr, relax.Call) and op_name(expr) in _RESHAPES:
                 expr = expr.args[0]  # reshape(param) written inside the user's call
                 continue
@@ -339,9 +343,9 @@ def equalize_layers(
 
 
 def _store(t: _Tensor, values: np.ndarray, params: dict, consts: dict) -> None:
-    values = np.asarray(values).astype(t.array.dtype)
+    values = np.asarray(values).astype(t.array.dtype).reshape(t.stored_shape)
     if t.param is not None:
-        params[t.param] = values.reshape(t.stored_shape)
+        params[t.param] = values
     else:
         var, idx = t.site
         consts.setdefault(var, {})[idx] = values
