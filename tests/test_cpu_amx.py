@@ -16,8 +16,15 @@ from tvm import relax
 
 import autoq
 from autoq import Config
-from autoq.cpu import amx, amx_dense
+from autoq.cpu import amx, amx_conv2d, amx_dense, amx_tiles
+from autoq.cpu.amx_conv2d import (
+    amx_conv2d_kernel,
+    amx_conv_applies,
+    amx_conv_compensation,
+    amx_conv_weight,
+)
 from autoq.cpu.amx_dense import amx_dense_kernel
+from autoq.cpu.conv2d import ConvShape
 from autoq.cpu.isa import VNNI, kernel_isa
 from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.cpu.packing import compensation, pack_dense_weight, round_up
@@ -35,10 +42,11 @@ needs_amx = pytest.mark.skipif(
     not {"amx_tile", "amx_int8"} <= FLAGS or amx.request_amx() is not None, reason=_REASON
 )
 AMX_TARGET = tvm.target.Target({"kind": "llvm", "mcpu": HOST, "mattr": ["+amx-tile", "+amx-int8"]})
+HOST_TARGET = tvm.target.Target({"kind": "llvm", "mcpu": HOST})
 
 
 def test_doctests():
-    for module in (amx, amx_dense):
+    for module in (amx, amx_conv2d, amx_dense, amx_tiles):
         assert doctest.testmod(module).failed == 0
 
 
@@ -46,13 +54,13 @@ def _dense(x: np.ndarray, w: np.ndarray, zx: int) -> np.ndarray:
     m, k = x.shape
     n = w.shape[0]
     shift = VNNI.shift(str(x.dtype), zx)
-    np_ = round_up(n, amx_dense.BLOCK)
+    np_ = round_up(n, amx_tiles.BLOCK)
     lib = tvm.compile(
         tvm.IRModule({"main": amx_dense_kernel(m, k, n, str(x.dtype), shift)}), AMX_TARGET
     )
     args = [
         x,
-        pack_dense_weight(w, 16, 4, "int8", np_, round_up(k, amx_dense.KSTEP)),
+        pack_dense_weight(w, 16, 4, "int8", np_, round_up(k, amx_tiles.KSTEP)),
         compensation(w, zx + shift, np_),
     ]
     out = tvm.runtime.tensor(np.zeros((m, n), np.int32))
@@ -148,3 +156,89 @@ def test_realized_attention_same_outputs_on_amx():
         outs.append([vm["main"](tvm.runtime.tensor(x)).numpy() for x in data(3, 5)])
     for a, b in zip(*outs, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _conv_reference(x, w, zx, padding):
+    """int64 conv2d(x - zx, w), stride 1, NCHW / OIHW, padding (top, left, bottom, right)."""
+    pt, pl, pb, pr = padding
+    xc = np.pad(x.astype(np.int64) - zx, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    kh, kw = w.shape[2:]
+    oh, ow = xc.shape[2] - kh + 1, xc.shape[3] - kw + 1
+    out = np.zeros((x.shape[0], w.shape[0], oh, ow), np.int64)
+    for i in range(kh):
+        for j in range(kw):
+            out += np.einsum("nchw,oc->nohw", xc[:, :, i : i + oh, j : j + ow], w[:, :, i, j])
+    return out
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("n", "c", "hw", "oc", "kernel", "padding", "dtype", "zx"),
+    [
+        (1, 64, (14, 14), 96, (3, 3), (1, 1, 1, 1), "int8", -3),  # padded: via the stack block
+        (2, 70, (7, 9), 40, (1, 1), (0, 0, 0, 0), "int8", 5),  # 1x1: direct stores + tails
+        (1, 64, (6, 11), 33, (5, 3), (2, 0, 1, 1), "uint8", 131),  # asymmetric padding, uint8
+        (1, 128, (8, 8), 64, (1, 1), (0, 0, 0, 0), "int8", 0),  # every block direct
+    ],
+)
+def test_amx_conv2d_matches_numpy(n, c, hw, oc, kernel, padding, dtype, zx):
+    shape = ConvShape(n, c, *hw, oc, kernel, (1, 1), padding)
+    assert amx_conv_applies(shape)
+    rng = np.random.default_rng(c + oc)
+    info = np.iinfo(dtype)
+    x = rng.integers(info.min, info.max + 1, (n, c, *hw)).astype(dtype)
+    w = rng.integers(-128, 128, (oc, c, *kernel)).astype(np.int8)
+    shift = VNNI.shift(dtype, zx)
+    func = amx_conv2d_kernel(shape, dtype, shift, zx + shift)
+    lib = tvm.compile(tvm.IRModule({"main": func}), AMX_TARGET)
+    args = [x, amx_conv_weight(w), amx_conv_compensation(w, zx + shift)]
+    out = tvm.runtime.tensor(np.zeros((n, oc, *shape.out_hw), np.int32))
+    lib["main"](*[tvm.runtime.tensor(a) for a in args], out)
+    np.testing.assert_array_equal(out.numpy(), _conv_reference(x, w, zx, padding))
+
+
+def _qnn_conv(x_shape, w, strides=(1, 1), padding=(1, 1, 1, 1)):
+    """main(x: int8) = qnn.conv2d(x, const w) (int32), per-channel weight scales, zp -7."""
+    from autoq import qnn
+
+    x = relax.Var("x", relax.TensorType(x_shape, "int8"))
+    bb = relax.BlockBuilder()
+    oc = w.shape[0]
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            scale_w = relax.const(np.full(oc, 0.01, np.float32))
+            call = qnn.conv2d(
+                x, relax.const(w), relax.const(np.float32(0.02)), relax.const(np.int32(-7)),
+                scale_w, relax.const(np.zeros(oc, np.int32)), strides=strides, padding=padding,
+            )  # fmt: skip
+            out = bb.emit_output(call)
+        bb.emit_func_output(out)
+    return tvm.IRModule({"main": bb.get()["main"]})
+
+
+def test_conv_lowering_chooses_amx_for_stride_one():
+    w = np.random.default_rng(0).integers(-128, 128, (32, 64, 3, 3)).astype(np.int8)
+
+    def names(mod, target):
+        fns = lower_to_cpu_kernels(mod, target).functions
+        return {gv.name_hint for gv in fns if gv.name_hint.startswith("autoq_conv2d")}
+
+    assert names(_qnn_conv((1, 64, 6, 6), w), AMX_TARGET) == {"autoq_conv2d_amx"}
+    assert names(_qnn_conv((1, 64, 6, 6), w, strides=(2, 2)), AMX_TARGET) == {"autoq_conv2d_vnni"}
+    narrow = _qnn_conv((1, 32, 6, 6), w[:, :32])
+    assert names(narrow, AMX_TARGET) == {"autoq_conv2d_vnni"}
+    znver4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})
+    assert names(_qnn_conv((1, 64, 6, 6), w), znver4) == {"autoq_conv2d_vnni"}
+
+
+@needs_amx
+def test_qnn_conv_on_amx_same_as_generic_lowering():
+    rng = np.random.default_rng(1)
+    w = rng.integers(-128, 128, (48, 64, 3, 3)).astype(np.int8)
+    mod = _qnn_conv((1, 64, 10, 12), w)
+    x = tvm.runtime.tensor(rng.integers(-128, 128, (1, 64, 10, 12)).astype(np.int8))
+    outs = [
+        relax.VirtualMachine(autoq.compile(mod, target, cpu_kernels=use), tvm.cpu())["main"](x)
+        for target, use in ((AMX_TARGET, True), (HOST_TARGET, False))
+    ]
+    np.testing.assert_array_equal(outs[0].numpy(), outs[1].numpy())

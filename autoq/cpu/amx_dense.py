@@ -21,55 +21,20 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
+from .amx_tiles import (
+    BLOCK,
+    KSTEP,
+    dot_block,
+    intrin,
+    load_config,
+    store_block,
+    task_groups,
+    zero_block,
+)
 from .injective import KERNEL_ATTR
 from .packing import round_up
 
-__all__ = ["BLOCK", "KSTEP", "amx_dense_kernel", "task_groups"]
-
-BLOCK = 32  # output rows / channels per task step (2 x 2 tiles of 16)
-KSTEP = 64  # reduction bytes per tile row
-MIN_TASKS = 8  # parallel tasks wanted (the pool splits them statically)
-
-
-def task_groups(row_blocks: int, col_blocks: int) -> int:
-    """Into how many groups the ``col_blocks`` 32-channel blocks of a 32-row block are split
-    (each group is one parallel task): the fewest that give ``MIN_TASKS`` tasks in all.
-
-    >>> task_groups(4, 12), task_groups(1, 12), task_groups(8, 48), task_groups(1, 1)
-    (2, 12, 1, 1)
-    """
-    for groups in range(1, col_blocks + 1):
-        if col_blocks % groups == 0 and row_blocks * groups >= MIN_TASKS:
-            return groups
-    return col_blocks
-
-
-def _intrin(name: str, *args):
-    return T.call_llvm_intrin("void", name, *args)
-
-
-@T.macro
-def _load_config(cfg):
-    """palette 1; 8 tiles of 16 rows x 64 bytes (colsb at bytes 16 + 2t, rows at 48 + t)."""
-    for b in range(64):
-        cfg[b] = T.uint8(0)
-    cfg[0] = T.uint8(1)
-    for t in range(8):
-        cfg[16 + 2 * t] = T.uint8(KSTEP)
-        cfg[48 + t] = T.uint8(16)
-    T.evaluate(_intrin("llvm.x86.ldtilecfg", T.address_of(cfg[0])))
-
-
-def _tile(op: str, tmm: int, ptr, stride: int):
-    return T.evaluate(_intrin(op, T.uint8(tmm), ptr, T.int64(stride)))
-
-
-def _dot(c: int, a: int, b: int):
-    return T.evaluate(_intrin("llvm.x86.tdpbusd", T.uint8(c), T.uint8(a), T.uint8(b)))
-
-
-def _zero(tmm: int):
-    return T.evaluate(_intrin("llvm.x86.tilezero", T.uint8(tmm)))
+__all__ = ["amx_dense_kernel"]
 
 
 def amx_dense_kernel(m: int, k_dim: int, n: int, data_dtype: str, shift: int) -> tvm.tirx.PrimFunc:
@@ -102,32 +67,23 @@ def amx_dense_kernel(m: int, k_dim: int, n: int, data_dtype: str, shift: int) ->
         for task in T.parallel(row_blocks * groups):
             cfg = T.decl_buffer((64,), "uint8", scope="local")
             acc = T.decl_buffer((BLOCK, BLOCK), "int32", scope="local")
-            _load_config(cfg)
+            load_config(cfg)
             r0 = task // groups * BLOCK
             for q in range(per_group):
                 c0 = (task % groups * per_group + q) * BLOCK
-                _zero(0)
-                _zero(1)
-                _zero(2)
-                _zero(3)
+                zero_block()
                 for s in range(steps):
-                    _tile("llvm.x86.tileloadd64", 4, T.address_of(a[r0, s * KSTEP]), kp)
-                    _tile("llvm.x86.tileloadd64", 5, T.address_of(a[r0 + 16, s * KSTEP]), kp)
-                    _tile("llvm.x86.tileloadd64", 6, T.address_of(w[c0 // 16, s * 16, 0, 0]), 64)
-                    _tile(
-                        "llvm.x86.tileloadd64", 7, T.address_of(w[c0 // 16 + 1, s * 16, 0, 0]), 64
+                    dot_block(
+                        T.address_of(a[r0, s * KSTEP]),
+                        T.address_of(a[r0 + 16, s * KSTEP]),
+                        kp,
+                        T.address_of(w[c0 // 16, s * 16, 0, 0]),
+                        T.address_of(w[c0 // 16 + 1, s * 16, 0, 0]),
                     )
-                    _dot(0, 4, 6)
-                    _dot(1, 4, 7)
-                    _dot(2, 5, 6)
-                    _dot(3, 5, 7)
-                _tile("llvm.x86.tilestored64", 0, T.address_of(acc[0, 0]), BLOCK * 4)
-                _tile("llvm.x86.tilestored64", 1, T.address_of(acc[0, 16]), BLOCK * 4)
-                _tile("llvm.x86.tilestored64", 2, T.address_of(acc[16, 0]), BLOCK * 4)
-                _tile("llvm.x86.tilestored64", 3, T.address_of(acc[16, 16]), BLOCK * 4)
+                store_block(acc)
                 for i in range(T.min(BLOCK, m - r0)):
                     for j in range(T.min(BLOCK, n - c0)):
                         out[r0 + i, c0 + j] = acc[i, j] - c[c0 + j]
-            T.evaluate(_intrin("llvm.x86.tilerelease"))
+            T.evaluate(intrin("llvm.x86.tilerelease"))
 
     return amx_dense.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})

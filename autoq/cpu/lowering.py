@@ -21,9 +21,15 @@ from tvm import relax
 
 from .. import qnn  # noqa: F401  (registers the qnn.* ops whose legalizations are the fallback)
 from ..toolkit import const_array, dtype_of, shape_of
-from .amx_dense import BLOCK as AMX_BLOCK
-from .amx_dense import KSTEP as AMX_KSTEP
+from .amx_conv2d import (
+    amx_conv2d_kernel,
+    amx_conv_applies,
+    amx_conv_compensation,
+    amx_conv_weight,
+)
 from .amx_dense import amx_dense_kernel
+from .amx_tiles import BLOCK as AMX_BLOCK
+from .amx_tiles import KSTEP as AMX_KSTEP
 from .batch_matmul import batch_matmul_kernel
 from .conv2d import ConvShape, conv2d_kernel
 from .conv_transpose import conv2d_transpose_kernel
@@ -99,6 +105,8 @@ def _conv2d(isa: Isa, fallback, bb, call):
         gv = bb.add_func(func.without_attr("global_symbol"), "autoq_depthwise")
         packed = relax.const(depthwise_weight(shape, w, isa.lanes))
         return relax.call_tir(gv, [data, packed], out_ty=relax.TensorType(out, "int32"))
+    if isa.amx and amx_conv_applies(shape):
+        return _amx_conv2d(bb, shape, data, w, dt, zx, out)
     func = conv2d_kernel(shape, isa, dt, zx)
     packed = pack_conv_weight(
         w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype, isa.padded_channels(w.shape[0])
@@ -117,6 +125,16 @@ def _amx_dense(bb, x2, w: np.ndarray, dt: str, zx: int, m: int):
     comp = compensation(w, zx + shift, np_)
     args = [x2, relax.const(packed), relax.const(comp)]
     return relax.call_tir(gv, args, out_ty=relax.TensorType((m, n), "int32"))
+
+
+def _amx_conv2d(bb, shape: ConvShape, data, w: np.ndarray, dt: str, zx: int, out):
+    """``call_tir`` of :mod:`autoq.cpu.amx_conv2d` (stride-1 conv as channels x pixels)."""
+    shift = VNNI.shift(dt, zx)
+    func = amx_conv2d_kernel(shape, dt, shift, zx + shift)
+    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_conv2d_amx")
+    consts = [amx_conv_weight(w), amx_conv_compensation(w, zx + shift)]
+    args = [data, *(relax.const(v) for v in consts)]
+    return relax.call_tir(gv, args, out_ty=relax.TensorType(out, "int32"))
 
 
 def _dense_call(isa: Isa, bb, data, w: np.ndarray, dt: str, zx: int):
