@@ -311,7 +311,9 @@ def main(argv=None) -> int:
     target = autoq.default_target()
     isa = kernel_isa(target)
     mattr = ",".join(str(a) for a in target.attrs.get("mattr", []))
-    kernels = f"{isa.name}{' + AMX dense' if isa and isa.amx else ''}" if isa else "none (generic)"
+    kernels = (
+        f"{isa.name}{' + AMX dense/conv' if isa and isa.amx else ''}" if isa else "none (generic)"
+    )
     print(f"\ntarget mcpu={target.mcpu} mattr=[{mattr}], kernels: {kernels}")
     if not args.skip_ops:
         bench_ops(args.repeats)

@@ -173,16 +173,17 @@ def _conv_reference(x, w, zx, padding):
 
 @needs_amx
 @pytest.mark.parametrize(
-    ("n", "c", "hw", "oc", "kernel", "padding", "dtype", "zx"),
+    ("n", "c", "hw", "oc", "kernel", "padding", "dtype", "zx", "stride"),
     [
-        (1, 64, (14, 14), 96, (3, 3), (1, 1, 1, 1), "int8", -3),  # padded: via the stack block
-        (2, 70, (7, 9), 40, (1, 1), (0, 0, 0, 0), "int8", 5),  # 1x1: direct stores + tails
-        (1, 64, (6, 11), 33, (5, 3), (2, 0, 1, 1), "uint8", 131),  # asymmetric padding, uint8
-        (1, 128, (8, 8), 64, (1, 1), (0, 0, 0, 0), "int8", 0),  # every block direct
+        (1, 64, (14, 14), 96, (3, 3), (1, 1, 1, 1), "int8", -3, 1),  # padded: via the stack
+        (2, 70, (7, 9), 40, (1, 1), (0, 0, 0, 0), "int8", 5, 1),  # 1x1: direct stores + tails
+        (1, 64, (6, 11), 33, (5, 3), (2, 0, 1, 1), "uint8", 131, 1),  # asymmetric pad, uint8
+        (1, 128, (8, 8), 64, (1, 1), (0, 0, 0, 0), "int8", 0, 1),  # every block direct
+        (1, 64, (9, 10), 40, (1, 1), (0, 0, 0, 0), "int8", 2, 2),  # strided 1x1: subsampled
     ],
 )
-def test_amx_conv2d_matches_numpy(n, c, hw, oc, kernel, padding, dtype, zx):
-    shape = ConvShape(n, c, *hw, oc, kernel, (1, 1), padding)
+def test_amx_conv2d_matches_numpy(n, c, hw, oc, kernel, padding, dtype, zx, stride):
+    shape = ConvShape(n, c, *hw, oc, kernel, (stride, stride), padding)
     assert amx_conv_applies(shape)
     rng = np.random.default_rng(c + oc)
     info = np.iinfo(dtype)
@@ -194,7 +195,8 @@ def test_amx_conv2d_matches_numpy(n, c, hw, oc, kernel, padding, dtype, zx):
     args = [x, amx_conv_weight(w), amx_conv_compensation(w, zx + shift)]
     out = tvm.runtime.tensor(np.zeros((n, oc, *shape.out_hw), np.int32))
     lib["main"](*[tvm.runtime.tensor(a) for a in args], out)
-    np.testing.assert_array_equal(out.numpy(), _conv_reference(x, w, zx, padding))
+    ref = _conv_reference(x[:, :, ::stride, ::stride], w, zx, padding)
+    np.testing.assert_array_equal(out.numpy(), ref)
 
 
 def _qnn_conv(x_shape, w, strides=(1, 1), padding=(1, 1, 1, 1)):
@@ -225,6 +227,8 @@ def test_conv_lowering_chooses_amx_for_stride_one():
 
     assert names(_qnn_conv((1, 64, 6, 6), w), AMX_TARGET) == {"autoq_conv2d_amx"}
     assert names(_qnn_conv((1, 64, 6, 6), w, strides=(2, 2)), AMX_TARGET) == {"autoq_conv2d_vnni"}
+    pointwise = _qnn_conv((1, 64, 6, 6), w[..., :1, :1], strides=(2, 2), padding=(0, 0, 0, 0))
+    assert names(pointwise, AMX_TARGET) == {"autoq_conv2d_amx"}
     narrow = _qnn_conv((1, 32, 6, 6), w[:, :32])
     assert names(narrow, AMX_TARGET) == {"autoq_conv2d_vnni"}
     znver4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})

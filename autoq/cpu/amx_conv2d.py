@@ -21,12 +21,21 @@ blocks through a stack buffer. Parallel over (image, pixel block, channel group)
 
 from __future__ import annotations
 
-from dataclasses import astuple
+from dataclasses import astuple, replace
 
 import numpy as np
 from tvm.script import tirx as T
 
-from .amx_tiles import BLOCK, KSTEP, dot_block, intrin, load_config, move_block, task_groups
+from .amx_tiles import (
+    BLOCK,
+    KSTEP,
+    dot_block,
+    intrin,
+    load_config,
+    move_block,
+    store_block,
+    task_groups,
+)
 from .conv2d import ConvShape
 from .injective import KERNEL_ATTR
 from .packing import round_up
@@ -35,10 +44,24 @@ __all__ = ["amx_conv2d_kernel", "amx_conv_applies", "amx_conv_compensation", "am
 
 
 def amx_conv_applies(shape: ConvShape) -> bool:
-    """Stride 1, dilation 1 and at least 64 input channels (fewer are partly padding of the
-    64-byte tile rows: measured 0.75-0.85x the VNNI kernel at 33-40 channels, which keeps
-    those, and the strided convs)."""
-    return shape.strides == (1, 1) and shape.dilation == (1, 1) and shape.in_channels >= 64
+    """Stride 1 (or a 1x1 kernel without padding, any stride: packing subsamples the image),
+    dilation 1 and at least 64 input channels (fewer are partly padding of the 64-byte tile
+    rows: measured 0.75-0.85x the VNNI kernel at 33-40 channels, which keeps those and the
+    other strided convs)."""
+    pointwise = shape.kernel == (1, 1) and not any(shape.padding)
+    return (
+        (shape.strides == (1, 1) or pointwise)
+        and shape.dilation == (1, 1)
+        and shape.in_channels >= 64
+    )
+
+
+def _subsampled(shape: ConvShape) -> ConvShape:
+    """A strided 1x1 conv as the stride-1 conv of the pixels it reads (others: unchanged)."""
+    if shape.strides == (1, 1):
+        return shape
+    oh, ow = shape.out_hw
+    return replace(shape, height=oh, width=ow, strides=(1, 1))
 
 
 def amx_conv_weight(w: np.ndarray) -> np.ndarray:
@@ -80,21 +103,21 @@ def _geometry(shape: ConvShape) -> tuple[int, int, int, int, int]:
 
 
 def amx_conv2d_kernel(shape: ConvShape, data_dtype: str, shift: int, pad_value: int):
-    """The PrimFunc ``(data[N, C, H, W], packed_weight, compensation[OCp, 16], out)``;
-    ``shift`` is added to the activations, ``pad_value`` (the shifted zero point) fills the
-    padding."""
+    """The PrimFunc ``(data[N, C, H, W], packed_weight, compensation[OCp, 16], out)``; ``shift``
+    is added to the activations, ``pad_value`` (the shifted zero point) fills the padding."""
+    in_hw, (sh, sw), shape = (shape.height, shape.width), shape.strides, _subsampled(shape)
     n_img, ic, h, wd, oc = astuple(shape)[:5]
     (kh, kw), (pt, pl, _, _), (oh, ow) = shape.kernel, shape.padding, shape.out_hw
     icp, ocp, wp, m, pix = _geometry(shape)
     row_blocks, chunks, quads = round_up(m, BLOCK) // BLOCK, icp // KSTEP, icp // 4
     groups = task_groups(n_img * row_blocks, ocp // BLOCK)
     per_group = ocp // BLOCK // groups
-    direct = wp == ow  # complete blocks go straight to the output
-    spans = -(-BLOCK // wp) + 1  # output rows a block of pixels can touch
+    # complete blocks go straight to the output; output rows a block of pixels can touch
+    direct, spans = wp == ow, -(-BLOCK // wp) + 1
 
     @T.prim_func
     def amx_conv2d(
-        x: T.Buffer((n_img, ic, h, wd), data_dtype),
+        x: T.Buffer((n_img, ic, *in_hw), data_dtype),
         w: T.Buffer((ocp // 16, kh * kw * chunks, 16, KSTEP), "int8"),
         c: T.Buffer((ocp, 16), "int32"),
         out: T.Buffer((n_img, oc, oh, ow), "int32"),
@@ -110,7 +133,10 @@ def amx_conv2d_kernel(shape: ConvShape, data_dtype: str, shift: int, pad_value: 
                 for r in T.unroll(4):  # channels >= ic meet zero weights: any value will do
                     a[nq // quads, nq % quads, (y + pt) * wp + pl + xx, r] = T.Cast(
                         "uint8",
-                        T.Cast("int32", x[nq // quads, T.min(nq % quads * 4 + r, ic - 1), y, xx])
+                        T.Cast(
+                            "int32",
+                            x[nq // quads, T.min(nq % quads * 4 + r, ic - 1), y * sh, xx * sw],
+                        )
                         + shift,
                     )
         for task in T.parallel(n_img * row_blocks * groups):
@@ -144,11 +170,7 @@ def amx_conv2d_kernel(shape: ConvShape, data_dtype: str, shift: int, pad_value: 
                         oh * ow * 4,
                     )
                 else:
-                    move_block(
-                        "llvm.x86.tilestored64",
-                        [T.address_of(acc[i, j]) for i, j in _CORNERS],
-                        BLOCK * 4,
-                    )
+                    store_block(acc)
                     for i, yb in T.grid(T.min(BLOCK, oc - c0), spans):
                         y = p0 // wp + yb  # output row; its valid pixels in this block:
                         lo = T.max(p0, y * wp)
