@@ -180,6 +180,7 @@ def _conv_reference(x, w, zx, padding):
         (1, 64, (6, 11), 33, (5, 3), (2, 0, 1, 1), "uint8", 131, 1),  # asymmetric pad, uint8
         (1, 128, (8, 8), 64, (1, 1), (0, 0, 0, 0), "int8", 0, 1),  # every block direct
         (1, 64, (9, 10), 40, (1, 1), (0, 0, 0, 0), "int8", 2, 2),  # strided 1x1: subsampled
+        (1, 16, (12, 12), 64, (1, 1), (0, 0, 0, 0), "int8", -1, 1),  # 16 channels: padded to 64
     ],
 )
 def test_amx_conv2d_matches_numpy(n, c, hw, oc, kernel, padding, dtype, zx, stride):
@@ -231,6 +232,10 @@ def test_conv_lowering_chooses_amx_for_stride_one():
     assert names(pointwise, AMX_TARGET) == {"autoq_conv2d_amx"}
     narrow = _qnn_conv((1, 32, 6, 6), w[:, :32])
     assert names(narrow, AMX_TARGET) == {"autoq_conv2d_vnni"}
+    narrow_1x1 = _qnn_conv((1, 32, 6, 6), w[:, :32, :1, :1], padding=(0, 0, 0, 0))
+    assert names(narrow_1x1, AMX_TARGET) == {"autoq_conv2d_amx"}
+    few_out = _qnn_conv((1, 32, 6, 6), w[:16, :32, :1, :1], padding=(0, 0, 0, 0))
+    assert names(few_out, AMX_TARGET) == {"autoq_conv2d_vnni"}
     znver4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})
     assert names(_qnn_conv((1, 64, 6, 6), w), znver4) == {"autoq_conv2d_vnni"}
 

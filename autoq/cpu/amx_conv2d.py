@@ -44,16 +44,17 @@ __all__ = ["amx_conv2d_kernel", "amx_conv_applies", "amx_conv_compensation", "am
 
 
 def amx_conv_applies(shape: ConvShape) -> bool:
-    """Stride 1 (or a 1x1 kernel without padding, any stride: packing subsamples the image),
-    dilation 1 and at least 64 input channels (fewer are partly padding of the 64-byte tile
-    rows: measured 0.75-0.85x the VNNI kernel at 33-40 channels, which keeps those and the
-    other strided convs)."""
+    """Dilation 1; stride 1, or a 1x1 kernel without padding at any stride (packing
+    subsamples the image); at least 64 input channels, or 16 for 1x1 convs with 32 output
+    channels or more. Measured against the VNNI kernel (1 thread): 3x3 with 32-40 input
+    channels 0.74-0.96x (the tile rows are half padding), 1x1 with 16-32 input channels
+    1.8-4.7x (output-bound: AMX stores complete tiles straight into NCHW), 1x1 with 16 output
+    channels 0.1x (no complete tile: every block goes through the stack buffer)."""
     pointwise = shape.kernel == (1, 1) and not any(shape.padding)
-    return (
-        (shape.strides == (1, 1) or pointwise)
-        and shape.dilation == (1, 1)
-        and shape.in_channels >= 64
+    wide = shape.in_channels >= 64 or (
+        pointwise and shape.in_channels >= 16 and shape.out_channels >= 32
     )
+    return (shape.strides == (1, 1) or pointwise) and shape.dilation == (1, 1) and wide
 
 
 def _subsampled(shape: ConvShape) -> ConvShape:
