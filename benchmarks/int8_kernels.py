@@ -60,6 +60,22 @@ def _ort_latency(path, feed, threads: int, repeats: int) -> float:
     return common.median_ms(lambda: sess.run(None, feed), repeats)
 
 
+def vs_ort(fp32_path, int8_path, sample, tvm_fns: dict, threads: int, repeats: int, times, log):
+    """ORT fp32, ORT int8 (graph optimizations on, idle threads not spinning) and the
+    ``tvm_fns`` callables, interleaved at ``threads`` threads; medians into
+    ``times[key][threads]``."""
+    common.TvmRunner.set_threads(threads)
+    sessions = {
+        "ORT fp32": common.ort_session(fp32_path, threads, True, spinning=False),
+        "ORT int8 u8s8": common.ort_session(int8_path, threads, True, spinning=False),
+    }
+    fns = {key: functools.partial(sess.run, None, sample) for key, sess in sessions.items()}
+    fns.update(tvm_fns)
+    for key, (median, least) in interleaved(fns, repeats).items():
+        times.setdefault(key, {})[threads] = median
+        log(f"{threads} thread(s) {key}: median {median:.2f} ms, min {least:.2f} ms")
+
+
 def latency_row(name, times, ref=None):
     cells = [name] + [f"{times[t]:.2f}" for t in THREADS]
     if ref is not None:
@@ -112,16 +128,8 @@ def bench_model(name: str, calib_n: int, repeats: int, log, skip_generic: bool =
             log(f"autoq int8 outputs with and without kernels identical: {same}")
         times: dict[str, dict[int, float]] = {}
         for t in THREADS:
-            common.TvmRunner.set_threads(t)
-            sessions = {
-                "ORT fp32": common.ort_session(info.path, t, True, spinning=False),
-                "ORT int8 u8s8": common.ort_session(ort_int8, t, True, spinning=False),
-            }
-            fns = {key: functools.partial(sess.run, None, sample) for key, sess in sessions.items()}
-            fns["autoq int8, kernels"] = functools.partial(vms[True]["main"], *args)
-            for key, (median, least) in interleaved(fns, repeats).items():
-                times.setdefault(key, {})[t] = median
-                log(f"{t} thread(s) {key}: median {median:.2f} ms, min {least:.2f} ms")
+            tvm_fns = {"autoq int8, kernels": functools.partial(vms[True]["main"], *args)}
+            vs_ort(info.path, ort_int8, sample, tvm_fns, t, repeats, times, log)
             if not skip_generic:
                 times.setdefault("autoq int8, generic lowering", {})[t] = common.median_ms(
                     functools.partial(vms[False]["main"], *args), 2, warmup=1

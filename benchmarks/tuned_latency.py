@@ -37,8 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import int8_kernels
 
-THREADS = (1, 2)
-
 
 def _profile(vm_factory, args, runs: int) -> list[tuple[str, float, int]]:
     """(kernel name, min-over-runs total us per inference, calls) from the VM profiler."""
@@ -108,17 +106,9 @@ def run(args, log) -> None:
         a, b = outs.values()
         log(f"tuned == untuned outputs: {np.array_equal(a, b)} (max |diff| {np.abs(a - b).max()})")
         times: dict[str, dict[int, float]] = {}
-        for t in THREADS:
-            common.TvmRunner.set_threads(t)
-            sessions = {
-                "ORT fp32": common.ort_session(info.path, t, True, spinning=False),
-                "ORT int8 u8s8": common.ort_session(ort_int8, t, True, spinning=False),
-            }
-            fns = {k: functools.partial(s.run, None, sample) for k, s in sessions.items()}
-            fns.update({k: functools.partial(vm["main"], *targs) for k, vm in vms.items()})
-            for key, (median, least) in int8_kernels.interleaved(fns, args.repeats).items():
-                times.setdefault(key, {})[t] = median
-                log(f"{t} thread(s) {key}: median {median:.2f} ms, min {least:.2f} ms")
+        fns = {k: functools.partial(vm["main"], *targs) for k, vm in vms.items()}
+        for t in int8_kernels.THREADS:
+            int8_kernels.vs_ort(info.path, ort_int8, sample, fns, t, args.repeats, times, log)
         load = os.getloadavg()
         common.TvmRunner.set_threads(1)
         prof = _profile(
