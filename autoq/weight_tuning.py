@@ -96,6 +96,12 @@ class LayerTask:
             self.geom, self.weight.shape[1] * self.geom.groups, max_rows, scale=scale
         )
 
+    def input_key(self) -> tuple:
+        """Equal for layers whose Hessians of the same input are equal (geometry, width)."""
+        if self.geom is None:
+            return (None, self.weight.shape[0])
+        return (self.geom, self.weight.shape[1] * self.geom.groups)
+
     def flat(self, w: np.ndarray) -> np.ndarray:
         """``(G, O, K)`` rows of output channels (the matrices :class:`Hessian` fits)."""
         if self.geom is None:
@@ -165,17 +171,29 @@ class InputStats:
                 f"got {scale.size} scales"
             )
         self.qp = qp
-        self.hessians = {t.layer: t.hessian(float(scale[0])) for t in tasks}
+        # layers reading the slot with the same geometry (e.g. a residual block's first 1x1
+        # conv and its projection shortcut) see the same patches: one Hessian for them
+        shared: dict[tuple, CodeHessian] = {}
+        self.hessians = {
+            t.layer: shared.setdefault(t.input_key(), t.hessian(float(scale[0]))) for t in tasks
+        }
+
+    def _distinct(self) -> dict[str, CodeHessian]:
+        """One layer per distinct Hessian (layer -> Hessian)."""
+        seen: dict[int, str] = {}
+        for layer, h in self.hessians.items():
+            seen.setdefault(id(h), layer)
+        return {layer: self.hessians[layer] for layer in seen.values()}
 
     def update(self, x: np.ndarray) -> None:
         qp = self.qp
         q = P.quantize(x, qp.scale, qp.zero_point, qp.dtype).astype(np.int32)
         codes = q - np.asarray(qp.zero_point, np.int32)
-        for h in self.hessians.values():
+        for h in self._distinct().values():
             h.update(codes)
 
     def merge(self, other: InputStats) -> None:
-        for k, h in self.hessians.items():
+        for k, h in self._distinct().items():
             h.merge(other.resolve().hessians[k])
 
     def resolve(self) -> InputStats:
