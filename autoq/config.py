@@ -13,6 +13,7 @@ from typing import Any
 
 from . import primitives as P
 from .json_document import JsonDocument, callable_from_json, callable_to_json
+from .smoothing import check_alpha
 
 __all__ = ["AutoFallback", "Config", "Distributed", "Fallback", "Override", "QuantSpec"]
 
@@ -21,6 +22,11 @@ WEIGHT_ROUNDINGS = ("nearest", "gptq")
 _QSPEC_DTYPES = ("int8", "uint8", "int16")
 #: granularities of dynamic (run-time) activation qparams, see :mod:`autoq.dynamic`
 DYNAMIC_GRANULARITIES = ("tensor", "token")
+
+
+def _one_of(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def _calibrators():
@@ -297,6 +303,9 @@ class Config(JsonDocument):
     ``patterns``: names of the patterns to use (None = all registered).
     ``memory_budget_mb``: RAM for cached activations during calibration (beyond it they
     spill to ``cache_dir`` or a temporary directory). ``progress``: show tqdm bars.
+    ``smooth_quant``: SmoothQuant's migration strength alpha (Xiao et al. 2023,
+    arXiv:2211.10438): LayerNorm output outliers moved into the dense weights reading them,
+    an exact rewrite of the float model before calibration (:mod:`autoq.smooth_quant`).
     ``skip_unbounded``: ``autoq.quantize`` keeps in fp32 the layers whose activations hold
     inf-like sentinels such as attention masks of ``finfo.min`` (see :mod:`autoq.guard`).
     ``check_scales``: layers whose activation scale cannot represent its data go fp32 (:mod:`autoq.scale_health`).
@@ -341,6 +350,7 @@ class Config(JsonDocument):
     bias_correction: bool = False
     scale_search: bool = False
     int16_tensors: tuple[str, ...] = ()
+    smooth_quant: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -350,14 +360,8 @@ class Config(JsonDocument):
                 "per-channel activations are not supported: set per_channel only on the weight spec"
             )
         _check_dynamic_config(self)
-        if self.rounding not in P.ROUNDING_MODES:
-            raise ValueError(
-                f"Config.rounding must be one of {', '.join(P.ROUNDING_MODES)}, got {self.rounding!r}"
-            )
-        if self.calibration not in CALIBRATION_MODES:
-            raise ValueError(
-                f"Config.calibration must be one of {', '.join(CALIBRATION_MODES)}, got {self.calibration!r}"
-            )
+        _one_of("Config.rounding", self.rounding, P.ROUNDING_MODES)
+        _one_of("Config.calibration", self.calibration, CALIBRATION_MODES)
         if not hasattr(self.fallback, "to_json"):
             raise TypeError(
                 f"Config.fallback must be a Fallback, got {type(self.fallback).__name__}"
@@ -369,15 +373,13 @@ class Config(JsonDocument):
             _str_tuple(self, "patterns")
         if not (isinstance(self.memory_budget_mb, int | float) and self.memory_budget_mb >= 0):
             raise ValueError(f"Config.memory_budget_mb must be >= 0, got {self.memory_budget_mb!r}")
-        if self.weight_rounding not in WEIGHT_ROUNDINGS:
-            raise ValueError(
-                f"Config.weight_rounding must be one of {', '.join(WEIGHT_ROUNDINGS)}, got {self.weight_rounding!r}"
-            )
+        _one_of("Config.weight_rounding", self.weight_rounding, WEIGHT_ROUNDINGS)
         for name in ("progress", "skip_unbounded", "check_scales", "int8_outputs",
                      "bias_correction", "scale_search"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         _str_tuple(self, "int16_tensors")
+        check_alpha(self.smooth_quant)
         if self.distributed is not None and not isinstance(self.distributed, Distributed):
             raise TypeError(
                 f"Config.distributed must be a Distributed or None, got {self.distributed!r}"
@@ -426,6 +428,7 @@ class Config(JsonDocument):
             "bias_correction": self.bias_correction,
             "scale_search": self.scale_search,
             "int16_tensors": list(self.int16_tensors),
+            "smooth_quant": self.smooth_quant,
         }
 
     @classmethod
@@ -551,19 +554,13 @@ class AutoFallback(Fallback):
             raise ValueError(
                 f"AutoFallback.max_fp32_layers must be an int >= 0, got {self.max_fp32_layers!r}"
             )
-        if self.ranking not in AUTO_RANKINGS:
-            raise ValueError(
-                f"AutoFallback.ranking must be one of {', '.join(AUTO_RANKINGS)}, got {self.ranking!r}"
-            )
+        for name, allowed in (("ranking", AUTO_RANKINGS), ("precision", AUTO_PRECISIONS)):
+            _one_of(f"AutoFallback.{name}", getattr(self, name), allowed)
         if not (
             isinstance(self.max_int16_fraction, int | float) and 0 <= self.max_int16_fraction <= 1
         ):
             raise ValueError(
                 f"AutoFallback.max_int16_fraction must be in [0, 1], got {self.max_int16_fraction!r}"
-            )
-        if self.precision not in AUTO_PRECISIONS:
-            raise ValueError(
-                f"AutoFallback.precision must be one of {', '.join(AUTO_PRECISIONS)}, got {self.precision!r}"
             )
 
     def fixed(self) -> Fallback:

@@ -78,12 +78,13 @@ def configs(args):
         ("autoq static, all layers int8", Config(progress=False, check_scales=False)),
     ]
     for f in args.fractions:
-        fb = AutoFallback(
-            precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
-            min_sqnr=args.min_sqnr,
-        )  # fmt: skip
-        rows.append((f"autoq int16 escalation (<= {f:.0%})",
-                     Config(progress=False, check_scales=False, fallback=fb)))  # fmt: skip
+        for rounding in args.rounding:
+            fb = AutoFallback(
+                precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
+                min_sqnr=args.min_sqnr,
+            )  # fmt: skip
+            cfg = Config(progress=False, check_scales=False, fallback=fb, weight_rounding=rounding)
+            rows.append((f"autoq int16 escalation (<= {f:.0%}), {rounding}", cfg))
     dyn = Config(activation=QuantSpec(dynamic=True, granularity="token"), progress=False)
     rows.append(("autoq dynamic (token), no data", dyn))
     return rows
@@ -95,11 +96,13 @@ def parse_args(argv=None):
     p.add_argument("--holdout", type=int, default=4, help="of which held out by the search")
     p.add_argument("--eval", type=int, default=64, help="evaluation sentences (disjoint)")
     p.add_argument("--fractions", default="0.2", help="escalation budgets, comma-separated")
+    p.add_argument("--rounding", default="gptq", help="weight_rounding of the escalation rows")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
     p.add_argument("--out", default="", help="write the table to this markdown file too")
     args = p.parse_args(argv)
     args.fractions = [float(v) for v in args.fractions.split(",") if v.strip()]
+    args.rounding = [v for v in args.rounding.split(",") if v.strip()]
     args.skip = [v for v in args.skip.split(",") if v]
     return args
 
