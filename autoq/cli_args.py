@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from .config import AUTO_PRECISIONS, AUTO_RANKINGS
+from .layer_rules import AUTO_PRECISIONS, AUTO_RANKINGS
 
 __all__ = ["IMAGE_LAYOUTS", "METHODS", "ROUNDINGS", "build_parser"]
 

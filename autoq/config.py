@@ -7,26 +7,29 @@ True
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from . import primitives as P
-from .json_document import JsonDocument, callable_from_json, callable_to_json
+from .json_document import JsonDocument, check_keys
+from .layer_rules import FALLBACK_TYPES, AutoFallback, Fallback, compile_rule, str_tuple
 from .smoothing import check_alpha
 
-__all__ = ["AutoFallback", "Config", "Distributed", "Fallback", "Override", "QuantSpec"]
+__all__ = [
+    "AutoFallback",
+    "Config",
+    "Distributed",
+    "Fallback",
+    "Override",
+    "QuantSpec",
+    "compile_rule",
+]
 
 CALIBRATION_MODES = ("topological", "fp32")
 WEIGHT_ROUNDINGS = ("nearest", "gptq")
 _QSPEC_DTYPES = ("int8", "uint8", "int16")
 #: granularities of dynamic (run-time) activation qparams, see :mod:`autoq.dynamic`
 DYNAMIC_GRANULARITIES = ("tensor", "token")
-
-
-def _one_of(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def _calibrators():
@@ -87,7 +90,7 @@ class QuantSpec:
     @classmethod
     def from_json(cls, d: dict) -> QuantSpec:
         d = dict(d)
-        _check_keys(cls, d)
+        check_keys(cls, d)
         if isinstance(d.get("calibrator"), dict):
             d["calibrator"] = _calibrators().from_json(d["calibrator"])
         return cls(**d)
@@ -119,79 +122,6 @@ def _check_dynamic(spec: QuantSpec) -> None:
         )
 
 
-def _check_keys(cls, d: dict) -> None:
-    known = {f.name for f in fields(cls)}
-    unknown = set(d) - known
-    if unknown:
-        raise ValueError(f"{cls.__name__} has no fields {sorted(unknown)}; it has {sorted(known)}")
-
-
-def _str_tuple(obj, name: str) -> None:
-    v = getattr(obj, name)
-    if isinstance(v, str):
-        v = (v,)
-    v = tuple(v)
-    if not all(isinstance(x, str) and x for x in v):
-        raise TypeError(
-            f"{type(obj).__name__}.{name} must be a sequence of non-empty strings, got {v!r}"
-        )
-    object.__setattr__(obj, name, v)
-
-
-def compile_rule(rule: str):
-    """A layer-id rule as a predicate: ``re:<regex>`` (full match), a glob (``*``, ``?``,
-    ``[...]``), or an exact id."""
-    import fnmatch
-
-    if rule.startswith("re:"):
-        try:
-            rx = re.compile(rule[3:])
-        except re.error as e:
-            raise ValueError(f"invalid regular expression in rule {rule!r}: {e}") from None
-        return lambda s: rx.fullmatch(s) is not None
-    if any(c in rule for c in "*?["):
-        return lambda s: fnmatch.fnmatchcase(s, rule)
-    return lambda s: s == rule
-
-
-@dataclass(frozen=True)
-class Fallback:
-    """Layers to keep in fp32 (like NNCF's IgnoredScope).
-
-    ``ids``: exact layer ids; ``op_types``: pattern names or op names (``"conv2d"``,
-    ``"matmul"``, ``"add"``); ``patterns``: globs (``"layer4.*"``) or regexes
-    (``"re:layer[34]\\..*"``). With ``validate`` (default) a rule that matches no layer is an
-    error that lists the closest ids.
-    """
-
-    ids: tuple[str, ...] = ()
-    op_types: tuple[str, ...] = ()
-    patterns: tuple[str, ...] = ()
-    validate: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("ids", "op_types", "patterns"):
-            _str_tuple(self, name)
-        for p in self.patterns:
-            compile_rule(p)
-
-    def __bool__(self) -> bool:
-        return bool(self.ids or self.op_types or self.patterns)
-
-    def to_json(self) -> dict:
-        return {
-            "ids": list(self.ids),
-            "op_types": list(self.op_types),
-            "patterns": list(self.patterns),
-            "validate": self.validate,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict) -> Fallback:
-        _check_keys(cls, d)
-        return cls(**d)
-
-
 @dataclass(frozen=True)
 class Override:
     """Per-layer override of the activation and/or weight spec; ``match`` is an exact id, a
@@ -219,7 +149,7 @@ class Override:
 
     @classmethod
     def from_json(cls, d: dict) -> Override:
-        _check_keys(cls, d)
+        check_keys(cls, d)
         return cls(
             match=d["match"],
             activation=None
@@ -274,7 +204,7 @@ class Distributed:
 
     @classmethod
     def from_json(cls, d: dict) -> Distributed:
-        _check_keys(cls, d)
+        check_keys(cls, d)
         return cls(**d)
 
 
@@ -360,8 +290,14 @@ class Config(JsonDocument):
                 "per-channel activations are not supported: set per_channel only on the weight spec"
             )
         _check_dynamic_config(self)
-        _one_of("Config.rounding", self.rounding, P.ROUNDING_MODES)
-        _one_of("Config.calibration", self.calibration, CALIBRATION_MODES)
+        if self.rounding not in P.ROUNDING_MODES:
+            raise ValueError(
+                f"Config.rounding must be one of {', '.join(P.ROUNDING_MODES)}, got {self.rounding!r}"
+            )
+        if self.calibration not in CALIBRATION_MODES:
+            raise ValueError(
+                f"Config.calibration must be one of {', '.join(CALIBRATION_MODES)}, got {self.calibration!r}"
+            )
         if not hasattr(self.fallback, "to_json"):
             raise TypeError(
                 f"Config.fallback must be a Fallback, got {type(self.fallback).__name__}"
@@ -370,15 +306,18 @@ class Config(JsonDocument):
         if not all(isinstance(o, Override) for o in self.overrides):
             raise TypeError("Config.overrides must be Override instances")
         if self.patterns is not None:
-            _str_tuple(self, "patterns")
+            str_tuple(self, "patterns")
         if not (isinstance(self.memory_budget_mb, int | float) and self.memory_budget_mb >= 0):
             raise ValueError(f"Config.memory_budget_mb must be >= 0, got {self.memory_budget_mb!r}")
-        _one_of("Config.weight_rounding", self.weight_rounding, WEIGHT_ROUNDINGS)
+        if self.weight_rounding not in WEIGHT_ROUNDINGS:
+            raise ValueError(
+                f"Config.weight_rounding must be one of {', '.join(WEIGHT_ROUNDINGS)}, got {self.weight_rounding!r}"
+            )
         for name in ("progress", "skip_unbounded", "check_scales", "int8_outputs",
                      "bias_correction", "scale_search"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
-        _str_tuple(self, "int16_tensors")
+        str_tuple(self, "int16_tensors")
         check_alpha(self.smooth_quant)
         if self.distributed is not None and not isinstance(self.distributed, Distributed):
             raise TypeError(
@@ -434,7 +373,7 @@ class Config(JsonDocument):
     @classmethod
     def from_json(cls, d: dict) -> Config:
         d = dict(d)
-        _check_keys(cls, d)
+        check_keys(cls, d)
         if "activation" in d:
             d["activation"] = QuantSpec.from_json(d["activation"])
         if "weight" in d:
@@ -442,7 +381,7 @@ class Config(JsonDocument):
         if "fallback" in d:
             fb = dict(d["fallback"])
             kind = fb.pop("type", "Fallback")
-            d["fallback"] = _FALLBACK_TYPES[kind].from_json(fb)
+            d["fallback"] = FALLBACK_TYPES[kind].from_json(fb)
         if "overrides" in d:
             d["overrides"] = tuple(Override.from_json(o) for o in d["overrides"])
         if d.get("patterns") is not None:
@@ -480,118 +419,3 @@ def _check_dynamic_config(config: Config) -> None:
         raise ValueError(
             "Config.int8_outputs needs calibrated output qparams; dynamic layers return float32"
         )
-
-
-AUTO_RANKINGS = ("local", "revert")
-AUTO_PRECISIONS = ("fp32", "int16", "int16_tensors")
-
-
-@dataclass(frozen=True)
-class AutoFallback(Fallback):
-    """Choose the layers to keep in fp32 automatically (see :mod:`autoq.analyze`).
-
-    ``autoq.quantize`` calibrates once, ranks the layers by sensitivity, then tries keeping
-    the ``k`` most sensitive layers in fp32 for ``k = 0, 1, 2, ...`` until the metric is
-    within budget (or ``max_fp32_layers`` is reached), and realizes the winner as an ordinary
-    ``Fallback(ids=...)``. A trial is one run of the already compiled simulated graph with
-    per-layer switches (no recalibration, no recompilation). The decision is attached to the
-    result as ``result.attrs["autoq.fallback"]`` (JSON, see :class:`autoq.FallbackDecision`).
-
-    ``ids`` / ``op_types`` / ``patterns`` (inherited from :class:`Fallback`): layers that
-    always stay fp32 and are not candidates.
-
-    ``metric``: ``"sqnr"`` (default): the SQNR in dB of the model outputs on the calibration
-    data against fp32; the budget is ``sqnr >= min_sqnr``. Or a callable
-    ``metric(run) -> float`` (higher is better) where ``run(samples)`` runs the model under
-    test (the fp32 reference or a trial) on any samples (``{input: array}`` dicts or arrays)
-    and returns one output per sample (a numpy array, or a list of arrays for several
-    outputs): e.g. accuracy on a labelled set. The budget is
-    ``metric(run_fp32) - metric(run_trial) <= max_drop``.
-
-    ``max_fp32_layers``: most layers the search may keep in fp32 (when even that misses the
-    budget, the best trial is used and the decision says ``met=False``).
-    ``ranking``: ``"local"`` (default, free): by the SQNR of each layer's output with only
-    that layer quantized on fp32 inputs (the analysis report's "alone" column, lowest
-    first); ``"revert"``: by the metric with everything quantized except that one layer
-    (one trial per layer, like NNCF's accuracy control; better for unusual networks).
-    ``precision``: ``"fp32"``, or ``"int16"``: the chosen layers get int16 activations
-    (``Override(layer, activation=QuantSpec(dtype="int16", ...))``) instead of fp32 when that
-    still meets the budget (checked with one more compiled simulated graph; int16 qparams
-    come from the calibrated ranges), else they fall back to fp32.
-    ``holdout``: the last ``holdout`` samples of the dataset are kept out of calibration and
-    of the ranking; a layer group the search adds is kept only if it also raises the output
-    SQNR on them (else it is skipped and the search goes on with the next one), so the
-    fp32 layers are the ones that help beyond the calibration samples. With a callable
-    ``metric`` the held-out check uses the output SQNR too (the metric decides the budget).
-    ``precision="int16_tensors"``: no layer leaves int8; instead activation *tensors* the
-    metric is most sensitive to go int16 (greedy by measured effect, at most
-    ``max_int16_fraction`` of them; :mod:`autoq.escalation`), written to
-    ``Config.int16_tensors``.
-    """
-
-    metric: Any = "sqnr"
-    min_sqnr: float = 30.0
-    max_drop: float = 0.01
-    max_fp32_layers: int = 8
-    ranking: str = "local"
-    precision: str = "fp32"
-    holdout: int = 0
-    max_int16_fraction: float = 0.2
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.holdout, int) or isinstance(self.holdout, bool) or self.holdout < 0:
-            raise ValueError(f"AutoFallback.holdout must be an int >= 0, got {self.holdout!r}")
-        if not (self.metric == "sqnr" or callable(self.metric)):
-            raise ValueError(
-                f"AutoFallback.metric must be 'sqnr' or a callable metric(run) -> float, got {self.metric!r}"
-            )
-        for name in ("min_sqnr", "max_drop"):
-            v = getattr(self, name)
-            if not isinstance(v, int | float) or isinstance(v, bool) or v != v:
-                raise TypeError(f"AutoFallback.{name} must be a number, got {v!r}")
-        if not isinstance(self.max_fp32_layers, int) or self.max_fp32_layers < 0:
-            raise ValueError(
-                f"AutoFallback.max_fp32_layers must be an int >= 0, got {self.max_fp32_layers!r}"
-            )
-        for name, allowed in (("ranking", AUTO_RANKINGS), ("precision", AUTO_PRECISIONS)):
-            _one_of(f"AutoFallback.{name}", getattr(self, name), allowed)
-        if not (
-            isinstance(self.max_int16_fraction, int | float) and 0 <= self.max_int16_fraction <= 1
-        ):
-            raise ValueError(
-                f"AutoFallback.max_int16_fraction must be in [0, 1], got {self.max_int16_fraction!r}"
-            )
-
-    def fixed(self) -> Fallback:
-        """The user's fixed rules as a plain :class:`Fallback`."""
-        return Fallback(self.ids, self.op_types, self.patterns, self.validate)
-
-    def to_json(self) -> dict:
-        d = super().to_json()
-        d.update(
-            metric=self.metric
-            if isinstance(self.metric, str)
-            else callable_to_json(self.metric, "AutoFallback.metric"),
-            min_sqnr=self.min_sqnr,
-            max_drop=self.max_drop,
-            max_fp32_layers=self.max_fp32_layers,
-            ranking=self.ranking,
-            precision=self.precision,
-            holdout=self.holdout,
-            max_int16_fraction=self.max_int16_fraction,
-        )
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> AutoFallback:
-        _check_keys(cls, d)
-        d = dict(d)
-        m = d.get("metric", "sqnr")
-        if isinstance(m, str) and m != "sqnr":
-            d["metric"] = callable_from_json(m, "AutoFallback.metric")
-        return cls(**d)
-
-
-#: Fallback kinds that ``Config.from_json`` knows.
-_FALLBACK_TYPES: dict[str, Any] = {"Fallback": Fallback, "AutoFallback": AutoFallback}

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import fields
 from pathlib import Path
 
-__all__ = ["JsonDocument", "callable_from_json", "callable_to_json", "write_atomic"]
+__all__ = ["JsonDocument", "callable_from_json", "callable_to_json", "check_keys", "write_atomic"]
 
 
 def write_atomic(path: str | Path, text: str) -> Path:
@@ -66,3 +67,11 @@ def callable_from_json(ref: str, what: str):
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{what} {ref!r} cannot be imported: {e}") from None
     return obj
+
+
+def check_keys(cls, d: dict) -> None:
+    """Refuse JSON keys that are not fields of the dataclass ``cls``, naming both sets."""
+    known = {f.name for f in fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no fields {sorted(unknown)}; it has {sorted(known)}")
