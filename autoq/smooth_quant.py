@@ -9,11 +9,14 @@ a constant ``(K, N)`` weight:
 1. ``max |y_j|`` per channel over the calibration samples (one float run of the graph);
 2. ``s = smoothing_scales(max|y_j|, max_n |W[j, n]| over every such W, alpha)``;
 3. ``gamma /= s``, ``beta /= s`` (the LayerNorm now writes ``y / s``) and every such
-   ``W[j, :] *= s_j``;
-4. every *other* reader of ``y`` (the residual add of a post-LN block such as BERT's) reads
-   ``multiply(y / s, s)`` instead: a new binding, so the transformation is exact for any
-   graph (to float rounding). In a pre-LN block (GPT/OPT/LLaMA style) the LayerNorm feeds
-   only the dense layers and nothing is inserted.
+   ``W[j, :] *= s_j``; exact to float rounding;
+4. when ``y`` has *other* readers (the residual add of a post-LN block such as BERT's), they
+   keep the original LayerNorm and a second one with ``gamma / s``, ``beta / s`` (constants)
+   feeds the dense layers: both read the same (quantized) input, and each output gets its
+   own int8 grid. (A compensating ``multiply(y / s, s)`` for the residual would be an int8
+   layer with a per-tensor quantized constant ``s``: its error lands on the residual
+   stream.) In a pre-LN block (GPT/OPT/LLaMA style) the LayerNorm feeds only the dense
+   layers and is rewritten in place.
 
 A weight is rewritten in place when it is a parameter (or a constant) that only this
 matmul reads (or a ``permute_dims`` of one, as exported linear layers are); a matmul whose
@@ -55,12 +58,14 @@ __all__ = [
 @dataclass
 class SmoothPlan:
     """One LayerNorm to smooth: its output var, channel count, the matmuls whose weights
-    absorb ``s`` (var -> how to rewrite the weight) and the readers needing ``y / s * s``."""
+    absorb ``s`` (var -> how to rewrite the weight), the readers of ``y`` on the way to them
+    (the matmuls or reshapes before them) and the other readers (which keep ``y``)."""
 
     ln: relax.Var
     channels: int
     matmuls: dict = field(default_factory=dict)  # matmul var -> _WeightSite
-    others: list = field(default_factory=list)  # reader vars of ln
+    readers: list = field(default_factory=list)  # reader vars of ln that go smoothed
+    others: list = field(default_factory=list)  # reader vars of ln that keep it
     scale: np.ndarray | None = None
 
 
@@ -130,12 +135,14 @@ def _plan_for(g: Graph, ln, value) -> SmoothPlan | None:
     for u in g.users.get(ln, []):
         if _is_matmul(g, u, ln) and (site := _weight_site(g, u, g.value[u].args[1], c)):
             plan.matmuls[u] = site
+            plan.readers.append(u)
             continue
         if _keeps_last_axis(g, u, c):
             uu = g.users.get(u, [])
             sites = [_is_matmul(g, m, u) and _weight_site(g, m, g.value[m].args[1], c) for m in uu]
             if uu and all(sites):
                 plan.matmuls.update(zip(uu, sites, strict=True))
+                plan.readers.append(u)
                 continue
         plan.others.append(u)
     return plan if plan.matmuls else None
@@ -179,6 +186,7 @@ def apply_smoothing(g: Graph, plans: list[SmoothPlan]):
     """The rewritten ``(module, params)`` for plans with their ``scale`` set."""
     params = dict(g.params)
     new_values: dict = {}  # binding var -> value with constant operands replaced
+    twins: dict = {}  # LayerNorm var -> (gamma / s, beta / s) of its smoothed twin
 
     def put(site_var, operand_index, arr, site_param):
         if site_param is not None:
@@ -192,34 +200,36 @@ def apply_smoothing(g: Graph, plans: list[SmoothPlan]):
     for p in plans:
         s = p.scale
         lnv = g.value[p.ln]
-        for i in (1, 2):
-            arr = g.weight_of(lnv.args[i]).array
-            put(
-                p.ln, i, (arr.astype(np.float64) / s).astype(arr.dtype), _param_name(g, lnv.args[i])
-            )
+        affine = [g.weight_of(lnv.args[i]).array for i in (1, 2)]
+        affine = [(a.astype(np.float64) / s).astype(a.dtype) for a in affine]
+        if p.others:
+            twins[p.ln] = affine
+        else:
+            for i, arr in zip((1, 2), affine, strict=True):
+                put(p.ln, i, arr, _param_name(g, lnv.args[i]))
         for mm, site in p.matmuls.items():
             arr = (site.array.astype(np.float64) * s[:, None]).astype(site.array.dtype)
             put(mm, 1, arr.T.copy() if site.transposed else arr, site.name)
-    return _rebuild(g, plans, new_values), params
+    return _rebuild(g, plans, new_values, twins), params
 
 
-def _rebuild(g: Graph, plans: list[SmoothPlan], new_values: dict):
+def _rebuild(g: Graph, plans: list[SmoothPlan], new_values: dict, twins: dict):
     bb = relax.BlockBuilder()
     fparams = [relax.Var(p.name, p.ty) for p in g.func.params]
     vmap = dict(zip(g.func.params, fparams, strict=True))
-    by_ln = {p.ln: p for p in plans}
-    reads = {u: p.ln for p in plans for u in p.others}
-    comp: dict = {}
+    reads = {u: p.ln for p in plans for u in p.readers}
+    smoothed: dict = {}
     attrs = dict(g.func.attrs.items()) if g.func.attrs is not None else None
     with bb.function("main", fparams, attrs=attrs):
         with bb.dataflow():
             for var, value in g.bindings:
                 value = new_values.get(var, value)
-                local = {**vmap, reads[var]: comp[reads[var]]} if var in reads else vmap
-                vmap[var] = bb.emit(remap_expr(value, local), name_hint=var.name)
-                if var in by_ln and by_ln[var].others:
-                    s = const(by_ln[var].scale.astype(np.float32))
-                    comp[var] = bb.emit(relax.op.multiply(vmap[var], s), name_hint=f"{var.name}_s")
+                local = {**vmap, reads[var]: smoothed[reads[var]]} if var in reads else vmap
+                vmap[var] = smoothed[var] = bb.emit(remap_expr(value, local), name_hint=var.name)
+                if var in twins:
+                    args = [remap_expr(value.args[0], vmap), *(const(a) for a in twins[var])]
+                    twin = tvm.ir.Call(value.op, args, value.attrs, list(value.ty_args))
+                    smoothed[var] = bb.emit(twin, name_hint=f"{var.name}_smooth")
             out = bb.emit_output(remap_expr(g.output, vmap))
         bb.emit_func_output(out)
     return with_main(g.module, bb.get()["main"])
