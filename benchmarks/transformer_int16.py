@@ -116,11 +116,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
+    p.add_argument("--only", default="autoq", help="run only rows containing one of these")
     p.add_argument("--out", default="", help="write the table to this markdown file too")
     args = p.parse_args(argv)
     args.fractions = [float(v) for v in args.fractions.split(",") if v.strip()]
     args.smooth = [float(v) for v in args.smooth.split(",") if v.strip()]
     args.rounding = [v for v in args.rounding.split(",") if v.strip()]
+    args.only = [v for v in args.only.split(",") if v]
     args.skip = [v for v in args.skip.split(",") if v]
     return args
 
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
     log(f"load average at start: {os.getloadavg()}")
     rows = []
     for label, cfg in configs(args):
-        if any(s in label for s in args.skip):
+        if any(s in label for s in args.skip) or not any(s in label for s in args.only):
             continue
         data = None if cfg.activation.dynamic else list(calib)
         rows.append(autoq_row(info, cfg, data, evalset, label, log))
