@@ -237,6 +237,8 @@ class Quantizer:
                 "Config.smooth_quant rewrites the model in this process: calibrate without a "
                 "cluster, or set smooth_quant=None"
             )
+        if isinstance(config.fallback, AutoFallback):  # held-out samples stay unseen
+            samples, _ = split_holdout(samples, config.fallback.holdout)
         mod, params, plans = smooth_graph(matched.graph, samples, config.smooth_quant, self.target)
         if not plans:
             warnings.warn(
