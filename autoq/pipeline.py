@@ -58,6 +58,7 @@ from .dynamic import realize_dynamic
 from .errors import CalibrationError, InputError
 from .escalation import escalate
 from .guard import keep_unbounded_in_fp32, layers_using
+from .int16_first import int16_first
 from .matching import Matched, match
 from .qparams import QParams
 from .realize import realize
@@ -67,6 +68,9 @@ from .simulate import simulate
 from .smooth_quant import smooth_graph
 
 __all__ = ["QuantizeResult", "Quantizer", "check_scales", "quantize"]
+
+#: ``AutoFallback.precision`` -> its search (the others: :func:`auto_fallback`)
+SEARCHES = {"int16_tensors": escalate, "int16_first": int16_first}
 
 
 @dataclass
@@ -153,7 +157,7 @@ class Quantizer:
         if isinstance(fb, AutoFallback):  # what runs on the workers: SQNR trials, the report
             needs = {
                 "metric=<callable>": callable(fb.metric),
-                f"precision={fb.precision!r}": fb.precision in ("int16", "int16_tensors"),
+                f"precision={fb.precision!r}": fb.precision != "fp32",
                 f"holdout={fb.holdout}": fb.holdout > 0,
             }
             bad = [k for k, v in needs.items() if v]
@@ -211,7 +215,7 @@ class Quantizer:
                     matched, sim, calib, config, client
                 )
             reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
-            search = escalate if config.fallback.precision == "int16_tensors" else auto_fallback
+            search = SEARCHES.get(config.fallback.precision, auto_fallback)
             with clock("auto_fallback"), self._fan_out(client, mod, params, calib) as fan:
                 out = search(
                     matched, None, samples, config, qparams, target=self.target, fan_out=fan
@@ -219,7 +223,7 @@ class Quantizer:
             config, qparams, decision = out.config, out.qparams, out.decision
             report, analysis = out.report, out.analysis
             reasons.update(dict.fromkeys(decision.layers, f"automatic ({decision.precision})"))
-            if decision.precision != "fp32":
+            if decision.precision not in ("fp32", "int16_first"):
                 reasons = {k: v for k, v in reasons.items() if k not in decision.layers}
         else:
             with clock("calibrate"):
