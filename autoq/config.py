@@ -13,6 +13,7 @@ from typing import Any
 from . import primitives as P
 from .json_document import JsonDocument, check_keys
 from .layer_rules import FALLBACK_TYPES, AutoFallback, Fallback, compile_rule, str_tuple
+from .smoothing import check_alpha
 
 __all__ = [
     "AutoFallback",
@@ -232,6 +233,9 @@ class Config(JsonDocument):
     ``patterns``: names of the patterns to use (None = all registered).
     ``memory_budget_mb``: RAM for cached activations during calibration (beyond it they
     spill to ``cache_dir`` or a temporary directory). ``progress``: show tqdm bars.
+    ``smooth_quant``: SmoothQuant's migration strength alpha (Xiao et al. 2023,
+    arXiv:2211.10438): LayerNorm output outliers moved into the dense weights reading them,
+    an exact rewrite of the float model before calibration (:mod:`autoq.smooth_quant`).
     ``skip_unbounded``: ``autoq.quantize`` keeps in fp32 the layers whose activations hold
     inf-like sentinels such as attention masks of ``finfo.min`` (see :mod:`autoq.guard`).
     ``check_scales``: layers whose activation scale cannot represent its data go fp32 (:mod:`autoq.scale_health`).
@@ -256,6 +260,13 @@ class Config(JsonDocument):
     :mod:`autoq.scale_search`). The integer weights and biases they choose are carried in
     ``QParams.values`` (realized as they are; simulated exactly). EfficientNet-Lite0 top-1
     agreement (benchmarks/results/accuracy.md): nearest 0.806, GPTQ 0.919 (so the default).
+
+    ``equalization``: cross-layer equalization of the float model before calibration (Nagel
+    et al. 2019, "Data-Free Quantization", sec. 4.1; :mod:`autoq.cross_layer_equalization`):
+    the weights of ``conv -> [bias] -> [relu] -> conv`` chains rescaled per channel so both
+    layers' per-channel ranges match, the float function unchanged; chains through clip
+    (ReLU6) are skipped (not exact). Off by default: with per-channel weight scales it only
+    moves range between layers (see the README's accuracy table).
     """
 
     activation: QuantSpec = field(default_factory=_default_activation)
@@ -275,7 +286,9 @@ class Config(JsonDocument):
     weight_rounding: str = "gptq"
     bias_correction: bool = False
     scale_search: bool = False
+    equalization: bool = False
     int16_tensors: tuple[str, ...] = ()
+    smooth_quant: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -309,10 +322,11 @@ class Config(JsonDocument):
                 f"Config.weight_rounding must be one of {', '.join(WEIGHT_ROUNDINGS)}, got {self.weight_rounding!r}"
             )
         for name in ("progress", "skip_unbounded", "check_scales", "int8_outputs",
-                     "bias_correction", "scale_search"):  # fmt: skip
+                     "bias_correction", "scale_search", "equalization"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         str_tuple(self, "int16_tensors")
+        check_alpha(self.smooth_quant)
         if self.distributed is not None and not isinstance(self.distributed, Distributed):
             raise TypeError(
                 f"Config.distributed must be a Distributed or None, got {self.distributed!r}"
@@ -360,7 +374,9 @@ class Config(JsonDocument):
             "weight_rounding": self.weight_rounding,
             "bias_correction": self.bias_correction,
             "scale_search": self.scale_search,
+            "equalization": self.equalization,
             "int16_tensors": list(self.int16_tensors),
+            "smooth_quant": self.smooth_quant,
         }
 
     @classmethod

@@ -35,7 +35,7 @@ import common
 THREADS = (1, 2)
 
 
-def _interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict[str, tuple[float, float]]:
+def interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict[str, tuple[float, float]]:
     """(median, min) ms of each callable, the callables run in turn (one call each per
     round): a change of the machine's load hits all of them alike (the box is shared)."""
     for _ in range(warmup):
@@ -60,7 +60,23 @@ def _ort_latency(path, feed, threads: int, repeats: int) -> float:
     return common.median_ms(lambda: sess.run(None, feed), repeats)
 
 
-def _row(name, times, ref=None):
+def vs_ort(fp32_path, int8_path, sample, tvm_fns: dict, threads: int, repeats: int, times, log):
+    """ORT fp32, ORT int8 (graph optimizations on, idle threads not spinning) and the
+    ``tvm_fns`` callables, interleaved at ``threads`` threads; medians into
+    ``times[key][threads]``."""
+    common.TvmRunner.set_threads(threads)
+    sessions = {
+        "ORT fp32": common.ort_session(fp32_path, threads, True, spinning=False),
+        "ORT int8 u8s8": common.ort_session(int8_path, threads, True, spinning=False),
+    }
+    fns = {key: functools.partial(sess.run, None, sample) for key, sess in sessions.items()}
+    fns.update(tvm_fns)
+    for key, (median, least) in interleaved(fns, repeats).items():
+        times.setdefault(key, {})[threads] = median
+        log(f"{threads} thread(s) {key}: median {median:.2f} ms, min {least:.2f} ms")
+
+
+def latency_row(name, times, ref=None):
     cells = [name] + [f"{times[t]:.2f}" for t in THREADS]
     if ref is not None:
         cells += [f"{times[t] / ref[t]:.2f}x" for t in THREADS]
@@ -69,7 +85,7 @@ def _row(name, times, ref=None):
     return cells
 
 
-def _print_table(title, rows, ref_name):
+def print_latency_table(title, rows, ref_name):
     print(f"\n### {title}\n")
     heads = ["runtime", *(f"ms {t}T" for t in THREADS), *(f"vs {ref_name} {t}T" for t in THREADS)]
     print("| " + " | ".join(heads) + " |")
@@ -110,39 +126,31 @@ def bench_model(name: str, calib_n: int, repeats: int, log, skip_generic: bool =
         args = [tvm.runtime.tensor(sample[n]) for n in names]
         if "no amx" in vms:
             same = np.array_equal(
-                _first(vms[True]["main"](*args)), _first(vms["no amx"]["main"](*args))
+                first_output(vms[True]["main"](*args)), first_output(vms["no amx"]["main"](*args))
             )
             log(f"autoq int8 outputs with and without AMX identical: {same}")
         if not skip_generic:
             same = np.array_equal(
-                _first(vms[True]["main"](*args)), _first(vms[False]["main"](*args))
+                first_output(vms[True]["main"](*args)), first_output(vms[False]["main"](*args))
             )
             log(f"autoq int8 outputs with and without kernels identical: {same}")
         times: dict[str, dict[int, float]] = {}
         for t in THREADS:
-            common.TvmRunner.set_threads(t)
-            sessions = {
-                "ORT fp32": common.ort_session(info.path, t, True, spinning=False),
-                "ORT int8 u8s8": common.ort_session(ort_int8, t, True, spinning=False),
-            }
-            fns = {key: functools.partial(sess.run, None, sample) for key, sess in sessions.items()}
-            fns["autoq int8, kernels"] = functools.partial(vms[True]["main"], *args)
+            tvm_fns = {"autoq int8, kernels": functools.partial(vms[True]["main"], *args)}
             if "no amx" in vms:
-                fns["autoq int8, kernels without AMX"] = functools.partial(
+                tvm_fns["autoq int8, kernels without AMX"] = functools.partial(
                     vms["no amx"]["main"], *args
                 )
-            for key, (median, least) in _interleaved(fns, repeats).items():
-                times.setdefault(key, {})[t] = median
-                log(f"{t} thread(s) {key}: median {median:.2f} ms, min {least:.2f} ms")
+            vs_ort(info.path, ort_int8, sample, tvm_fns, t, repeats, times, log)
             if not skip_generic:
                 times.setdefault("autoq int8, generic lowering", {})[t] = common.median_ms(
                     functools.partial(vms[False]["main"], *args), 2, warmup=1
                 )
         log(f"load average after the timings: {os.getloadavg()}")
     ref = times["ORT int8 u8s8"]
-    rows = [_row(key, v, ref) for key, v in times.items()]
+    rows = [latency_row(key, v, ref) for key, v in times.items()]
     title = common.MODEL_TITLES.get(name, name)
-    _print_table(f"{title}, batch 1, target mcpu={target.mcpu}", rows, "ORT int8")
+    print_latency_table(f"{title}, batch 1, target mcpu={target.mcpu}", rows, "ORT int8")
 
 
 def _without_amx(target):
@@ -158,7 +166,7 @@ def _without_amx(target):
     return tvm.target.Target({**spec, "mattr": mattr} if mattr else spec)
 
 
-def _first(out) -> np.ndarray:
+def first_output(out) -> np.ndarray:
     return out.numpy() if hasattr(out, "numpy") else out[0].numpy()
 
 
@@ -281,8 +289,8 @@ def bench_ops(repeats: int) -> None:
             if "no amx" in vms:
                 key = "autoq kernels without AMX"
                 times.setdefault(key, {})[t] = _tvm_latency(vms["no amx"], args, t, repeats)
-        rows = [_row(name, v, times[ort_name]) for name, v in times.items()]
-        _print_table(f"{title} (kernels == generic lowering: {same})", rows, "ORT")
+        rows = [latency_row(name, v, times[ort_name]) for name, v in times.items()]
+        print_latency_table(f"{title} (kernels == generic lowering: {same})", rows, "ORT")
     tmp.cleanup()
 
 
