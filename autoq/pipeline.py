@@ -3,6 +3,9 @@ the demo, the benchmarks) runs :class:`Quantizer`.
 
 ``Quantizer(config).run(mod, params, dataset)`` does, in order:
 
+0. with ``Config.equalization``, **equalize** the float model's convolution chains
+   (:mod:`autoq.cross_layer_equalization`; what was equalized and skipped is in
+   ``QuantizeResult.equalization``);
 1. **match** the patterns once (:func:`autoq.matching.match`); every later stage reuses it;
    a NaN/Inf weight is an error naming it (:func:`check_weights`);
 2. read the **dataset** once into one validated, repeatable view
@@ -40,6 +43,7 @@ from .auto_fallback import FallbackDecision, auto_fallback, split_holdout
 from .build import default_target
 from .calibrate import calibrate, feed_observers, fp32_slot_runner, samples_for, scale_problems
 from .config import AutoFallback, Config
+from .cross_layer_equalization import EqualizationReport, equalize_layers
 from .dataset import is_shard_source
 from .distributed import (
     AnalysisFanOut,
@@ -86,6 +90,8 @@ class QuantizeResult:
     samples: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    #: what ``Config.equalization`` rescaled and skipped (None when it is off)
+    equalization: EqualizationReport | None = None
 
 
 class Quantizer:
@@ -157,10 +163,20 @@ class Quantizer:
         return dataset
 
     def _run(self, mod, params, dataset) -> QuantizeResult:
+        equalized, t0 = None, time.perf_counter()
+        if self.config.equalization:
+            mod, new_params, equalized = equalize_layers(mod, params)
+            params = None if params is None else new_params
+        seconds = time.perf_counter() - t0
         if self.config.activation.dynamic:
-            return self._run_dynamic(mod, params)
-        with self._client() as client:
-            return self._run_on(mod, params, dataset, client)
+            result = self._run_dynamic(mod, params)
+        else:
+            with self._client() as client:
+                result = self._run_on(mod, params, dataset, client)
+        if equalized is not None:
+            result.equalization = equalized
+            result.timings["equalize"] = seconds
+        return result
 
     def _run_on(self, mod, params, dataset, client) -> QuantizeResult:
         timings: dict[str, float] = {}

@@ -119,8 +119,16 @@ def bench_model(name: str, calib_n: int, repeats: int, log, skip_generic: bool =
             t0 = time.perf_counter()
             vms[use] = relax.VirtualMachine(autoq.compile(qmod, target, cpu_kernels=use), tvm.cpu())
             log(f"compile cpu_kernels={use}: {time.perf_counter() - t0:.1f} s")
+        no_amx = _without_amx(target)
+        if no_amx is not None:
+            vms["no amx"] = relax.VirtualMachine(autoq.compile(qmod, no_amx), tvm.cpu())
         names = [p.name for p in qmod["main"].params]
         args = [tvm.runtime.tensor(sample[n]) for n in names]
+        if "no amx" in vms:
+            same = np.array_equal(
+                first_output(vms[True]["main"](*args)), first_output(vms["no amx"]["main"](*args))
+            )
+            log(f"autoq int8 outputs with and without AMX identical: {same}")
         if not skip_generic:
             same = np.array_equal(
                 first_output(vms[True]["main"](*args)), first_output(vms[False]["main"](*args))
@@ -129,6 +137,10 @@ def bench_model(name: str, calib_n: int, repeats: int, log, skip_generic: bool =
         times: dict[str, dict[int, float]] = {}
         for t in THREADS:
             tvm_fns = {"autoq int8, kernels": functools.partial(vms[True]["main"], *args)}
+            if "no amx" in vms:
+                tvm_fns["autoq int8, kernels without AMX"] = functools.partial(
+                    vms["no amx"]["main"], *args
+                )
             vs_ort(info.path, ort_int8, sample, tvm_fns, t, repeats, times, log)
             if not skip_generic:
                 times.setdefault("autoq int8, generic lowering", {})[t] = common.median_ms(
@@ -139,6 +151,19 @@ def bench_model(name: str, calib_n: int, repeats: int, log, skip_generic: bool =
     rows = [latency_row(key, v, ref) for key, v in times.items()]
     title = common.MODEL_TITLES.get(name, name)
     print_latency_table(f"{title}, batch 1, target mcpu={target.mcpu}", rows, "ORT int8")
+
+
+def _without_amx(target):
+    """``target`` without its AMX ``mattr`` (VNNI dense kernels), None if it has no AMX."""
+    import tvm
+
+    from autoq.cpu.amx import target_has_amx
+
+    if not target_has_amx(target):
+        return None
+    mattr = [str(a) for a in target.attrs.get("mattr", []) if "amx" not in str(a)]
+    spec = {"kind": "llvm", "mcpu": str(target.attrs["mcpu"])}
+    return tvm.target.Target({**spec, "mattr": mattr} if mattr else spec)
 
 
 def first_output(out) -> np.ndarray:
@@ -251,6 +276,9 @@ def bench_ops(repeats: int) -> None:
             use: relax.VirtualMachine(autoq.compile(mod, target, cpu_kernels=use), tvm.cpu())
             for use in (True, False)
         }
+        no_amx = _without_amx(target)
+        if no_amx is not None:
+            vms["no amx"] = relax.VirtualMachine(autoq.compile(mod, no_amx), tvm.cpu())
         same = np.array_equal(vms[True]["main"](*args).numpy(), vms[False]["main"](*args).numpy())
         feed = {feed_name: (x8.astype(np.int16) + 128).astype(np.uint8)}
         times = {ort_name: {}, "autoq kernels": {}, "autoq generic lowering": {}}
@@ -258,6 +286,9 @@ def bench_ops(repeats: int) -> None:
             times[ort_name][t] = _ort_latency(onnx_path, feed, t, repeats)
             times["autoq kernels"][t] = _tvm_latency(vms[True], args, t, repeats)
             times["autoq generic lowering"][t] = _tvm_latency(vms[False], args, t, 3)
+            if "no amx" in vms:
+                key = "autoq kernels without AMX"
+                times.setdefault(key, {})[t] = _tvm_latency(vms["no amx"], args, t, repeats)
         rows = [latency_row(name, v, times[ort_name]) for name, v in times.items()]
         print_latency_table(f"{title} (kernels == generic lowering: {same})", rows, "ORT")
     tmp.cleanup()
@@ -283,11 +314,15 @@ def main(argv=None) -> int:
     print("## autoq int8 CPU kernels (no tuning) vs ONNX Runtime\n")
     print(common.machine_summary())
     import autoq
-    from autoq.cpu.isa import isa_of
+    from autoq.cpu.isa import kernel_isa
 
     target = autoq.default_target()
-    isa = isa_of(target)
-    print(f"\ntarget mcpu={target.mcpu}, kernel ISA: {isa.name if isa else 'none (generic)'}")
+    isa = kernel_isa(target)
+    mattr = ",".join(str(a) for a in target.attrs.get("mattr", []))
+    kernels = (
+        f"{isa.name}{' + AMX dense/conv' if isa and isa.amx else ''}" if isa else "none (generic)"
+    )
+    print(f"\ntarget mcpu={target.mcpu} mattr=[{mattr}], kernels: {kernels}")
     if not args.skip_ops:
         bench_ops(args.repeats)
     if not args.skip_model:
