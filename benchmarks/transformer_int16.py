@@ -52,7 +52,7 @@ def autoq_row(info, config, calib, evalset, label, log) -> dict:
     return {
         "label": label,
         "outputs": outs,
-        "int16": f"{len(wide)}/{len(acts)} ({100 * len(wide) / len(acts):.0f}%)",
+        "int16": f"{len(wide)}/{len(acts)} ({100 * len(wide) / max(len(acts), 1):.0f}%)",
         "fp32": str(len(res.fp32_layers)),
         "quant_s": quant_s,
     }
@@ -143,6 +143,8 @@ def main(argv=None) -> int:
             continue
         data = None if cfg.activation.dynamic else list(calib)
         rows.append(autoq_row(info, cfg, data, evalset, label, log))
+        f = common.fidelity("embedding", ref, rows[-1]["outputs"])  # logged now: a later
+        log(f"    NN@1 {f['agree']:.1%}, cos {f['cos']:.5f} (min {f['cos_min']:.5f})")  # crash
     if not any("ORT" in s for s in args.skip):
         rows += ort_rows(info, list(calib), evalset, log)
     table = []

@@ -11,12 +11,12 @@ Steps, on one model (ResNet-50 open_nsfw by default):
 3. compile with and without the database; outputs compared;
 4. interleaved latency (one call each per round, medians; idle ORT threads not spinning)
    of ORT fp32, ORT int8, autoq untuned and autoq tuned, 1 and 2 threads;
-5. per-kernel profile of the tuned module at 1 thread (Relax VM profiler; the minimum of
-   ``--profile-runs`` runs per kernel): where the time goes, split into autoq's packed
-   kernels (``autoq_*``) and the rest.
+5. per-kernel profile of both modules at 1 thread (a timer around each VM call; the
+   minimum of ``--profile-runs`` runs per kernel): where the time goes, split into autoq's
+   packed kernels (``autoq_*``, not tuning tasks) and the rest.
 
 Run:  .venv/bin/python benchmarks/tuned_latency.py [--model resnet50] [--trials 256]
-      [--database DIR] [--calib 16] [--repeats 30]
+      [--trials-per-task N] [--database DIR] [--calib 16] [--repeats 30]
 Numbers only: nothing here asserts a timing.
 """
 
@@ -38,32 +38,38 @@ import common
 import int8_kernels
 
 
-def _profile(vm_factory, args, runs: int) -> list[tuple[str, float, int]]:
-    """(kernel name, min-over-runs total us per inference, calls) from the VM profiler."""
-    import json
-
-    vm = vm_factory()
-    best: dict[str, float] = {}
+def _profile(vm, args, runs: int) -> list[tuple[str, float, int]]:
+    """(function, min-over-runs total us per inference, calls per inference) of every call
+    the Relax VM makes (a timer around each call, ``vm.set_instrument``; the 0.27 VM has no
+    profiler)."""
+    runs_us: list[dict[str, float]] = []
     calls: dict[str, int] = {}
+    started: dict[str, float] = {}
+
+    def instrument(_func, name, before, _ret, *_args):
+        now = time.perf_counter()
+        if before:
+            started[name] = now
+        else:
+            us = runs_us[-1]
+            us[name] = us.get(name, 0.0) + (now - started.pop(name, now)) * 1e6
+            if len(runs_us) == 1:
+                calls[name] = calls.get(name, 0) + 1
+        return 0  # VMInstrumentReturnKind.NO_OP
+
+    vm.set_instrument(instrument)
     for _ in range(runs):
-        report = json.loads(vm.profile("main", *args).json())
-        per_run: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        for call in report["calls"]:
-            name = call["Name"]["string"]
-            per_run[name] = per_run.get(name, 0.0) + call["Duration (us)"]["microseconds"]
-            counts[name] = counts.get(name, 0) + 1
-        for name, us in per_run.items():
-            best[name] = min(best.get(name, float("inf")), us)
-        calls = counts
+        runs_us.append({})
+        vm["main"](*args)
+    best = {n: min(r.get(n, float("inf")) for r in runs_us) for n in calls}
     return sorted(((n, best[n], calls[n]) for n in best), key=lambda r: -r[1])
 
 
-def _print_profile(rows, top: int) -> None:
+def _print_profile(rows, top: int, label: str) -> None:
     total = sum(us for _, us, _ in rows)
     packed = sum(us for n, us, _ in rows if n.startswith("autoq_") or "autoq_" in n)
     print(
-        f"\nper-kernel profile, tuned module, 1 thread (min of runs): total {total / 1e3:.2f} ms,"
+        f"\nper-kernel profile, {label}, 1 thread (min of runs): total {total / 1e3:.2f} ms,"
         f" autoq packed kernels {packed / 1e3:.2f} ms ({100 * packed / max(total, 1e-9):.0f}%),"
         f" the rest {(total - packed) / 1e3:.2f} ms\n"
     )
@@ -91,7 +97,14 @@ def run(args, log) -> None:
         qmod = autoq.quantize(mod, params, calib.samples, autoq.Config(progress=False))
         log(f"tuning into {db} with a budget of {args.trials} trials, load {os.getloadavg()}")
         t0 = time.perf_counter()
-        res = autoq.tune(qmod, target, trials=args.trials, database=db, progress=False)
+        res = autoq.tune(
+            qmod,
+            target,
+            trials=args.trials,
+            database=db,
+            trials_per_task=args.trials_per_task,
+            progress=False,
+        )
         tune_s = time.perf_counter() - t0
         log(f"tune: {res.summary()} (wall {tune_s:.0f} s)")
         vms = {
@@ -111,28 +124,25 @@ def run(args, log) -> None:
             int8_kernels.vs_ort(info.path, ort_int8, sample, fns, t, args.repeats, times, log)
         load = os.getloadavg()
         common.TvmRunner.set_threads(1)
-        prof = _profile(
-            lambda: relax.VirtualMachine(
-                autoq.compile(qmod, target, database=db), tvm.cpu(), profile=True
-            ),
-            targs,
-            args.profile_runs,
-        )
+        prof = {k: _profile(vm, targs, args.profile_runs) for k, vm in vms.items()}
     title = common.MODEL_TITLES.get(args.model, args.model)
-    print(f"## {title}: autoq int8 after `autoq tune` ({args.trials} trials)\n")
+    cap = f", at most {args.trials_per_task} per kernel" if args.trials_per_task else ""
+    print(f"## {title}: autoq int8 after `autoq tune` ({args.trials} trials{cap})\n")
     print(common.machine_summary())
     print(f"target mcpu={target.mcpu}; load average after the timings: {load}")
     print(f"tuning: {res.summary()}; wall {tune_s:.0f} s on this machine")
     print(f"tuned == untuned outputs: {np.array_equal(a, b)}")
     rows = [int8_kernels.latency_row(k, v, times["ORT int8 u8s8"]) for k, v in times.items()]
     int8_kernels.print_latency_table(f"{title}, batch 1, interleaved medians", rows, "ORT int8")
-    _print_profile(prof, args.top)
+    for key, rows in prof.items():
+        _print_profile(rows, args.top, key)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="resnet50")
     p.add_argument("--trials", type=int, default=256, help="autoq.tune budget (all kernels)")
+    p.add_argument("--trials-per-task", type=int, default=None, help="cap per kernel")
     p.add_argument("--database", default=None, help="tuning database folder (reused)")
     p.add_argument("--calib", type=int, default=16, help="calibration samples")
     p.add_argument("--repeats", type=int, default=30, help="interleaved rounds per thread count")
