@@ -13,6 +13,7 @@ from typing import Any
 from . import primitives as P
 from .json_document import JsonDocument, check_keys
 from .layer_rules import FALLBACK_TYPES, AutoFallback, Fallback, compile_rule, str_tuple
+from .smoothing import check_alpha
 
 __all__ = [
     "AutoFallback",
@@ -232,6 +233,9 @@ class Config(JsonDocument):
     ``patterns``: names of the patterns to use (None = all registered).
     ``memory_budget_mb``: RAM for cached activations during calibration (beyond it they
     spill to ``cache_dir`` or a temporary directory). ``progress``: show tqdm bars.
+    ``smooth_quant``: SmoothQuant's migration strength alpha (Xiao et al. 2023,
+    arXiv:2211.10438): LayerNorm output outliers moved into the dense weights reading them,
+    an exact rewrite of the float model before calibration (:mod:`autoq.smooth_quant`).
     ``skip_unbounded``: ``autoq.quantize`` keeps in fp32 the layers whose activations hold
     inf-like sentinels such as attention masks of ``finfo.min`` (see :mod:`autoq.guard`).
     ``check_scales``: layers whose activation scale cannot represent its data go fp32 (:mod:`autoq.scale_health`).
@@ -284,6 +288,7 @@ class Config(JsonDocument):
     scale_search: bool = False
     equalization: bool = False
     int16_tensors: tuple[str, ...] = ()
+    smooth_quant: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -321,6 +326,7 @@ class Config(JsonDocument):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         str_tuple(self, "int16_tensors")
+        check_alpha(self.smooth_quant)
         if self.distributed is not None and not isinstance(self.distributed, Distributed):
             raise TypeError(
                 f"Config.distributed must be a Distributed or None, got {self.distributed!r}"
@@ -370,6 +376,7 @@ class Config(JsonDocument):
             "scale_search": self.scale_search,
             "equalization": self.equalization,
             "int16_tensors": list(self.int16_tensors),
+            "smooth_quant": self.smooth_quant,
         }
 
     @classmethod

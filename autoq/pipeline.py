@@ -11,16 +11,18 @@ the demo, the benchmarks) runs :class:`Quantizer`.
 2. read the **dataset** once into one validated, repeatable view
    (:func:`autoq.dataset.as_dataset`) that every stage iterates (integer inputs checked
    against the tables they index);
-3. the **unbounded-activation guard** (``Config.skip_unbounded``): layers touching attention
+3. with ``Config.smooth_quant``, **SmoothQuant** rewrites the float model (LayerNorm output
+   outliers into the dense weights, exact; :mod:`autoq.smooth_quant`) and it is matched again;
+4. the **unbounded-activation guard** (``Config.skip_unbounded``): layers touching attention
    masks of ``finfo.min`` stay fp32, with a warning (:mod:`autoq.guard`);
-4. **calibrate** (:mod:`autoq.calibrate`), or with ``Config(fallback=AutoFallback(...))``
+5. **calibrate** (:mod:`autoq.calibrate`), or with ``Config(fallback=AutoFallback(...))``
    calibrate + analyze + search (:mod:`autoq.auto_fallback`); while a chosen activation
    scale cannot represent its own data (``Config.check_scales``, :mod:`autoq.scale_health`)
    the layers using it move to fp32, with a warning, and calibration runs again;
-5. **realize** the int8 module (:mod:`autoq.realize`);
-6. optionally the per-layer **report** (:mod:`autoq.analysis`).
+6. **realize** the int8 module (:mod:`autoq.realize`);
+7. optionally the per-layer **report** (:mod:`autoq.analysis`).
 
-With ``Config(activation=QuantSpec(dynamic=True))`` steps 2-4 and 6 do not run: the dense
+With ``Config(activation=QuantSpec(dynamic=True))`` steps 2-5 and 7 do not run: the dense
 layers are realized with run-time activation qparams (:mod:`autoq.dynamic`), no dataset.
 
 It returns a :class:`QuantizeResult`: the module, the qparams, the fallback decision, the
@@ -56,14 +58,19 @@ from .dynamic import realize_dynamic
 from .errors import CalibrationError, InputError
 from .escalation import escalate
 from .guard import keep_unbounded_in_fp32, layers_using
+from .int16_first import int16_first
 from .matching import Matched, match
 from .qparams import QParams
 from .realize import realize
 from .report import Report
 from .scale_health import HealthCheck
 from .simulate import simulate
+from .smooth_quant import smooth_graph
 
 __all__ = ["QuantizeResult", "Quantizer", "check_scales", "quantize"]
+
+#: ``AutoFallback.precision`` -> its search (the others: :func:`auto_fallback`)
+SEARCHES = {"int16_tensors": escalate, "int16_first": int16_first}
 
 
 @dataclass
@@ -150,7 +157,7 @@ class Quantizer:
         if isinstance(fb, AutoFallback):  # what runs on the workers: SQNR trials, the report
             needs = {
                 "metric=<callable>": callable(fb.metric),
-                f"precision={fb.precision!r}": fb.precision in ("int16", "int16_tensors"),
+                f"precision={fb.precision!r}": fb.precision != "fp32",
                 f"holdout={fb.holdout}": fb.holdout > 0,
             }
             bad = [k for k, v in needs.items() if v]
@@ -187,6 +194,9 @@ class Quantizer:
             check_weights(matched.graph.params)
             matched.active(config.fallback)  # fallback rules checked before any data work
             samples = self._data(dataset, matched.graph, client is not None)
+        if config.smooth_quant is not None:
+            with clock("smooth_quant"):
+                matched = self._smooth(matched, samples, config, client)
         reasons = {x: "fallback rule" for x in matched.kept_float(config.fallback)}
         sim = None
         if config.skip_unbounded:
@@ -205,7 +215,7 @@ class Quantizer:
                     matched, sim, calib, config, client
                 )
             reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
-            search = escalate if config.fallback.precision == "int16_tensors" else auto_fallback
+            search = SEARCHES.get(config.fallback.precision, auto_fallback)
             with clock("auto_fallback"), self._fan_out(client, mod, params, calib) as fan:
                 out = search(
                     matched, None, samples, config, qparams, target=self.target, fan_out=fan
@@ -213,7 +223,7 @@ class Quantizer:
             config, qparams, decision = out.config, out.qparams, out.decision
             report, analysis = out.report, out.analysis
             reasons.update(dict.fromkeys(decision.layers, f"automatic ({decision.precision})"))
-            if decision.precision != "fp32":
+            if decision.precision not in ("fp32", "int16_first"):
                 reasons = {k: v for k, v in reasons.items() if k not in decision.layers}
         else:
             with clock("calibrate"):
@@ -239,6 +249,25 @@ class Quantizer:
             module, qparams, config, matched, int8, reasons, decision, report, analysis,
             samples=qparams.meta.get("samples") or 0, timings=timings,
         )  # fmt: skip
+
+    def _smooth(self, matched, samples, config: Config, client) -> Matched:
+        """SmoothQuant on the float model (:mod:`autoq.smooth_quant`), matched again."""
+        if client is not None:
+            raise ValueError(
+                "Config.smooth_quant rewrites the model in this process: calibrate without a "
+                "cluster, or set smooth_quant=None"
+            )
+        if isinstance(config.fallback, AutoFallback):  # held-out samples stay unseen
+            samples, _ = split_holdout(samples, config.fallback.holdout)
+        mod, params, plans = smooth_graph(matched.graph, samples, config.smooth_quant, self.target)
+        if not plans:
+            warnings.warn(
+                "Config.smooth_quant: no LayerNorm output feeds a dense layer with a constant "
+                "weight in this model; nothing was smoothed",
+                stacklevel=4,
+            )
+            return matched
+        return match(mod, params, config)
 
     def _calibrate_healthy(self, matched, sim, samples, config, client):
         """Calibrate; while some chosen activation scale is unusable on its own data (see

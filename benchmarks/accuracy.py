@@ -352,6 +352,20 @@ def baseline_configs() -> dict[str, tuple[object, str]]:
             ),
             "defaults + AutoFallback: <= 3 layers int16 (else fp32), 8 held out",
         ),
+        # per layer: int16 activations first, fp32 only when int16 does not help; ranked by
+        # each layer's effect on the output (autoq.int16_first)
+        "fallback3_int16first": (
+            base.replace(
+                fallback=autoq.AutoFallback(
+                    min_sqnr=99.0,
+                    max_fp32_layers=3,
+                    holdout=8,
+                    precision="int16_first",
+                    ranking="revert",
+                )
+            ),
+            "defaults + AutoFallback: <= 3 layers above int8, each int16 before fp32, 8 held out",
+        ),
     }
 
 

@@ -9,6 +9,8 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
 * autoq ``AutoFallback(precision="int16_tensors", max_int16_fraction=F)`` (every layer
   quantized; the search of :mod:`autoq.escalation` picks the int16 tensors, with
   ``holdout`` held-out calibration sentences), for each ``--fractions``;
+* with ``--smooth a,b``: the all-int8 and escalation rows again with ``Config(smooth_quant=a)``
+  (SmoothQuant, :mod:`autoq.smooth_quant`);
 * autoq dynamic per token (no data), for reference;
 * ONNX Runtime ``quantize_static`` (QDQ, minmax, per-channel weights, MatMul/Gemm only: what
   keeps it usable on this model, see vs_onnxruntime.md) and ``quantize_dynamic``
@@ -50,7 +52,7 @@ def autoq_row(info, config, calib, evalset, label, log) -> dict:
     return {
         "label": label,
         "outputs": outs,
-        "int16": f"{len(wide)}/{len(acts)} ({100 * len(wide) / len(acts):.0f}%)",
+        "int16": f"{len(wide)}/{len(acts)} ({100 * len(wide) / max(len(acts), 1):.0f}%)",
         "fp32": str(len(res.fp32_layers)),
         "quant_s": quant_s,
     }
@@ -78,12 +80,25 @@ def configs(args):
         ("autoq static, all layers int8", Config(progress=False, check_scales=False)),
     ]
     for f in args.fractions:
-        fb = AutoFallback(
-            precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
-            min_sqnr=args.min_sqnr,
-        )  # fmt: skip
-        rows.append((f"autoq int16 escalation (<= {f:.0%})",
-                     Config(progress=False, check_scales=False, fallback=fb)))  # fmt: skip
+        for rounding in args.rounding:
+            fb = AutoFallback(
+                precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
+                min_sqnr=args.min_sqnr,
+            )  # fmt: skip
+            cfg = Config(progress=False, check_scales=False, fallback=fb, weight_rounding=rounding)
+            rows.append((f"autoq int16 escalation (<= {f:.0%}), {rounding}", cfg))
+    for alpha in args.smooth:
+        sq = f"SmoothQuant {alpha:g}"
+        rows.append((f"autoq static, all layers int8, {sq}",
+                     Config(progress=False, check_scales=False, smooth_quant=alpha)))  # fmt: skip
+        for f in args.fractions:
+            fb = AutoFallback(
+                precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
+                min_sqnr=args.min_sqnr,
+            )  # fmt: skip
+            cfg = Config(progress=False, check_scales=False, fallback=fb, smooth_quant=alpha,
+                         weight_rounding=args.rounding[0])  # fmt: skip
+            rows.append((f"autoq int16 escalation (<= {f:.0%}), {args.rounding[0]}, {sq}", cfg))
     dyn = Config(activation=QuantSpec(dynamic=True, granularity="token"), progress=False)
     rows.append(("autoq dynamic (token), no data", dyn))
     return rows
@@ -95,11 +110,19 @@ def parse_args(argv=None):
     p.add_argument("--holdout", type=int, default=4, help="of which held out by the search")
     p.add_argument("--eval", type=int, default=64, help="evaluation sentences (disjoint)")
     p.add_argument("--fractions", default="0.2", help="escalation budgets, comma-separated")
+    p.add_argument("--rounding", default="gptq", help="weight_rounding of the escalation rows")
+    p.add_argument(
+        "--smooth", default="", help="SmoothQuant alphas for extra rows (comma-separated)"
+    )
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
+    p.add_argument("--only", default="autoq", help="run only rows containing one of these")
     p.add_argument("--out", default="", help="write the table to this markdown file too")
     args = p.parse_args(argv)
     args.fractions = [float(v) for v in args.fractions.split(",") if v.strip()]
+    args.smooth = [float(v) for v in args.smooth.split(",") if v.strip()]
+    args.rounding = [v for v in args.rounding.split(",") if v.strip()]
+    args.only = [v for v in args.only.split(",") if v]
     args.skip = [v for v in args.skip.split(",") if v]
     return args
 
@@ -116,10 +139,12 @@ def main(argv=None) -> int:
     log(f"load average at start: {os.getloadavg()}")
     rows = []
     for label, cfg in configs(args):
-        if any(s in label for s in args.skip):
+        if any(s in label for s in args.skip) or not any(s in label for s in args.only):
             continue
         data = None if cfg.activation.dynamic else list(calib)
         rows.append(autoq_row(info, cfg, data, evalset, label, log))
+        f = common.fidelity("embedding", ref, rows[-1]["outputs"])  # logged now: a later
+        log(f"    NN@1 {f['agree']:.1%}, cos {f['cos']:.5f} (min {f['cos_min']:.5f})")  # crash
     if not any("ORT" in s for s in args.skip):
         rows += ort_rows(info, list(calib), evalset, log)
     table = []

@@ -944,3 +944,39 @@ def test_integer_rounding_needs_constant_scales():
         "a constant for integer rounding modes",
         compile=True,
     )
+
+
+def test_int16_accumulation_saturates_instead_of_wrapping():
+    """An int16 x int8 dense over K=1536 (MiniLM's FFN-out reading an int16 GELU output) can
+    exceed int32 (65535 * 127 * 1536 = 1.3e10): such an accumulator is computed in int64 and
+    saturated to int32, never wrapped; within range it stays exact. Same for qnn.matmul of
+    two int16 operands (K=32: 65535**2 * 32 = 1.4e11)."""
+    rng = np.random.default_rng(11)
+    k, n = 1536, 4
+    big = np.full((1, 2, k), 32767, np.int16)
+    small = rng.integers(-3000, 3000, size=(1, 2, k)).astype(np.int16)
+    w = np.full((n, k), 127, np.int8)
+    w[1] = -127
+    w[2] = rng.integers(-127, 128, size=k)
+    zx = -32768
+
+    def body(x, y):
+        wc = relax.const(w)
+        return [qnn.dense(t, wc, f32(0.1), i32(zx), f32(0.01), i32(0)) for t in (x, y)]
+
+    got = run({"x": big, "y": small}, body)
+    for g, x in zip(got, (big, small), strict=True):
+        ref = (x.astype(np.int64) - zx) @ w.astype(np.int64).T
+        assert_bit_exact(g, np.clip(ref, -(2**31), 2**31 - 1).astype(np.int32), "dense int16")
+    assert got[0][0, 0, 0] == 2**31 - 1 and got[0][0, 0, 1] == -(2**31)
+
+    a = np.full((1, 3, 32), 32767, np.int16)
+    b = np.full((1, 32, 2), -32768, np.int16)
+    b[..., 1] = 100
+
+    def body_mm(a, b):
+        return [qnn.matmul(a, b, f32(0.1), i32(-100), f32(0.1), i32(0))]
+
+    got = run({"a": a, "b": b}, body_mm)[0]
+    ref = (a.astype(np.int64) + 100) @ b.astype(np.int64)
+    assert_bit_exact(got, np.clip(ref, -(2**31), 2**31 - 1).astype(np.int32), "matmul int16")

@@ -9,6 +9,9 @@ non-constant or asymmetric weights, per-axis or runtime activation zero points, 
 shapes, uint8 weights) keeps the op's own legalization. float32 softmax over the last axis
 becomes :mod:`autoq.cpu.softmax` (row-parallel, denormal probabilities flushed to 0); a
 ``qnn.matmul`` of two activations (int8 rhs, same batch axes) :mod:`autoq.cpu.batch_matmul`.
+On targets with AMX int8 tiles, dense (>= ``AMX_MIN_ROWS`` rows) and the convs
+:func:`autoq.cpu.amx_conv2d.amx_conv_applies` accepts run on :mod:`autoq.cpu.amx_dense` /
+:mod:`autoq.cpu.amx_conv2d` instead.
 """
 
 from __future__ import annotations

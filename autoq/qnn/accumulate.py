@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 from tvm import relax
 
-from ..toolkit import const_array
+from ..toolkit import const, const_array
 from .checks import (
     ACC_DTYPE,
     ACC_INPUT_DTYPES,
@@ -33,6 +33,7 @@ from .registration import make_call, register
 __all__ = ["conv2d", "dense", "matmul", "sum"]
 
 _INPUT = ("input_scale", "input_zero_point")
+INT32_MAX = 2**31 - 1
 _WEIGHT = ("weight_scale", "weight_zero_point")
 
 
@@ -42,6 +43,8 @@ def _centered(x, zp, dtype="int32"):
     z = const_array(zp)
     if z is not None and np.all(z == 0):
         return xi
+    if dtype != "int32":  # zero points are int32
+        zp = relax.op.astype(zp, dtype)
     return relax.op.subtract(xi, zp)
 
 
@@ -51,6 +54,45 @@ def _scalar_zp(zp) -> int | None:
     if z is None or (z.size > 1 and not np.all(z == z.reshape(-1)[0])):
         return None
     return int(z.reshape(-1)[0])
+
+
+def _max_code(x, zp) -> int:
+    """Largest ``|x - zp|`` ``x``'s dtype allows (``zp`` constant; else the dtype's width)."""
+    info = np.iinfo(str(type_of(x).dtype))
+    z = const_array(zp)
+    if z is None:
+        return int(info.max) - int(info.min)
+    z = z.astype(np.int64)
+    return int(max(info.max - z.min(), z.max() - info.min))
+
+
+def _fits_int32(data, z_x, weight, z_w, k: int | None) -> bool:
+    """Whether ``sum_k (x - zx)(w - zw)`` stays within int32 for *every* input: the largest
+    centered input code times the largest row sum of ``|w - zw|`` (a constant weight) or
+    ``K`` times the largest weight code. 8-bit operands fit up to K = 33025 (255**2 * K);
+    int16 ones need int64 much sooner (65535 * 127 * 1536 = 1.3e10 for an int16 x int8
+    dense of K=1536)."""
+    w, zw = const_array(weight), const_array(z_w)
+    if w is not None and zw is not None and w.ndim >= 2:
+        rows = w.astype(np.int64).reshape(w.shape[0], -1)
+        rows = rows - zw.astype(np.int64).reshape(-1, 1)
+        wsum = int(np.abs(rows).sum(axis=1).max())
+    elif k is not None:
+        wsum = _max_code(weight, z_w) * k
+    else:
+        return False
+    return _max_code(data, z_x) * wsum <= INT32_MAX
+
+
+def _saturating(accumulate, fits: bool):
+    """``accumulate(dtype)`` in int32 when the bound allows, else in int64 saturated to
+    int32 (an accumulator beyond int32 is far outside any requantized output range: clipping
+    it gives the same output, wrapping would not)."""
+    if fits:
+        return accumulate(ACC_DTYPE)
+    acc = accumulate("int64")
+    lo, hi = const(-INT32_MAX - 1, "int64"), const(INT32_MAX, "int64")
+    return relax.op.astype(relax.op.minimum(relax.op.maximum(acc, lo), hi), ACC_DTYPE)
 
 
 def _int8_direct(data, weight, z_w) -> bool:
@@ -145,8 +187,8 @@ def _infer_conv2d(op, call):
     return relax.TensorType([xd[0], wd[0], oh, ow], ACC_DTYPE)
 
 
-def _relax_conv2d(call, x, w, padding):
-    """``relax.op.nn.conv2d`` with the qnn call's attributes, int32 out."""
+def _relax_conv2d(call, x, w, padding, out_dtype=ACC_DTYPE):
+    """``relax.op.nn.conv2d`` with the qnn call's attributes, int32 (or ``out_dtype``) out."""
     return relax.op.nn.conv2d(
         x,
         w,
@@ -154,17 +196,28 @@ def _relax_conv2d(call, x, w, padding):
         padding=padding,
         dilation=attr(call, "dilation"),
         groups=attr(call, "groups"),
-        out_dtype=ACC_DTYPE,
+        out_dtype=out_dtype,
     )
+
+
+def _static_product(ds) -> int | None:
+    vals = [static_int(d) for d in ds]
+    return None if any(v is None for v in vals) else int(np.prod(vals))
 
 
 def _legalize_conv2d(bb, call):
     data, weight, _s_x, z_x, _s_w, z_w = call.args
     zx = _scalar_zp(z_x)
     if zx is None or not _int8_direct(data, weight, z_w):
-        x = _centered(data, z_x)
         zw = relax.op.reshape(z_w, [-1, 1, 1, 1]) if type_of(z_w).ndim == 1 else z_w
-        return _relax_conv2d(call, x, _centered(weight, zw), attr(call, "padding"))
+        wd = dims(weight)
+        k = None if wd is None else _static_product(wd[1:])
+
+        def accumulate(dt):
+            x, w = _centered(data, z_x, dt), _centered(weight, zw, dt)
+            return _relax_conv2d(call, x, w, attr(call, "padding"), dt)
+
+        return _saturating(accumulate, _fits_int32(data, z_x, weight, z_w, k))
     # conv(x - zx, w) = conv(pad_zx(x), w) - zx * sum(w): int8 operands, int32 accumulator
     # (about 2x faster than widening first). Padding must hold the zero point, so it is
     # done explicitly when zx != 0.
@@ -246,10 +299,14 @@ def _legalize_dense(bb, call):
             wsum = _zp_correction(bb, weight, 1, (1,), [-1])
             return relax.op.subtract(acc, relax.op.multiply(z_x, wsum))
         return relax.op.subtract(acc, _zp_correction(bb, weight, zx, (1,), [-1]))
-    w = _centered(weight, relax.op.reshape(z_w, [-1, 1]) if type_of(z_w).ndim == 1 else z_w)
-    return relax.op.matmul(
-        _centered(data, z_x), relax.op.permute_dims(w, [1, 0]), out_dtype=ACC_DTYPE
-    )
+    zw = relax.op.reshape(z_w, [-1, 1]) if type_of(z_w).ndim == 1 else z_w
+    k = static_int(dims(weight)[1]) if dims(weight) is not None else None
+
+    def accumulate(dt):
+        w = relax.op.permute_dims(_centered(weight, zw, dt), [1, 0])
+        return relax.op.matmul(_centered(data, z_x, dt), w, out_dtype=dt)
+
+    return _saturating(accumulate, _fits_int32(data, z_x, weight, z_w, k))
 
 
 register(dense, _infer_dense, _legalize_dense)
@@ -291,8 +348,13 @@ def _legalize_matmul(bb, call):
     eight_bit = all(str(type_of(t).dtype) in ("int8", "uint8") for t in (a, b))
     k = static_int(dims(a)[-1]) if dims(a) is not None else None
     if za is None or zb is None or not eight_bit or (za and zb and k is None):
-        # int16 operands, per-axis or unknown zero points, unknown K: widen to int32 first
-        return relax.op.matmul(_centered(a, z_a), _centered(b, z_b), out_dtype=ACC_DTYPE)
+        # int16 operands, per-axis or unknown zero points, unknown K: widen first (to int64
+        # when int32 could overflow: see _fits_int32)
+        def accumulate(dt):
+            return relax.op.matmul(_centered(a, z_a, dt), _centered(b, z_b, dt), out_dtype=dt)
+
+        fits = k is not None and _max_code(a, z_a) * _max_code(b, z_b) * k <= INT32_MAX
+        return _saturating(accumulate, fits)
     # (a - za)(b - zb) = ab - zb * rowsum(a) - za * colsum(b) + K za zb, on the 8-bit values
     acc = relax.op.matmul(a, b, out_dtype=ACC_DTYPE)
     i32 = "int32"
