@@ -61,7 +61,7 @@ from .toolkit import (
     slice_bindings,
 )
 
-__all__ = ["Analysis", "analyze"]
+__all__ = ["Analysis", "analyze", "layer_feeders"]
 
 
 def _as_outputs(vals: list, n: int):
@@ -82,7 +82,7 @@ class _LayerPlan:
     outputs: list
 
 
-def _feeders(sim: SimResult) -> dict[str, list[str]]:
+def layer_feeders(sim: SimResult) -> dict[str, list[str]]:
     """Layer -> the layers whose int32 results it reads as activations."""
     carriers = int32_carriers(sim.graph, sim.matches)
     out: dict[str, list[str]] = {}
@@ -185,7 +185,7 @@ class Analysis:
         self.act_slots = sim.activation_slots()
         self._plans = _layer_plans(sim)
         #: layer -> the layers whose int32 result it reads (autoq.exits)
-        self.feeders = _feeders(sim)
+        self.feeders = layer_feeders(sim)
         functions = self._functions()
         t1 = time.perf_counter()
         self.vm = compile_vm(functions, self.target, sim.mod)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from . import primitives as P
 from .analysis import Analysis
@@ -70,11 +70,13 @@ class FallbackDecision(JsonDocument):
     int16_metric: float | None = None
     #: runs of the model over the data: trials + the per-layer runs of ``ranking="revert"``
     evaluations: int = 0
+    #: ``precision="int16_first"``: the layers given int16 activations (``layers``: fp32)
+    int16_layers: list[str] = field(default_factory=list)
 
     def fallback(self, base: Fallback | None = None) -> Fallback:
         """The plain :class:`Fallback` that realizes this decision (``precision="fp32"``)."""
         base = base.fixed() if isinstance(base, AutoFallback) else (base or Fallback())
-        if self.precision != "fp32":
+        if self.precision not in ("fp32", "int16_first"):
             return base
         return Fallback(
             tuple(base.ids) + tuple(self.layers), base.op_types, base.patterns, base.validate
@@ -88,6 +90,8 @@ class FallbackDecision(JsonDocument):
             return config.replace(fallback=self.fallback(config.fallback), int16_tensors=tensors)
         if self.precision == "int16":
             overrides = _int16_overrides(config, self.layers)
+        if self.precision == "int16_first":
+            overrides = _int16_overrides(config, self.int16_layers)
         return config.replace(fallback=self.fallback(config.fallback), overrides=overrides)
 
     def to_json(self) -> dict:
@@ -108,14 +112,17 @@ class FallbackDecision(JsonDocument):
         return cls(**d)
 
     def summary(self) -> str:
-        what = "fp32" if self.precision == "fp32" else "int16 activations"
+        what = "fp32" if self.precision in ("fp32", "int16_first") else "int16 activations"
+        mixed = ""
+        if self.precision == "int16_first":
+            mixed = f"{len(self.int16_layers)} in int16: {', '.join(self.int16_layers) or '-'}, "
         lines = [
-            f"{len(self.layers)} layer(s) in {what}: {', '.join(self.layers) or '-'}; "
+            f"{mixed}{len(self.layers)} layer(s) in {what}: {', '.join(self.layers) or '-'}; "
             f"{self.metric_name} {fmt_db(self.metric)} ({self.budget}: "
             f"{'met' if self.met else 'NOT met'}); {self.evaluations} runs, {self.seconds:.1f} s"
         ]
         for r in self.ranking[: max(len(self.layers), 1) + 2]:
-            mark = "*" if r["layer"] in self.layers else " "
+            mark = "*" if r["layer"] in (*self.layers, *self.int16_layers) else " "
             lines.append(f" {mark} {r['layer']}: {r['reason']}")
         return "\n".join(lines)
 

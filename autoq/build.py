@@ -7,6 +7,7 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
+from .cpu.amx import host_target_features, request_amx, require_amx
 from .cpu.injective import ScheduleFused
 from .cpu.lowering import lower_to_cpu_kernels
 from .errors import LibraryError
@@ -17,8 +18,15 @@ __all__ = ["compile", "default_target", "export_library", "load_library", "set_t
 
 def default_target() -> tvm.target.Target:
     """LLVM for this machine's CPU (a bare {"kind": "llvm"} is generic x86-64 without AVX2,
-    and "mcpu": "native" is silently ignored, see docs/platform notes)."""
-    return tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
+    and "mcpu": "native" is silently ignored, see docs/platform notes): ``mcpu`` is
+    ``llvm_get_system_cpu()``, plus ``mattr`` ``+amx-tile``/``+amx-int8`` when the CPU has
+    AMX, that name lacks it (a virtualized Sapphire Rapids reports ``rocketlake``) and Linux
+    grants this process the tile state (:func:`autoq.cpu.amx.host_target_features`)."""
+    mcpu = tvm.target.codegen.llvm_get_system_cpu()
+    mattr = host_target_features(mcpu)
+    if mattr:
+        return tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "mattr": mattr})
+    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
 
 
 def compile(
@@ -29,6 +37,8 @@ def compile(
     ``cpu_kernels``: on x86 LLVM targets with AVX-512 VNNI or AVX2, int8 conv2d/dense/matmul
     with constant weights run on autoq's packed, tensorized kernels (:mod:`autoq.cpu`);
     False keeps the generic lowering of the ``qnn.*`` ops (same results, bit for bit).
+    Targets with ``amx-int8`` run dense/matmul on AMX tiles; compiling for one in a process
+    that Linux refuses the tile state is a :class:`autoq.errors.PlatformError`.
     ``database``: a tuning database folder written by :func:`autoq.tune` with the same
     ``cpu_kernels`` (its kernels get their tuned schedules; the others compile as without it).
     """
@@ -36,6 +46,7 @@ def compile(
     if isinstance(target, dict):
         target = tvm.target.Target(target)
     if cpu_kernels:
+        require_amx(target)  # AMX kernels need the tile state granted before they run
         mod = lower_to_cpu_kernels(mod, target)
     if database is not None:
         from .tuning_database import pipeline_with_database
@@ -98,6 +109,7 @@ def load_library(path: str | Path, device=None) -> relax.VirtualMachine:
     """A VirtualMachine over a library written by :func:`export_library`; a missing,
     truncated, modified or foreign file is a :class:`autoq.errors.LibraryError` naming it."""
     path = check_library(path)
+    request_amx()  # a library built for an AMX target needs it; harmless elsewhere
     try:
         lib = tvm.runtime.load_module(str(path))
         return relax.VirtualMachine(lib, device or tvm.cpu())

@@ -260,6 +260,13 @@ class Config(JsonDocument):
     :mod:`autoq.scale_search`). The integer weights and biases they choose are carried in
     ``QParams.values`` (realized as they are; simulated exactly). EfficientNet-Lite0 top-1
     agreement (benchmarks/results/accuracy.md): nearest 0.806, GPTQ 0.919 (so the default).
+
+    ``equalization``: cross-layer equalization of the float model before calibration (Nagel
+    et al. 2019, "Data-Free Quantization", sec. 4.1; :mod:`autoq.cross_layer_equalization`):
+    the weights of ``conv -> [bias] -> [relu] -> conv`` chains rescaled per channel so both
+    layers' per-channel ranges match, the float function unchanged; chains through clip
+    (ReLU6) are skipped (not exact). Off by default: with per-channel weight scales it only
+    moves range between layers (see the README's accuracy table).
     """
 
     activation: QuantSpec = field(default_factory=_default_activation)
@@ -279,6 +286,7 @@ class Config(JsonDocument):
     weight_rounding: str = "gptq"
     bias_correction: bool = False
     scale_search: bool = False
+    equalization: bool = False
     int16_tensors: tuple[str, ...] = ()
     smooth_quant: float | None = None
 
@@ -314,7 +322,7 @@ class Config(JsonDocument):
                 f"Config.weight_rounding must be one of {', '.join(WEIGHT_ROUNDINGS)}, got {self.weight_rounding!r}"
             )
         for name in ("progress", "skip_unbounded", "check_scales", "int8_outputs",
-                     "bias_correction", "scale_search"):  # fmt: skip
+                     "bias_correction", "scale_search", "equalization"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         str_tuple(self, "int16_tensors")
@@ -366,6 +374,7 @@ class Config(JsonDocument):
             "weight_rounding": self.weight_rounding,
             "bias_correction": self.bias_correction,
             "scale_search": self.scale_search,
+            "equalization": self.equalization,
             "int16_tensors": list(self.int16_tensors),
             "smooth_quant": self.smooth_quant,
         }

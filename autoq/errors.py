@@ -16,6 +16,7 @@ __all__ = [
     "InputError",
     "LibraryError",
     "OutputError",
+    "PlatformError",
     "QParamsError",
 ]
 
@@ -51,3 +52,8 @@ class LibraryError(InputError, OSError):
 
 class OutputError(InputError, OSError):
     """An output folder cannot be written (or holds files autoq did not write)."""
+
+
+class PlatformError(InputError, OSError):
+    """The target asks for something this machine or process cannot run (e.g. AMX tiles the
+    operating system refuses); the message names the feature and how to compile without it."""

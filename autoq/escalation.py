@@ -112,6 +112,8 @@ class EscalationGraph:
         pairs, pre = self._rewrite(func)
         params = list(func.params) + [v for t in self._vars.values() for v in t]
         self._params = params
+        #: layers with a ``<layer>.enable`` switch (a graph simulated with switches)
+        self.switchable = [p.name[: -len(".enable")] for p in params if p.name.endswith(".enable")]
         self.n_out = len(output_fields(func.body.body))
         functions = {
             "trial": make_function("trial", params, pairs, output_fields(func.body.body)),
@@ -143,10 +145,13 @@ class EscalationGraph:
             if sid is not None:
                 sel, s16, z16 = self._vars[sid]
                 data, s, z = value.args[:3]
+                # a switched graph's layer switch (autoq.analysis): off -> unrounded, both ways
+                enable = value.args[3] if len(value.args) > 3 else None
                 q8 = relax.Var(f"{sid}.q8")
                 q16 = relax.Var(f"{sid}.q16")
                 out.append((q8, value))
-                out.append((q16, qnn.simulated_quantize(data, s16, z16, dtype="int16")))
+                q16_value = qnn.simulated_quantize(data, s16, z16, dtype="int16", enable=enable)
+                out.append((q16, q16_value))
                 on8 = relax.op.add(
                     relax.op.multiply(relax.op.subtract(q16, _f32(z16)), relax.op.divide(s16, s)),
                     _f32(z),
@@ -169,7 +174,7 @@ class EscalationGraph:
             out.append((var, value))
         return out, pre
 
-    def _args(self, sample: dict, selected: set, qp16: dict) -> list:
+    def _args(self, sample: dict, selected: set, qp16: dict, disabled=frozenset()) -> list:
         inputs = {v.name for v in self.sim.graph.inputs}
         args = []
         for p in self._params:
@@ -180,7 +185,9 @@ class EscalationGraph:
                 args.append(self._consts[name])
             else:
                 sid, _, kind = name.rpartition(".")
-                if kind == "int16":
+                if kind == "enable":  # a layer switch (``sim`` simulated with switches)
+                    args.append(self._off if sid in disabled else self._on)
+                elif kind == "int16":
                     args.append(self._on if sid in selected else self._off)
                 elif kind == "scale16":
                     args.append(tvm.runtime.tensor(np.float32(qp16[sid].scale)))
@@ -208,9 +215,14 @@ class EscalationGraph:
         specs = self.sim.plan.specs
         return {s: int16_qparam(lo[s], hi[s], specs[s]) for s in self.candidates}
 
-    def run(self, selected: Iterable[str] = (), samples=None) -> list:
-        """Model outputs (one per sample) with the ``selected`` slots int16."""
-        selected = set(selected)
+    def run(self, selected: Iterable[str] = (), samples=None, disabled: Iterable[str] = ()) -> list:
+        """Model outputs (one per sample) with the ``selected`` slots int16 and, when ``sim``
+        was simulated with switches (as :class:`autoq.analysis.Analysis` does), the
+        ``disabled`` layers in fp32."""
+        selected, disabled = set(selected), frozenset(disabled)
+        unknown = disabled - set(self.switchable)
+        if unknown:
+            raise ValueError(f"no switch for layers {sorted(unknown)} in this graph")
         unknown = selected - set(self.candidates)
         if unknown:
             raise ValueError(f"not escalable slots {sorted(unknown)}")
@@ -218,7 +230,8 @@ class EscalationGraph:
         f = self.vm["trial"]
         outs = []
         for s in data:
-            vals = [v.numpy() for v in as_list(f(*self._args(s, selected, self.qparams16)))]
+            args = self._args(s, selected, self.qparams16, disabled)
+            vals = [v.numpy() for v in as_list(f(*args))]
             outs.append(vals[0] if self.n_out == 1 else vals)
         return outs
 
@@ -234,9 +247,9 @@ class EscalationGraph:
             outs.append(vals[0] if self.n_out == 1 else vals)
         return outs
 
-    def runner(self, selected: Iterable[str] = ()) -> Callable:
-        selected = tuple(selected)
-        return lambda samples: self.run(selected, samples)
+    def runner(self, selected: Iterable[str] = (), disabled: Iterable[str] = ()) -> Callable:
+        selected, disabled = tuple(selected), tuple(disabled)
+        return lambda samples: self.run(selected, samples, disabled)
 
     def qparams_with(self, selected: Sequence[str], dst: SimResult) -> QParams:
         """The calibrated qparams with ``selected`` slots int16, for ``dst`` (the graph

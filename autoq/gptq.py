@@ -71,6 +71,15 @@ def _round_column(w, scale, zp, qmin, qmax):
     return np.clip(q, qmin, qmax)
 
 
+def _round_offset(w, scale, lo, hi):
+    """:func:`_round_column` minus the zero point, as float32 integers: ``rint(w / scale)``
+    clipped to ``[lo, hi] = [qmin - zp, qmax - zp]`` (the same integers: adding ``zp`` is
+    exact below 2**24 and both sides saturate beyond)."""
+    v = np.rint(w.astype(np.float32) / scale)
+    np.maximum(v, lo, out=v)
+    return np.minimum(v, hi, out=v)
+
+
 def rtn(w, scale, zero_point=0, qmin: int = -127, qmax: int = 127) -> np.ndarray:
     """Round-to-nearest with per-row ``scale``/``zero_point`` (the baseline GPTQ beats):
 
@@ -95,7 +104,7 @@ def _upper_inverse(r: np.ndarray) -> np.ndarray:
     inv, info = lapack.dtrtri(r[0], lower=0)
     if info:
         raise np.linalg.LinAlgError(f"trtri failed (info {info})")
-    return np.triu(inv)[None]
+    return inv[None]  # its lower part is r's, zeros
 
 
 def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
@@ -153,25 +162,31 @@ def gptq(
         w = np.take_along_axis(w, perm[:, None, :], axis=2)
         h = np.take_along_axis(np.take_along_axis(h, perm[:, :, None], 1), perm[:, None, :], 2)
     u = _inverse_cholesky(h, damp)
-    q = np.zeros((g, o, k), np.int64)
+    # the column loop works on float integers relative to the zero point: r = q - zp, clipped
+    # to [qmin - zp, qmax - zp] (exact in float32), on blocks laid out (G, column, out) so
+    # that one column is a few contiguous vector ops
+    s32, s64 = scale, scale.astype(np.float64)
+    lo, hi = (qmin - zp).astype(np.float32), (qmax - zp).astype(np.float32)
+    r = np.zeros((g, k, o), np.float32)
     loss = np.zeros(g)
-    s64 = scale.astype(np.float64)
-    for i1 in range(0, k, max(1, int(block_size))):
-        i2 = min(i1 + max(1, int(block_size)), k)
-        w1 = w[:, :, i1:i2].copy()
+    step = max(1, int(block_size))
+    for i1 in range(0, k, step):
+        i2 = min(i1 + step, k)
+        w1 = np.ascontiguousarray(w[:, :, i1:i2].transpose(0, 2, 1))  # (G, B, O)
         err1 = np.zeros_like(w1)
         u1 = u[:, i1:i2, i1:i2]
+        d = np.einsum("gii->gi", u1)[:, :, None]  # (G, B, 1): the diagonal of U
         for i in range(i2 - i1):
-            col = w1[:, :, i]
-            qi = _round_column(col, scale, zp, qmin, qmax)
-            q[:, :, i1 + i] = qi
-            diff = col - (qi - zp) * s64
-            d = u1[:, i, i][:, None]
-            loss += (diff**2 / (2 * d**2)).sum(axis=1)
-            e = diff / d
-            w1[:, :, i:] -= e[:, :, None] * u1[:, None, i, i:]
-            err1[:, :, i] = e
+            ri = r[:, i1 + i]
+            ri[...] = _round_offset(w1[:, i], s32, lo, hi)
+            e = err1[:, i]
+            np.subtract(w1[:, i], ri * s64, out=e)
+            e /= d[:, i]
+            w1[:, i + 1 :] -= u1[:, i, i + 1 :, None] * e[:, None, :]
+        loss += 0.5 * np.einsum("gko,gko->g", err1, err1)
+        err1 = np.ascontiguousarray(err1.transpose(0, 2, 1))  # (G, O, B), as w
         w[:, :, i2:] -= np.matmul(err1, u[:, i1:i2, i2:])
+    q = r.transpose(0, 2, 1).astype(np.int64) + zp[:, :, None]
     if act_order:
         out = np.empty_like(q)
         np.put_along_axis(out, perm[:, None, :], q, axis=2)

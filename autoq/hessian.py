@@ -30,6 +30,7 @@ __all__ = [
     "CodeHessian",
     "ConvGeometry",
     "Hessian",
+    "column_squares",
     "conv_unfold",
     "even_rows",
     "flatten_conv_weight",
@@ -270,8 +271,26 @@ def _exact_dtype(m: int) -> np.dtype:
 
 
 def _exact_step(m: int) -> int:
-    """Rows per exact product for codes up to ``m`` (int8 codes: 1024 rows in float32)."""
+    """Rows per exact product whatever the codes up to ``m`` (int8 codes: 1024 rows in
+    float32): the bound used when one batch alone exceeds :func:`column_squares`' test."""
     return max(1, _EXACT_INT[_exact_dtype(m)] // max(m * m, 1))
+
+
+def column_squares(cols: np.ndarray, m: int) -> np.ndarray:
+    """``(G, K)`` bound on the sum of squares of each column of integer-valued ``cols``
+    ``(G, K, rows)``: the exact sums for float32 blocks (codes up to 4096: every square is
+    below 2**24, their float64 sums are exact), ``m**2 * rows`` for float64 blocks.
+
+    A product ``C^T C`` of rows whose columns all have such a sum ``<= 2**24`` is exact in
+    float32 in any order of addition: every partial sum of entry ``(i, j)`` is an integer of
+    magnitude at most ``sum_r |c_ri c_rj| <= sqrt(D_i D_j) <= max(D_i, D_j)`` (Cauchy-Schwarz).
+
+    >>> column_squares(np.array([[[3.0, 4.0], [0.0, 1.0]]], np.float32), 4).tolist()
+    [[25.0, 1.0]]
+    """
+    if cols.dtype == np.float32:
+        return np.einsum("gkr,gkr->gk", cols, cols, dtype=np.float64)
+    return np.full(cols.shape[:2], float(m * m) * cols.shape[2])
 
 
 class CodeHessian(Hessian):
@@ -280,15 +299,15 @@ class CodeHessian(Hessian):
 
     ``sum`` and ``row_sum`` are int64. Each batch's ``C^T C`` is a BLAS product of integers
     whose partial sums stay below 2**24 (float32; codes up to 4096 in magnitude) or 2**53
-    (float64): the batch's rows are split into chunks small enough to guarantee it, so the
-    product is exact whatever order the BLAS adds in, and int64 sums do not depend on the
-    order of the batches either. Shards of the data merged in any order give the same
+    (float64): rows are grouped into products whose columns' sums of squares stay within
+    that bound (:func:`column_squares`), so each product is exact whatever order the BLAS
+    adds in, and int64 sums do not depend on the grouping or the order of the batches. Shards of the data merged in any order give the same
     ``H`` bit for bit as one pass (what distributed weight tuning needs, see
     :mod:`autoq.distributed`); ``matrix()`` and ``mean()`` apply ``scale`` once at the end
     (``x = scale * c`` in exact arithmetic, where the graph's dequantize rounds to float32:
     a relative difference below 2**-24). int64 holds the sums of 1.4e14 rows of int8 codes
-    (2e9 of int16). The arrays are allocated at the first update (an empty one is cheap to
-    send to a worker).
+    (2e9 of int16). The arrays are allocated at the first product (an empty one is cheap
+    to send to a worker).
 
     Codes [1, 0] and [1, 2] with scale 0.5 (the :class:`Hessian` example's inputs halved):
 
@@ -304,51 +323,67 @@ class CodeHessian(Hessian):
     def __init__(self, *args, scale: float = 1.0, **kw):
         """:class:`Hessian`'s arguments, and ``scale`` (of the codes, per tensor)."""
         super().__init__(*args, **kw)
-        self.sum = self.row_sum = None  # allocated at the first update
+        self.sum = self.row_sum = None  # allocated at the first product
         self._pending: list[np.ndarray] = []  # (G, K, rows) code blocks not summed yet
-        self._pending_max = 0
+        self._pending_sq: np.ndarray | None = None  # their columns' sums of squares
         self.scale = float(np.float32(scale))
         if not (np.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"scale must be a positive finite number, got {scale!r}")
 
     def update(self, codes: np.ndarray) -> None:
-        """Add one batch of integer codes (any integer dtype). The rows are buffered until
-        a product of the largest exact size can be taken (see :meth:`flush`): one product
-        per sample would be a rank-49 update of a 1152x1152 matrix for a 1x1 conv at 7x7,
-        memory bound (measured 3-7x slower on EfficientNet-Lite0's 1x1 convolutions)."""
+        """Add one batch of integer codes (any integer dtype). The rows are buffered while
+        every column's sum of squares over the buffer stays exact (:func:`column_squares`,
+        at most 2**24 in float32), then summed in one product (see :meth:`flush`): one
+        product per sample would be a rank-49 update of a 1152x1152 matrix for a 1x1 conv
+        at 7x7, memory bound (measured 3-7x slower on EfficientNet-Lite0's 1x1
+        convolutions); activations use a small part of their range on most rows, so the
+        data's own bound allows products of thousands of rows where the worst case
+        (``2**24 / max_code**2``) allows 258 for codes up to 255."""
         c = np.asarray(codes)
         if c.dtype.kind not in "iu":
             raise ValueError(f"CodeHessian takes integer codes (q - zero_point), got {c.dtype}")
         m = max(int(c.max(initial=0)), -int(c.min(initial=0)))
         if m * m > _EXACT_INT[np.dtype(np.float64)]:
             raise ValueError(f"codes up to {m} are too large for an exact Hessian")
-        cols = self.rows_of(c, _exact_dtype(m)).transpose(0, 2, 1)  # (G, K, rows)
-        self._pending.append(cols)
-        self._pending_max = max(self._pending_max, m)
+        dtype = _exact_dtype(m)
+        cols = self.rows_of(c, dtype).transpose(0, 2, 1)  # (G, K, rows)
         self.rows += cols.shape[2]
-        pending = sum(p.shape[2] for p in self._pending)
-        if pending >= _exact_step(self._pending_max) or pending * cols[:, :, 0].size >= FLUSH:
+        if self._pending and self._pending[0].dtype != dtype:
+            self.flush()
+        limit = _EXACT_INT[dtype]
+        sq = column_squares(cols, m)
+        if sq.max(initial=0) > limit:  # this batch alone: products of a bounded number of rows
+            self.flush()
+            step = _exact_step(m)
+            for a in range(0, cols.shape[2], step):
+                self._add(cols[:, :, a : a + step])
+            return
+        if self._pending and (self._pending_sq + sq).max(initial=0) > limit:
+            self.flush()
+        self._pending_sq = sq if not self._pending else self._pending_sq + sq
+        self._pending.append(cols)
+        if sum(p.size for p in self._pending) >= FLUSH:
             self.flush()
 
     def flush(self) -> None:
-        """Add the buffered rows to the int64 sums: products of at most
-        ``2**24 / max_code**2`` rows (float32; float64 for wider codes), each exact."""
+        """Add the buffered rows to the int64 sums: one product, exact (the buffer's
+        columns have sums of squares within float32's or float64's exact integers)."""
         pending = self._pending
         if not pending:
             return
-        m = self._pending_max
-        dtype = _exact_dtype(m)
-        cols = np.concatenate([p.astype(dtype, copy=False) for p in pending], axis=2)
-        self._pending, self._pending_max = [], 0
+        cols = pending[0] if len(pending) == 1 else np.concatenate(pending, axis=2)
+        self._pending, self._pending_sq = [], None
+        self._add(cols)
+
+    def _add(self, cols: np.ndarray) -> None:
+        """Add the rows of ``cols`` (G, K, rows), whose product is exact, to the sums."""
         if self.sum is None:
             g, k = self.shape
             self.sum = np.zeros((g, k, k), np.int64)
             self.row_sum = np.zeros((g, k), np.int64)
-        step = _exact_step(m)  # partial sums stay exact
-        for a in range(0, cols.shape[2], step):
-            part = cols[:, :, a : a + step]
-            self.sum += np.matmul(part, part.transpose(0, 2, 1)).astype(np.int64)
-            self.row_sum += part.sum(axis=2).astype(np.int64)
+        self.sum += np.matmul(cols, cols.transpose(0, 2, 1)).astype(np.int64)
+        # float64 sums of integers below 2**53: exact
+        self.row_sum += cols.sum(axis=2, dtype=np.float64).astype(np.int64)
 
     def __getstate__(self) -> dict:
         self.flush()  # a shard's statistics travel summed

@@ -95,7 +95,7 @@ class Fallback:
 
 
 AUTO_RANKINGS = ("local", "revert")
-AUTO_PRECISIONS = ("fp32", "int16", "int16_tensors")
+AUTO_PRECISIONS = ("fp32", "int16", "int16_tensors", "int16_first")
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,12 @@ class AutoFallback(Fallback):
     metric is most sensitive to go int16 (greedy by measured effect, at most
     ``max_int16_fraction`` of them; :mod:`autoq.escalation`), written to
     ``Config.int16_tensors``.
+    ``precision="int16_first"``: layer by layer in the ranking's order, a layer is tried
+    with int16 activations first and in fp32 only when int16 does not raise the metric;
+    each step is kept only if it raises the metric on the calibration samples and (with
+    ``holdout``) the output SQNR on the held-out ones; ``max_fp32_layers`` then counts the
+    int16 and fp32 layers together (:mod:`autoq.int16_first`; ``ranking="revert"`` ranks by
+    the output SQNR with that one layer int16, on the first 4 calibration samples).
     """
 
     metric: Any = "sqnr"

@@ -3,6 +3,9 @@ the demo, the benchmarks) runs :class:`Quantizer`.
 
 ``Quantizer(config).run(mod, params, dataset)`` does, in order:
 
+0. with ``Config.equalization``, **equalize** the float model's convolution chains
+   (:mod:`autoq.cross_layer_equalization`; what was equalized and skipped is in
+   ``QuantizeResult.equalization``);
 1. **match** the patterns once (:func:`autoq.matching.match`); every later stage reuses it;
    a NaN/Inf weight is an error naming it (:func:`check_weights`);
 2. read the **dataset** once into one validated, repeatable view
@@ -42,6 +45,7 @@ from .auto_fallback import FallbackDecision, auto_fallback, split_holdout
 from .build import default_target
 from .calibrate import calibrate, feed_observers, fp32_slot_runner, samples_for, scale_problems
 from .config import AutoFallback, Config
+from .cross_layer_equalization import EqualizationReport, equalize_layers
 from .dataset import is_shard_source
 from .distributed import (
     AnalysisFanOut,
@@ -54,6 +58,7 @@ from .dynamic import realize_dynamic
 from .errors import CalibrationError, InputError
 from .escalation import escalate
 from .guard import keep_unbounded_in_fp32, layers_using
+from .int16_first import int16_first
 from .matching import Matched, match
 from .qparams import QParams
 from .realize import realize
@@ -63,6 +68,9 @@ from .simulate import simulate
 from .smooth_quant import smooth_graph
 
 __all__ = ["QuantizeResult", "Quantizer", "check_scales", "quantize"]
+
+#: ``AutoFallback.precision`` -> its search (the others: :func:`auto_fallback`)
+SEARCHES = {"int16_tensors": escalate, "int16_first": int16_first}
 
 
 @dataclass
@@ -89,6 +97,8 @@ class QuantizeResult:
     samples: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    #: what ``Config.equalization`` rescaled and skipped (None when it is off)
+    equalization: EqualizationReport | None = None
 
 
 class Quantizer:
@@ -147,7 +157,7 @@ class Quantizer:
         if isinstance(fb, AutoFallback):  # what runs on the workers: SQNR trials, the report
             needs = {
                 "metric=<callable>": callable(fb.metric),
-                f"precision={fb.precision!r}": fb.precision in ("int16", "int16_tensors"),
+                f"precision={fb.precision!r}": fb.precision != "fp32",
                 f"holdout={fb.holdout}": fb.holdout > 0,
             }
             bad = [k for k, v in needs.items() if v]
@@ -160,10 +170,20 @@ class Quantizer:
         return dataset
 
     def _run(self, mod, params, dataset) -> QuantizeResult:
+        equalized, t0 = None, time.perf_counter()
+        if self.config.equalization:
+            mod, new_params, equalized = equalize_layers(mod, params)
+            params = None if params is None else new_params
+        seconds = time.perf_counter() - t0
         if self.config.activation.dynamic:
-            return self._run_dynamic(mod, params)
-        with self._client() as client:
-            return self._run_on(mod, params, dataset, client)
+            result = self._run_dynamic(mod, params)
+        else:
+            with self._client() as client:
+                result = self._run_on(mod, params, dataset, client)
+        if equalized is not None:
+            result.equalization = equalized
+            result.timings["equalize"] = seconds
+        return result
 
     def _run_on(self, mod, params, dataset, client) -> QuantizeResult:
         timings: dict[str, float] = {}
@@ -195,7 +215,7 @@ class Quantizer:
                     matched, sim, calib, config, client
                 )
             reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
-            search = escalate if config.fallback.precision == "int16_tensors" else auto_fallback
+            search = SEARCHES.get(config.fallback.precision, auto_fallback)
             with clock("auto_fallback"), self._fan_out(client, mod, params, calib) as fan:
                 out = search(
                     matched, None, samples, config, qparams, target=self.target, fan_out=fan
@@ -203,7 +223,7 @@ class Quantizer:
             config, qparams, decision = out.config, out.qparams, out.decision
             report, analysis = out.report, out.analysis
             reasons.update(dict.fromkeys(decision.layers, f"automatic ({decision.precision})"))
-            if decision.precision != "fp32":
+            if decision.precision not in ("fp32", "int16_first"):
                 reasons = {k: v for k, v in reasons.items() if k not in decision.layers}
         else:
             with clock("calibrate"):

@@ -32,6 +32,7 @@ from tvm import relax
 from .calibrate import feed_observers, fp32_observers, fp32_runner
 from .calibration_plan import CalibrationPlan
 from .config import QuantSpec
+from .cpu.amx import request_amx
 from .dataset import DatasetError, InputSpec, validate_sample
 from .metrics import output_sums
 from .shard_runner import ShardRunner
@@ -48,6 +49,7 @@ def shard_name(i: int, n: int) -> str:
 def load_vm(lib: bytes) -> relax.VirtualMachine:
     """A VM on this CPU over the bytes of an exported library (written to a temporary file
     for the loader, removed once loaded)."""
+    request_amx()  # a library built for an AMX target faults without it (harmless elsewhere)
     fd, path = tempfile.mkstemp(suffix=".so", prefix="autoq-shard-")
     try:
         with os.fdopen(fd, "wb") as f:

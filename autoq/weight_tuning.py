@@ -33,10 +33,18 @@ the input's integer codes in int64 (:class:`autoq.hessian.CodeHessian`), so any 
 the samples and any merge order give the same bits, and a distributed run
 (:mod:`autoq.distributed`) tunes the same weights as one process. Cost: one pass over each layer's cached input (no extra run of the
 graph) plus the GPTQ/search arithmetic; reported in ``QParams.meta["weight_tuning"]``.
+
+The arithmetic runs with single-threaded BLAS (:func:`single_threaded_blas`): GPTQ's column
+loop alternates small vector ops with BLAS calls, after which multi-threaded OpenBLAS keeps
+its workers spinning; with more runnable threads than cores they take the core from the
+loop. Measured on ResNet-50 (2 cores, load ~11): weight tuning 38 s single-threaded vs
+90 s with OpenBLAS's default 2 threads, same bits (the Hessians are exact integer sums;
+GPTQ's float64 results were identical for both thread counts on every layer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -51,7 +59,14 @@ from .registry import slot_id_of
 from .scale_search import search_scales
 from .toolkit import op_name
 
-__all__ = ["MAX_ROWS", "MIN_ROWS_PER_COLUMN", "LayerTask", "WeightTuner", "layer_tasks"]
+__all__ = [
+    "MAX_ROWS",
+    "MIN_ROWS_PER_COLUMN",
+    "LayerTask",
+    "WeightTuner",
+    "layer_tasks",
+    "single_threaded_blas",
+]
 
 #: Hessian rows (output pixels) kept per sample, evenly spaced: bounds the cost of early,
 #: high-resolution layers (GPTQ quality on EfficientNet-Lite0 unchanged at 256)
@@ -80,6 +95,12 @@ class LayerTask:
         return CodeHessian.conv2d(
             self.geom, self.weight.shape[1] * self.geom.groups, max_rows, scale=scale
         )
+
+    def input_key(self) -> tuple:
+        """Equal for layers whose Hessians of the same input are equal (geometry, width)."""
+        if self.geom is None:
+            return (None, self.weight.shape[0])
+        return (self.geom, self.weight.shape[1] * self.geom.groups)
 
     def flat(self, w: np.ndarray) -> np.ndarray:
         """``(G, O, K)`` rows of output channels (the matrices :class:`Hessian` fits)."""
@@ -127,6 +148,16 @@ def layer_tasks(sim) -> dict[str, list[LayerTask]]:
     return out
 
 
+def single_threaded_blas():
+    """A context in which numpy's and scipy's BLAS/LAPACK use one thread (threadpoolctl;
+    a no-op context where it is not installed)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - a dependency of autoq
+        return contextlib.nullcontext()
+    return threadpool_limits(1, user_api="blas")
+
+
 class InputStats:
     """The Hessians of the layers reading one slot, fed that slot's *quantized* values
     (as integer codes: :class:`autoq.hessian.CodeHessian`, exact whatever the split of the
@@ -140,17 +171,29 @@ class InputStats:
                 f"got {scale.size} scales"
             )
         self.qp = qp
-        self.hessians = {t.layer: t.hessian(float(scale[0])) for t in tasks}
+        # layers reading the slot with the same geometry (e.g. a residual block's first 1x1
+        # conv and its projection shortcut) see the same patches: one Hessian for them
+        shared: dict[tuple, CodeHessian] = {}
+        self.hessians = {
+            t.layer: shared.setdefault(t.input_key(), t.hessian(float(scale[0]))) for t in tasks
+        }
+
+    def _distinct(self) -> dict[str, CodeHessian]:
+        """One layer per distinct Hessian (layer -> Hessian)."""
+        seen: dict[int, str] = {}
+        for layer, h in self.hessians.items():
+            seen.setdefault(id(h), layer)
+        return {layer: self.hessians[layer] for layer in seen.values()}
 
     def update(self, x: np.ndarray) -> None:
         qp = self.qp
         q = P.quantize(x, qp.scale, qp.zero_point, qp.dtype).astype(np.int32)
         codes = q - np.asarray(qp.zero_point, np.int32)
-        for h in self.hessians.values():
+        for h in self._distinct().values():
             h.update(codes)
 
     def merge(self, other: InputStats) -> None:
-        for k, h in self.hessians.items():
+        for k, h in self._distinct().items():
             h.merge(other.resolve().hessians[k])
 
     def resolve(self) -> InputStats:
@@ -178,13 +221,14 @@ class WeightTuner:
             return
         t0 = time.perf_counter()
         updates: dict[int, np.ndarray] = {}
-        for sid, group in tasks:
-            shards = [r.feed(sid, InputStats(group, act_qp[sid])) for r in runners]
-            merged = shards[0].resolve()
-            for other in shards[1:]:
-                merged.merge(other)
-            for task in group:
-                updates.update(self._tune(task, merged.hessians[task.layer]))
+        with single_threaded_blas():
+            for sid, group in tasks:
+                shards = [r.feed(sid, InputStats(group, act_qp[sid])) for r in runners]
+                merged = shards[0].resolve()
+                for other in shards[1:]:
+                    merged.merge(other)
+                for task in group:
+                    updates.update(self._tune(task, merged.hessians[task.layer]))
         for r in runners:
             r.update_static(updates)
         self.stats["tune_s"] += time.perf_counter() - t0

@@ -265,7 +265,7 @@ def quantize_row(name, mod, params, calib, evals, ref, config, note="") -> Row:
     secs = time.perf_counter() - t0
     t = res.timings
     cost = f"calibrate {t.get('calibrate', 0):.1f} s"
-    cost += tuning_cost(res)
+    cost += tuning_cost(res) + equalization_note(res)
     return Row(name, agreement(ref, run_tvm(res.module, evals)), secs, f"{note}; {cost}")
 
 
@@ -282,6 +282,14 @@ def tuning_cost(res) -> str:
         return fb
     run = res.qparams.meta.get("stats", {}).get("run_s") or float("nan")
     return f" (weight tuning {t:.1f} s = {t / run:.2f} calibration passes){fb}"
+
+
+def equalization_note(res) -> str:
+    """What ``Config.equalization`` rescaled ("" when it was off)."""
+    eq = res.equalization
+    if eq is None:
+        return ""
+    return f"; equalized {len(eq.pairs)} pairs, skipped {len(eq.skipped)} convs"
 
 
 def _int16(per_channel: bool):
@@ -313,6 +321,10 @@ def baseline_configs() -> dict[str, tuple[object, str]]:
             plain.replace(weight_rounding="gptq", bias_correction=True, scale_search=True),
             "+ GPTQ + bias correction + scale search",
         ),
+        # Config.equalization (DFQ): on EfficientNet-Lite0 only the links without ReLU6 and
+        # without a residual branch qualify (project conv -> next expand conv)
+        "equalization": (plain.replace(equalization=True), "+ cross-layer equalization"),
+        "default+eq": (base.replace(equalization=True), "defaults + cross-layer equalization"),
         "a16": (
             plain.replace(overrides=(autoq.Override("*", activation=_int16(False)),)),
             "w int8, a int16: weight error (+ a small activation error)",
@@ -339,6 +351,20 @@ def baseline_configs() -> dict[str, tuple[object, str]]:
                 )
             ),
             "defaults + AutoFallback: <= 3 layers int16 (else fp32), 8 held out",
+        ),
+        # per layer: int16 activations first, fp32 only when int16 does not help; ranked by
+        # each layer's effect on the output (autoq.int16_first)
+        "fallback3_int16first": (
+            base.replace(
+                fallback=autoq.AutoFallback(
+                    min_sqnr=99.0,
+                    max_fp32_layers=3,
+                    holdout=8,
+                    precision="int16_first",
+                    ranking="revert",
+                )
+            ),
+            "defaults + AutoFallback: <= 3 layers above int8, each int16 before fp32, 8 held out",
         ),
     }
 

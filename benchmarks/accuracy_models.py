@@ -46,7 +46,7 @@ def main(argv=None) -> None:
         f = common.fidelity(info.kind, ref, [runner.run(s) for s in evals])
         t = res.timings
         cost = f"calibrate {t.get('calibrate', 0):.1f} s"
-        cost += A.tuning_cost(res)
+        cost += A.tuning_cost(res) + A.equalization_note(res)
         rows.append([name, *common.format_fidelity(f), f"{secs:.0f}", f"{note}; {cost}"])
         print(f"  {name}: {f}", flush=True)
     print()

@@ -35,7 +35,7 @@ import common
 THREADS = (1, 2)
 
 
-def _interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict[str, tuple[float, float]]:
+def interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict[str, tuple[float, float]]:
     """(median, min) ms of each callable, the callables run in turn (one call each per
     round): a change of the machine's load hits all of them alike (the box is shared)."""
     for _ in range(warmup):
@@ -60,7 +60,23 @@ def _ort_latency(path, feed, threads: int, repeats: int) -> float:
     return common.median_ms(lambda: sess.run(None, feed), repeats)
 
 
-def _row(name, times, ref=None):
+def vs_ort(fp32_path, int8_path, sample, tvm_fns: dict, threads: int, repeats: int, times, log):
+    """ORT fp32, ORT int8 (graph optimizations on, idle threads not spinning) and the
+    ``tvm_fns`` callables, interleaved at ``threads`` threads; medians into
+    ``times[key][threads]``."""
+    common.TvmRunner.set_threads(threads)
+    sessions = {
+        "ORT fp32": common.ort_session(fp32_path, threads, True, spinning=False),
+        "ORT int8 u8s8": common.ort_session(int8_path, threads, True, spinning=False),
+    }
+    fns = {key: functools.partial(sess.run, None, sample) for key, sess in sessions.items()}
+    fns.update(tvm_fns)
+    for key, (median, least) in interleaved(fns, repeats).items():
+        times.setdefault(key, {})[threads] = median
+        log(f"{threads} thread(s) {key}: median {median:.2f} ms, min {least:.2f} ms")
+
+
+def latency_row(name, times, ref=None):
     cells = [name] + [f"{times[t]:.2f}" for t in THREADS]
     if ref is not None:
         cells += [f"{times[t] / ref[t]:.2f}x" for t in THREADS]
@@ -69,7 +85,7 @@ def _row(name, times, ref=None):
     return cells
 
 
-def _print_table(title, rows, ref_name):
+def print_latency_table(title, rows, ref_name):
     print(f"\n### {title}\n")
     heads = ["runtime", *(f"ms {t}T" for t in THREADS), *(f"vs {ref_name} {t}T" for t in THREADS)]
     print("| " + " | ".join(heads) + " |")
@@ -103,37 +119,54 @@ def bench_model(name: str, calib_n: int, repeats: int, log, skip_generic: bool =
             t0 = time.perf_counter()
             vms[use] = relax.VirtualMachine(autoq.compile(qmod, target, cpu_kernels=use), tvm.cpu())
             log(f"compile cpu_kernels={use}: {time.perf_counter() - t0:.1f} s")
+        no_amx = _without_amx(target)
+        if no_amx is not None:
+            vms["no amx"] = relax.VirtualMachine(autoq.compile(qmod, no_amx), tvm.cpu())
         names = [p.name for p in qmod["main"].params]
         args = [tvm.runtime.tensor(sample[n]) for n in names]
+        if "no amx" in vms:
+            same = np.array_equal(
+                first_output(vms[True]["main"](*args)), first_output(vms["no amx"]["main"](*args))
+            )
+            log(f"autoq int8 outputs with and without AMX identical: {same}")
         if not skip_generic:
             same = np.array_equal(
-                _first(vms[True]["main"](*args)), _first(vms[False]["main"](*args))
+                first_output(vms[True]["main"](*args)), first_output(vms[False]["main"](*args))
             )
             log(f"autoq int8 outputs with and without kernels identical: {same}")
         times: dict[str, dict[int, float]] = {}
         for t in THREADS:
-            common.TvmRunner.set_threads(t)
-            sessions = {
-                "ORT fp32": common.ort_session(info.path, t, True, spinning=False),
-                "ORT int8 u8s8": common.ort_session(ort_int8, t, True, spinning=False),
-            }
-            fns = {key: functools.partial(sess.run, None, sample) for key, sess in sessions.items()}
-            fns["autoq int8, kernels"] = functools.partial(vms[True]["main"], *args)
-            for key, (median, least) in _interleaved(fns, repeats).items():
-                times.setdefault(key, {})[t] = median
-                log(f"{t} thread(s) {key}: median {median:.2f} ms, min {least:.2f} ms")
+            tvm_fns = {"autoq int8, kernels": functools.partial(vms[True]["main"], *args)}
+            if "no amx" in vms:
+                tvm_fns["autoq int8, kernels without AMX"] = functools.partial(
+                    vms["no amx"]["main"], *args
+                )
+            vs_ort(info.path, ort_int8, sample, tvm_fns, t, repeats, times, log)
             if not skip_generic:
                 times.setdefault("autoq int8, generic lowering", {})[t] = common.median_ms(
                     functools.partial(vms[False]["main"], *args), 2, warmup=1
                 )
         log(f"load average after the timings: {os.getloadavg()}")
     ref = times["ORT int8 u8s8"]
-    rows = [_row(key, v, ref) for key, v in times.items()]
+    rows = [latency_row(key, v, ref) for key, v in times.items()]
     title = common.MODEL_TITLES.get(name, name)
-    _print_table(f"{title}, batch 1, target mcpu={target.mcpu}", rows, "ORT int8")
+    print_latency_table(f"{title}, batch 1, target mcpu={target.mcpu}", rows, "ORT int8")
 
 
-def _first(out) -> np.ndarray:
+def _without_amx(target):
+    """``target`` without its AMX ``mattr`` (VNNI dense kernels), None if it has no AMX."""
+    import tvm
+
+    from autoq.cpu.amx import target_has_amx
+
+    if not target_has_amx(target):
+        return None
+    mattr = [str(a) for a in target.attrs.get("mattr", []) if "amx" not in str(a)]
+    spec = {"kind": "llvm", "mcpu": str(target.attrs["mcpu"])}
+    return tvm.target.Target({**spec, "mattr": mattr} if mattr else spec)
+
+
+def first_output(out) -> np.ndarray:
     return out.numpy() if hasattr(out, "numpy") else out[0].numpy()
 
 
@@ -243,6 +276,9 @@ def bench_ops(repeats: int) -> None:
             use: relax.VirtualMachine(autoq.compile(mod, target, cpu_kernels=use), tvm.cpu())
             for use in (True, False)
         }
+        no_amx = _without_amx(target)
+        if no_amx is not None:
+            vms["no amx"] = relax.VirtualMachine(autoq.compile(mod, no_amx), tvm.cpu())
         same = np.array_equal(vms[True]["main"](*args).numpy(), vms[False]["main"](*args).numpy())
         feed = {feed_name: (x8.astype(np.int16) + 128).astype(np.uint8)}
         times = {ort_name: {}, "autoq kernels": {}, "autoq generic lowering": {}}
@@ -250,8 +286,11 @@ def bench_ops(repeats: int) -> None:
             times[ort_name][t] = _ort_latency(onnx_path, feed, t, repeats)
             times["autoq kernels"][t] = _tvm_latency(vms[True], args, t, repeats)
             times["autoq generic lowering"][t] = _tvm_latency(vms[False], args, t, 3)
-        rows = [_row(name, v, times[ort_name]) for name, v in times.items()]
-        _print_table(f"{title} (kernels == generic lowering: {same})", rows, "ORT")
+            if "no amx" in vms:
+                key = "autoq kernels without AMX"
+                times.setdefault(key, {})[t] = _tvm_latency(vms["no amx"], args, t, repeats)
+        rows = [latency_row(name, v, times[ort_name]) for name, v in times.items()]
+        print_latency_table(f"{title} (kernels == generic lowering: {same})", rows, "ORT")
     tmp.cleanup()
 
 
@@ -275,11 +314,15 @@ def main(argv=None) -> int:
     print("## autoq int8 CPU kernels (no tuning) vs ONNX Runtime\n")
     print(common.machine_summary())
     import autoq
-    from autoq.cpu.isa import isa_of
+    from autoq.cpu.isa import kernel_isa
 
     target = autoq.default_target()
-    isa = isa_of(target)
-    print(f"\ntarget mcpu={target.mcpu}, kernel ISA: {isa.name if isa else 'none (generic)'}")
+    isa = kernel_isa(target)
+    mattr = ",".join(str(a) for a in target.attrs.get("mattr", []))
+    kernels = (
+        f"{isa.name}{' + AMX dense/conv' if isa and isa.amx else ''}" if isa else "none (generic)"
+    )
+    print(f"\ntarget mcpu={target.mcpu} mattr=[{mattr}], kernels: {kernels}")
     if not args.skip_ops:
         bench_ops(args.repeats)
     if not args.skip_model:

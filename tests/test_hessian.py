@@ -168,20 +168,26 @@ def test_code_hessian_errors():
         CodeHessian.dense(3, scale=0.0)
 
 
-def test_code_hessian_buffers_rows_until_a_full_exact_product():
-    """int8 codes: 1024 rows per exact float32 product; a 30-row batch is buffered, 40 of
-    them are summed in one product (and the rest at matrix()), the same int64 sums as a
-    flush after every batch; pickling (a shard's statistics) sends the sums."""
+def test_code_hessian_buffers_rows_while_the_product_stays_exact():
+    """Rows are buffered while every column's sum of squares stays <= 2**24 (float32's
+    exact integers): a column of 127s adds 30 * 127**2 = 483870 per 30-row batch, so 34
+    batches are buffered and the 35th sends them to one product (the rest at matrix()).
+    The int64 sums equal a flush after every batch; pickling (a shard's statistics) sends
+    the sums."""
     import pickle
 
     rng = np.random.default_rng(11)
     batches = [rng.integers(-128, 128, size=(30, 5)).astype(np.int8) for _ in range(40)]
+    for b in batches:
+        b[:, 0] = 127
     buffered, each = CodeHessian.dense(5, scale=0.5), CodeHessian.dense(5, scale=0.5)
-    buffered.update(batches[0])
-    assert buffered.sum is None and buffered.rows == 30
-    for b in batches[1:]:
+    for b in batches[:34]:
         buffered.update(b)
-    assert buffered.sum is not None  # 35 batches made 1050 >= 1024 rows: one product
+    assert buffered.sum is None and buffered.rows == 34 * 30
+    buffered.update(batches[34])
+    assert buffered.sum is not None and buffered.sum[0, 0, 0] == 34 * 30 * 127**2
+    for b in batches[35:]:
+        buffered.update(b)
     for b in batches:
         each.update(b)
         each.flush()

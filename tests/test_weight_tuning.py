@@ -150,3 +150,41 @@ def test_automatic_fallback_keeps_the_tuned_integers(precision):
     test = samples_for(data(3, 7), sim.graph.inputs)
     rep = compare(sim, res.module, res.qparams, test, target=TARGET)
     assert rep.exact, rep.table()
+
+
+def test_layers_with_the_same_patches_share_one_exact_hessian():
+    """Two convs of the same geometry reading one slot (a block's first 1x1 conv and its
+    projection shortcut) get one Hessian, fed once; a third geometry gets its own. Each
+    equals the Hessian of that layer alone, also after a pickled shard is merged."""
+    import pickle
+
+    from autoq.hessian import ConvGeometry
+    from autoq.qparams import QParam
+    from autoq.weight_tuning import InputStats, LayerTask
+
+    one = ConvGeometry(kernel=(1, 1), strides=(2, 2))
+    three = ConvGeometry(kernel=(3, 3), padding=(1, 1, 1, 1))
+    w1, w3 = np.zeros((8, 4, 1, 1), np.float32), np.zeros((8, 4, 3, 3), np.float32)
+    tasks = [
+        LayerTask("a", "a.weight", "x", w1, one, False),
+        LayerTask("b", "b.weight", "x", w1[:5], one, False),
+        LayerTask("c", "c.weight", "x", w3, three, False),
+    ]
+    qp = QParam(np.float32(0.5), np.int32(-3), "int8")
+    rng = np.random.default_rng(3)
+    xs = [rng.normal(size=(1, 4, 6, 6)).astype(np.float32) for _ in range(4)]
+    stats, shard = InputStats(tasks, qp), pickle.loads(pickle.dumps(InputStats(tasks, qp)))
+    assert stats.hessians["a"] is stats.hessians["b"] is not stats.hessians["c"]
+    for x in xs[:2]:
+        stats.update(x)
+    for x in xs[2:]:
+        shard.update(x)
+    stats.merge(pickle.loads(pickle.dumps(shard)))
+    for t in tasks:
+        alone = InputStats([t], qp)
+        for x in xs:
+            alone.update(x)
+        assert stats.hessians[t.layer].rows == alone.hessians[t.layer].rows
+        np.testing.assert_array_equal(
+            stats.hessians[t.layer].matrix(), alone.hessians[t.layer].matrix()
+        )

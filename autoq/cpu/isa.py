@@ -8,13 +8,14 @@ the activation dtype. :func:`isa_of` picks the row from the target's CPU feature
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import tvm
 
+from .amx import target_has_amx
 from .intrinsics import AVX2_DOT, VNNI_DOT
 
-__all__ = ["AVX2", "ISAS", "VNNI", "Isa", "isa_of"]
+__all__ = ["AVX2", "ISAS", "VNNI", "Isa", "isa_of", "kernel_isa"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Isa:
     centered: bool
     max_tile: int  # rows of the register tile (output columns / GEMM rows)
     out_blocks: int = 2  # lane blocks of output channels per register tile
+    amx: bool = False  # dense runs on AMX tiles (autoq.cpu.amx_dense) when it has enough rows
 
     def channel_blocks(self, channels: int) -> int:
         """Lane blocks per register tile for ``channels`` output channels.
@@ -76,7 +78,8 @@ def isa_of(target: tvm.target.Target) -> Isa | None:
     """The best int8 instruction set of an LLVM x86 target, None for any other target.
 
     ``{"kind": "llvm", "mcpu": "znver4"}`` -> VNNI, ``"znver3"``/``"haswell"`` -> AVX2, a
-    bare ``{"kind": "llvm"}`` (generic x86-64) -> None.
+    bare ``{"kind": "llvm"}`` (generic x86-64) -> None. AMX is not a row of its own (its CPUs
+    all have VNNI, which the other kernels keep using): see :func:`kernel_isa`.
     """
     if target.kind.name != "llvm":
         return None
@@ -84,3 +87,18 @@ def isa_of(target: tvm.target.Target) -> Isa | None:
         if tvm.target.codegen.target_has_features(isa.feature, target):
             return isa
     return None
+
+
+def kernel_isa(target: tvm.target.Target) -> Isa | None:
+    """:func:`isa_of` with ``amx=True`` when the target also has the AMX int8 tile features
+    (``mcpu`` ``sapphirerapids``, or ``mattr`` ``+amx-tile``, ``+amx-int8``).
+
+    >>> kernel_isa(tvm.target.Target({"kind": "llvm", "mcpu": "sapphirerapids"})).amx
+    True
+    >>> kernel_isa(tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})) is VNNI
+    True
+    """
+    isa = isa_of(target)
+    if isa is VNNI and target_has_amx(target):
+        return replace(VNNI, amx=True)
+    return isa

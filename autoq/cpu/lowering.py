@@ -9,6 +9,9 @@ non-constant or asymmetric weights, per-axis or runtime activation zero points, 
 shapes, uint8 weights) keeps the op's own legalization. float32 softmax over the last axis
 becomes :mod:`autoq.cpu.softmax` (row-parallel, denormal probabilities flushed to 0); a
 ``qnn.matmul`` of two activations (int8 rhs, same batch axes) :mod:`autoq.cpu.batch_matmul`.
+On targets with AMX int8 tiles, dense (>= ``AMX_MIN_ROWS`` rows) and the convs
+:func:`autoq.cpu.amx_conv2d.amx_conv_applies` accepts run on :mod:`autoq.cpu.amx_dense` /
+:mod:`autoq.cpu.amx_conv2d` instead.
 """
 
 from __future__ import annotations
@@ -21,19 +24,31 @@ from tvm import relax
 
 from .. import qnn  # noqa: F401  (registers the qnn.* ops whose legalizations are the fallback)
 from ..toolkit import const_array, dtype_of, shape_of
+from .amx_conv2d import (
+    amx_conv2d_kernel,
+    amx_conv_applies,
+    amx_conv_compensation,
+    amx_conv_weight,
+)
+from .amx_dense import amx_dense_kernel
+from .amx_tiles import BLOCK as AMX_BLOCK
+from .amx_tiles import KSTEP as AMX_KSTEP
 from .batch_matmul import batch_matmul_kernel
 from .conv2d import ConvShape, conv2d_kernel
 from .conv_transpose import conv2d_transpose_kernel
 from .dense import dense_kernel
 from .depthwise import depthwise_kernel, depthwise_weight
-from .isa import Isa, isa_of
+from .isa import VNNI, Isa, kernel_isa
 from .lut import lut_kernel
-from .packing import compensation, pack_conv_weight, pack_dense_weight
+from .packing import compensation, pack_conv_weight, pack_dense_weight, round_up
 from .softmax import softmax_kernel
 
 __all__ = ["lower_to_cpu_kernels"]
 
 _ACT_DTYPES = ("int8", "uint8")
+# dense rows from which AMX tiles beat the VNNI kernel (measured, 1 thread, K 384..1536:
+# 4 rows 0.6x, 8 rows 1.1x, 16 rows 1.7x, 128 rows 5-10x)
+AMX_MIN_ROWS = 8
 
 
 def _scalar(expr) -> int | None:
@@ -93,6 +108,8 @@ def _conv2d(isa: Isa, fallback, bb, call):
         gv = bb.add_func(func.without_attr("global_symbol"), "autoq_depthwise")
         packed = relax.const(depthwise_weight(shape, w, isa.lanes))
         return relax.call_tir(gv, [data, packed], out_ty=relax.TensorType(out, "int32"))
+    if isa.amx and amx_conv_applies(shape):
+        return _amx_conv2d(bb, shape, data, w, dt, zx, out)
     func = conv2d_kernel(shape, isa, dt, zx)
     packed = pack_conv_weight(
         w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype, isa.padded_channels(w.shape[0])
@@ -101,16 +118,41 @@ def _conv2d(isa: Isa, fallback, bb, call):
     return _call(bb, isa, func, f"autoq_conv2d_{isa.name}", data, packed, w, z, out)
 
 
+def _amx_dense(bb, x2, w: np.ndarray, dt: str, zx: int, m: int):
+    """``call_tir`` of :mod:`autoq.cpu.amx_dense` (VNNI packing, N padded to 32, K to 64)."""
+    (n, k), shift = w.shape, VNNI.shift(dt, zx)
+    func = amx_dense_kernel(m, k, n, dt, shift)
+    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_dense_amx")
+    np_ = round_up(n, AMX_BLOCK)
+    packed = pack_dense_weight(w, VNNI.lanes, VNNI.k, "int8", np_, round_up(k, AMX_KSTEP))
+    comp = compensation(w, zx + shift, np_)
+    args = [x2, relax.const(packed), relax.const(comp)]
+    return relax.call_tir(gv, args, out_ty=relax.TensorType((m, n), "int32"))
+
+
+def _amx_conv2d(bb, shape: ConvShape, data, w: np.ndarray, dt: str, zx: int, out):
+    """``call_tir`` of :mod:`autoq.cpu.amx_conv2d` (stride-1 conv as channels x pixels)."""
+    shift = VNNI.shift(dt, zx)
+    func = amx_conv2d_kernel(shape, dt, shift, zx + shift)
+    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_conv2d_amx")
+    consts = [amx_conv_weight(w), amx_conv_compensation(w, zx + shift)]
+    args = [data, *(relax.const(v) for v in consts)]
+    return relax.call_tir(gv, args, out_ty=relax.TensorType(out, "int32"))
+
+
 def _dense_call(isa: Isa, bb, data, w: np.ndarray, dt: str, zx: int):
     shape = shape_of(data)
     m = int(np.prod(shape[:-1], dtype=np.int64))
     x2 = bb.emit(relax.op.reshape(data, [m, shape[-1]])) if len(shape) != 2 else data
-    func = dense_kernel(m, shape[-1], w.shape[0], isa, dt, zx)
-    packed = pack_dense_weight(
-        w, isa.lanes, isa.k, isa.weight_dtype, isa.padded_channels(w.shape[0])
-    )
-    z = zx + isa.shift(dt, zx)
-    out = _call(bb, isa, func, f"autoq_dense_{isa.name}", x2, packed, w, z, (m, w.shape[0]))
+    if isa.amx and m >= AMX_MIN_ROWS:
+        out = _amx_dense(bb, x2, w, dt, zx, m)
+    else:
+        func = dense_kernel(m, shape[-1], w.shape[0], isa, dt, zx)
+        packed = pack_dense_weight(
+            w, isa.lanes, isa.k, isa.weight_dtype, isa.padded_channels(w.shape[0])
+        )
+        z = zx + isa.shift(dt, zx)
+        out = _call(bb, isa, func, f"autoq_dense_{isa.name}", x2, packed, w, z, (m, w.shape[0]))
     if len(shape) == 2:
         return out
     return relax.op.reshape(bb.emit(out), [*shape[:-1], w.shape[0]])
@@ -218,8 +260,9 @@ _LOWERINGS = {
 
 def lower_to_cpu_kernels(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
     """``mod`` legalized with the packed kernels for ``target``'s instruction set (unchanged
-    when the target has neither AVX-512 VNNI nor AVX2)."""
-    isa = isa_of(target)
+    when the target has neither AVX-512 VNNI nor AVX2; dense with >= ``AMX_MIN_ROWS`` rows
+    on AMX tiles when the target has ``amx-int8``, see :func:`autoq.cpu.isa.kernel_isa`)."""
+    isa = kernel_isa(target)
     if isa is None:
         return mod
     custom = {}

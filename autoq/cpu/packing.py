@@ -53,10 +53,15 @@ def pack_conv_weight(
 
 
 def pack_dense_weight(
-    w: np.ndarray, lanes: int, k: int, dtype: str, n_padded: int | None = None
+    w: np.ndarray,
+    lanes: int,
+    k: int,
+    dtype: str,
+    n_padded: int | None = None,
+    k_padded: int | None = None,
 ) -> np.ndarray:
     """``[N, K]`` weights blocked as ``[N/lanes, K/k, lanes, k]``, N zero-padded to
-    ``n_padded`` (default: a multiple of ``lanes``).
+    ``n_padded`` (default: a multiple of ``lanes``), K to ``k_padded`` (default: of ``k``).
 
     >>> w = np.arange(3 * 4).reshape(3, 4).astype(np.int8)
     >>> p = pack_dense_weight(w, lanes=2, k=2, dtype="int8")
@@ -66,7 +71,7 @@ def pack_dense_weight(
     [[2, 3], [6, 7]]
     """
     n, kk = w.shape
-    np_, kp = n_padded or round_up(n, lanes), round_up(kk, k)
+    np_, kp = n_padded or round_up(n, lanes), k_padded or round_up(kk, k)
     wp = _pad_to(w, (np_, kp)).reshape(np_ // lanes, lanes, kp // k, k)
     return np.ascontiguousarray(wp.transpose(0, 2, 1, 3)).astype(dtype)
 

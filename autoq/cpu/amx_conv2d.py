@@ -1,0 +1,186 @@
+"""int8 conv2d (groups 1, stride 1, dilation 1) on Intel AMX tiles, as an implicit GEMM
+computed channels x pixels, so that the tiles store straight into the NCHW output.
+
+Activations are packed once, per image, to the VNNI-interleaved uint8 buffer
+``[ICp/4, P, 4]`` over the padded image (``ICp`` input channels rounded up to 64, ``P`` the
+flat pixels of ``rows x Wp``, ``Wp`` the padded width; ``x + 128`` for int8 data, padding =
+the shifted zero point). Output pixels are numbered over the padded width,
+``p = oy * Wp + ox``: with stride 1 the input pixel of tap ``(kh, kw)`` is the flat pixel
+``p + kh * Wp + kw``, so a tile of 16 consecutive output pixels x 64 input channels of one tap
+is 16 rows (channel quads) of 64 contiguous bytes, row stride ``4 P``: a ``tdpbsud`` column
+operand (int8 weights x uint8 activations). The columns ``ox >= OW`` are computed and
+dropped (``(KW - 1) / Wp`` extra work, none for 1x1).
+
+Weights are the row operand, ``[OCp/16, KH*KW*ICp/64, 16, 64]`` (:func:`amx_conv_weight`).
+A block of 32 output channels x 32 pixels is the 2 x 2 accumulator tiles of
+:mod:`autoq.cpu.amx_tiles`, started from ``-(zx + shift) * sum(w)`` (the compensation, one
+row per channel) instead of zero; a complete block of a conv without horizontal padding
+(``Wp == OW``) is stored straight into the NCHW int32 output (row stride ``OH * OW``), other
+blocks through a stack buffer. Parallel over (image, pixel block, channel group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, replace
+
+import numpy as np
+from tvm.script import tirx as T
+
+from .amx_tiles import (
+    BLOCK,
+    KSTEP,
+    dot_block,
+    intrin,
+    load_config,
+    move_block,
+    store_block,
+    task_groups,
+)
+from .conv2d import ConvShape
+from .injective import KERNEL_ATTR
+from .packing import round_up
+
+__all__ = ["amx_conv2d_kernel", "amx_conv_applies", "amx_conv_compensation", "amx_conv_weight"]
+
+
+def amx_conv_applies(shape: ConvShape) -> bool:
+    """Dilation 1; stride 1, or a 1x1 kernel without padding at any stride (packing
+    subsamples the image); at least 64 input channels, or 16 for 1x1 convs with 32 output
+    channels or more. Measured against the VNNI kernel (1 thread): 3x3 with 32-40 input
+    channels 0.74-0.96x (the tile rows are half padding), 1x1 with 16-32 input channels
+    1.8-4.7x (output-bound: AMX stores complete tiles straight into NCHW), 1x1 with 16 output
+    channels 0.1x (no complete tile: every block goes through the stack buffer)."""
+    pointwise = shape.kernel == (1, 1) and not any(shape.padding)
+    wide = shape.in_channels >= 64 or (
+        pointwise and shape.in_channels >= 16 and shape.out_channels >= 32
+    )
+    return (shape.strides == (1, 1) or pointwise) and shape.dilation == (1, 1) and wide
+
+
+def _subsampled(shape: ConvShape) -> ConvShape:
+    """A strided 1x1 conv as the stride-1 conv of the pixels it reads (others: unchanged)."""
+    if shape.strides == (1, 1):
+        return shape
+    oh, ow = shape.out_hw
+    return replace(shape, height=oh, width=ow, strides=(1, 1))
+
+
+def amx_conv_weight(w: np.ndarray) -> np.ndarray:
+    """OIHW int8 weights as ``[OCp/16, KH*KW*ICp/64, 16, 64]``: 16 output channels x 64
+    reduction bytes (one tap, 64 input channels) per tile, OC padded to 32, IC to 64.
+
+    >>> p = amx_conv_weight(np.arange(2 * 3).reshape(2, 3, 1, 1).astype(np.int8))
+    >>> p.shape, p[0, 0, 1, :4].tolist()  # output channel 1: its 3 input channels, then 0
+    ((2, 1, 16, 64), [3, 4, 5, 0])
+    """
+    oc, ic, kh, kw = w.shape
+    icp, ocp = round_up(ic, KSTEP), round_up(oc, BLOCK)
+    wt = np.zeros((ocp, kh, kw, icp), np.int8)
+    wt[:oc, ..., :ic] = w.transpose(0, 2, 3, 1)
+    steps = kh * kw * icp // KSTEP
+    return np.ascontiguousarray(wt.reshape(ocp // 16, 16, steps, KSTEP).transpose(0, 2, 1, 3))
+
+
+def amx_conv_compensation(w: np.ndarray, zero_point: int) -> np.ndarray:
+    """The accumulators' start ``-zero_point * sum(w)`` as ``[OCp, 16]`` int32 (one row of 16
+    equal columns per output channel: a tile load with a 64-byte row stride).
+
+    >>> amx_conv_compensation(np.ones((2, 3, 1, 1), np.int8), 5)[:3, :2].tolist()
+    [[-15, -15], [-15, -15], [0, 0]]
+    """
+    sums = w.reshape(w.shape[0], -1).astype(np.int64).sum(axis=1) * -zero_point
+    out = np.zeros((round_up(w.shape[0], BLOCK), 16), np.int32)
+    out[: w.shape[0]] = sums.astype(np.int32)[:, None]
+    return out
+
+
+def _geometry(shape: ConvShape) -> tuple[int, int, int, int, int]:
+    """(ICp, OCp, padded width Wp, output pixels over Wp, packed pixels any tile may read)."""
+    (kh, kw), (_, pl, _, pr), (oh, _) = shape.kernel, shape.padding, shape.out_hw
+    wp = shape.width + pl + pr
+    m = oh * wp
+    pix = -(-(round_up(m, BLOCK) + (kh - 1) * wp + kw - 1) // wp) * wp
+    return round_up(shape.in_channels, KSTEP), round_up(shape.out_channels, BLOCK), wp, m, pix
+
+
+def amx_conv2d_kernel(shape: ConvShape, data_dtype: str, shift: int, pad_value: int):
+    """The PrimFunc ``(data[N, C, H, W], packed_weight, compensation[OCp, 16], out)``; ``shift``
+    is added to the activations, ``pad_value`` (the shifted zero point) fills the padding."""
+    in_hw, (sh, sw), shape = (shape.height, shape.width), shape.strides, _subsampled(shape)
+    n_img, ic, h, wd, oc = astuple(shape)[:5]
+    (kh, kw), (pt, pl, _, _), (oh, ow) = shape.kernel, shape.padding, shape.out_hw
+    icp, ocp, wp, m, pix = _geometry(shape)
+    row_blocks, chunks, quads = round_up(m, BLOCK) // BLOCK, icp // KSTEP, icp // 4
+    groups = task_groups(n_img * row_blocks, ocp // BLOCK)
+    per_group = ocp // BLOCK // groups
+    # complete blocks go straight to the output; output rows a block of pixels can touch
+    direct, spans = wp == ow, -(-BLOCK // wp) + 1
+
+    @T.prim_func
+    def amx_conv2d(
+        x: T.Buffer((n_img, ic, *in_hw), data_dtype),
+        w: T.Buffer((ocp // 16, kh * kw * chunks, 16, KSTEP), "int8"),
+        c: T.Buffer((ocp, 16), "int32"),
+        out: T.Buffer((n_img, oc, oh, ow), "int32"),
+    ):
+        T.func_attr({"tirx.noalias": True})
+        a = T.decl_buffer((n_img, quads, pix, 4), "uint8")
+        a_flat = T.decl_buffer((n_img * quads, pix * 4), "uint8", data=a.data)
+        flat = T.decl_buffer((n_img, oc, oh * ow), "int32", data=out.data)
+        for nq in T.parallel(n_img * quads):
+            for e in range(pix * 4):
+                a_flat[nq, e] = T.uint8(pad_value)
+            for y, xx in T.grid(h, wd):
+                for r in T.unroll(4):  # channels >= ic meet zero weights: any value will do
+                    a[nq // quads, nq % quads, (y + pt) * wp + pl + xx, r] = T.Cast(
+                        "uint8",
+                        T.Cast(
+                            "int32",
+                            x[nq // quads, T.min(nq % quads * 4 + r, ic - 1), y * sh, xx * sw],
+                        )
+                        + shift,
+                    )
+        for task in T.parallel(n_img * row_blocks * groups):
+            cfg = T.decl_buffer((64,), "uint8", scope="local")
+            acc = T.decl_buffer((BLOCK, BLOCK), "int32", scope="local")
+            load_config(cfg)
+            img = task // (row_blocks * groups)
+            p0 = task // groups % row_blocks * BLOCK
+            for q in range(per_group):
+                c0 = (task % groups * per_group + q) * BLOCK
+                move_block(
+                    "llvm.x86.tileloadd64",
+                    [T.address_of(c[c0 + i, 0]) for i in (0, 0, 16, 16)],
+                    64,
+                )
+                for tap, ch in T.grid(kh * kw, chunks):
+                    pt0 = p0 + tap // kw * wp + tap % kw
+                    dot_block(
+                        T.address_of(w[c0 // 16, tap * chunks + ch, 0, 0]),
+                        T.address_of(w[c0 // 16 + 1, tap * chunks + ch, 0, 0]),
+                        KSTEP,
+                        T.address_of(a[img, ch * 16, pt0, 0]),
+                        T.address_of(a[img, ch * 16, pt0 + 16, 0]),
+                        pix * 4,
+                        "llvm.x86.tdpbsud",
+                    )
+                if direct and p0 + BLOCK <= m and c0 + BLOCK <= oc:
+                    move_block(
+                        "llvm.x86.tilestored64",
+                        [T.address_of(flat[img, c0 + i, p0 + j]) for i, j in _CORNERS],
+                        oh * ow * 4,
+                    )
+                else:
+                    store_block(acc)
+                    for i, yb in T.grid(T.min(BLOCK, oc - c0), spans):
+                        y = p0 // wp + yb  # output row; its valid pixels in this block:
+                        lo = T.max(p0, y * wp)
+                        hi = T.min(T.min(p0 + BLOCK, y * wp + ow), m)
+                        for j in range(T.max(hi - lo, 0)):
+                            out[img, c0 + i, y, lo - y * wp + j] = acc[i, lo - p0 + j]
+            T.evaluate(intrin("llvm.x86.tilerelease"))
+
+    return amx_conv2d.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
+
+
+_CORNERS = ((0, 0), (0, 16), (16, 0), (16, 16))

@@ -1,0 +1,89 @@
+"""int8 dense (``[M, K] x [N, K]^T``) on Intel AMX tiles (``tdpbusd``, uint8 x int8 -> int32).
+
+The PrimFunc takes the int8/uint8 activations ``[M, K]``, the weights packed exactly as for
+the VNNI dense kernel (:func:`autoq.cpu.packing.pack_dense_weight`, 16 lanes x 4, here with
+N padded to 32 and K to 64) and the int32 compensation ``(zx + shift) * sum(w)``, and returns
+the int32 ``(x - zx) @ w.T`` of ``qnn.dense``, like :mod:`autoq.cpu.dense`.
+
+Inside: activations shifted to uint8 (``x + 128`` for int8 data, as on VNNI) into a
+``[M/32*32, K/64*64]`` buffer; then each 32 x 32 output block is a 2 x 2 square of
+accumulator tiles (tmm0-3, 16 rows x 16 int32); every 64-deep step loads two activation
+tiles (tmm4-5: 16 rows x 64 uint8, row stride K) and two weight tiles (tmm6-7: 16 rows of
+16 channels x 4 bytes, which is one ``[K/4, 16, 4]`` slab of the packed weights, row stride
+64) and issues four ``tdpbusd``. The block is stored to a stack buffer and written out minus
+the compensation. Parallel over (32-row block, group of 32-channel blocks); each task loads
+the tile configuration (``ldtilecfg``, per thread state) first and releases it at the end.
+The process must have been granted the tile state (:func:`autoq.cpu.amx.require_amx`).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm.script import tirx as T
+
+from .amx_tiles import (
+    BLOCK,
+    KSTEP,
+    dot_block,
+    intrin,
+    load_config,
+    store_block,
+    task_groups,
+    zero_block,
+)
+from .injective import KERNEL_ATTR
+from .packing import round_up
+
+__all__ = ["amx_dense_kernel"]
+
+
+def amx_dense_kernel(m: int, k_dim: int, n: int, data_dtype: str, shift: int) -> tvm.tirx.PrimFunc:
+    """The PrimFunc ``(data[m, k], packed_weight[N/16, K/4, 16, 4], compensation[N],
+    out[m, n])`` (N, K: ``n``, ``k`` rounded up to 32 and 64); ``shift`` is added to the
+    activations (128 for int8 data, 0 for uint8)."""
+    mp, kp, np_ = round_up(m, BLOCK), round_up(k_dim, KSTEP), round_up(n, BLOCK)
+    row_blocks, groups = mp // BLOCK, task_groups(mp // BLOCK, np_ // BLOCK)
+    per_group = np_ // BLOCK // groups
+    steps = kp // KSTEP
+
+    @T.prim_func
+    def amx_dense(
+        x: T.Buffer((m, k_dim), data_dtype),
+        w: T.Buffer((np_ // 16, kp // 4, 16, 4), "int8"),
+        c: T.Buffer((np_,), "int32"),
+        out: T.Buffer((m, n), "int32"),
+    ):
+        T.func_attr({"tirx.noalias": True})
+        a = T.decl_buffer((mp, kp), "uint8")
+        for i in T.parallel(mp):
+            for j in range(kp):
+                a[i, j] = T.if_then_else(
+                    i < m and j < k_dim,
+                    T.Cast(
+                        "uint8", T.Cast("int32", x[T.min(i, m - 1), T.min(j, k_dim - 1)]) + shift
+                    ),
+                    T.uint8(0),
+                )
+        for task in T.parallel(row_blocks * groups):
+            cfg = T.decl_buffer((64,), "uint8", scope="local")
+            acc = T.decl_buffer((BLOCK, BLOCK), "int32", scope="local")
+            load_config(cfg)
+            r0 = task // groups * BLOCK
+            for q in range(per_group):
+                c0 = (task % groups * per_group + q) * BLOCK
+                zero_block()
+                for s in range(steps):
+                    dot_block(
+                        T.address_of(a[r0, s * KSTEP]),
+                        T.address_of(a[r0 + 16, s * KSTEP]),
+                        kp,
+                        T.address_of(w[c0 // 16, s * 16, 0, 0]),
+                        T.address_of(w[c0 // 16 + 1, s * 16, 0, 0]),
+                    )
+                store_block(acc)
+                for i in range(T.min(BLOCK, m - r0)):
+                    for j in range(T.min(BLOCK, n - c0)):
+                        out[r0 + i, c0 + j] = acc[i, j] - c[c0 + j]
+            T.evaluate(intrin("llvm.x86.tilerelease"))
+
+    return amx_dense.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})

@@ -1,0 +1,98 @@
+"""The AMX tile operations autoq's AMX kernels are written with (TVMScript pieces).
+
+Every kernel uses the same register plan: one configuration of eight tiles of 16 rows x 64
+bytes (palette 1), tmm0-3 the 2 x 2 int32 accumulators of a 32 x 32 output block, tmm4-5
+two 16-row activation tiles (uint8), tmm6-7 two 16-channel weight tiles (int8, 16 rows of
+16 channels x 4 consecutive reduction bytes: one ``[16, 16, 4]`` slab of the VNNI packing).
+The tile instructions take tile numbers as immediates, so they are emitted as
+``call_llvm_intrin`` of ``llvm.x86.{ldtilecfg, tilezero, tileloadd64, tdpbusd,
+tilestored64, tilerelease}`` with constant tile numbers.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+__all__ = [
+    "BLOCK",
+    "KSTEP",
+    "dot_block",
+    "intrin",
+    "load_config",
+    "move_block",
+    "store_block",
+    "task_groups",
+    "zero_block",
+]
+
+BLOCK = 32  # output rows / channels per block (2 x 2 tiles of 16)
+KSTEP = 64  # reduction bytes per tile row
+MIN_TASKS = 8  # parallel tasks wanted (the pool splits them statically)
+
+
+def task_groups(row_blocks: int, col_blocks: int) -> int:
+    """Into how many groups the ``col_blocks`` 32-channel blocks of a 32-row block are split
+    (each group is one parallel task): the fewest that give ``MIN_TASKS`` tasks in all.
+
+    >>> task_groups(4, 12), task_groups(1, 12), task_groups(8, 48), task_groups(1, 1)
+    (2, 12, 1, 1)
+    """
+    for groups in range(1, col_blocks + 1):
+        if col_blocks % groups == 0 and row_blocks * groups >= MIN_TASKS:
+            return groups
+    return col_blocks
+
+
+def intrin(name: str, *args):
+    """A void ``call_llvm_intrin``."""
+    return T.call_llvm_intrin("void", name, *args)
+
+
+@T.macro
+def load_config(cfg):
+    """palette 1; 8 tiles of 16 rows x 64 bytes (colsb at bytes 16 + 2t, rows at 48 + t)."""
+    for b in range(64):
+        cfg[b] = T.uint8(0)
+    cfg[0] = T.uint8(1)
+    for t in range(8):
+        cfg[16 + 2 * t] = T.uint8(KSTEP)
+        cfg[48 + t] = T.uint8(16)
+    T.evaluate(intrin("llvm.x86.ldtilecfg", T.address_of(cfg[0])))
+
+
+def _tile(op: str, tmm: int, ptr, stride):
+    return T.evaluate(intrin(op, T.uint8(tmm), ptr, T.int64(stride)))
+
+
+@T.macro
+def zero_block():
+    T.evaluate(intrin("llvm.x86.tilezero", T.uint8(0)))
+    T.evaluate(intrin("llvm.x86.tilezero", T.uint8(1)))
+    T.evaluate(intrin("llvm.x86.tilezero", T.uint8(2)))
+    T.evaluate(intrin("llvm.x86.tilezero", T.uint8(3)))
+
+
+def dot_block(a0, a1, a_stride, b0, b1, b_stride=KSTEP, op="llvm.x86.tdpbusd"):
+    """Load the row operands ``a0`` / ``a1`` (pointers, row stride ``a_stride`` bytes) and the
+    column operands ``b0`` / ``b1`` (row stride ``b_stride``) and accumulate the 2 x 2 block
+    ``C[2i + j] += A_i B_j`` (``tdpbusd``: uint8 rows x int8 columns; ``tdpbsud``: int8 rows
+    x uint8 columns)."""
+    _tile("llvm.x86.tileloadd64", 4, a0, a_stride)
+    _tile("llvm.x86.tileloadd64", 5, a1, a_stride)
+    _tile("llvm.x86.tileloadd64", 6, b0, b_stride)
+    _tile("llvm.x86.tileloadd64", 7, b1, b_stride)
+    for c, a, b in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7)):
+        T.evaluate(intrin(op, T.uint8(c), T.uint8(a), T.uint8(b)))
+
+
+def move_block(op: str, ptrs, stride):
+    """``tileloadd64`` / ``tilestored64`` of the 2 x 2 accumulators from / to ``ptrs``
+    (tiles 0..3: top-left, top-right, bottom-left, bottom-right), row stride ``stride``."""
+    for t, ptr in enumerate(ptrs):
+        _tile(op, t, ptr, stride)
+
+
+def store_block(acc):
+    """The 2 x 2 accumulators into the int32 ``acc[32, 32]`` buffer."""
+    ptrs = [T.address_of(acc[i, j]) for i, j in ((0, 0), (0, 16), (16, 0), (16, 16))]
+    move_block("llvm.x86.tilestored64", ptrs, BLOCK * 4)
