@@ -235,7 +235,9 @@ class Config(JsonDocument):
     spill to ``cache_dir`` or a temporary directory). ``progress``: show tqdm bars.
     ``smooth_quant``: SmoothQuant's migration strength alpha (Xiao et al. 2023,
     arXiv:2211.10438): LayerNorm output outliers moved into the dense weights reading them,
-    an exact rewrite of the float model before calibration (:mod:`autoq.smooth_quant`).
+    an exact rewrite of the float model before calibration (:mod:`autoq.smooth_quant`); the
+    result's module then realizes ``QuantizeResult.matched`` (the rewritten model), so
+    simulate/compare against that, not the original module.
     ``skip_unbounded``: ``autoq.quantize`` keeps in fp32 the layers whose activations hold
     inf-like sentinels such as attention masks of ``finfo.min`` (see :mod:`autoq.guard`).
     ``check_scales``: layers whose activation scale cannot represent its data go fp32 (:mod:`autoq.scale_health`).
