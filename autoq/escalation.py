@@ -50,7 +50,7 @@ from .qparams import QParam, QParams
 from .simulate import SimResult, simulate
 from .toolkit import as_list, bindings, compile_vm, const, is_call, make_function, output_fields
 
-__all__ = ["EscalationGraph", "escalate", "escalate_search", "int16_qparam"]
+__all__ = ["EscalationGraph", "escalate", "escalate_search", "int16_qparam", "search_setup"]
 
 WIDE = {"int8": "int16", "uint8": "int16"}
 
@@ -371,6 +371,22 @@ def _held_gain(eg: EscalationGraph, reference_run, held):
     return gain
 
 
+def search_setup(config: Config, precision: str, dataset, target, fan_out):
+    """What an in-process ``AutoFallback(precision=...)`` search starts from: the options
+    (checked), the target, the config with only the fixed fallback rules, and the
+    calibration / held-out split of ``dataset``. A cluster (``fan_out``) is refused."""
+    fb = config.fallback
+    if not isinstance(fb, AutoFallback) or fb.precision != precision:
+        raise TypeError(f"config.fallback must be an AutoFallback(precision={precision!r})")
+    if fan_out is not None:
+        raise ValueError(
+            f"AutoFallback(precision={precision!r}) searches in this process: calibrate "
+            "without a cluster, or use precision='fp32'/'int16'"
+        )
+    calib, held = split_holdout(dataset, fb.holdout)
+    return fb, target or default_target(), config.replace(fallback=fb.fixed()), calib, held
+
+
 def escalate(
     model, params, dataset, config: Config, qparams: QParams | None = None, target=None,
     fan_out=None,
@@ -379,17 +395,9 @@ def escalate(
     calibrate (unless ``qparams`` are given, calibrated on the dataset minus the held-out
     samples), compile the :class:`EscalationGraph`, search, and return the config with
     ``int16_tensors`` and its qparams (same call shape as :func:`autoq.auto_fallback.auto_fallback`)."""
-    fb = config.fallback
-    if not isinstance(fb, AutoFallback) or fb.precision != "int16_tensors":
-        raise TypeError('config.fallback must be an AutoFallback(precision="int16_tensors")')
-    if fan_out is not None:
-        raise ValueError(
-            'AutoFallback(precision="int16_tensors") searches in this process: calibrate '
-            "without a cluster, or use precision='fp32'/'int16'"
-        )
-    target = target or default_target()
-    base_cfg = config.replace(fallback=fb.fixed())
-    calib, held = split_holdout(dataset, fb.holdout)
+    fb, target, base_cfg, calib, held = search_setup(
+        config, "int16_tensors", dataset, target, fan_out
+    )
     sim = simulate(model, params, base_cfg)
     if qparams is None:
         qparams = calibrate(sim, params, calib, base_cfg, target=target)

@@ -33,11 +33,10 @@ import time
 import warnings
 
 from .analysis import layer_feeders
-from .auto_fallback import FallbackDecision, FallbackOutcome, remap_qparams, split_holdout
-from .build import default_target
+from .auto_fallback import FallbackDecision, FallbackOutcome, remap_qparams
 from .calibrate import calibrate
 from .config import AutoFallback, Config
-from .escalation import TRIAL_SAMPLES, EscalationGraph
+from .escalation import TRIAL_SAMPLES, EscalationGraph, search_setup
 from .metrics import sqnr_db
 from .qparams import QParams
 from .report import fmt_db, json_num, sort_key
@@ -198,17 +197,9 @@ def int16_first(
 ) -> FallbackOutcome:  # fmt: skip
     """Run ``AutoFallback(precision="int16_first")`` end to end (module docstring), with the
     call shape of :func:`autoq.auto_fallback.auto_fallback`."""
-    fb = config.fallback
-    if not isinstance(fb, AutoFallback) or fb.precision != "int16_first":
-        raise TypeError('config.fallback must be an AutoFallback(precision="int16_first")')
-    if fan_out is not None:
-        raise ValueError(
-            'AutoFallback(precision="int16_first") searches in this process: calibrate '
-            "without a cluster, or use precision='fp32'/'int16'"
-        )
-    target = target or default_target()
-    base_cfg = config.replace(fallback=fb.fixed())
-    calib, held = split_holdout(dataset, fb.holdout)
+    fb, target, base_cfg, calib, held = search_setup(
+        config, "int16_first", dataset, target, fan_out
+    )
     if qparams is None:
         qparams = calibrate(
             simulate(model, params, base_cfg), params, calib, base_cfg, target=target
