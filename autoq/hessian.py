@@ -326,6 +326,7 @@ class CodeHessian(Hessian):
         self.sum = self.row_sum = None  # allocated at the first product
         self._pending: list[np.ndarray] = []  # (G, K, rows) code blocks not summed yet
         self._pending_sq: np.ndarray | None = None  # their columns' sums of squares
+        self._pending_size = 0  # their code values in all
         self.scale = float(np.float32(scale))
         if not (np.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"scale must be a positive finite number, got {scale!r}")
@@ -362,7 +363,8 @@ class CodeHessian(Hessian):
             self.flush()
         self._pending_sq = sq if not self._pending else self._pending_sq + sq
         self._pending.append(cols)
-        if sum(p.size for p in self._pending) >= FLUSH:
+        self._pending_size += cols.size
+        if self._pending_size >= FLUSH:
             self.flush()
 
     def flush(self) -> None:
@@ -372,7 +374,7 @@ class CodeHessian(Hessian):
         if not pending:
             return
         cols = pending[0] if len(pending) == 1 else np.concatenate(pending, axis=2)
-        self._pending, self._pending_sq = [], None
+        self._pending, self._pending_sq, self._pending_size = [], None, 0
         self._add(cols)
 
     def _add(self, cols: np.ndarray) -> None:

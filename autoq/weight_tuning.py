@@ -177,23 +177,21 @@ class InputStats:
         self.hessians = {
             t.layer: shared.setdefault(t.input_key(), t.hessian(float(scale[0]))) for t in tasks
         }
-
-    def _distinct(self) -> dict[str, CodeHessian]:
-        """One layer per distinct Hessian (layer -> Hessian)."""
-        seen: dict[int, str] = {}
+        # one layer per distinct Hessian (layer -> Hessian): what update/merge feed, once
+        firsts: dict[int, str] = {}
         for layer, h in self.hessians.items():
-            seen.setdefault(id(h), layer)
-        return {layer: self.hessians[layer] for layer in seen.values()}
+            firsts.setdefault(id(h), layer)
+        self.distinct = {layer: self.hessians[layer] for layer in firsts.values()}
 
     def update(self, x: np.ndarray) -> None:
         qp = self.qp
         q = P.quantize(x, qp.scale, qp.zero_point, qp.dtype).astype(np.int32)
         codes = q - np.asarray(qp.zero_point, np.int32)
-        for h in self._distinct().values():
+        for h in self.distinct.values():
             h.update(codes)
 
     def merge(self, other: InputStats) -> None:
-        for k, h in self._distinct().items():
+        for k, h in self.distinct.items():
             h.merge(other.resolve().hessians[k])
 
     def resolve(self) -> InputStats:
