@@ -45,8 +45,9 @@ import tvm
 from tvm import relax
 
 from .equalize import equalize_chain
+from .graph import index_function
 from .prepare import rebind
-from .toolkit import bindings, const_array, free_vars, op_name, shape_of, with_main
+from .toolkit import const_array, free_vars, op_name, shape_of, with_main
 
 __all__ = ["HOMOGENEOUS", "EqualizationReport", "equalize_layers"]
 
@@ -111,16 +112,13 @@ class _Scan:
     """The function's bindings, users and weight parameters (read once)."""
 
     def __init__(self, func: relax.Function, params: dict[str, np.ndarray]):
+        g = index_function(func, params)
         self.params = params
-        pairs = bindings(func)
-        self.value_of = dict(pairs)
-        self.order = [v for v, _ in pairs]
-        self.pvar = {p: p.name for p in func.params if p.name in params}
-        self.users: dict[relax.Var, list] = {}
-        for var, value in pairs:
-            for v in _operands(value):
-                self.users.setdefault(v, []).append(var)
-        for v in free_vars(func.body.body):
+        self.value_of = g.value
+        self.order = [v for v, _ in g.bindings]
+        self.pvar = {p: p.name for p in g.weight_params}
+        self.users: dict[relax.Var, list] = {v: list(us) for v, us in g.users.items()}
+        for v in g.output_vars():
             self.users.setdefault(v, []).append(None)  # a function output
 
     def only_user(self, var) -> relax.Var | None:

@@ -23,7 +23,7 @@ from tvm import relax
 from .canonicalize import canonicalize
 from .toolkit import bindings, const_array, free_vars, op_name, shape_of, short_op_name, with_main
 
-__all__ = ["Graph", "GraphError", "WeightRef", "prepare"]
+__all__ = ["Graph", "GraphError", "WeightRef", "index_function", "prepare"]
 
 
 class GraphError(ValueError):
@@ -162,11 +162,19 @@ def prepare(mod: tvm.IRModule, params: dict | None = None, func_name: str = "mai
         ]
     )
     mod = canonicalize(seq(with_main(mod, func, func_name)), func_name, set(params))
-    func = mod[func_name]
+    return index_function(mod[func_name], params, mod)
+
+
+def index_function(
+    func: relax.Function, params: dict[str, np.ndarray], module: tvm.IRModule | None = None
+) -> Graph:
+    """The :class:`Graph` of ``func`` exactly as it is (no normalization: :func:`prepare`
+    normalizes first); passes that rewrite the input model in place use it to read bindings,
+    users and weights. ``params``: numpy arrays by parameter name."""
     bindings, output = _flatten_bindings(func)
     inputs = [p for p in func.params if p.name not in params]
     weight_params = [p for p in func.params if p.name in params]
-    g = Graph(func, params, inputs, weight_params, bindings, output, module=mod)
+    g = Graph(func, params, inputs, weight_params, bindings, output, module=module)
     for p in weight_params:
         g.weights[p] = WeightRef(params[p.name].astype(params[p.name].dtype), p.name)
     counters: dict[str, int] = defaultdict(int)
