@@ -41,7 +41,7 @@ from .depthwise import depthwise_kernel, depthwise_weight
 from .isa import VNNI, Isa, kernel_isa
 from .lut import lut_kernel
 from .packing import compensation, pack_conv_weight, pack_dense_weight, round_up
-from .softmax import softmax_kernel
+from .softmax import softmax_kernel, softmax_table
 
 __all__ = ["lower_to_cpu_kernels"]
 
@@ -234,7 +234,8 @@ def _softmax(_isa: Isa, fallback, bb, call):
     if axis not in (-1, len(shape) - 1):
         return fallback(bb, call)
     gv = bb.add_func(softmax_kernel(shape).without_attr("global_symbol"), "autoq_softmax")
-    return relax.call_tir(gv, [data], out_ty=relax.TensorType(shape, "float32"))
+    table = relax.const(softmax_table(), "int64")
+    return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, "float32"))
 
 
 def _lut(_isa: Isa, fallback, bb, call):
