@@ -17,6 +17,7 @@ from tvm import relax
 import autoq
 from autoq import Config
 from autoq.cpu import isa as isa_mod
+from autoq.cpu import lut as lut_mod
 from autoq.cpu import packing, tiling
 from autoq.cpu.conv2d import ConvShape, conv2d_kernel
 from autoq.cpu.dense import dense_kernel
@@ -24,7 +25,8 @@ from autoq.cpu.depthwise import blocked, depthwise_kernel, depthwise_weight
 from autoq.cpu.injective import schedule_fused
 from autoq.cpu.isa import AVX2, VNNI, isa_of
 from autoq.cpu.lowering import lower_to_cpu_kernels
-from autoq.cpu.lut import lut_kernel
+from autoq.cpu.lut import lut_kernel, vbmi_lut_kernel
+from autoq.qnn.lut import lut
 from models import attention, mlp, small_cnn
 
 
@@ -277,16 +279,43 @@ def test_conv2d_transpose_kernel_same_as_generic(x_shape, w_shape, strides, padd
         np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=1e-5)
 
 
+VBMI = pytest.mark.skipif("avx512vbmi" not in FLAGS, reason="this CPU has no AVX-512 VBMI")
+
+
+@pytest.mark.parametrize(
+    ("kernel", "table_dtype"),
+    [
+        (lut_kernel, "int8"),
+        pytest.param(vbmi_lut_kernel, "int8", marks=VBMI),
+        pytest.param(vbmi_lut_kernel, "uint8", marks=VBMI),
+    ],
+)
 @pytest.mark.parametrize("dtype", ["int8", "uint8"])
-def test_lut_kernel_matches_numpy(dtype):
+def test_lut_kernel_matches_numpy(dtype, kernel, table_dtype):
     rng = np.random.default_rng(5)
-    x = _data(rng, (2, 3, 70, 50), dtype)
-    table = rng.integers(-128, 128, 256).astype(np.int8)
-    lib = tvm.compile(tvm.IRModule({"main": lut_kernel(x.shape, dtype, "int8")}), _target(HOST))
-    got = tvm.runtime.tensor(np.zeros(x.shape, np.int8))
+    x = _data(rng, (2, 3, 70, 50 + 3), dtype)  # 64-byte vectors and a scalar tail
+    x.reshape(-1)[:256] = np.arange(256).astype(np.uint8).view(dtype)  # every index
+    lo, hi = (-128, 128) if table_dtype == "int8" else (0, 256)
+    table = rng.integers(lo, hi, 256).astype(table_dtype)
+    lib = tvm.compile(tvm.IRModule({"main": kernel(x.shape, dtype, table_dtype)}), _target(HOST))
+    got = tvm.runtime.tensor(np.zeros(x.shape, table_dtype))
     lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(table), got)
     qmin = -128 if dtype == "int8" else 0
     np.testing.assert_array_equal(got.numpy(), table[x.astype(np.int32) - qmin])
+
+
+@pytest.mark.parametrize(("mcpu", "vbmi"), [("icelake-server", True), ("znver3", False)])
+def test_lut_lowering_uses_vbmi_where_the_target_has_it(mcpu, vbmi):
+    x = relax.Var("x", relax.TensorType((1, 4, 8, 8), "int8"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        table = relax.const(np.arange(256).astype(np.uint8).view(np.int8))
+        out = bb.emit(lut(x, table))
+        bb.emit_func_output(out)
+    mod = lower_to_cpu_kernels(bb.get(), _target(mcpu))
+    text = mod.script()
+    assert ("vpermi2var" in text) == vbmi
+    assert "autoq_lut" in text
 
 
 def test_fused_upsampling_read_is_unrolled_and_exact():
@@ -309,5 +338,5 @@ def test_fused_upsampling_read_is_unrolled_and_exact():
 
 
 def test_doctests():
-    for module in (packing, tiling, isa_mod):
+    for module in (packing, tiling, isa_mod, lut_mod):
         assert doctest.testmod(module).failed == 0

@@ -39,7 +39,7 @@ from .conv_transpose import conv2d_transpose_kernel
 from .dense import dense_kernel
 from .depthwise import depthwise_kernel, depthwise_weight
 from .isa import VNNI, Isa, kernel_isa
-from .lut import lut_kernel
+from .lut import VBMI_TABLE_DTYPES, lut_kernel, vbmi_lut_kernel
 from .packing import compensation, pack_conv_weight, pack_dense_weight, round_up
 from .softmax import softmax_kernel, softmax_table
 
@@ -239,12 +239,18 @@ def _softmax(_isa: Isa, fallback, bb, call):
 
 
 def _lut(_isa: Isa, fallback, bb, call):
-    """``qnn.lut`` -> :func:`autoq.cpu.lut.lut_kernel` (static shapes)."""
+    """``qnn.lut`` -> :func:`autoq.cpu.lut.vbmi_lut_kernel` on targets with AVX-512 VBMI
+    (8-bit tables), else :func:`autoq.cpu.lut.lut_kernel` (static shapes)."""
     data, table = call.args
     shape = shape_of(data)
     if shape is None:
         return fallback(bb, call)
-    func = lut_kernel(shape, dtype_of(data), dtype_of(table))
+    kernel = lut_kernel
+    target = tvm.target.Target.current(allow_none=True)
+    if dtype_of(table) in VBMI_TABLE_DTYPES and target is not None:
+        if tvm.target.codegen.target_has_features("avx512vbmi", target):
+            kernel = vbmi_lut_kernel
+    func = kernel(shape, dtype_of(data), dtype_of(table))
     gv = bb.add_func(func.without_attr("global_symbol"), "autoq_lut")
     return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, dtype_of(table)))
 
