@@ -254,15 +254,19 @@ def conv_transpose_reference(x, w, strides):
     [
         ((1, 6, 5, 7), (6, 3, 2, 2), (2, 2), (0, 0), True),
         ((2, 3, 4, 3), (3, 5, 3, 1), (3, 1), (0, 0), True),
+        ((1, 16, 3, 48), (16, 8, 2, 2), (2, 2), (0, 0), True),  # 8 channels x 3 vectors
         ((1, 4, 5, 5), (4, 2, 3, 3), (2, 2), (1, 1), False),  # overlapping taps: generic
     ],
 )
-def test_conv2d_transpose_kernel_same_as_generic(x_shape, w_shape, strides, padding, kernel):
+@pytest.mark.parametrize(("isa", "mcpu"), PATHS)
+def test_conv2d_transpose_kernel_same_as_generic(
+    isa, mcpu, x_shape, w_shape, strides, padding, kernel
+):
     rng = np.random.default_rng(3)
     x = rng.standard_normal(x_shape).astype(np.float32)
     w = rng.standard_normal(w_shape).astype(np.float32)
     mod = _conv_transpose_module(x_shape, w, strides, padding)
-    target = _target(HOST)
+    target = _target(mcpu)
     lowered = lower_to_cpu_kernels(mod, target)
     names = [gv.name_hint for gv in lowered.functions]
     assert ("autoq_conv2d_transpose" in names) == kernel

@@ -198,7 +198,7 @@ def _matmul(isa: Isa, fallback, bb, call):
     return _dense_call(isa, bb, a, np.ascontiguousarray(w.T), dt, za)
 
 
-def _conv2d_transpose(_isa: Isa, fallback, bb, call):
+def _conv2d_transpose(isa: Isa, fallback, bb, call):
     """float32 conv2d_transpose with kernel == stride (NCHW / IOHW, no padding, dilation,
     output padding or groups) -> the sub-pixel kernel; anything else -> ``fallback``."""
     data, weight = call.args
@@ -219,7 +219,10 @@ def _conv2d_transpose(_isa: Isa, fallback, bb, call):
     )
     if not plain:
         return fallback(bb, call)
-    func = conv2d_transpose_kernel(x_shape, w_shape)
+    # vector registers for accumulators: 24 of AVX-512's 32 (the VNNI targets), 12 of 16
+    func = conv2d_transpose_kernel(
+        x_shape, w_shape, accumulators=24 if isa.name == VNNI.name else 12
+    )
     gv = bb.add_func(func.without_attr("global_symbol"), "autoq_conv2d_transpose")
     out = (x_shape[0], w_shape[1], x_shape[2] * w_shape[2], x_shape[3] * w_shape[3])
     return relax.call_tir(gv, [data, weight], out_ty=relax.TensorType(out, "float32"))
