@@ -251,3 +251,13 @@ def test_qnn_conv_on_amx_same_as_generic_lowering():
         for target, use in ((AMX_TARGET, True), (HOST_TARGET, False))
     ]
     np.testing.assert_array_equal(outs[0].numpy(), outs[1].numpy())
+
+
+def test_amx_conv_rule_keeps_large_pointwise_convs_with_few_channels_on_vnni():
+    def pointwise(c, hw, oc):
+        return ConvShape(1, c, hw, hw, oc, (1, 1), (1, 1), (0, 0, 0, 0))
+
+    assert amx_conv_applies(pointwise(16, 60, 64))
+    assert not amx_conv_applies(pointwise(16, 240, 64))  # memory-bound: VNNI measured faster
+    assert not amx_conv_applies(pointwise(32, 120, 64))
+    assert amx_conv_applies(pointwise(64, 240, 64))  # >= 64 channels: no padding

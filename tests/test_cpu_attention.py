@@ -11,15 +11,17 @@ import numpy as np
 import pytest
 import tvm
 from test_cpu_kernels import PATHS  # the two ISA paths, skipped where the CPU lacks one
-from tvm import relax
+from tvm import relax, te
 
 import autoq
 from autoq.cpu import batch_matmul as batch_matmul_mod
+from autoq.cpu import expf as expf_mod
 from autoq.cpu import softmax as softmax_mod
 from autoq.cpu.batch_matmul import batch_matmul_kernel
+from autoq.cpu.expf import EXPF_TABLE, expf_expr
 from autoq.cpu.injective import schedule_fused
 from autoq.cpu.lowering import lower_to_cpu_kernels
-from autoq.cpu.softmax import softmax_kernel
+from autoq.cpu.softmax import LOG_SMALLEST_NORMAL, softmax_kernel, softmax_table
 
 TINY = np.finfo(np.float32).tiny
 TARGET = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
@@ -39,14 +41,16 @@ def _relax_vm(build, inputs, fuse_schedule: bool):
     return vm["main"](*[tvm.runtime.tensor(a) for a in inputs]).numpy()
 
 
-@pytest.mark.parametrize("shape", [(1, 3, 5, 40), (7, 33), (2, 4, 16)])
-def test_softmax_same_floats_except_flushed_denormals(shape):
+@pytest.mark.parametrize("shape", [(1, 3, 5, 40), (7, 33), (2, 4, 16), (2, 20, 48)])
+@pytest.mark.parametrize(("isa", "mcpu"), PATHS)
+def test_softmax_same_floats_except_flushed_denormals(isa, mcpu, shape):
     rng = np.random.default_rng(0)
     x = (rng.normal(size=shape) * 3).astype(np.float32)
     x[..., shape[-1] // 2 :] -= 100.0  # an attention mask: exp(-100) is denormal
-    lib = tvm.compile(tvm.IRModule({"main": softmax_kernel(shape)}), TARGET)
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+    lib = tvm.compile(tvm.IRModule({"main": softmax_kernel(shape)}), target)
     out = tvm.runtime.tensor(np.zeros(shape, np.float32))
-    lib["main"](tvm.runtime.tensor(x), out)
+    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(softmax_table()), out)
     got = out.numpy()
     ref = _relax_vm(lambda v: relax.op.nn.softmax(v, axis=-1), [x], fuse_schedule=False)
     assert np.any((ref > 0) & (ref < TINY)), "the case must contain denormal probabilities"
@@ -55,6 +59,43 @@ def test_softmax_same_floats_except_flushed_denormals(shape):
     assert not np.any(got[~normal])
     e = np.exp(x.astype(np.float64) - x.max(axis=-1, keepdims=True))
     np.testing.assert_allclose(got, e / e.sum(axis=-1, keepdims=True), rtol=1e-5, atol=1e-30)
+
+
+def _exp_lib(body, args, mcpu: str):
+    """out[i] = body(x[i]) over a flat float32 vector, vectorized by 16 lanes."""
+    sch = tvm.s_tir.Schedule(te.create_prim_func([*args, body]))
+    (loop,) = sch.get_loops(sch.get_sblock(body.op.name))
+    sch.vectorize(sch.split(loop, [None, 16])[1])
+    return tvm.compile(sch.mod, tvm.target.Target({"kind": "llvm", "mcpu": mcpu}))
+
+
+@pytest.mark.parametrize(("isa", "mcpu"), PATHS)
+def test_expf_expr_gives_libm_floats(isa, mcpu):
+    """The vectorized exp == TVM's exp (a libm expf call per element), bit for bit, over
+    random arguments in softmax's range and some chosen ones (integers, ln 2 multiples,
+    halfway points of the k rounding, tiny magnitudes)."""
+    rng = np.random.default_rng(4)
+    picked = np.concatenate(
+        [
+            -np.arange(88, dtype=np.float32),
+            -np.arange(1, 126, dtype=np.float32) * np.float32(np.log(2)),
+            -(np.arange(1, 2000, dtype=np.float32) + np.float32(0.5)) * np.float32(np.log(2) / 32),
+            -(np.float32(2.0) ** -np.arange(1, 149, dtype=np.float32)),
+            np.array([-0.0, LOG_SMALLEST_NORMAL], np.float32),
+        ]
+    )
+    x = np.concatenate([picked, rng.uniform(LOG_SMALLEST_NORMAL, 0, 1 << 18).astype(np.float32)])
+    x = x[: len(x) // 16 * 16]
+    xp = te.placeholder(x.shape, "float32", name="x")
+    table = te.placeholder((32,), "int64", name="table")
+    mine = _exp_lib(
+        te.compute(x.shape, lambda i: expf_expr(xp[i], table), name="e"), [xp, table], mcpu
+    )
+    ref = _exp_lib(te.compute(x.shape, lambda i: te.exp(xp[i]), name="e"), [xp], mcpu)
+    got, want = (tvm.runtime.tensor(np.zeros_like(x)) for _ in range(2))
+    mine["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(EXPF_TABLE), got)
+    ref["main"](tvm.runtime.tensor(x), want)
+    np.testing.assert_array_equal(got.numpy().view(np.uint32), want.numpy().view(np.uint32))
 
 
 def test_softmax_lowered_only_for_last_axis_float32():
@@ -139,7 +180,7 @@ def test_batch_matmul_kernel_bit_exact(isa, mcpu, case):
 
 
 def test_doctests():
-    for module in (softmax_mod, batch_matmul_mod):
+    for module in (softmax_mod, batch_matmul_mod, expf_mod):
         assert doctest.testmod(module).failed == 0
 
 

@@ -17,6 +17,7 @@ from tvm import relax
 import autoq
 from autoq import Config
 from autoq.cpu import isa as isa_mod
+from autoq.cpu import lut as lut_mod
 from autoq.cpu import packing, tiling
 from autoq.cpu.conv2d import ConvShape, conv2d_kernel
 from autoq.cpu.dense import dense_kernel
@@ -24,7 +25,8 @@ from autoq.cpu.depthwise import blocked, depthwise_kernel, depthwise_weight
 from autoq.cpu.injective import schedule_fused
 from autoq.cpu.isa import AVX2, VNNI, isa_of
 from autoq.cpu.lowering import lower_to_cpu_kernels
-from autoq.cpu.lut import lut_kernel
+from autoq.cpu.lut import lut_kernel, vbmi_lut_kernel
+from autoq.qnn.lut import lut
 from models import attention, mlp, small_cnn
 
 
@@ -252,15 +254,19 @@ def conv_transpose_reference(x, w, strides):
     [
         ((1, 6, 5, 7), (6, 3, 2, 2), (2, 2), (0, 0), True),
         ((2, 3, 4, 3), (3, 5, 3, 1), (3, 1), (0, 0), True),
+        ((1, 16, 3, 48), (16, 8, 2, 2), (2, 2), (0, 0), True),  # 8 channels x 3 vectors
         ((1, 4, 5, 5), (4, 2, 3, 3), (2, 2), (1, 1), False),  # overlapping taps: generic
     ],
 )
-def test_conv2d_transpose_kernel_same_as_generic(x_shape, w_shape, strides, padding, kernel):
+@pytest.mark.parametrize(("isa", "mcpu"), PATHS)
+def test_conv2d_transpose_kernel_same_as_generic(
+    isa, mcpu, x_shape, w_shape, strides, padding, kernel
+):
     rng = np.random.default_rng(3)
     x = rng.standard_normal(x_shape).astype(np.float32)
     w = rng.standard_normal(w_shape).astype(np.float32)
     mod = _conv_transpose_module(x_shape, w, strides, padding)
-    target = _target(HOST)
+    target = _target(mcpu)
     lowered = lower_to_cpu_kernels(mod, target)
     names = [gv.name_hint for gv in lowered.functions]
     assert ("autoq_conv2d_transpose" in names) == kernel
@@ -277,16 +283,43 @@ def test_conv2d_transpose_kernel_same_as_generic(x_shape, w_shape, strides, padd
         np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=1e-5)
 
 
+VBMI = pytest.mark.skipif("avx512vbmi" not in FLAGS, reason="this CPU has no AVX-512 VBMI")
+
+
+@pytest.mark.parametrize(
+    ("kernel", "table_dtype"),
+    [
+        (lut_kernel, "int8"),
+        pytest.param(vbmi_lut_kernel, "int8", marks=VBMI),
+        pytest.param(vbmi_lut_kernel, "uint8", marks=VBMI),
+    ],
+)
 @pytest.mark.parametrize("dtype", ["int8", "uint8"])
-def test_lut_kernel_matches_numpy(dtype):
+def test_lut_kernel_matches_numpy(dtype, kernel, table_dtype):
     rng = np.random.default_rng(5)
-    x = _data(rng, (2, 3, 70, 50), dtype)
-    table = rng.integers(-128, 128, 256).astype(np.int8)
-    lib = tvm.compile(tvm.IRModule({"main": lut_kernel(x.shape, dtype, "int8")}), _target(HOST))
-    got = tvm.runtime.tensor(np.zeros(x.shape, np.int8))
+    x = _data(rng, (2, 3, 70, 50 + 3), dtype)  # 64-byte vectors and a scalar tail
+    x.reshape(-1)[:256] = np.arange(256).astype(np.uint8).view(dtype)  # every index
+    lo, hi = (-128, 128) if table_dtype == "int8" else (0, 256)
+    table = rng.integers(lo, hi, 256).astype(table_dtype)
+    lib = tvm.compile(tvm.IRModule({"main": kernel(x.shape, dtype, table_dtype)}), _target(HOST))
+    got = tvm.runtime.tensor(np.zeros(x.shape, table_dtype))
     lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(table), got)
     qmin = -128 if dtype == "int8" else 0
     np.testing.assert_array_equal(got.numpy(), table[x.astype(np.int32) - qmin])
+
+
+@pytest.mark.parametrize(("mcpu", "vbmi"), [("icelake-server", True), ("znver3", False)])
+def test_lut_lowering_uses_vbmi_where_the_target_has_it(mcpu, vbmi):
+    x = relax.Var("x", relax.TensorType((1, 4, 8, 8), "int8"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        table = relax.const(np.arange(256).astype(np.uint8).view(np.int8))
+        out = bb.emit(lut(x, table))
+        bb.emit_func_output(out)
+    mod = lower_to_cpu_kernels(bb.get(), _target(mcpu))
+    text = mod.script()
+    assert ("vpermi2var" in text) == vbmi
+    assert "autoq_lut" in text
 
 
 def test_fused_upsampling_read_is_unrolled_and_exact():
@@ -309,5 +342,38 @@ def test_fused_upsampling_read_is_unrolled_and_exact():
 
 
 def test_doctests():
-    for module in (packing, tiling, isa_mod):
+    for module in (packing, tiling, isa_mod, lut_mod):
         assert doctest.testmod(module).failed == 0
+
+
+def _sum_func(dtype: str):
+    """main(x) = sum(int32(x) - 5) over the last two axes (or float32), a fused pooling."""
+    from tvm import te
+
+    x = te.placeholder((2, 24, 10, 40), "int8", name="x")
+    acc = "int32" if dtype == "int32" else "float32"
+    sub = te.compute(x.shape, lambda *i: x[i].astype(acc) - tvm.tirx.const(5, acc), name="sub")
+    k2, k3 = te.reduce_axis((0, 10), "k2"), te.reduce_axis((0, 40), "k3")
+    out = te.compute((2, 24), lambda n, c: te.sum(sub[n, c, k2, k3], axis=[k2, k3]), name="s")
+    return te.create_prim_func([x, out])
+
+
+def test_integer_sum_is_vectorized_and_exact():
+    from autoq.cpu.int_sum import schedule_integer_sum
+
+    func = schedule_fused(_sum_func("int32"))
+    text = func.script()
+    assert "_rf" in text and "T.vectorized" in text and "T.parallel" in text
+    x = np.random.default_rng(6).integers(-128, 128, (2, 24, 10, 40)).astype(np.int8)
+    lib = tvm.compile(tvm.IRModule({"main": func}), _target(HOST))
+    got = tvm.runtime.tensor(np.zeros((2, 24), np.int32))
+    lib["main"](tvm.runtime.tensor(x), got)
+    np.testing.assert_array_equal(got.numpy(), (x.astype(np.int64) - 5).sum(axis=(2, 3)))
+    assert schedule_integer_sum(_sum_func("float32")) is None  # float sums keep their order
+    from tvm import te
+
+    a = te.placeholder((8, 16), "int32", name="a")
+    b = te.placeholder((16, 8), "int32", name="b")
+    k = te.reduce_axis((0, 16), "k")
+    mm = te.compute((8, 8), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name="mm")
+    assert schedule_integer_sum(te.create_prim_func([a, b, mm])) is None  # operands reused

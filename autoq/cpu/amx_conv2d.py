@@ -40,19 +40,35 @@ from .conv2d import ConvShape
 from .injective import KERNEL_ATTR
 from .packing import round_up
 
-__all__ = ["amx_conv2d_kernel", "amx_conv_applies", "amx_conv_compensation", "amx_conv_weight"]
+__all__ = [
+    "AMX_POINTWISE_MAX_PIXELS",
+    "amx_conv2d_kernel",
+    "amx_conv_applies",
+    "amx_conv_compensation",
+    "amx_conv_weight",
+]
+
+# a 1x1 conv with < 64 input channels runs on AMX only below this many output pixels
+AMX_POINTWISE_MAX_PIXELS = 120 * 120
 
 
 def amx_conv_applies(shape: ConvShape) -> bool:
     """Dilation 1; stride 1, or a 1x1 kernel without padding at any stride (packing
     subsamples the image); at least 64 input channels, or 16 for 1x1 convs with 32 output
-    channels or more. Measured against the VNNI kernel (1 thread): 3x3 with 32-40 input
-    channels 0.74-0.96x (the tile rows are half padding), 1x1 with 16-32 input channels
-    1.8-4.7x (output-bound: AMX stores complete tiles straight into NCHW), 1x1 with 16 output
-    channels 0.1x (no complete tile: every block goes through the stack buffer)."""
+    channels or more and fewer than ``AMX_POINTWISE_MAX_PIXELS`` output pixels. Measured
+    against the VNNI kernel (1 thread): 3x3 with 32-40 input channels 0.74-0.96x (the tile
+    rows are half padding), 1x1 with 16-32 input channels 1.8-4.7x on small images
+    (output-bound: AMX stores complete tiles straight into NCHW) but 1.3-1.5x SLOWER at
+    240x240 (memory-bound; the channels are padded to 64 in the packed image), even at
+    120x120 (0.9-1.3x), 1x1 with 16 output channels 0.1x (no complete tile: every block goes
+    through the stack buffer)."""
     pointwise = shape.kernel == (1, 1) and not any(shape.padding)
+    oh, ow = shape.out_hw
     wide = shape.in_channels >= 64 or (
-        pointwise and shape.in_channels >= 16 and shape.out_channels >= 32
+        pointwise
+        and shape.in_channels >= 16
+        and shape.out_channels >= 32
+        and oh * ow < AMX_POINTWISE_MAX_PIXELS
     )
     return (shape.strides == (1, 1) or pointwise) and shape.dilation == (1, 1) and wide
 

@@ -20,6 +20,7 @@ from tvm import tirx
 from tvm.s_tir import Schedule, ScheduleError
 
 from ..loop_schedule import rows_for, schedule_reductions
+from .int_sum import schedule_integer_sum
 
 __all__ = ["KERNEL_ATTR", "ScheduleFused", "schedule_fused"]
 
@@ -108,6 +109,9 @@ def schedule_fused(func: tirx.PrimFunc, rows: int = 4) -> tirx.PrimFunc:
     """``func`` with its blocks inlined where possible, its reductions scheduled
     (``rows``: vectors accumulated together, see :func:`autoq.loop_schedule.rows_for`) and
     its blocks parallelized."""
+    summed = schedule_integer_sum(func)
+    if summed is not None:
+        return summed
     try:
         sch = Schedule(func, error_render_level="none")
         blocks = _blocks(sch)

@@ -39,9 +39,9 @@ from .conv_transpose import conv2d_transpose_kernel
 from .dense import dense_kernel
 from .depthwise import depthwise_kernel, depthwise_weight
 from .isa import VNNI, Isa, kernel_isa
-from .lut import lut_kernel
+from .lut import VBMI_TABLE_DTYPES, lut_kernel, vbmi_lut_kernel
 from .packing import compensation, pack_conv_weight, pack_dense_weight, round_up
-from .softmax import softmax_kernel
+from .softmax import softmax_kernel, softmax_table
 
 __all__ = ["lower_to_cpu_kernels"]
 
@@ -198,7 +198,7 @@ def _matmul(isa: Isa, fallback, bb, call):
     return _dense_call(isa, bb, a, np.ascontiguousarray(w.T), dt, za)
 
 
-def _conv2d_transpose(_isa: Isa, fallback, bb, call):
+def _conv2d_transpose(isa: Isa, fallback, bb, call):
     """float32 conv2d_transpose with kernel == stride (NCHW / IOHW, no padding, dilation,
     output padding or groups) -> the sub-pixel kernel; anything else -> ``fallback``."""
     data, weight = call.args
@@ -219,7 +219,10 @@ def _conv2d_transpose(_isa: Isa, fallback, bb, call):
     )
     if not plain:
         return fallback(bb, call)
-    func = conv2d_transpose_kernel(x_shape, w_shape)
+    # vector registers for accumulators: 24 of AVX-512's 32 (the VNNI targets), 12 of 16
+    func = conv2d_transpose_kernel(
+        x_shape, w_shape, accumulators=24 if isa.name == VNNI.name else 12
+    )
     gv = bb.add_func(func.without_attr("global_symbol"), "autoq_conv2d_transpose")
     out = (x_shape[0], w_shape[1], x_shape[2] * w_shape[2], x_shape[3] * w_shape[3])
     return relax.call_tir(gv, [data, weight], out_ty=relax.TensorType(out, "float32"))
@@ -234,16 +237,23 @@ def _softmax(_isa: Isa, fallback, bb, call):
     if axis not in (-1, len(shape) - 1):
         return fallback(bb, call)
     gv = bb.add_func(softmax_kernel(shape).without_attr("global_symbol"), "autoq_softmax")
-    return relax.call_tir(gv, [data], out_ty=relax.TensorType(shape, "float32"))
+    table = relax.const(softmax_table(), "int64")
+    return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, "float32"))
 
 
 def _lut(_isa: Isa, fallback, bb, call):
-    """``qnn.lut`` -> :func:`autoq.cpu.lut.lut_kernel` (static shapes)."""
+    """``qnn.lut`` -> :func:`autoq.cpu.lut.vbmi_lut_kernel` on targets with AVX-512 VBMI
+    (8-bit tables), else :func:`autoq.cpu.lut.lut_kernel` (static shapes)."""
     data, table = call.args
     shape = shape_of(data)
     if shape is None:
         return fallback(bb, call)
-    func = lut_kernel(shape, dtype_of(data), dtype_of(table))
+    kernel = lut_kernel
+    target = tvm.target.Target.current(allow_none=True)
+    if dtype_of(table) in VBMI_TABLE_DTYPES and target is not None:
+        if tvm.target.codegen.target_has_features("avx512vbmi", target):
+            kernel = vbmi_lut_kernel
+    func = kernel(shape, dtype_of(data), dtype_of(table))
     gv = bb.add_func(func.without_attr("global_symbol"), "autoq_lut")
     return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, dtype_of(table)))
 

@@ -8,10 +8,15 @@ puts most probabilities of a padded sequence below the smallest normal float32
 (``exp(-100)`` = 3.7e-44): x86 CPUs compute with such denormal numbers through microcode,
 ~100-500x slower (the ``probabilities @ V`` matmul of all-MiniLM-L6-v2: 55 ms on denormal
 input, 0.1 ms on normal input, measured). Here a row is: max, ``e = exp(x - max)`` computed
-once -- set to 0 where ``x - max < log(smallest normal)``, i.e. where it would be denormal
-(the exp of such an argument is not even computed: libm's exp takes a slow path for denormal
-results) --, its sum in index order, ``e / sum``. Every other probability is the same float as TVM's own
-softmax bit for bit (same operations in the same order); flushed ones were below 1.2e-38.
+once -- set to 0 where ``x - max < log(smallest normal)``, i.e. where it would be denormal --,
+its sum in index order, ``e / sum``. Every other probability is the same float as TVM's own
+softmax bit for bit (same operations in the same order, and :func:`autoq.cpu.expf.expf_expr`
+gives libm's ``expf`` floats); flushed ones were below 1.2e-38.
+
+Speed: the exponentials are vectorized (16 lanes) instead of one libm call each; rows go in
+blocks of 16 whose sums run interleaved (16 independent serial sums: the index-order sum of
+one row alone is a chain of dependent adds); the max is vectorized (any order gives the same
+max). all-MiniLM-L6-v2's 12 x 128 x 128 attention softmax: 1.13 -> 0.27 ms (1 thread).
 
 >>> import numpy as np
 >>> LOG_SMALLEST_NORMAL == float(np.log(np.float32(np.finfo(np.float32).tiny)))
@@ -23,53 +28,82 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from tvm import te, tirx
-from tvm.s_tir import Schedule
+from tvm import tirx
+from tvm.script import tirx as T
 
+from .expf import EXPF_TABLE, expf_expr
 from .injective import KERNEL_ATTR
-from .tiling import i64
 
-__all__ = ["LOG_SMALLEST_NORMAL", "softmax_kernel"]
+__all__ = ["LOG_SMALLEST_NORMAL", "ROW_BLOCK", "softmax_kernel", "softmax_table"]
 
 LOG_SMALLEST_NORMAL = float(np.log(np.float32(np.finfo(np.float32).tiny)))
+ROW_BLOCK = 16  # rows whose index-order sums run interleaved
+_LANES = 16
+_LOWEST = float(np.finfo(np.float32).min)  # the init of TVM's max reduction
 
 
-def _compute(shape: tuple[int, ...]):
-    n = shape[-1]
-    lead = shape[:-1]
-    x = te.placeholder(i64(*shape), "float32", name="data")
-    k = te.reduce_axis((0, n), "k")
-    mx = te.compute(i64(*lead), lambda *i: te.max(x[(*i, k)], axis=k), name="autoq_max")
-
-    def exp(*i):
-        # the exp of a clamped argument: no exp ever takes its (slow) denormal-result path
-        d = x[i] - mx[i[:-1]]
-        low = tirx.const(LOG_SMALLEST_NORMAL, "float32")
-        e = te.exp(tirx.max(d, low))
-        return tirx.Select(d >= low, e, tirx.const(0.0, "float32"))
-
-    e = te.compute(i64(*shape), exp, name="autoq_exp")
-    k2 = te.reduce_axis((0, n), "k2")
-    s = te.compute(i64(*lead), lambda *i: te.sum(e[(*i, k2)], axis=k2), name="autoq_sum")
-    out = te.compute(i64(*shape), lambda *i: e[i] / s[i[:-1]], name="autoq_softmax")
-    return [x, out]
+def softmax_table() -> np.ndarray:
+    """The constant table operand of :func:`softmax_kernel` (:data:`autoq.cpu.expf.EXPF_TABLE`)."""
+    return EXPF_TABLE
 
 
-def softmax_kernel(shape: tuple[int, ...]):
-    """The scheduled PrimFunc ``(data, out)`` of float32 softmax over the last axis of a
-    static ``shape``: parallel over the rows (all leading axes fused), each row's max, exps,
-    sum and division computed inside its iteration, the division vectorized."""
-    sch = Schedule(te.create_prim_func(_compute(tuple(int(d) for d in shape))))
-    out = sch.get_sblock("autoq_softmax")
-    loops = sch.get_loops(out)
-    row = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
-    if len(loops) > 1:
-        for name in ("autoq_sum", "autoq_exp", "autoq_max"):
-            sch.compute_at(sch.get_sblock(name), row)
-        if math.prod(shape[:-1]) > 1:
-            sch.parallel(row)
-        last = sch.get_loops(out)[-1]
-        if shape[-1] % 16 == 0:
-            last = sch.split(last, [None, 16])[-1]
-        sch.vectorize(last)
-    return sch.mod["main"].with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
+def _prob(d, table):
+    """exp(d) for ``d = x - max``, 0 where it would be denormal (the clamp keeps every
+    computed exponential in expf's ordinary range)."""
+    low = tirx.const(LOG_SMALLEST_NORMAL, "float32")
+    e = expf_expr(tirx.max(d, low), table)
+    return tirx.Select(d >= low, e, tirx.const(0.0, "float32"))
+
+
+def softmax_kernel(shape: tuple[int, ...]) -> tirx.PrimFunc:
+    """The PrimFunc ``(data, table, out)`` of float32 softmax over the last axis of a static
+    ``shape`` (``table``: :func:`softmax_table`, int64[32]): parallel over blocks of
+    ``ROW_BLOCK`` rows (all leading axes fused); ``out`` holds the exponentials until the
+    division."""
+    shape = tuple(int(d) for d in shape)
+    n, rows = shape[-1], math.prod(shape[:-1])
+    blocks, nv = -(-rows // ROW_BLOCK), n // _LANES * _LANES
+    rb = ROW_BLOCK
+
+    @T.prim_func
+    def softmax(
+        x_in: T.Buffer(shape, "float32"),
+        table: T.Buffer((32,), "int64"),
+        out_: T.Buffer(shape, "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True})
+        x = T.decl_buffer((rows, n), "float32", data=x_in.data)
+        out = T.decl_buffer((rows, n), "float32", data=out_.data)
+        for b in T.parallel(blocks):
+            mx = T.decl_buffer((rb,), "float32")
+            sums = T.decl_buffer((rb,), "float32")
+            lanes = T.decl_buffer((_LANES,), "float32")
+            count = T.min(rb, rows - b * rb)
+            for r in range(count):
+                row = b * rb + r
+                for v in T.vectorized(_LANES):
+                    lanes[v] = T.float32(_LOWEST)
+                for ko in range(nv // _LANES):
+                    for v in T.vectorized(_LANES):
+                        lanes[v] = T.max(lanes[v], x[row, ko * _LANES + v])
+                mx[r] = T.float32(_LOWEST)
+                for v in range(_LANES):
+                    mx[r] = T.max(mx[r], lanes[v])
+                for k in range(n - nv):
+                    mx[r] = T.max(mx[r], x[row, nv + k])
+                for ko in range(nv // _LANES):
+                    for v in T.vectorized(_LANES):
+                        out[row, ko * _LANES + v] = _prob(x[row, ko * _LANES + v] - mx[r], table)
+                for k in range(n - nv):
+                    out[row, nv + k] = _prob(x[row, nv + k] - mx[r], table)
+            for r in range(count):
+                sums[r] = T.float32(0)
+            for k in range(n):
+                for r in T.unroll(rb):
+                    if r < count:
+                        sums[r] = sums[r] + out[b * rb + r, k]
+            for r in range(count):
+                for k in range(n):
+                    out[b * rb + r, k] = out[b * rb + r, k] / sums[r]
+
+    return softmax.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
