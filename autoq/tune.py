@@ -43,7 +43,8 @@ from .cpu.injective import KERNEL_ATTR
 from .cpu.lowering import lower_to_cpu_kernels
 from .cpu_pipeline import fused
 from .json_document import JsonDocument
-from .tuning_database import open_database
+from .tuning_database import apply_database, default_schedule, open_database, workload_key
+from .tuning_defaults import DefaultSchedules, KernelChoice
 from .x86_intrinsics import register_vnni, target_has_vnni
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "TuneResult",
     "TuningError",
     "build_candidate",
+    "measure_schedules",
     "tune",
     "tuning_target",
 ]
@@ -123,7 +125,10 @@ class Tracker(JsonDocument):
 class TuneResult:
     """What one :func:`tune` call did: the ``database`` folder, how many distinct kernels
     (``tasks``) the module has, how many were already in the database (``reused``), how many
-    trials were measured now (``trials``, ``failed`` of them), and the wall time."""
+    trials were measured now (``trials``, ``failed`` of them), the wall time, and how many
+    kernels keep autoq's default schedule because it measured faster than their best
+    record (``kept_default``; their records are not applied, see
+    :mod:`autoq.tuning_defaults`)."""
 
     database: Path
     tasks: int
@@ -131,13 +136,17 @@ class TuneResult:
     trials: int
     failed: int
     seconds: float
+    kept_default: int = 0
 
     def summary(self) -> str:
+        kept = f"; {self.kept_default} keep the default schedule (faster than their records)"
         if self.tasks == self.reused:
-            return f"all {self.tasks} kernels already tuned in {self.database} (no new trials)"
+            return (
+                f"all {self.tasks} kernels already tuned in {self.database} (no new trials){kept}"
+            )
         return (
             f"{self.tasks} kernels ({self.reused} already tuned), {self.trials} trials "
-            f"({self.failed} failed) in {self.seconds:.0f} s -> {self.database}"
+            f"({self.failed} failed) in {self.seconds:.0f} s -> {self.database}{kept}"
         )
 
 
@@ -299,6 +308,62 @@ def _pending_tasks(mod, target, database):
     return tasks, pending
 
 
+def measure_schedules(mods: list, target, builder, runner) -> list[float | None]:
+    """Mean seconds per call of each scheduled one-kernel module (``main``), built and run
+    by MetaSchedule's ``builder`` and ``runner`` exactly as tuning candidates are; None
+    where the build or the run failed."""
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+    from tvm.s_tir.meta_schedule.builder import BuilderInput
+    from tvm.s_tir.meta_schedule.runner import RunnerInput
+
+    builds = builder.build([BuilderInput(m, target) for m in mods])
+    ran = [i for i, b in enumerate(builds) if b.error_msg is None]
+    device = "cpu" if target.kind.name == "llvm" else target.kind.name
+    inputs = [
+        RunnerInput(builds[i].artifact_path, device, ArgInfo.from_prim_func(mods[i]["main"]))
+        for i in ran
+    ]
+    seconds: list[float | None] = [None] * len(mods)
+    for i, future in zip(ran, runner.run(inputs), strict=True):
+        result = future.result()
+        if result.error_msg is None and result.run_secs:
+            secs = [float(s) for s in result.run_secs]
+            seconds[i] = sum(secs) / len(secs)
+    return seconds
+
+
+def _measure_defaults(tasks, target, db, folder: Path, builder, runner) -> int:
+    """Measure, for every task with a record that was not measured before, autoq's default
+    schedule and the schedule the database gives it, in one batch with the tuning builder
+    and runner; record the outcome in the database's side file
+    (:class:`autoq.tuning_defaults.DefaultSchedules`). Returns how many of ``tasks`` keep
+    the default schedule."""
+    choices = DefaultSchedules.load(folder)
+    keys, todo = {}, {}
+    for t in tasks:
+        record = db.query_tuning_record(t.dispatched[0], target, t.task_name)
+        if record is not None:
+            keys[t.task_name] = workload_key(record)
+            if keys[t.task_name] not in choices.measured():
+                todo.setdefault(keys[t.task_name], t)
+    if todo:
+        mods = []
+        with target:
+            for t in todo.values():
+                func = t.dispatched[0]["main"]
+                mods.append(tvm.IRModule({"main": default_schedule(func, target)}))
+                mods.append(apply_database(tvm.IRModule({"main": func}), target, folder))
+        secs = measure_schedules(mods, target, builder, runner)
+        new = [
+            KernelChoice(key, t.task_name, secs[2 * i], secs[2 * i + 1])
+            for i, (key, t) in enumerate(todo.items())
+        ]
+        choices = choices.with_kernels(new)
+        choices.save_to(folder)
+    wins = choices.default_wins()
+    return sum(1 for key in keys.values() if key in wins)
+
+
 def tune(
     qmod: tvm.IRModule,
     target=None,
@@ -324,9 +389,12 @@ def tune(
     the int8 convs/matmuls run on autoq's packed kernels, which keep their fixed schedules,
     and the rest of the module is tuned; compile with the same value). Returns what was
     done (:class:`TuneResult`); compile with ``autoq.compile(qmod, target,
-    database=database)``. Raises :class:`TuningError` when every trial failed."""
-    from tvm.s_tir import meta_schedule as ms
+    database=database)``. Raises :class:`TuningError` when every trial failed.
 
+    After the search, each tuned kernel's best record and autoq's default schedule for it
+    are measured together (same builder and runner); where the record is not at least
+    3% faster, compiles keep the default (:mod:`autoq.tuning_defaults`), so tuning never
+    makes a kernel slower than untuned. That costs two builds and runs per kernel, once."""
     _check_args(trials, database, cost_model)
     t0 = time.perf_counter()
     target = tuning_target(target)
@@ -337,14 +405,41 @@ def tune(
     if cpu_kernels:
         qmod = lower_to_cpu_kernels(qmod, target)
     tasks, pending = _pending_tasks(fused(qmod, target), target, db)
-    result = TuneResult(folder, len(tasks), len(tasks) - len(pending), 0, 0, 0.0)
-    if not pending:
-        return result
-    per_task = min(trials_per_task or trials, trials)
-    contexts = _contexts(pending, _search(per_task), seed)
-    counts = {"trials": 0, "failed": 0}
-    callback, bar = _progress_callback(min(trials, per_task * len(pending)), progress, counts)
     builder, runner = _builder_runner(rpc, max(1, _physical_cores()))
+    counts = {"trials": 0, "failed": 0}
+    if pending:
+        per_task = min(trials_per_task or trials, trials)
+        budget = _Budget(trials, per_task, cost_model, progress)
+        contexts = _contexts(pending, _search(per_task), seed)
+        _tune_pending(contexts, pending, db, folder, builder, runner, budget, counts)
+    kept = _measure_defaults(tasks, target, db, folder, builder, runner)
+    return TuneResult(
+        folder,
+        len(tasks),
+        len(tasks) - len(pending),
+        counts["trials"],
+        counts["failed"],
+        time.perf_counter() - t0,
+        kept,
+    )
+
+
+@dataclass(frozen=True)
+class _Budget:
+    trials: int
+    per_task: int
+    cost_model: str
+    progress: bool
+
+
+def _tune_pending(contexts, pending, db, folder, builder, runner, budget: _Budget, counts):
+    """MetaSchedule's task scheduler over the ``pending`` tasks (their ``contexts``);
+    ``counts`` gets the trials measured and failed."""
+    from tvm.s_tir import meta_schedule as ms
+
+    trials, per_task = budget.trials, budget.per_task
+    total = min(trials, per_task * len(pending))
+    callback, bar = _progress_callback(total, budget.progress, counts)
     try:
         ms.tune.tune_tasks(
             tasks=contexts,
@@ -356,7 +451,7 @@ def tune(
             builder=builder,
             runner=runner,
             database=db,
-            cost_model=cost_model,
+            cost_model=budget.cost_model,
             measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"), callback],
             module_equality="anchor-block",
         )
@@ -367,11 +462,3 @@ def tune(
             f"all {counts['trials']} tuning trials failed; the first error: "
             f"{counts.get('first_error', '?')[:2000]}"
         )
-    return TuneResult(
-        folder,
-        len(tasks),
-        len(tasks) - len(pending),
-        counts["trials"],
-        counts["failed"],
-        time.perf_counter() - t0,
-    )

@@ -18,14 +18,18 @@ import tvm
 from tvm import relax
 
 from .cpu_pipeline import cpu_pipeline, fused
+from .tuning_defaults import DefaultSchedules
 
 __all__ = [
     "MODULE_EQUALITY",
     "RECORD_FILE",
     "WORKLOAD_FILE",
+    "apply_database",
+    "default_schedule",
     "open_database",
     "pipeline_with_database",
     "tuned_kernels",
+    "workload_key",
 ]
 
 WORKLOAD_FILE = "database_workload.json"
@@ -62,56 +66,78 @@ def _register_if_used(folder: Path) -> None:
         register_vnni()  # records replay the VNNI tensorization
 
 
+def workload_key(record) -> str:
+    """The key of a record's workload in the database (its hash under ``MODULE_EQUALITY``):
+    what :mod:`autoq.tuning_defaults` lists."""
+    return str(record.workload.as_json()[0])
+
+
+def default_schedule(func: tvm.tirx.PrimFunc, target) -> tvm.tirx.PrimFunc:
+    """The schedule a kernel gets without a database (as ``autoq.compile`` gives it)."""
+    from .cpu.injective import schedule_fused
+    from .loop_schedule import rows_for
+
+    return schedule_fused(func, rows_for(target))
+
+
+def _tunable(mod: tvm.IRModule) -> list:
+    from .cpu.injective import KERNEL_ATTR
+
+    return [
+        gv
+        for gv, f in mod.functions_items()
+        if isinstance(f, tvm.tirx.PrimFunc) and KERNEL_ATTR not in (f.attrs or {})
+    ]
+
+
+def apply_database(mod: tvm.IRModule, target, folder: str | Path) -> tvm.IRModule:
+    """The fused ``mod`` with the records of the database in ``folder`` applied, except to
+    the kernels whose default schedule measured faster (:mod:`autoq.tuning_defaults`); those
+    and the kernels without a record get :func:`default_schedule`, autoq's packed kernels
+    keep theirs. Call inside ``with target``."""
+    folder = Path(folder)
+    database = open_database(folder, create=False)
+    default_wins = DefaultSchedules.load(folder).default_wins()
+    _register_if_used(folder)
+    # the module MetaScheduleApplyDatabase looks a kernel up with (its own normalization)
+    normalize = tvm.get_global_func("tvm.s_tir.meta_schedule.normalize_mod")
+    kept = {}
+    for gv in _tunable(mod):
+        record = database.query_tuning_record(normalize(mod[gv]), target, gv.name_hint)
+        if record is not None and workload_key(record) in default_wins:
+            kept[gv] = mod[gv]
+    with database:
+        mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+    for gv in _tunable(mod):
+        func = mod[gv]
+        if gv in kept or not (func.attrs and func.attrs.get("tirx.is_scheduled", False)):
+            mod[gv] = default_schedule(kept.get(gv, func), target)
+    return mod
+
+
 def tuned_kernels(
     mod: tvm.IRModule, target, folder: str | Path, cpu_kernels: bool = True
 ) -> tuple[list[str], list[str]]:
-    """(kernels of ``mod`` that the database in ``folder`` has a schedule for, all the
+    """(kernels of ``mod`` that get a schedule from the database in ``folder``, all the
     kernels tuning may schedule) after fusion, by PrimFunc name; ``cpu_kernels`` as in
-    :func:`autoq.compile` (autoq's packed kernels keep their own schedules: not listed)."""
-    from .cpu.injective import KERNEL_ATTR
+    :func:`autoq.compile` (autoq's packed kernels keep their own schedules: not listed).
+    Kernels whose default schedule beat their record are not in the first list."""
     from .cpu.lowering import lower_to_cpu_kernels
 
     if cpu_kernels:
         mod = lower_to_cpu_kernels(mod, target)
-    folder = Path(folder)
-    database = open_database(folder, create=False)
-    _register_if_used(folder)
-    with target, database:
-        mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(fused(mod, target))
-    kernels = [
-        gv.name_hint
-        for gv, f in mod.functions_items()
-        if isinstance(f, tvm.tirx.PrimFunc) and KERNEL_ATTR not in (f.attrs or {})
-    ]
+    with target:
+        mod = fused(mod, target)
+        kernels = [gv.name_hint for gv in _tunable(mod)]
+        mod = apply_database(mod, target, folder)
     done = [n for n in kernels if mod[n].attrs and mod[n].attrs.get("tirx.is_scheduled", False)]
     return sorted(done), sorted(kernels)
 
 
 def pipeline_with_database(target, folder: str | Path):
-    """The default CPU pipeline with ``MetaScheduleApplyDatabase`` right after fusion:
-    every kernel with a record in the database in ``folder`` gets its tuned schedule, the
-    others stay as the default pipeline leaves them."""
-    database = open_database(folder, create=False)
-    _register_if_used(Path(folder))
-
-    def apply(mod: tvm.IRModule) -> tvm.IRModule:
-        with database:
-            mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
-        return _schedule_rest(mod)
-
-    return cpu_pipeline(target, apply)
-
-
-def _schedule_rest(mod: tvm.IRModule) -> tvm.IRModule:
-    """The kernels the database did not schedule get the default pipeline's cheap schedule
-    (:func:`autoq.cpu.injective.schedule_fused`); autoq's packed kernels keep theirs."""
-    from .cpu.injective import KERNEL_ATTR, schedule_fused
-
-    for gv, f in list(mod.functions_items()):
-        if not isinstance(f, tvm.tirx.PrimFunc):
-            continue
-        attrs = f.attrs or {}
-        if attrs.get("tirx.is_scheduled", False) or KERNEL_ATTR in attrs:
-            continue
-        mod[gv] = schedule_fused(f)
-    return mod
+    """The default CPU pipeline with :func:`apply_database` right after fusion: every
+    kernel with a record in the database in ``folder`` that beat autoq's default schedule
+    gets its tuned schedule, the others compile as without the database."""
+    open_database(folder, create=False)  # a missing database fails here, not mid-compile
+    DefaultSchedules.load(folder)  # as does a corrupt side file
+    return cpu_pipeline(target, lambda mod: apply_database(mod, target, folder))

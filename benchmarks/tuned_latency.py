@@ -8,6 +8,8 @@ Steps, on one model (ResNet-50 open_nsfw by default):
 2. ``autoq.tune(qmod, trials=--trials, database=--database)``: the wall time and what it
    tuned (the packed int8 conv/dense kernels keep their fixed schedules and are not tasks:
    the tasks are the kernels around them). An existing database is reused (no new trials);
+   the wall time includes measuring each tuned kernel against autoq's default schedule
+   (records that do not beat it are not applied);
 3. compile with and without the database; outputs compared;
 4. interleaved latency (one call each per round, medians; idle ORT threads not spinning)
    of ORT fp32, ORT int8, autoq untuned and autoq tuned, 1 and 2 threads;
@@ -15,7 +17,7 @@ Steps, on one model (ResNet-50 open_nsfw by default):
    minimum of ``--profile-runs`` runs per kernel): where the time goes, split into autoq's
    packed kernels (``autoq_*``, not tuning tasks) and the rest.
 
-Run:  .venv/bin/python benchmarks/tuned_latency.py [--model resnet50] [--trials 256]
+Run:  .venv/bin/python benchmarks/tuned_latency.py [--model resnet50|minilm|ppocr_det] [--trials 256]
       [--trials-per-task N] [--database DIR] [--calib 16] [--repeats 30]
 Numbers only: nothing here asserts a timing.
 """
@@ -79,6 +81,10 @@ def _print_profile(rows, top: int, label: str) -> None:
         print(f"| `{name[:70]}` | {n} | {us / 1e3:.3f} | {100 * us / total:.1f}% |")
 
 
+def _load(load) -> str:
+    return "/".join(f"{x:.1f}" for x in load)
+
+
 def run(args, log) -> None:
     import tvm
     from tvm import relax
@@ -95,7 +101,8 @@ def run(args, log) -> None:
         common.ort_quantize(info, calib.samples, "minmax", ort_int8)
         mod, params = autoq.from_onnx(info.path, input_shapes=dict(info.input_shapes))
         qmod = autoq.quantize(mod, params, calib.samples, autoq.Config(progress=False))
-        log(f"tuning into {db} with a budget of {args.trials} trials, load {os.getloadavg()}")
+        load_before = os.getloadavg()
+        log(f"tuning into {db} with a budget of {args.trials} trials, load {load_before}")
         t0 = time.perf_counter()
         res = autoq.tune(
             qmod,
@@ -106,7 +113,8 @@ def run(args, log) -> None:
             progress=False,
         )
         tune_s = time.perf_counter() - t0
-        log(f"tune: {res.summary()} (wall {tune_s:.0f} s)")
+        load_tuned = os.getloadavg()
+        log(f"tune: {res.summary()} (wall {tune_s:.0f} s, load {load_tuned})")
         vms = {
             "autoq int8 untuned": relax.VirtualMachine(autoq.compile(qmod, target), tvm.cpu()),
             "autoq int8 tuned": relax.VirtualMachine(
@@ -130,7 +138,10 @@ def run(args, log) -> None:
     print(f"## {title}: autoq int8 after `autoq tune` ({args.trials} trials{cap})\n")
     print(common.machine_summary())
     print(f"target mcpu={target.mcpu}; load average after the timings: {load}")
-    print(f"tuning: {res.summary()}; wall {tune_s:.0f} s on this machine")
+    print(
+        f"tuning: {res.summary()}; wall {tune_s:.0f} s on this machine (load average before"
+        f" {_load(load_before)}, after {_load(load_tuned)})"
+    )
     print(f"tuned == untuned outputs: {np.array_equal(a, b)}")
     rows = [int8_kernels.latency_row(k, v, times["ORT int8 u8s8"]) for k, v in times.items()]
     int8_kernels.print_latency_table(f"{title}, batch 1, interleaved medians", rows, "ORT int8")

@@ -10,7 +10,9 @@ MetaSchedule's one-off import of TVM's tensor intrinsics (20-90 s on 2 busy core
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -24,8 +26,10 @@ from tvm import relax
 
 import autoq
 from autoq import Config
+from autoq.errors import InputError
 from autoq.tune import Tracker, TuningError, tune
 from autoq.tuning_database import RECORD_FILE, WORKLOAD_FILE, tuned_kernels
+from autoq.tuning_defaults import DEFAULTS_FILE, DefaultSchedules
 from models import Builder, conv, image_data
 
 TUNE_DEPS = ("psutil", "xgboost", "cloudpickle")
@@ -55,10 +59,12 @@ def outputs(qmod, samples, database=None, cpu_kernels=False):
     return [vm["main"](tvm.runtime.tensor(x)).numpy() for x in samples]
 
 
-def check_tuned(qmod, samples, folder):
-    """Every kernel of the generic lowering (cpu_kernels=False) tuned; outputs unchanged."""
+def check_tuned(qmod, samples, folder, kept_default: int = 0):
+    """Every kernel of the generic lowering (cpu_kernels=False) tuned but ``kept_default``
+    of them (their default schedule measured faster); outputs unchanged."""
     done, kernels = tuned_kernels(qmod, autoq.default_target(), folder, cpu_kernels=False)
-    assert done == kernels and len(kernels) == 2, (done, kernels)
+    assert len(kernels) == 2 and len(done) == 2 - kept_default, (done, kernels)
+    assert set(done) <= set(kernels)
     for got, ref in zip(outputs(qmod, samples, folder), outputs(qmod, samples), strict=True):
         assert got.dtype == ref.dtype and np.array_equal(got, ref)
 
@@ -87,9 +93,26 @@ def test_bad_arguments_name_the_option(tmp_path):
         autoq.compile(q, database=tmp_path / "missing")
 
 
+def measured(default_s: float, tuned_s: float, calls: list | None = None):
+    """A stand-in for autoq.tune.measure_schedules: every default schedule takes
+    ``default_s``, every tuned one ``tuned_s`` (the modules come as default, tuned pairs)."""
+
+    def measure(mods, target, builder, runner):
+        if calls is not None:
+            calls.append(mods)
+        return [default_s if i % 2 == 0 else tuned_s for i in range(len(mods))]
+
+    return measure
+
+
+def tune_module():
+    return importlib.import_module("autoq.tune")
+
+
 @pytest.mark.tuning
 @needs_tune_deps
-def test_tune_writes_a_database_that_compiles_reuse(tmp_path):
+def test_tune_writes_a_database_that_compiles_reuse(tmp_path, monkeypatch):
+    monkeypatch.setattr(tune_module(), "measure_schedules", measured(2e-3, 1e-3))
     qmod, samples = one_conv()
     folder = tmp_path / "tuning"
     r = tune(
@@ -112,6 +135,47 @@ def test_tune_writes_a_database_that_compiles_reuse(tmp_path):
         outputs(qmod, samples, folder, cpu_kernels=True), outputs(qmod, samples), strict=True
     ):
         assert np.array_equal(got, ref)
+
+
+@pytest.mark.tuning
+@needs_tune_deps
+def test_a_faster_default_schedule_is_kept(tmp_path, monkeypatch):
+    """A limited tuning run (one trial per kernel) whose records measure slower than
+    autoq's default schedule must not replace it; the decision comes from the measured
+    seconds (measured for real first, then injected), is stored next to the database and
+    honoured by every compile; a faster record is used."""
+    qmod, samples = one_conv()
+    folder = tmp_path / "tuning"
+    args = dict(trials=2, trials_per_task=1, database=folder, cost_model="random", seed=0)
+    r = tune(qmod, cpu_kernels=False, **args)
+    side = DefaultSchedules.load(folder)
+    assert len(side.kernels) == 2 and all(k.default_s and k.tuned_s for k in side.kernels)
+    assert r.kept_default == len(side.default_wins()), (r, side)
+    check_tuned(qmod, samples, folder, r.kept_default)
+
+    # the records measure 1000x slower than the defaults: no kernel takes its record
+    calls: list = []
+    (folder / DEFAULTS_FILE).unlink()
+    monkeypatch.setattr(tune_module(), "measure_schedules", measured(1e-6, 1e-3, calls))
+    again = tune(qmod, cpu_kernels=False, **args)
+    assert (again.trials, again.kept_default) == (0, 2), again
+    (mods,) = calls  # one batch: (default, tuned) per kernel
+    scheduled = [bool(m["main"].attrs and m["main"].attrs.get("tirx.is_scheduled")) for m in mods]
+    assert scheduled == [False, True, False, True], scheduled
+    assert DefaultSchedules.load(folder).default_wins() == DefaultSchedules.load(folder).measured()
+    check_tuned(qmod, samples, folder, kept_default=2)
+    # measured once: tuning again measures nothing
+    assert tune(qmod, cpu_kernels=False, **args).kept_default == 2 and len(calls) == 1
+
+    # the records 10% faster: every kernel takes its record
+    (folder / DEFAULTS_FILE).unlink()
+    monkeypatch.setattr(tune_module(), "measure_schedules", measured(1e-3, 0.9e-3))
+    assert tune(qmod, cpu_kernels=False, **args).kept_default == 0
+    check_tuned(qmod, samples, folder, kept_default=0)
+
+    (folder / DEFAULTS_FILE).write_text('{"format": "autoq.default_schedules", "kernels": 3')
+    with pytest.raises(InputError, match=DEFAULTS_FILE):
+        autoq.compile(qmod, database=folder, cpu_kernels=False)
 
 
 def _free_port() -> int:
@@ -210,7 +274,10 @@ def test_tune_measures_through_an_rpc_tracker(tmp_path, rpc_tracker):
         cpu_kernels=False,
     )
     assert (r.tasks, r.trials, r.failed) == (2, 2, 0), r
-    check_tuned(qmod, samples, folder)
+    # both kernels' default and tuned schedules were measured through the tracker too
+    side = json.loads((folder / DEFAULTS_FILE).read_text())["kernels"]
+    assert len(side) == 2 and all(k["default_s"] and k["tuned_s"] for k in side), side
+    check_tuned(qmod, samples, folder, r.kept_default)
 
 
 @pytest.mark.tuning
@@ -219,12 +286,11 @@ def test_all_failed_trials_raise(tmp_path, monkeypatch):
     would return an untuned database silently)."""
     if any(importlib.util.find_spec(m) is None for m in TUNE_DEPS):
         pytest.skip("autoq.tune needs psutil, xgboost, cloudpickle")
-    tune_module = importlib.import_module("autoq.tune")
 
     def broken_build(mod, target, _params=None):
         raise RuntimeError("compiler exploded")
 
-    monkeypatch.setattr(tune_module, "build_candidate", broken_build)
+    monkeypatch.setattr(tune_module(), "build_candidate", broken_build)
     qmod, _ = one_conv()
     with pytest.raises(TuningError, match="compiler exploded"):
         tune(qmod, trials=1, trials_per_task=1, database=tmp_path, cost_model="random")
