@@ -18,7 +18,7 @@ from .auto_fallback import FallbackDecision
 from .build import compile, default_target, export_library, load_library, set_threads
 from .calibrate import calibrate
 from .config import AutoFallback, Config, Distributed, Fallback, Override, QuantSpec
-from .errors import AutoqError, DatasetError, InputError
+from .errors import AutoqError, DatasetError, InputError, SmoothQuantSkipped
 from .frontends import from_onnx, from_torch
 from .import_quantized import import_quantized
 from .pipeline import Quantizer, QuantizeResult, check_scales, quantize
@@ -48,6 +48,7 @@ __all__ = [
     "Quantizer",
     "Report",
     "SimResult",
+    "SmoothQuantSkipped",
     "analyze",
     "calibrate",
     "check_scales",

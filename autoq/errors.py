@@ -18,6 +18,7 @@ __all__ = [
     "OutputError",
     "PlatformError",
     "QParamsError",
+    "SmoothQuantSkipped",
 ]
 
 
@@ -57,3 +58,8 @@ class OutputError(InputError, OSError):
 class PlatformError(InputError, OSError):
     """The target asks for something this machine or process cannot run (e.g. AMX tiles the
     operating system refuses); the message names the feature and how to compile without it."""
+
+
+class SmoothQuantSkipped(UserWarning):
+    """``Config.smooth_quant`` could not run and the model was quantized without it (the
+    message says why, e.g. the calibration samples are read only by a cluster's workers)."""

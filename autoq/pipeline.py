@@ -55,7 +55,7 @@ from .distributed import (
     report_distributed,
 )
 from .dynamic import realize_dynamic
-from .errors import CalibrationError, InputError
+from .errors import CalibrationError, InputError, SmoothQuantSkipped
 from .escalation import escalate
 from .guard import keep_unbounded_in_fp32, layers_using
 from .int16_first import int16_first
@@ -65,7 +65,7 @@ from .realize import realize
 from .report import Report
 from .scale_health import HealthCheck
 from .simulate import simulate
-from .smooth_quant import smooth_graph
+from .smooth_quant import find_smoothable, smooth_graph
 
 __all__ = ["QuantizeResult", "Quantizer", "check_scales", "quantize"]
 
@@ -80,8 +80,11 @@ class QuantizeResult:
     ``module``: the int8 IRModule (``main`` takes the model inputs; the qparams, the
     fallback decision and the unbounded layers are attached as ``attrs``). ``config``: the
     configuration that was realized (an ``AutoFallback`` replaced by the plain fallback it
-    chose). ``fp32_layers``: every layer left in fp32, with why. ``report``: the per-layer
-    analysis when asked for (``Quantizer(report=True)``) or made by the automatic fallback.
+    chose). ``matched``: the float model that was realized, after the exact rewrites
+    (``Config.equalization``, ``Config.smooth_quant``): simulate *it* with ``config``
+    (``simulate(result.matched, None, result.config)``), not the input model.
+    ``fp32_layers``: every layer left in fp32, with why. ``report``: the per-layer analysis
+    when asked for (``Quantizer(report=True)``) or made by the automatic fallback.
     ``timings``: seconds per stage. ``warnings``: the text of every warning raised."""
 
     module: tvm.IRModule
@@ -99,6 +102,8 @@ class QuantizeResult:
     warnings: list[str] = field(default_factory=list)
     #: what ``Config.equalization`` rescaled and skipped (None when it is off)
     equalization: EqualizationReport | None = None
+    #: the LayerNorms ``Config.smooth_quant`` rewrote (empty: nothing applied)
+    smoothed: tuple[str, ...] = ()
 
 
 class Quantizer:
@@ -194,9 +199,10 @@ class Quantizer:
             check_weights(matched.graph.params)
             matched.active(config.fallback)  # fallback rules checked before any data work
             samples = self._data(dataset, matched.graph, client is not None)
+        model, smoothed = (mod, params), ()  # the float model realized (after SmoothQuant)
         if config.smooth_quant is not None:
             with clock("smooth_quant"):
-                matched = self._smooth(matched, samples, config, client)
+                matched, model, smoothed = self._smooth(matched, model, samples, config)
         reasons = {x: "fallback rule" for x in matched.kept_float(config.fallback)}
         sim = None
         if config.skip_unbounded:
@@ -216,7 +222,7 @@ class Quantizer:
                 )
             reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
             search = SEARCHES.get(config.fallback.precision, auto_fallback)
-            with clock("auto_fallback"), self._fan_out(client, mod, params, calib) as fan:
+            with clock("auto_fallback"), self._fan_out(client, *model, calib) as fan:
                 out = search(
                     matched, None, samples, config, qparams, target=self.target, fan_out=fan
                 )
@@ -242,32 +248,37 @@ class Quantizer:
                 if client is None:
                     report = analysis.report()
                 else:  # the samples' work on the workers, the same report
-                    report = report_distributed(analysis, mod, params, samples, client)
+                    report = report_distributed(analysis, *model, samples, client)
         module = _attach(module, qparams, decision, [k for k, v in reasons.items() if "guard" in v])
         int8 = [m.layer for m in matched.active(config.fallback)]
         return QuantizeResult(
             module, qparams, config, matched, int8, reasons, decision, report, analysis,
-            samples=qparams.meta.get("samples") or 0, timings=timings,
+            samples=qparams.meta.get("samples") or 0, timings=timings, smoothed=smoothed,
         )  # fmt: skip
 
-    def _smooth(self, matched, samples, config: Config, client) -> Matched:
-        """SmoothQuant on the float model (:mod:`autoq.smooth_quant`), matched again."""
-        if client is not None:
-            raise ValueError(
-                "Config.smooth_quant rewrites the model in this process: calibrate without a "
-                "cluster, or set smooth_quant=None"
+    def _smooth(self, matched, model, samples, config: Config):
+        """SmoothQuant on the float model (:mod:`autoq.smooth_quant`), matched again:
+        ``(matched, (mod, params), smoothed LayerNorm names)`` of the rewritten model (what
+        the workers of a cluster and every later stage quantize). Unchanged, silently, when
+        no LayerNorm feeds a dense layer (a CNN); unchanged with a
+        :class:`autoq.errors.SmoothQuantSkipped` warning when the samples are read only by a
+        cluster's workers (the channel maxima are measured in this process)."""
+        if not find_smoothable(matched.graph):
+            return matched, model, ()
+        if is_shard_source(samples):
+            warnings.warn(
+                SmoothQuantSkipped(
+                    f"Config.smooth_quant skipped: the dataset {samples.describe()} is read "
+                    "only by the workers and SmoothQuant measures its channel maxima in this "
+                    "process; give the samples themselves to smooth, or set smooth_quant=None"
+                ),
+                stacklevel=4,
             )
+            return matched, model, ()
         if isinstance(config.fallback, AutoFallback):  # held-out samples stay unseen
             samples, _ = split_holdout(samples, config.fallback.holdout)
         mod, params, plans = smooth_graph(matched.graph, samples, config.smooth_quant, self.target)
-        if not plans:
-            warnings.warn(
-                "Config.smooth_quant: no LayerNorm output feeds a dense layer with a constant "
-                "weight in this model; nothing was smoothed",
-                stacklevel=4,
-            )
-            return matched
-        return match(mod, params, config)
+        return match(mod, params, config), (mod, params), tuple(p.ln.name for p in plans)
 
     def _calibrate_healthy(self, matched, sim, samples, config, client):
         """Calibrate; while some chosen activation scale is unusable on its own data (see
@@ -382,14 +393,28 @@ class _Clock:
 
 
 def check_scales(
-    mod: tvm.IRModule, params: dict | None, qparams: QParams, dataset, config=None, target=None
+    mod: tvm.IRModule | Matched,
+    params: dict | None,
+    qparams: QParams,
+    dataset,
+    config=None,
+    target=None,
 ) -> None:
     """Refuse qparams (a hand-edited or loaded file) whose activation scales cannot represent
     ``dataset``: :class:`autoq.errors.CalibrationError` naming every such slot, with the
     fraction of its fp32 values that round to the zero point or fall outside the grid (see
-    :mod:`autoq.scale_health`)."""
+    :mod:`autoq.scale_health`). ``mod``: the float model the qparams were calibrated on;
+    with SmoothQuant that is the rewritten one, ``QuantizeResult.matched`` (an input model
+    with LayerNorms SmoothQuant rewrites is an :class:`autoq.errors.InputError`)."""
     config = config or Config()
-    sim = simulate(match(mod, params, config), None, _fixed(config))
+    matched = mod if isinstance(mod, Matched) else match(mod, params, config)
+    if matched is not mod and config.smooth_quant is not None and find_smoothable(matched.graph):
+        raise InputError(
+            "check_scales: Config.smooth_quant rewrites this model's LayerNorms before "
+            "calibration, so its qparams belong to the rewritten model: pass "
+            "QuantizeResult.matched as the model (params=None)"
+        )
+    sim = simulate(matched, None, _fixed(config))
     slots = [s for s in sim.activation_slots() if s in qparams]
     run = fp32_slot_runner(sim, slots, target or default_target())
     checks = feed_observers(

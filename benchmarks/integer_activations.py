@@ -69,7 +69,7 @@ def measure(info, mod, params, calib, evals, ref, off: tuple[str, ...]) -> dict:
     inputs = list(info.input_shapes)
     runner = common.TvmRunner(res.module, inputs)
     f = common.fidelity(info.kind, ref, [runner.run(s) for s in evals])
-    sim = autoq.simulate(mod, params, res.config)
+    sim = autoq.simulate(res.matched, None, res.config)
     rep = compare(sim, res.module, res.qparams, samples_for(list(evals), sim.graph.inputs))
     n, d = sum(rep.elements.values()), sum(rep.differing.values())
     return {

@@ -149,6 +149,51 @@ def attention(seed=0, seq=8, dim=16):
     return mod, params, lambda n=4, seed=1: image_data((1, seq, dim), seed, n)
 
 
+#: the LayerNorm block's sizes (sequence, hidden, FFN) and its outlier channel: LayerNorm
+#: gamma of this channel is 40x the others (BERT's LN outliers); the dense layers reading it
+#: have 40x smaller weights there (so it does not dominate their outputs)
+LN_SEQ, LN_DIM, LN_HID, LN_OUTLIER = 16, 16, 32, 5
+
+
+def ln_block(seed=0):
+    """LN1 (outlier gamma) -> dense (weight transposed, as exported) -> gelu -> dense, + LN1
+    output (post-LN residual: LN1 has another reader) -> LN2 (outlier gamma) -> dense (a
+    (K, N) weight; LN2's only reader: pre-LN style). SmoothQuant's test model."""
+    b = Builder(seed)
+    x = b.input("x", (1, LN_SEQ, LN_DIM))
+    dim, out = LN_DIM, LN_OUTLIER
+
+    def ln(name, y):
+        gamma = np.ones(dim)
+        gamma[out] = 40.0
+        beta = b.rng.normal(size=dim) * 0.1
+        return b.emit(relax.op.nn.layer_norm(y, b.weight(f"{name}.weight", gamma),
+                                             b.weight(f"{name}.bias", beta), [-1]))  # fmt: skip
+
+    def dense_t(name, y, n_in, n_out):
+        w = b.randw(f"{name}.weight", (n_out, n_in))
+        if n_in == dim:  # reads an LN output: small weights on the outlier channel, as trained
+            b.params[f"{name}.weight"][:, out] /= 40.0
+        h = b.emit(relax.op.matmul(y, relax.op.permute_dims(w, [1, 0])))
+        return b.emit(relax.op.add(h, b.weight(f"{name}.bias", b.rng.normal(size=n_out) * 0.1)))
+
+    def body(b):
+        h = ln("ln1", x)
+        f = b.emit(relax.op.nn.gelu(dense_t("ffn.in", h, dim, LN_HID)))
+        h2 = ln("ln2", b.emit(relax.op.add(dense_t("ffn.out", f, LN_HID, dim), h)))
+        head = b.randw("head", (dim, dim))
+        b.params["head"][out] /= 40.0
+        return b.emit(relax.op.matmul(h2, head))
+
+    mod, params = b.build(body)
+    return mod, params, ln_block_data
+
+
+def ln_block_data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.normal(size=(1, LN_SEQ, LN_DIM)).astype(np.float32) for _ in range(n)]
+
+
 def op_sequence(mod) -> list[tuple[str, str]]:
     """(op, output dtype) of every binding of ``main``, in order (``relax.`` prefix dropped)."""
     out = []

@@ -28,7 +28,7 @@ from autoq.calibrators.mse import MSE
 from autoq.calibrators.percentile import Percentile
 from autoq.dataset import CallableShards, DatasetError, NpzShards
 from autoq.distributed import ShardLostError, calibrate_distributed
-from models import TARGET, small_cnn
+from models import TARGET, ln_block, ln_block_data, small_cnn
 
 COORDINATOR = "AUTOQ_TEST_COORDINATOR_PID"
 os.environ.setdefault(COORDINATOR, str(os.getpid()))
@@ -128,6 +128,35 @@ def test_quantize_with_worker_side_sources(client, model, tmp_path):
     assert got.samples == 7
     # the samples arrive in another order (by file): the merged statistics do not care
     assert_identical(want, got.qparams)
+
+
+def ln_shard(i: int, n: int):
+    """Shard ``i`` of 7 LayerNorm-block samples; refuses to run in the coordinator."""
+    if str(os.getpid()) == os.environ[COORDINATOR]:
+        raise AssertionError("the coordinator read the dataset")
+    return ln_block_data(7, 3)[i::n]
+
+
+def test_smooth_quant_on_a_cluster(client):
+    """SmoothQuant measures its channel maxima in this process and the workers quantize the
+    rewritten model: the in-process qparams and report. With a source only the workers read
+    it is skipped with a SmoothQuantSkipped warning: the qparams of smooth_quant=None."""
+    mod, params, make = ln_block()
+    data = make(7, 3)
+    cfg = Config(progress=False, skip_unbounded=False, check_scales=False, smooth_quant=0.5)
+    want = autoq.Quantizer(cfg, target=TARGET, report=True).run(mod, params, data)
+    got = autoq.Quantizer(cfg, target=TARGET, report=True, cluster=client).run(mod, params, data)
+    assert len(got.smoothed) == 2 and got.smoothed == want.smoothed
+    assert_identical(want.qparams, got.qparams)
+    a, b = want.report.to_json(), got.report.to_json()
+    a.pop("meta"), b.pop("meta")
+    assert a == b
+    source = CallableShards(ln_shard)
+    with pytest.warns(autoq.SmoothQuantSkipped, match="read only by the workers"):
+        skipped = autoq.Quantizer(cfg, target=TARGET, cluster=client).run(mod, params, source)
+    assert skipped.smoothed == ()
+    plain = autoq.Quantizer(cfg.replace(smooth_quant=None), target=TARGET).run(mod, params, data)
+    assert_identical(plain.qparams, skipped.qparams)
 
 
 def test_report_fans_out(client, model):

@@ -143,7 +143,7 @@ def test_pipeline_realizes_the_choice_bit_exactly_and_round_trips():
     assert res.config.int16_tensors == tuple(d.layers) and not res.fp32_layers
     assert {res.qparams[s].dtype for s in d.layers} == {"int16"}
     assert Config.loads(res.config.dumps()) == res.config
-    sim = simulate(mod, params, res.config)
+    sim = simulate(res.matched, None, res.config)  # the model realized (SmoothQuant: rewritten)
     rep = compare(sim, res.module, res.qparams, samples_for(data(3, 4), sim.graph.inputs), TARGET)
     assert rep.exact, rep.table()
     fp, q8 = Runner(mod, params), Runner(autoq.quantize(mod, params, data(7, 1), CFG))

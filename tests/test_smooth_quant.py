@@ -4,13 +4,15 @@ closer to fp32 with it than without, on a tiny post-LN + pre-LN transformer bloc
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
-from tvm import relax
 
 import autoq
 from autoq import Config
 from autoq.calibrate import samples_for
+from autoq.errors import InputError
 from autoq.fidelity import compare
 from autoq.matching import match
 from autoq.metrics import sqnr_db
@@ -18,49 +20,14 @@ from autoq.simulate import simulate
 from autoq.smooth_quant import find_smoothable, smooth_graph
 from autoq.smoothing import check_alpha, smoothing_scales
 from autoq.toolkit import bindings, op_name
-from models import TARGET, Builder, Runner
-
-SEQ, DIM, HID = 16, 16, 32
-#: LayerNorm gamma of this channel is 40x the others (BERT's LN outliers); the dense layers
-#: reading it have 40x smaller weights there (so it does not dominate their outputs)
-OUTLIER = 5
+from models import LN_OUTLIER as OUTLIER
+from models import TARGET, Runner, ln_block, small_cnn
+from models import ln_block_data as data
 
 
-def block(seed=0):
-    """LN1 (outlier gamma) -> dense (weight transposed, as exported) -> gelu -> dense, + LN1
-    output (post-LN residual: LN1 has another reader) -> LN2 (outlier gamma) -> dense (a
-    (K, N) weight; LN2's only reader: pre-LN style)."""
-    b = Builder(seed)
-    x = b.input("x", (1, SEQ, DIM))
-
-    def ln(name, y):
-        gamma = np.ones(DIM)
-        gamma[OUTLIER] = 40.0
-        beta = b.rng.normal(size=DIM) * 0.1
-        return b.emit(relax.op.nn.layer_norm(y, b.weight(f"{name}.weight", gamma),
-                                             b.weight(f"{name}.bias", beta), [-1]))  # fmt: skip
-
-    def dense_t(name, y, n_in, n_out):
-        w = b.randw(f"{name}.weight", (n_out, n_in))
-        if n_in == DIM:  # reads an LN output: small weights on the outlier channel, as trained
-            b.params[f"{name}.weight"][:, OUTLIER] /= 40.0
-        out = b.emit(relax.op.matmul(y, relax.op.permute_dims(w, [1, 0])))
-        return b.emit(relax.op.add(out, b.weight(f"{name}.bias", b.rng.normal(size=n_out) * 0.1)))
-
-    def body(b):
-        h = ln("ln1", x)
-        f = b.emit(relax.op.nn.gelu(dense_t("ffn.in", h, DIM, HID)))
-        h2 = ln("ln2", b.emit(relax.op.add(dense_t("ffn.out", f, HID, DIM), h)))
-        head = b.randw("head", (DIM, DIM))
-        b.params["head"][OUTLIER] /= 40.0
-        return b.emit(relax.op.matmul(h2, head))
-
-    return b.build(body)
-
-
-def data(n, seed):
-    rng = np.random.default_rng(seed)
-    return [rng.normal(size=(1, SEQ, DIM)).astype(np.float32) for _ in range(n)]
+def block():
+    mod, params, _ = ln_block()
+    return mod, params
 
 
 def test_scales_follow_the_paper():
@@ -141,8 +108,30 @@ def test_quantized_model_is_closer_to_fp32():
         res = autoq.Quantizer(cfg, target=TARGET).run(mod, params, data(8, 1))
         run = Runner(res.module)
         sqnr[alpha] = sqnr_db(fp32, [run(x) for x in held])
+    assert len(res.smoothed) == 2, res.smoothed
     # the realized module is the rewritten model's: it equals *that* simulated graph
     sim = simulate(res.matched, None, res.config)
     rep = compare(sim, res.module, res.qparams, samples_for(held[:2], sim.graph.inputs), TARGET)
     assert rep.exact, rep.table()
     assert sqnr[0.5] > sqnr[None] + 8.0, sqnr  # measured 7.9 -> 21.3 dB
+    # check_scales: the qparams belong to the rewritten model, not to the input one
+    autoq.check_scales(res.matched, None, res.qparams, held, cfg, TARGET)
+    with pytest.raises(InputError, match=r"QuantizeResult\.matched"):
+        autoq.check_scales(mod, params, res.qparams, held, cfg, TARGET)
+
+
+def test_a_model_without_layer_norms_is_unchanged():
+    """A CNN: nothing to smooth, no warning, the very qparams of smooth_quant=None."""
+    mod, params, make = small_cnn()
+    got = {}
+    for alpha in (None, 0.5):
+        cfg = Config(progress=False, smooth_quant=alpha)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            res = autoq.Quantizer(cfg, target=TARGET).run(mod, params, make(4))
+        assert res.smoothed == ()
+        qp = res.qparams
+        got[alpha] = {
+            s: (qp[s].dtype, qp[s].scale.tobytes(), qp[s].zero_point.tobytes()) for s in qp.params
+        }
+    assert got[None] == got[0.5]

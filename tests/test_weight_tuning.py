@@ -175,7 +175,7 @@ def test_automatic_fallback_keeps_the_tuned_integers(precision):
     assert {k.rsplit(".", 1)[0] for k in res.qparams.values} == {
         x for x in kept if f"{x}.weight" in res.qparams
     }
-    sim = simulate(mod, params, res.config)
+    sim = simulate(res.matched, None, res.config)
     test = samples_for(data(3, 7), sim.graph.inputs)
     rep = compare(sim, res.module, res.qparams, test, target=TARGET)
     assert rep.exact, rep.table()
