@@ -18,7 +18,14 @@ error that arrives from upstream layers ("empirical" correction); with ``E[y_fp3
 ``W E[x~]`` on the quantized model's own inputs it removes only this layer's weight error.
 The residual mean error after correction is at most half an accumulator step per channel.
 
-Pure numpy; :class:`ChannelMean` streams batches.
+``Config.empirical_bias_correction`` (:mod:`autoq.weight_tuning`) applies the empirical form
+to a conv/dense layer through its mean input patch: with ``m`` the fp32 model's mean patch
+and ``m~`` the quantized-so-far model's (:class:`PatchMean`, exact over every output
+position), ``E[y] - E[y~] = W m - W_q m~`` per output channel (the mean of a linear layer is
+the layer of the mean), which covers both the layer's own weight error ``(W - W_q) m~`` and
+the mean error its input brings from upstream, ``W (m - m~)``.
+
+Pure numpy; :class:`ChannelMean` and :class:`PatchMean` stream batches.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import numpy as np
 
 from . import primitives as P
 
-__all__ = ["BiasCorrection", "ChannelMean", "correct_bias"]
+__all__ = ["BiasCorrection", "ChannelMean", "PatchMean", "correct_bias"]
 
 
 class ChannelMean:
@@ -56,6 +63,78 @@ class ChannelMean:
             raise ValueError(f"{rows.shape[0]} channels, earlier batches had {self.sum.shape[0]}")
         self.sum += rows.sum(axis=1)
         self.count += rows.shape[1]
+
+    def mean(self) -> np.ndarray:
+        if self.sum is None or self.count == 0:
+            raise ValueError("no data: call update() first")
+        return self.sum / self.count
+
+
+class PatchMean:
+    """Streaming exact mean of a layer's input rows: a conv's im2col patches over every output
+    position (``geom``: :class:`autoq.hessian.ConvGeometry`, NCHW data) or a dense layer's
+    rows (``geom`` None: every axis but the last). ``mean()`` is ``(G, K)`` in the layout of
+    :func:`autoq.hessian.flatten_conv_weight`, so ``W_flat[g] @ mean()[g]`` is the mean
+    output of group ``g``'s channels without bias. Sums merge exactly (float64, any order of
+    equal-size shards gives the same value up to float64 addition).
+
+    A 1x1 image [[5]], 2x2 kernel, padding 1: each tap reads the pixel at one of the four
+    output positions, so every tap's mean is 5 / 4:
+
+    >>> from autoq.hessian import ConvGeometry
+    >>> m = PatchMean(ConvGeometry(kernel=2, padding=1))
+    >>> m.update(np.array([[[[5.0]]]]))
+    >>> m.mean()
+    array([[1.25, 1.25, 1.25, 1.25]])
+
+    Dense rows (two samples of 2 tokens):
+
+    >>> d = PatchMean(None)
+    >>> d.update(np.array([[[1.0, 2.0], [3.0, 4.0]]])); d.update(np.array([[[5.0, 6.0], [7.0, 8.0]]]))
+    >>> d.mean()
+    array([[4., 5.]])
+    """
+
+    def __init__(self, geom=None):
+        self.geom = geom
+        self.sum: np.ndarray | None = None
+        self.count = 0
+
+    def _sums(self, x: np.ndarray) -> tuple[np.ndarray, int]:
+        if self.geom is None:
+            rows = x.reshape(-1, x.shape[-1])
+            return rows.sum(axis=0)[None], rows.shape[0]
+        if x.ndim != 4:
+            raise ValueError(f"PatchMean expects NCHW data, got shape {x.shape}")
+        g = self.geom
+        (kh, kw), (sh, sw), (dh, dw) = g.kernel, g.strides, g.dilation
+        top, left, bottom, right = g.padding
+        xp = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
+        oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
+        ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
+        out = np.empty((x.shape[1], kh, kw))
+        for i in range(kh):
+            for j in range(kw):
+                r, q = i * dh, j * dw
+                tap = xp[:, :, r : r + sh * (oh - 1) + 1 : sh, q : q + sw * (ow - 1) + 1 : sw]
+                out[:, i, j] = tap.sum(axis=(0, 2, 3))
+        return out.reshape(g.groups, -1), x.shape[0] * oh * ow
+
+    def update(self, x) -> None:
+        sums, n = self._sums(np.asarray(x, np.float64))
+        if self.sum is not None and self.sum.shape != sums.shape:
+            raise ValueError(f"patch shape {sums.shape}, earlier batches had {self.sum.shape}")
+        self.sum = sums if self.sum is None else self.sum + sums
+        self.count += n
+
+    def merge(self, other: PatchMean) -> None:
+        if other.sum is None:
+            return
+        if self.sum is None:
+            self.sum, self.count = other.sum.copy(), other.count
+            return
+        self.sum = self.sum + other.sum
+        self.count += other.count
 
     def mean(self) -> np.ndarray:
         if self.sum is None or self.count == 0:

@@ -408,6 +408,10 @@ def _calibrate_topological(
     budget = config.memory_budget_mb * 2**20
     runner = ShardRunner(vm, plan, static_values(sim, plan, weight_qp), budget, config.cache_dir)
     tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None
+    if tuner is not None and tuner.fp32_slots():  # empirical bias correction's fp32 means
+        t0 = time.perf_counter()
+        tuner.observe_fp32(fp32_slot_runner(sim, tuner.fp32_slots(), target)(samples))
+        stats["fp32_means_s"] = time.perf_counter() - t0
     try:
         runner.load(samples)
         runner.run_prologue()

@@ -259,7 +259,12 @@ class Config(JsonDocument):
     or ``"nearest"`` (each weight on its own; weights stay constants of the simulated graph). ``bias_correction``: add the mean
     output shift the rounded weights cause, ``(W - W_q) E[x]``, to the bias (Nagel et al.
     2019, "Data-Free Quantization", sec. 4.2, with the empirical input mean;
-    :mod:`autoq.bias_correction`). ``scale_search``: per-channel weight scales chosen on a
+    :mod:`autoq.bias_correction`). ``empirical_bias_correction``: the empirical form (Finkelstein
+    et al. 2019, "Fighting Quantization Bias With Bias"; Nagel et al. 2019's empirical
+    variant): each layer's mean output on the calibration data is matched to the fp32
+    model's, ``W E[x_fp32] - W_q E[x~]`` added to the bias, where ``x~`` is the layer's
+    quantized-so-far input; this also removes the mean error arriving from upstream (costs
+    one fp32 pass over the calibration data; supersedes ``bias_correction``). ``scale_search``: per-channel weight scales chosen on a
     grid of clipping ratios by the layer's output MSE (OMSE, Choukroun et al. 2019;
     :mod:`autoq.scale_search`). The integer weights and biases they choose are carried in
     ``QParams.values`` (realized as they are; simulated exactly). EfficientNet-Lite0 top-1
@@ -289,6 +294,7 @@ class Config(JsonDocument):
     distributed: Distributed | None = None
     weight_rounding: str = "gptq"
     bias_correction: bool = False
+    empirical_bias_correction: bool = False
     scale_search: bool = False
     equalization: bool = False
     int16_tensors: tuple[str, ...] = ()
@@ -326,7 +332,8 @@ class Config(JsonDocument):
                 f"Config.weight_rounding must be one of {', '.join(WEIGHT_ROUNDINGS)}, got {self.weight_rounding!r}"
             )
         for name in ("progress", "skip_unbounded", "check_scales", "int8_outputs",
-                     "bias_correction", "scale_search", "equalization"):  # fmt: skip
+                     "bias_correction", "empirical_bias_correction", "scale_search",
+                     "equalization"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         str_tuple(self, "int16_tensors")
@@ -343,7 +350,11 @@ class Config(JsonDocument):
     def tunes_weights(self) -> bool:
         """Calibration may change weight values or biases (the simulated graph then reads
         them as inputs: see :meth:`autoq.simulate.SimContext.weight`)."""
-        return self.weight_rounding != "nearest" or self.bias_correction
+        return (
+            self.weight_rounding != "nearest"
+            or self.bias_correction
+            or self.empirical_bias_correction
+        )
 
     @property
     def weight_tuning(self) -> bool:
@@ -377,6 +388,7 @@ class Config(JsonDocument):
             "distributed": None if self.distributed is None else self.distributed.to_json(),
             "weight_rounding": self.weight_rounding,
             "bias_correction": self.bias_correction,
+            "empirical_bias_correction": self.empirical_bias_correction,
             "scale_search": self.scale_search,
             "equalization": self.equalization,
             "int16_tensors": list(self.int16_tensors),

@@ -43,6 +43,7 @@ import itertools
 import os
 import tempfile
 import time
+import warnings
 from dataclasses import fields
 
 from . import calibrators
@@ -408,6 +409,13 @@ def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats, hea
         r.wait()
     stats["start_s"] = time.perf_counter() - t0
     tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None
+    if config.empirical_bias_correction:
+        warnings.warn(
+            "Config.empirical_bias_correction is not applied on a Dask cluster yet (it needs "
+            "an fp32 pass over the data in this process): calibrate without Config.distributed "
+            "to use it",
+            stacklevel=3,
+        )
     t0 = time.perf_counter()
     result = run_plan(plan, remotes, sim.plan.specs, config, sim, health, tuner)
     for r in remotes:

@@ -19,7 +19,11 @@ for every such layer it
    per image);
 4. with ``bias_correction``: adds the mean output shift the rounded weights cause,
    ``(W - W_q) E[x]`` per output channel, to the float bias (layers without a bias are left
-   as they are), so the int32 bias the layer is realized with absorbs it;
+   as they are), so the int32 bias the layer is realized with absorbs it; with
+   ``empirical_bias_correction`` the whole mean shift to the fp32 model instead,
+   ``W E[x_fp32] - W_q E[x~]`` (exact mean patches, :class:`autoq.bias_correction.PatchMean`:
+   ``E[x~]`` of the quantized input streamed here, ``E[x_fp32]`` from one fp32 pass before
+   calibration, :meth:`WeightTuner.observe_fp32`);
 
 and hands the new weight (the chosen integers, dequantized: they quantize back to the same
 integers exactly), bias and weight qparams to the runners, so the segments that follow (the
@@ -51,6 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import primitives as P
+from .bias_correction import PatchMean
 from .config import Config
 from .gptq import gptq, rtn
 from .hessian import CodeHessian, ConvGeometry, flatten_conv_weight
@@ -163,7 +168,7 @@ class InputStats:
     (as integer codes: :class:`autoq.hessian.CodeHessian`, exact whatever the split of the
     samples into shards and the order they merge in)."""
 
-    def __init__(self, tasks: list[LayerTask], qp: QParam):
+    def __init__(self, tasks: list[LayerTask], qp: QParam, patch_means: bool = False):
         scale = np.asarray(qp.scale).reshape(-1)
         if scale.size != 1:
             raise ValueError(
@@ -182,6 +187,9 @@ class InputStats:
         for layer, h in self.hessians.items():
             firsts.setdefault(id(h), layer)
         self.distinct = {layer: self.hessians[layer] for layer in firsts.values()}
+        #: with ``patch_means``: layer -> exact mean patch of the quantized input (shared
+        #: like the Hessians)
+        self.means = patch_mean_table(tasks) if patch_means else {}
 
     def update(self, x: np.ndarray) -> None:
         qp = self.qp
@@ -189,14 +197,39 @@ class InputStats:
         codes = q - np.asarray(qp.zero_point, np.int32)
         for h in self.distinct.values():
             h.update(codes)
+        if self.means:
+            xq = codes.astype(np.float64) * float(np.asarray(qp.scale).reshape(-1)[0])
+            for m in _distinct(self.means):
+                m.update(xq)
 
     def merge(self, other: InputStats) -> None:
+        other = other.resolve()
         for k, h in self.distinct.items():
-            h.merge(other.resolve().hessians[k])
+            h.merge(other.hessians[k])
+        for k, m in _distinct_items(self.means):
+            m.merge(other.means[k])
 
     def resolve(self) -> InputStats:
         """Itself (a shard's statistics computed elsewhere resolve to one of these)."""
         return self
+
+
+def patch_mean_table(tasks: list[LayerTask]) -> dict[str, PatchMean]:
+    """layer -> its :class:`PatchMean`, one shared by the layers whose patches are equal."""
+    shared: dict[tuple, PatchMean] = {}
+    return {t.layer: shared.setdefault(t.input_key(), PatchMean(t.geom)) for t in tasks}
+
+
+def _distinct_items(table: dict) -> list[tuple[str, object]]:
+    """The first ``(key, value)`` of each distinct value object (shared ones once)."""
+    seen: dict[int, tuple] = {}
+    for k, v in table.items():
+        seen.setdefault(id(v), (k, v))
+    return list(seen.values())
+
+
+def _distinct(table: dict) -> list:
+    return [v for _, v in _distinct_items(table)]
 
 
 class WeightTuner:
@@ -210,6 +243,26 @@ class WeightTuner:
         self.weights: dict[str, np.ndarray] = {}
         self.biases: dict[str, np.ndarray] = {}
         self.stats = {"tune_s": 0.0, "gptq": 0, "nearest": 0, "searched": 0, "bias_corrected": 0}
+        #: ``empirical_bias_correction``: layer -> mean patch of its fp32 input
+        self.fp32_means: dict[str, PatchMean] = {}
+
+    def fp32_slots(self) -> list[str]:
+        """The activation slots whose fp32 values :meth:`observe_fp32` needs (none unless
+        ``empirical_bias_correction``)."""
+        return list(self.tasks) if self.config.empirical_bias_correction else []
+
+    def observe_fp32(self, outputs) -> None:
+        """Feed the fp32 model's values of :meth:`fp32_slots` (one list per sample, in that
+        order) into the layers' fp32 mean patches."""
+        t0 = time.perf_counter()
+        tables = {sid: patch_mean_table(self.tasks[sid]) for sid in self.fp32_slots()}
+        for outs in outputs:
+            for sid, x in zip(tables, outs, strict=True):
+                for m in _distinct(tables[sid]):
+                    m.update(x)
+        for table in tables.values():
+            self.fp32_means.update(table)
+        self.stats["fp32_pass_s"] = time.perf_counter() - t0
 
     def step(self, heads: list[str], act_qp: dict[str, QParam], runners: list) -> None:
         """Tune the layers reading any of ``heads`` (their qparams in ``act_qp``) before
@@ -221,17 +274,18 @@ class WeightTuner:
         updates: dict[int, np.ndarray] = {}
         with single_threaded_blas():
             for sid, group in tasks:
-                shards = [r.feed(sid, InputStats(group, act_qp[sid])) for r in runners]
+                empirical = self.config.empirical_bias_correction and bool(self.fp32_means)
+                shards = [r.feed(sid, InputStats(group, act_qp[sid], empirical)) for r in runners]
                 merged = shards[0].resolve()
                 for other in shards[1:]:
                     merged.merge(other)
                 for task in group:
-                    updates.update(self._tune(task, merged.hessians[task.layer]))
+                    updates.update(self._tune(task, merged.hessians[task.layer], merged.means))
         for r in runners:
             r.update_static(updates)
         self.stats["tune_s"] += time.perf_counter() - t0
 
-    def _tune(self, task: LayerTask, h: CodeHessian) -> dict[int, np.ndarray]:
+    def _tune(self, task: LayerTask, h: CodeHessian, means: dict) -> dict[int, np.ndarray]:
         cfg, spec = self.config, self.sim.plan.specs[task.weight_slot]
         qmin, qmax = spec.qrange
         qp = self.weight_qp[task.weight_slot]
@@ -259,10 +313,14 @@ class WeightTuner:
         if rounded:
             self.weights[task.weight_slot] = task.unflat(wq)
             out[self.plan.value_keys[task.weight_slot]] = self.weights[task.weight_slot]
-        if cfg.bias_correction and task.has_bias:
+        if task.has_bias and (cfg.bias_correction or task.layer in means):
             b = self.sim.plan.biases[task.layer][0]
-            shift = np.einsum("gok,gk->go", wf - wq, h.mean()).reshape(-1)
-            self.biases[task.layer] = (b + shift).astype(np.float32)
+            if task.layer in means:  # empirical: to the fp32 model's mean output
+                m_fp, m_q = self.fp32_means[task.layer].mean(), means[task.layer].mean()
+                shift = np.einsum("gok,gk->go", wf, m_fp) - np.einsum("gok,gk->go", wq, m_q)
+            else:
+                shift = np.einsum("gok,gk->go", wf - wq, h.mean())
+            self.biases[task.layer] = (b + shift.reshape(-1)).astype(np.float32)
             out[self.plan.value_keys[f"{task.layer}.bias"]] = self.biases[task.layer]
             self.stats["bias_corrected"] += 1
         return out

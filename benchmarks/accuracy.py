@@ -317,6 +317,14 @@ def baseline_configs() -> dict[str, tuple[object, str]]:
             plain.replace(weight_rounding="gptq", bias_correction=True),
             "+ GPTQ + bias correction",
         ),
+        "empirical_bc": (
+            plain.replace(empirical_bias_correction=True),
+            "+ empirical bias correction (mean output matched to fp32)",
+        ),
+        "default+ebc": (
+            base.replace(empirical_bias_correction=True),
+            "defaults + empirical bias correction",
+        ),
         "all": (
             plain.replace(weight_rounding="gptq", bias_correction=True, scale_search=True),
             "+ GPTQ + bias correction + scale search",

@@ -38,6 +38,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-layers", type=int, default=10)
     ap.add_argument("--budget", type=int, default=3, help="realize the last step within this")
     ap.add_argument("--ranking", choices=("local", "revert"), default="revert")
+    ap.add_argument(
+        "--empirical-bias-correction", action="store_true", help="Config option of that name"
+    )
     args = ap.parse_args(argv)
     import autoq
     from autoq.calibrate import calibrate
@@ -54,7 +57,7 @@ def main(argv=None) -> None:
     ref = common.ort_outputs(common.ort_session(info.path, threads=2), evals)
     thresh = info.extra.get("thresh", 0.3)
     target = common.tvm_target()
-    cfg = autoq.Config(progress=False)
+    cfg = autoq.Config(progress=False, empirical_bias_correction=args.empirical_bias_correction)
     t0 = time.perf_counter()
     qp = calibrate(simulate(mod, params, cfg), params, calib, cfg, target=target)
     t_cal = time.perf_counter() - t0
@@ -95,7 +98,7 @@ def main(argv=None) -> None:
         print(f"\nrealized, {within['k']} layers above int8: {f['agree_name']} "
               f"{100 * f['agree']:.1f}%, cos {f['cos']:.5f}, cos_min {f['cos_min']:.5f}")  # fmt: skip
     print(f"\n{info.name}: {len(calib)} calibration + {len(held)} held-out / {len(evals)} "
-          f"evaluation samples (disjoint), {args.det_size}x{args.det_size}.")  # fmt: skip
+          f"evaluation samples (disjoint), {args.det_size}x{args.det_size}; {cfg}")  # fmt: skip
 
 
 def layer_slots(eg):

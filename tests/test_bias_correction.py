@@ -78,3 +78,37 @@ def test_errors():
         B.correct_bias([1.0], [0.0], 1.0, np.zeros(2, np.int32))
     with pytest.raises(ValueError, match="no data"):
         B.ChannelMean().mean()
+
+
+@pytest.mark.parametrize(
+    "geom",
+    [
+        dict(kernel=3, padding=1),
+        dict(kernel=(1, 3), strides=2, padding=(0, 1, 1, 0), dilation=(1, 2)),
+        dict(kernel=3, padding=1, groups=4),
+    ],
+    ids=["3x3", "strided_dilated", "depthwise"],
+)
+def test_patch_mean_is_the_mean_of_every_im2col_patch(geom):
+    """Streamed in batches and merged across two halves, PatchMean equals the mean of
+    hessian.conv_unfold's patches (all output positions) in flatten_conv_weight's layout,
+    so W_flat @ mean is the mean conv output."""
+    from autoq.hessian import ConvGeometry, conv_unfold, flatten_conv_weight
+
+    g = ConvGeometry(**geom)
+    rng = np.random.default_rng(1)
+    batches = [rng.normal(size=(n, 4, 7, 6)) + 1.0 for n in (1, 2, 3)]
+    ref = conv_unfold(np.concatenate(batches), g).mean(axis=1)
+    a, b = B.PatchMean(g), B.PatchMean(g)
+    a.update(batches[0])
+    for x in batches[1:]:
+        b.update(x)
+    a.merge(b)
+    np.testing.assert_allclose(a.mean(), ref, rtol=1e-12, atol=1e-12)
+    w = rng.normal(size=(4, 4 // g.groups, *g.kernel))
+    out = np.einsum("gok,gk->go", flatten_conv_weight(w, g.groups), a.mean()).reshape(-1)
+    full = np.einsum("gok,gnk->gon", flatten_conv_weight(w, g.groups), conv_unfold(
+        np.concatenate(batches), g)).reshape(4, -1).mean(axis=1)  # fmt: skip
+    np.testing.assert_allclose(out, full, rtol=1e-10)
+    with pytest.raises(ValueError, match="patch shape"):
+        a.update(np.zeros((1, 8, 7, 6)))

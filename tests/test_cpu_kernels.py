@@ -346,7 +346,7 @@ def test_doctests():
         assert doctest.testmod(module).failed == 0
 
 
-def _sum_func(dtype: str):
+def _sum_func(dtype: str, keepdims: bool = False):
     """main(x) = sum(int32(x) - 5) over the last two axes (or float32), a fused pooling."""
     from tvm import te
 
@@ -354,21 +354,30 @@ def _sum_func(dtype: str):
     acc = "int32" if dtype == "int32" else "float32"
     sub = te.compute(x.shape, lambda *i: x[i].astype(acc) - tvm.tirx.const(5, acc), name="sub")
     k2, k3 = te.reduce_axis((0, 10), "k2"), te.reduce_axis((0, 40), "k3")
-    out = te.compute((2, 24), lambda n, c: te.sum(sub[n, c, k2, k3], axis=[k2, k3]), name="s")
+    if keepdims:
+        out = te.compute(
+            (2, 24, 1, 1),
+            lambda n, c, i, j: te.sum(sub[n, c, k2, k3], axis=[k2, k3]),
+            name="s",
+        )
+    else:
+        out = te.compute((2, 24), lambda n, c: te.sum(sub[n, c, k2, k3], axis=[k2, k3]), name="s")
     return te.create_prim_func([x, out])
 
 
-def test_integer_sum_is_vectorized_and_exact():
+@pytest.mark.parametrize("keepdims", [False, True])
+def test_integer_sum_is_vectorized_and_exact(keepdims):
     from autoq.cpu.int_sum import schedule_integer_sum
 
-    func = schedule_fused(_sum_func("int32"))
+    func = schedule_fused(_sum_func("int32", keepdims))
     text = func.script()
     assert "_rf" in text and "T.vectorized" in text and "T.parallel" in text
     x = np.random.default_rng(6).integers(-128, 128, (2, 24, 10, 40)).astype(np.int8)
     lib = tvm.compile(tvm.IRModule({"main": func}), _target(HOST))
-    got = tvm.runtime.tensor(np.zeros((2, 24), np.int32))
+    want = (x.astype(np.int64) - 5).sum(axis=(2, 3), keepdims=keepdims)
+    got = tvm.runtime.tensor(np.zeros(want.shape, np.int32))
     lib["main"](tvm.runtime.tensor(x), got)
-    np.testing.assert_array_equal(got.numpy(), (x.astype(np.int64) - 5).sum(axis=(2, 3)))
+    np.testing.assert_array_equal(got.numpy(), want)
     assert schedule_integer_sum(_sum_func("float32")) is None  # float sums keep their order
     from tvm import te
 

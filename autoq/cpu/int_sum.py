@@ -22,18 +22,25 @@ _LANES = (16, 8, 4)
 
 
 def _reads_each_element_once(block) -> bool:
-    """Every input is read at exactly the block's iteration variables, each once (a sum over
-    axes: no input element feeds two outputs or two steps, unlike a matmul's operands)."""
-    names = sorted(iv.var.name for iv in block.iter_vars)
+    """Every input is read at distinct plain iteration variables covering all of the block's
+    variables but those of extent 1 (a sum over axes, keepdims or not: no input element
+    feeds two outputs or two steps, unlike a matmul's operands)."""
+    needed = {iv.var.name for iv in block.iter_vars if not _is_one(iv.dom.extent)}
+    allowed = {iv.var.name for iv in block.iter_vars}
     for region in block.reads:
         if region.source.same_as(block.writes[0].source):
             continue
         mins = [r.min for r in region.region]
         if not all(isinstance(m, tirx.Var) for m in mins):
             return False
-        if sorted(m.name for m in mins) != names:
+        names = [m.name for m in mins]
+        if len(set(names)) != len(names) or not needed <= set(names) <= allowed:
             return False
     return True
+
+
+def _is_one(extent) -> bool:
+    return isinstance(extent, tirx.IntImm) and int(extent) == 1
 
 
 def schedule_integer_sum(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
