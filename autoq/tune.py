@@ -37,6 +37,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import tvm
+import tvm_ffi
 
 from .build import default_target
 from .cpu.injective import KERNEL_ATTR
@@ -333,30 +334,33 @@ def measure_schedules(mods: list, target, builder, runner) -> list[float | None]
 
 
 def _measure_defaults(tasks, target, db, folder: Path, builder, runner) -> int:
-    """Measure, for every task with a record that was not measured before, autoq's default
-    schedule and the schedule the database gives it, in one batch with the tuning builder
+    """Measure, for every task with a record that was not measured before (or whose default
+    schedule changed since), autoq's default schedule and the schedule the database gives it, in one batch with the tuning builder
     and runner; record the outcome in the database's side file
     (:class:`autoq.tuning_defaults.DefaultSchedules`). Returns how many of ``tasks`` keep
     the default schedule."""
     choices = DefaultSchedules.load(folder)
+    measured = choices.measured()
     keys, todo = {}, {}
-    for t in tasks:
-        record = db.query_tuning_record(t.dispatched[0], target, t.task_name)
-        if record is not None:
-            keys[t.task_name] = workload_key(record)
-            if keys[t.task_name] not in choices.measured():
-                todo.setdefault(keys[t.task_name], t)
-    if todo:
+    with target:
+        for t in tasks:
+            record = db.query_tuning_record(t.dispatched[0], target, t.task_name)
+            if record is None:
+                continue
+            key = keys[t.task_name] = workload_key(record)
+            default = default_schedule(t.dispatched[0]["main"], target)
+            fingerprint = str(tvm_ffi.structural_hash(default))
+            if measured.get(key) != fingerprint and key not in todo:
+                todo[key] = (t, default, fingerprint)
         mods = []
-        with target:
-            for t in todo.values():
-                func = t.dispatched[0]["main"]
-                mods.append(tvm.IRModule({"main": default_schedule(func, target)}))
-                mods.append(apply_database(tvm.IRModule({"main": func}), target, folder))
+        for t, default, _ in todo.values():
+            mods.append(tvm.IRModule({"main": default}))
+            mods.append(apply_database(t.dispatched[0], target, folder))
+    if todo:
         secs = measure_schedules(mods, target, builder, runner)
         new = [
-            KernelChoice(key, t.task_name, secs[2 * i], secs[2 * i + 1])
-            for i, (key, t) in enumerate(todo.items())
+            KernelChoice(key, t.task_name, secs[2 * i], secs[2 * i + 1], fingerprint)
+            for i, (key, (t, _, fingerprint)) in enumerate(todo.items())
         ]
         choices = choices.with_kernels(new)
         choices.save_to(folder)

@@ -14,11 +14,14 @@ The file, ``autoq_default_schedules.json`` next to ``database_workload.json``::
 
     {"format": "autoq.default_schedules", "version": 1, "min_gain": 0.03,
      "kernels": [{"workload": "1234...", "task": "fused_add_qnn_requantize",
-                  "default_s": 1.2e-05, "tuned_s": 1.5e-05}, ...]}
+                  "default_s": 1.2e-05, "tuned_s": 1.5e-05, "default_hash": "987..."}, ...]}
 
 A kernel keeps the tuned record only when it is at least ``min_gain`` (3%) faster than the
 default in that measurement (a tie or noise keeps the default); a default that failed to
-build or run (``default_s`` null) loses.
+build or run (``default_s`` null) loses. ``default_hash`` is the structural hash of the
+default-scheduled kernel that was measured: when autoq's default schedule changes (a new
+autoq version), ``autoq.tune`` measures that kernel again; until then compiles use the
+stored decision.
 """
 
 from __future__ import annotations
@@ -73,16 +76,18 @@ def _seconds(value, what: str) -> float | None:
 @dataclass(frozen=True)
 class KernelChoice:
     """One measured kernel: its ``workload`` key in the database, the ``task`` name it was
-    tuned under, and the seconds of its default schedule and of its best record measured
-    together (None: that one failed to build or run)."""
+    tuned under, the seconds of its default schedule and of its best record measured
+    together (None: that one failed to build or run), and the structural hash of the
+    default-scheduled kernel measured (``default_hash``)."""
 
     workload: str
     task: str
     default_s: float | None
     tuned_s: float | None
+    default_hash: str
 
     def __post_init__(self) -> None:
-        for name in ("workload", "task"):
+        for name in ("workload", "task", "default_hash"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"KernelChoice.{name} must be a non-empty string")
         object.__setattr__(self, "default_s", _seconds(self.default_s, "default_s"))
@@ -94,12 +99,13 @@ class KernelChoice:
             "task": self.task,
             "default_s": self.default_s,
             "tuned_s": self.tuned_s,
+            "default_hash": self.default_hash,
         }
 
     @classmethod
     def from_json(cls, d: dict) -> KernelChoice:
         check_keys(cls, d)
-        return cls(d["workload"], d["task"], d["default_s"], d["tuned_s"])
+        return cls(d["workload"], d["task"], d["default_s"], d["tuned_s"], d["default_hash"])
 
 
 @dataclass(frozen=True)
@@ -120,9 +126,10 @@ class DefaultSchedules(JsonDocument):
         if isinstance(self.min_gain, bool) or not 0.0 <= self.min_gain < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain!r}")
 
-    def measured(self) -> frozenset[str]:
-        """Workload keys already measured (not measured again)."""
-        return frozenset(k.workload for k in self.kernels)
+    def measured(self) -> dict[str, str]:
+        """Workload key -> ``default_hash`` of every kernel measured (not measured again
+        while its default schedule stays the same)."""
+        return {k.workload: k.default_hash for k in self.kernels}
 
     def default_wins(self) -> frozenset[str]:
         """Workload keys whose records compiles must not apply."""
