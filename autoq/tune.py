@@ -335,8 +335,9 @@ def measure_schedules(mods: list, target, builder, runner) -> list[float | None]
 
 def _measure_defaults(tasks, target, db, folder: Path, builder, runner) -> int:
     """Measure, for every task with a record that was not measured before (or whose default
-    schedule changed since), autoq's default schedule and the schedule the database gives it, in one batch with the tuning builder
-    and runner; record the outcome in the database's side file
+    schedule changed since), autoq's default schedule and the schedule the database gives
+    it, in one batch with the tuning builder and runner; record the outcome in the
+    database's side file
     (:class:`autoq.tuning_defaults.DefaultSchedules`). Returns how many of ``tasks`` keep
     the default schedule."""
     choices = DefaultSchedules.load(folder)
