@@ -356,7 +356,8 @@ def _measure_defaults(tasks, target, db, folder: Path, builder, runner) -> int:
         mods = []
         for t, default, _ in todo.values():
             mods.append(tvm.IRModule({"main": default}))
-            mods.append(apply_database(t.dispatched[0], target, folder))
+            # the record itself, also where an older default won: it is measured again
+            mods.append(apply_database(t.dispatched[0], target, folder, db, frozenset()))
     if todo:
         secs = measure_schedules(mods, target, builder, runner)
         new = [

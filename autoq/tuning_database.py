@@ -90,15 +90,22 @@ def _tunable(mod: tvm.IRModule) -> list:
     ]
 
 
-def apply_database(mod: tvm.IRModule, target, folder: str | Path) -> tvm.IRModule:
+def apply_database(
+    mod: tvm.IRModule, target, folder: str | Path, database=None, default_wins=None
+) -> tvm.IRModule:
     """The fused ``mod`` with the records of the database in ``folder`` applied, except to
     the kernels whose default schedule measured faster (:mod:`autoq.tuning_defaults`); those
     and the kernels without a record get :func:`default_schedule`, autoq's packed kernels
-    keep theirs. Call inside ``with target``."""
+    keep theirs. Call inside ``with target``. ``database`` / ``default_wins``: the opened
+    database and the workload keys to keep the default for, when the caller has them (the
+    tuner: its open database, and no exceptions while it measures records against
+    defaults)."""
     folder = Path(folder)
-    database = open_database(folder, create=False)
-    default_wins = DefaultSchedules.load(folder).default_wins()
-    _register_if_used(folder)
+    if database is None:
+        database = open_database(folder, create=False)
+        _register_if_used(folder)
+    if default_wins is None:
+        default_wins = DefaultSchedules.load(folder).default_wins()
     # the module MetaScheduleApplyDatabase looks a kernel up with (its own normalization)
     normalize = tvm.get_global_func("tvm.s_tir.meta_schedule.normalize_mod")
     kept = {}

@@ -183,13 +183,11 @@ class InputStats:
             t.layer: shared.setdefault(t.input_key(), t.hessian(float(scale[0]))) for t in tasks
         }
         # one layer per distinct Hessian (layer -> Hessian): what update/merge feed, once
-        firsts: dict[int, str] = {}
-        for layer, h in self.hessians.items():
-            firsts.setdefault(id(h), layer)
-        self.distinct = {layer: self.hessians[layer] for layer in firsts.values()}
+        self.distinct = dict(_distinct_items(self.hessians))
         #: with ``patch_means``: layer -> exact mean patch of the quantized input (shared
-        #: like the Hessians)
+        #: like the Hessians; ``distinct_means`` as ``distinct``)
         self.means = patch_mean_table(tasks) if patch_means else {}
+        self.distinct_means = dict(_distinct_items(self.means))
 
     def update(self, x: np.ndarray) -> None:
         qp = self.qp
@@ -197,16 +195,16 @@ class InputStats:
         codes = q - np.asarray(qp.zero_point, np.int32)
         for h in self.distinct.values():
             h.update(codes)
-        if self.means:
+        if self.distinct_means:
             xq = codes.astype(np.float64) * float(np.asarray(qp.scale).reshape(-1)[0])
-            for m in _distinct(self.means):
+            for m in self.distinct_means.values():
                 m.update(xq)
 
     def merge(self, other: InputStats) -> None:
         other = other.resolve()
         for k, h in self.distinct.items():
             h.merge(other.hessians[k])
-        for k, m in _distinct_items(self.means):
+        for k, m in self.distinct_means.items():
             m.merge(other.means[k])
 
     def resolve(self) -> InputStats:
