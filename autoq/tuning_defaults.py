@@ -27,7 +27,7 @@ stored decision.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import InputError
@@ -94,18 +94,12 @@ class KernelChoice:
         object.__setattr__(self, "tuned_s", _seconds(self.tuned_s, "tuned_s"))
 
     def to_json(self) -> dict:
-        return {
-            "workload": self.workload,
-            "task": self.task,
-            "default_s": self.default_s,
-            "tuned_s": self.tuned_s,
-            "default_hash": self.default_hash,
-        }
+        return asdict(self)
 
     @classmethod
     def from_json(cls, d: dict) -> KernelChoice:
         check_keys(cls, d)
-        return cls(d["workload"], d["task"], d["default_s"], d["tuned_s"], d["default_hash"])
+        return cls(**d)
 
 
 @dataclass(frozen=True)
