@@ -184,8 +184,9 @@ class InputStats:
         }
         # one layer per distinct Hessian (layer -> Hessian): what update/merge feed, once
         self.distinct = dict(_distinct_items(self.hessians))
-        #: with ``patch_means``: layer -> exact mean patch of the quantized input (shared
-        #: like the Hessians; ``distinct_means`` as ``distinct``)
+        #: with ``patch_means``: layer -> exact mean patch of the quantized input's integer
+        #: codes (shared like the Hessians; ``distinct_means`` as ``distinct``); times the
+        #: scale in :meth:`input_mean`
         self.means = patch_mean_table(tasks) if patch_means else {}
         self.distinct_means = dict(_distinct_items(self.means))
 
@@ -195,10 +196,8 @@ class InputStats:
         codes = q - np.asarray(qp.zero_point, np.int32)
         for h in self.distinct.values():
             h.update(codes)
-        if self.distinct_means:
-            xq = codes.astype(np.float64) * float(np.asarray(qp.scale).reshape(-1)[0])
-            for m in self.distinct_means.values():
-                m.update(xq)
+        for m in self.distinct_means.values():
+            m.update(codes)
 
     def merge(self, other: InputStats) -> None:
         other = other.resolve()
@@ -206,6 +205,10 @@ class InputStats:
             h.merge(other.hessians[k])
         for k, m in self.distinct_means.items():
             m.merge(other.means[k])
+
+    def input_mean(self, layer: str) -> np.ndarray:
+        """The exact mean patch of ``layer``'s quantized input (codes x scale)."""
+        return self.means[layer].mean() * float(np.asarray(self.qp.scale).reshape(-1)[0])
 
     def resolve(self) -> InputStats:
         """Itself (a shard's statistics computed elsewhere resolve to one of these)."""
@@ -278,12 +281,12 @@ class WeightTuner:
                 for other in shards[1:]:
                     merged.merge(other)
                 for task in group:
-                    updates.update(self._tune(task, merged.hessians[task.layer], merged.means))
+                    updates.update(self._tune(task, merged.hessians[task.layer], merged))
         for r in runners:
             r.update_static(updates)
         self.stats["tune_s"] += time.perf_counter() - t0
 
-    def _tune(self, task: LayerTask, h: CodeHessian, means: dict) -> dict[int, np.ndarray]:
+    def _tune(self, task: LayerTask, h: CodeHessian, stats: InputStats) -> dict[int, np.ndarray]:
         cfg, spec = self.config, self.sim.plan.specs[task.weight_slot]
         qmin, qmax = spec.qrange
         qp = self.weight_qp[task.weight_slot]
@@ -311,10 +314,10 @@ class WeightTuner:
         if rounded:
             self.weights[task.weight_slot] = task.unflat(wq)
             out[self.plan.value_keys[task.weight_slot]] = self.weights[task.weight_slot]
-        if task.has_bias and (cfg.bias_correction or task.layer in means):
+        if task.has_bias and (cfg.bias_correction or task.layer in stats.means):
             b = self.sim.plan.biases[task.layer][0]
-            if task.layer in means:  # empirical: to the fp32 model's mean output
-                m_fp, m_q = self.fp32_means[task.layer].mean(), means[task.layer].mean()
+            if task.layer in stats.means:  # empirical: to the fp32 model's mean output
+                m_fp, m_q = self.fp32_means[task.layer].mean(), stats.input_mean(task.layer)
                 shift = np.einsum("gok,gk->go", wf, m_fp) - np.einsum("gok,gk->go", wq, m_q)
             else:
                 shift = np.einsum("gok,gk->go", wf - wq, h.mean())
