@@ -36,7 +36,7 @@ import tvm
 
 from . import calibrators
 from .build import default_target
-from .calibration_plan import CalibrationPlan, build_plan
+from .calibration_plan import CalibrationPlan, build_plan, slot_layouts
 from .config import Config, QuantSpec
 from .dataset import DatasetError, InputSpec, as_dataset, index_bounds
 from .errors import CalibratorError
@@ -46,6 +46,7 @@ from .registry import slot_id_of
 from .scale_health import HealthCheck, SlotHealth, problem
 from .shard_runner import ShardRunner
 from .simulate import SimResult
+from .token_mask import check_real_tokens, masked_outputs
 from .toolkit import as_list, compile_vm, make_function
 from .weight_tuning import WeightTuner
 
@@ -187,6 +188,7 @@ def calibrate(
     target = target or default_target()
     g = sim.graph
     samples = samples_for(dataset, g.inputs, module=g.module)
+    check_real_tokens(config.token_mask, samples)
     t0 = time.perf_counter()
     result = calibrate_weights(sim)
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
@@ -400,7 +402,7 @@ def calibration_pipeline(target):
 def _calibrate_topological(
     sim, samples, weight_qp, config, target, stats, health
 ) -> dict[str, QParam]:
-    plan, functions = build_plan(sim)
+    plan, functions = build_plan(sim, config.token_mask)
     t0 = time.perf_counter()
     vm = compile_vm(functions, target, sim.mod, pipeline=calibration_pipeline(target))
     stats["compile_s"] = time.perf_counter() - t0
@@ -410,7 +412,10 @@ def _calibrate_topological(
     tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None
     if tuner is not None and tuner.fp32_slots():  # empirical bias correction's fp32 means
         t0 = time.perf_counter()
-        tuner.observe_fp32(fp32_slot_runner(sim, tuner.fp32_slots(), target)(samples))
+        slots = tuner.fp32_slots()
+        layouts = [plan.token_layouts.get(s) for s in slots]
+        outs = fp32_slot_runner(sim, slots, target)(samples)
+        tuner.observe_fp32(masked_outputs(outs, samples, config.token_mask, layouts))
         stats["fp32_means_s"] = time.perf_counter() - t0
     try:
         runner.load(samples)
@@ -471,10 +476,11 @@ def fp32_observers(specs: list[QuantSpec], ranges: list | None) -> list:
 
 
 def feed_observers(observers: list, outputs: Iterable[list]) -> list:
-    """Update each observer (None: skipped) with its tensor of every sample's ``outputs``."""
+    """Update each observer (None: skipped) with its tensor of every sample's ``outputs``
+    (empty tensors, e.g. no real token left by ``Config.token_mask``, skipped)."""
     for outs in outputs:
         for obs, x in zip(observers, outs, strict=True):
-            if obs is not None:
+            if obs is not None and np.size(x):
                 obs.update(x)
     return observers
 
@@ -482,7 +488,12 @@ def feed_observers(observers: list, outputs: Iterable[list]) -> list:
 def _calibrate_fp32(sim, samples, config, target, stats, health) -> dict[str, QParam]:
     slots = sim.activation_slots()
     t0 = time.perf_counter()
-    run = fp32_slot_runner(sim, slots, target)
+    layouts = [slot_layouts(sim, config.token_mask).get(s) for s in slots]
+    plain = fp32_slot_runner(sim, slots, target)
+
+    def run(samples):
+        return masked_outputs(plain(samples), samples, config.token_mask, layouts)
+
     stats["compile_s"] = time.perf_counter() - t0
     specs = [sim.plan.specs[s] for s in slots]
     ranges: list = [None] * len(slots)
