@@ -177,12 +177,15 @@ def calibrate(
     dataset,
     config: Config | None = None,
     target=None,
+    fixed: dict[str, QParam] | None = None,
 ) -> QParams:
     """Choose the qparams of every slot of ``sim`` (see the module docstring).
 
     ``params`` are the weight arrays (the same dict given to ``simulate``; may be None when
     the weights were constants); ``dataset`` an iterable of ``{input: array}`` dicts or of
-    arrays (single-input models), validated before any work.
+    arrays (single-input models), validated before any work. ``fixed``: activation slot ->
+    qparams taken as they are instead of calibrated (e.g. the int16 tensors an escalation
+    chose: :mod:`autoq.escalation`); everything downstream is calibrated on their values.
     """
     config = config or Config()
     target = target or default_target()
@@ -196,9 +199,12 @@ def calibrate(
     tuner = None
     if config.calibration == "fp32":
         acts = _calibrate_fp32(sim, samples, config, target, stats, health)
+        acts.update(fixed or {})
         warn_untuned(config)
     else:
-        acts, tuner = _calibrate_topological(sim, samples, result, config, target, stats, health)
+        acts, tuner = _calibrate_topological(
+            sim, samples, result, config, target, stats, health, fixed or {}
+        )
     stats["total_s"] = time.perf_counter() - t0
     refuse_constant_inputs(sim, health, samples.num_samples)
     result.update(acts)
@@ -356,12 +362,13 @@ def run_plan(
     sim: SimResult,
     health: dict | None = None,
     tuner=None,
+    fixed: dict[str, QParam] | None = None,
 ) -> dict:
     """The coordinator loop: for each segment, choose its heads' qparams from every
     shard's statistics (and the lookup tables they complete), let ``tuner`` (a
     :class:`autoq.weight_tuning.WeightTuner`) tune the layers reading them, then let every
     shard run it with them. ``health`` (a dict) receives each head's :class:`SlotHealth`
-    for its chosen qparams on the same values."""
+    for its chosen qparams on the same values. ``fixed``: slot -> qparams used as they are."""
     result: dict[str, QParam] = {}
     n = sum(r.n for r in runners)
     bar = _progress(config, len(plan.segments) * n, "calibrating")
@@ -369,7 +376,8 @@ def run_plan(
         for j, seg in enumerate(plan.segments):
             chosen = {}
             for sid in seg.heads:
-                qp = result[sid] = choose_qparams(runners, sid, specs[sid])
+                qp = (fixed or {}).get(sid) or choose_qparams(runners, sid, specs[sid])
+                result[sid] = qp
                 chosen[sid] = (qp.scale, qp.zero_point)
                 if health is not None:
                     check = HealthCheck(qp)
@@ -400,7 +408,7 @@ def calibration_pipeline(target):
 
 
 def _calibrate_topological(
-    sim, samples, weight_qp, config, target, stats, health
+    sim, samples, weight_qp, config, target, stats, health, fixed
 ) -> dict[str, QParam]:
     plan, functions = build_plan(sim, config.token_mask)
     t0 = time.perf_counter()
@@ -420,7 +428,7 @@ def _calibrate_topological(
     try:
         runner.load(samples)
         runner.run_prologue()
-        result = run_plan(plan, [runner], sim.plan.specs, config, sim, health, tuner)
+        result = run_plan(plan, [runner], sim.plan.specs, config, sim, health, tuner, fixed)
         stats.update(runner.stats, **runner.cache_stats())
     finally:
         runner.close()

@@ -428,6 +428,11 @@ def escalate(
         evaluations=len(found["trials"]),
     )
     final_cfg = decision.config(base_cfg)
-    final_qp = eg.qparams_with(found["tensors"], simulate(model, params, final_cfg))
+    final_sim = simulate(model, params, final_cfg)
+    if fb.recalibrate and found["tensors"]:  # downstream int8 + weight tuning on int16 values
+        fixed = {s: eg.qparams16[s] for s in found["tensors"]}
+        final_qp = calibrate(final_sim, params, calib, final_cfg, target=target, fixed=fixed)
+    else:
+        final_qp = eg.qparams_with(found["tensors"], final_sim)
     final_qp.meta["fallback"] = decision.to_json()
     return FallbackOutcome(final_cfg, final_qp, decision, None, None)

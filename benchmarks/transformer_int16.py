@@ -85,10 +85,11 @@ def configs(args):
         for rounding in args.rounding:
             fb = AutoFallback(
                 precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
-                min_sqnr=args.min_sqnr,
+                min_sqnr=args.min_sqnr, recalibrate=args.recalibrate,
             )  # fmt: skip
             cfg = Config(progress=False, check_scales=False, fallback=fb, weight_rounding=rounding)
-            rows.append((f"autoq int16 escalation (<= {f:.0%}), {rounding}", cfg))
+            label = f"autoq int16 escalation (<= {f:.0%}), {rounding}"
+            rows.append((label + (", recalibrated" if args.recalibrate else ""), cfg))
     for alpha in args.smooth:
         sq = f"SmoothQuant {alpha:g}"
         rows.append((f"autoq static, all layers int8, {sq}",
@@ -96,7 +97,7 @@ def configs(args):
         for f in args.fractions:
             fb = AutoFallback(
                 precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
-                min_sqnr=args.min_sqnr,
+                min_sqnr=args.min_sqnr, recalibrate=args.recalibrate,
             )  # fmt: skip
             cfg = Config(progress=False, check_scales=False, fallback=fb, smooth_quant=alpha,
                          weight_rounding=args.rounding[0])  # fmt: skip
@@ -123,6 +124,9 @@ def parse_args(argv=None):
         "--token-mask",
         default="",
         help="Config.token_mask input for the static rows (e.g. attention_mask)",
+    )
+    p.add_argument(
+        "--recalibrate", action="store_true", help="AutoFallback(recalibrate=True) escalation rows"
     )
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
