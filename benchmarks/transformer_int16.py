@@ -11,7 +11,8 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
   ``holdout`` held-out calibration sentences), for each ``--fractions``;
 * with ``--smooth a,b``: the all-int8 and escalation rows again with ``Config(smooth_quant=a)``
   (SmoothQuant, :mod:`autoq.smooth_quant`);
-* with ``--token-mask attention_mask``: every static row with ``Config(token_mask=...)``
+* with ``--recalibrate``: every escalation row again with ``AutoFallback(recalibrate=True)``;
+* with ``--token-mask attention_mask``: every static row again with ``Config(token_mask=...)``
   (statistics over real tokens only, :mod:`autoq.token_mask`);
 * autoq dynamic per token (no data), for reference;
 * ONNX Runtime ``quantize_static`` (QDQ, minmax, per-channel weights, MatMul/Gemm only: what
@@ -75,7 +76,7 @@ def ort_rows(info, calib, evalset, log) -> list[dict]:
 
 
 def configs(args):
-    from autoq import AutoFallback, Config, QuantSpec, TokenMask
+    from autoq import AutoFallback, Config, QuantSpec
 
     rows = [
         ("autoq static default", Config(progress=False)),
@@ -85,11 +86,10 @@ def configs(args):
         for rounding in args.rounding:
             fb = AutoFallback(
                 precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
-                min_sqnr=args.min_sqnr, recalibrate=args.recalibrate,
+                min_sqnr=args.min_sqnr,
             )  # fmt: skip
             cfg = Config(progress=False, check_scales=False, fallback=fb, weight_rounding=rounding)
-            label = f"autoq int16 escalation (<= {f:.0%}), {rounding}"
-            rows.append((label + (", recalibrated" if args.recalibrate else ""), cfg))
+            rows.append((f"autoq int16 escalation (<= {f:.0%}), {rounding}", cfg))
     for alpha in args.smooth:
         sq = f"SmoothQuant {alpha:g}"
         rows.append((f"autoq static, all layers int8, {sq}",
@@ -97,17 +97,32 @@ def configs(args):
         for f in args.fractions:
             fb = AutoFallback(
                 precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
-                min_sqnr=args.min_sqnr, recalibrate=args.recalibrate,
+                min_sqnr=args.min_sqnr,
             )  # fmt: skip
             cfg = Config(progress=False, check_scales=False, fallback=fb, smooth_quant=alpha,
                          weight_rounding=args.rounding[0])  # fmt: skip
             rows.append((f"autoq int16 escalation (<= {f:.0%}), {args.rounding[0]}, {sq}", cfg))
-    if args.token_mask:  # statistics over real tokens only (autoq.token_mask)
-        mask = TokenMask(args.token_mask)
-        rows = [(f"{label}, token mask", c.replace(token_mask=mask)) for label, c in rows]
+    rows += variants(args, rows)
     dyn = Config(activation=QuantSpec(dynamic=True, granularity="token"), progress=False)
     rows.append(("autoq dynamic (token), no data", dyn))
     return rows
+
+
+def variants(args, rows) -> list:
+    """Extra rows: each static row with ``Config.token_mask`` (``--token-mask``), each
+    escalation row with ``AutoFallback(recalibrate=True)`` (``--recalibrate``)."""
+    from dataclasses import replace
+
+    from autoq import TokenMask
+
+    extra = []
+    if args.recalibrate:
+        extra += [(f"{label}, recalibrated", c.replace(fallback=replace(c.fallback, recalibrate=True)))
+                  for label, c in rows if "escalation" in label]  # fmt: skip
+    if args.token_mask:  # statistics over real tokens only (autoq.token_mask)
+        mask = TokenMask(args.token_mask)
+        extra += [(f"{label}, token mask", c.replace(token_mask=mask)) for label, c in rows]
+    return extra
 
 
 def parse_args(argv=None):
