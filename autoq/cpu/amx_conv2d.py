@@ -163,6 +163,7 @@ def amx_conv2d_kernel(
         for task in T.parallel(n_img * row_blocks * groups):
             cfg = T.decl_buffer((64,), "uint8", scope="local")
             acc = T.decl_buffer((BLOCK, BLOCK), "int32", scope="local")
+            blk = T.decl_buffer((BLOCK, BLOCK), out_dtype, scope="local")
             load_config(cfg)
             img = task // (row_blocks * groups)
             p0 = task // groups % row_blocks * BLOCK
@@ -181,21 +182,19 @@ def amx_conv2d_kernel(
                         "llvm.x86.tdpbsud",
                     )
                 if direct and p0 + BLOCK <= m and c0 + BLOCK <= oc:  # complete int32 block
-                    move_block(
-                        "llvm.x86.tilestored64",
-                        [T.address_of(flat[img, c0 + i, p0 + j]) for i, j in _CORNERS],
-                        oh * ow * 4,
-                    )
+                    _store_direct(flat, img, c0, p0, oh * ow * 4)
                 else:
                     store_block(acc)
-                    for i, yb in T.grid(T.min(BLOCK, oc - c0), spans):
-                        y = p0 // wp + yb  # output row (spans: rows a block touches)
-                        lo = T.max(p0, y * wp)
-                        hi = T.min(T.min(p0 + BLOCK, y * wp + ow), m)
-                        for j in range(T.max(hi - lo, 0)):
-                            out[img, c0 + i, y, lo - y * wp + j] = finish(
-                                acc[i, lo - p0 + j], c0 + i, e
-                            )
+                    _finish_block(blk, acc, c0, oc, e, finish)
+                    if wp == ow and p0 + BLOCK <= m and c0 + BLOCK <= oc:  # contiguous rows
+                        _copy_block(flat, blk, img, c0, p0)
+                    else:
+                        for i, yb in T.grid(T.min(BLOCK, oc - c0), spans):
+                            y = p0 // wp + yb  # output row (spans: rows a block touches)
+                            lo = T.max(p0, y * wp)
+                            hi = T.min(T.min(p0 + BLOCK, y * wp + ow), m)
+                            for j in range(T.max(hi - lo, 0)):
+                                out[img, c0 + i, y, lo - y * wp + j] = blk[i, lo - p0 + j]
             T.evaluate(intrin("llvm.x86.tilerelease"))
 
     func = drop_table(amx_conv2d, epilogue, 3)
@@ -203,6 +202,29 @@ def amx_conv2d_kernel(
 
 
 _CORNERS = ((0, 0), (0, 16), (16, 0), (16, 16))
+
+
+@T.macro
+def _finish_block(q, acc, c0, oc, e, finish):
+    """``q`` = the stack block ``acc`` through ``finish`` (the epilogue, vectorized over the 32
+    pixels of a channel row; channels past ``oc`` read channel ``oc - 1``'s parameters)."""
+    for i in range(BLOCK):
+        for j in T.vectorized(BLOCK):
+            q[i, j] = finish(acc[i, j], T.min(c0 + i, oc - 1), e)
+
+
+@T.macro
+def _copy_block(flat, blk, img, c0, p0):
+    """A complete block of pixels that are consecutive in the output (no horizontal padding)."""
+    for i in range(BLOCK):
+        for j in T.vectorized(BLOCK):
+            flat[img, c0 + i, p0 + j] = blk[i, j]
+
+
+def _store_direct(flat, img, c0, p0, stride):
+    """The int32 accumulators straight into the output (channels c0.., pixels p0..)."""
+    ptrs = [T.address_of(flat[img, c0 + i, p0 + j]) for i, j in _CORNERS]
+    move_block("llvm.x86.tilestored64", ptrs, stride)
 
 
 def _load_compensation(c, c0):

@@ -88,9 +88,14 @@ def amx_dense_kernel(
                         T.address_of(w[c0 // 16 + 1, s * 16, 0, 0]),
                     )
                 store_block(acc)
-                for i in range(T.min(BLOCK, m - r0)):
-                    for j in range(T.min(BLOCK, n - c0)):
-                        out[r0 + i, c0 + j] = finish(acc[i, j] - c[c0 + j], c0 + j, e)
+                if r0 + BLOCK <= m and c0 + BLOCK <= n:  # complete block: vector rows
+                    for i in range(BLOCK):
+                        for j in T.vectorized(BLOCK):
+                            out[r0 + i, c0 + j] = finish(acc[i, j] - c[c0 + j], c0 + j, e)
+                else:
+                    for i in range(T.min(BLOCK, m - r0)):
+                        for j in range(T.min(BLOCK, n - c0)):
+                            out[r0 + i, c0 + j] = finish(acc[i, j] - c[c0 + j], c0 + j, e)
             T.evaluate(intrin("llvm.x86.tilerelease"))
 
     func = drop_table(amx_dense, epilogue, 3)
