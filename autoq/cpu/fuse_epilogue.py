@@ -27,6 +27,15 @@ __all__ = ["fuse_epilogues"]
 
 KERNEL_OPS = ("qnn.conv2d", "qnn.dense", "qnn.matmul")
 OUT_DTYPES = ("int8", "uint8")
+# binding values whose variable uses free_vars sees completely
+_FLAT = (
+    tvm.ir.Call,
+    relax.Tuple,
+    relax.TupleGetItem,
+    relax.Var,
+    tvm.ir.GenericConst,
+    relax.ShapeExpr,
+)
 
 
 def _channel_vector(v: np.ndarray | None, shape, axis: int):
@@ -83,6 +92,8 @@ def _epilogue(req: relax.Call, bias, shape, axis: int) -> Epilogue | None:
 def _chains(func: relax.Function) -> dict:
     """``{requantize var: (kernel call, Epilogue)}`` for every fusable chain of ``func``."""
     pairs = bindings(func)
+    if not all(isinstance(e, _FLAT) for _, e in pairs):
+        return {}  # nested scopes (If, inner functions): uses are not all visible to free_vars
     value_of = dict(pairs)
     uses: Counter = Counter()
     for _, e in pairs:
