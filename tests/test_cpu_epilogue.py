@@ -19,6 +19,7 @@ import autoq
 from autoq import qnn
 from autoq.cpu import amx, epilogue
 from autoq.cpu.lowering import lower_to_cpu_kernels
+from autoq.toolkit import shape_of
 
 HOST = tvm.target.codegen.llvm_get_system_cpu()
 FLAGS = amx.cpu_flags(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
@@ -52,6 +53,7 @@ CASES = {
     "depthwise_blocked": ("depthwise", (1, 24, 9, 9), (24, 1, 5, 5), (2, 2), (2, 2, 2, 2)),
     "conv1x1": ("conv", (1, 64, 7, 9), (48, 64, 1, 1), (1, 1), (0, 0, 0, 0)),
     "dense": ("dense", (3, 12, 96), (40, 96), None, None),
+    "matmul": ("matmul", (2, 12, 32), (20, 32), None, None),  # q @ k^T: weight shape (n, k)
 }
 
 
@@ -67,9 +69,16 @@ def _chain(case, rounding="float", out_dtype="int8", per_channel=True, bias=True
     qx = [relax.const(np.float32(0.02)), relax.const(np.int32(-7))]
     qw = [relax.const(np.full(oc, 0.01, np.float32)), relax.const(np.zeros(oc, np.int32))]
     bb = relax.BlockBuilder()
-    with bb.function("main", [x]):
+    params = [x]
+    if kind == "matmul":
+        params.append(relax.Var("y", relax.TensorType((*x_shape[:-2], *w_shape[::-1]), "int8")))
+    with bb.function("main", params):
         with bb.dataflow():
-            if kind == "dense":
+            if kind == "matmul":
+                qy = [relax.const(np.float32(0.01)), relax.const(np.int32(3))]
+                acc = bb.emit(qnn.matmul(x, params[1], *qx, *qy))
+                bias_shape, axis = (oc,), -1
+            elif kind == "dense":
                 acc = bb.emit(qnn.dense(x, w, *qx, *qw))
                 bias_shape, axis = (oc,), -1
             else:
@@ -101,11 +110,13 @@ def _fused(mod, target) -> bool:
 
 
 def _same_as_generic(mod, x_shape, target):
-    x = np.random.default_rng(1).integers(-128, 128, x_shape).astype(np.int8)
+    rng = np.random.default_rng(1)
+    shapes = [shape_of(p) for p in mod["main"].params]
+    xs = [tvm.runtime.tensor(rng.integers(-128, 128, s).astype(np.int8)) for s in shapes]
     outs = []
     for kernels in (True, False):
         ex = autoq.compile(mod, target, cpu_kernels=kernels)
-        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy())
+        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](*xs).numpy())
     assert outs[0].dtype == outs[1].dtype
     np.testing.assert_array_equal(outs[0], outs[1])
 
@@ -127,6 +138,7 @@ def test_fused_epilogue_same_as_generic(target, case):
         ("conv3x3", "half_even", "uint8", False, False),
         ("dense", "half_away", "uint8", True, False),
         ("depthwise_rows", "tflite_single", "int8", False, True),
+        ("matmul", "half_even", "int8", False, False),
     ],
 )
 def test_fused_epilogue_variants(target, case, rounding, out_dtype, per_channel, bias):

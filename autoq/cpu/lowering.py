@@ -205,13 +205,15 @@ def _with_epilogue(isa: Isa, bb, call, epilogue: Epilogue):
     """The kernel call of ``call`` storing ``epilogue``'s int8 output, or None."""
     if is_call(call, "qnn.conv2d"):
         return _conv2d_call(isa, bb, call, epilogue)
+    if is_call(call, "qnn.matmul") and const_array(call.args[1]) is None:
+        return _activation_matmul(isa, bb, call, epilogue)
     ops = _dense_operands(call)
     return None if ops is None else _dense_call(isa, bb, *ops, epilogue)
 
 
-def _activation_matmul(isa: Isa, bb, call):
+def _activation_matmul(isa: Isa, bb, call, epilogue: Epilogue | None = None):
     """``call_tir`` of :mod:`autoq.cpu.batch_matmul` for a qnn.matmul of two activations
-    with the same static batch axes, or None."""
+    with the same static batch axes (storing ``epilogue``'s output), or None."""
     a, b, _s_a, z_a, _s_b, z_b = call.args
     za, zb = _scalar(z_a), _scalar(z_b)
     sa, sb = shape_of(a), shape_of(b)
@@ -223,9 +225,10 @@ def _activation_matmul(isa: Isa, bb, call):
     (m, k), n = sa[-2:], sb[-1]
     a3 = bb.emit(relax.op.reshape(a, [batch, m, k]))
     b3 = bb.emit(relax.op.reshape(b, [batch, k, n]))
-    func = batch_matmul_kernel(batch, m, k, n, isa, dtype_of(a), za, zb)
+    func = batch_matmul_kernel(batch, m, k, n, isa, dtype_of(a), za, zb, epilogue)
     gv = bb.add_func(func.without_attr("global_symbol"), f"autoq_batch_matmul_{isa.name}")
-    out = bb.emit(relax.call_tir(gv, [a3, b3], out_ty=relax.TensorType((batch, m, n), "int32")))
+    args = _tail([a3, b3], epilogue)
+    out = bb.emit(relax.call_tir(gv, args, out_ty=_out_type((batch, m, n), epilogue)))
     return relax.op.reshape(out, [*sa[:-2], m, n])
 
 
