@@ -17,7 +17,15 @@ from .analysis import Analysis, analyze
 from .auto_fallback import FallbackDecision
 from .build import compile, default_target, export_library, load_library, set_threads
 from .calibrate import calibrate
-from .config import AutoFallback, Config, Distributed, Fallback, Override, QuantSpec
+from .config import (
+    AutoFallback,
+    Config,
+    Distributed,
+    Fallback,
+    Override,
+    QuantSpec,
+    TokenMask,
+)
 from .errors import AutoqError, DatasetError, InputError, SmoothQuantSkipped
 from .frontends import from_onnx, from_torch
 from .import_quantized import import_quantized
@@ -49,6 +57,7 @@ __all__ = [
     "Report",
     "SimResult",
     "SmoothQuantSkipped",
+    "TokenMask",
     "analyze",
     "calibrate",
     "check_scales",

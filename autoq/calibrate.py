@@ -36,7 +36,7 @@ import tvm
 
 from . import calibrators
 from .build import default_target
-from .calibration_plan import CalibrationPlan, build_plan
+from .calibration_plan import CalibrationPlan, build_plan, slot_layouts
 from .config import Config, QuantSpec
 from .dataset import DatasetError, InputSpec, as_dataset, index_bounds
 from .errors import CalibratorError
@@ -46,6 +46,7 @@ from .registry import slot_id_of
 from .scale_health import HealthCheck, SlotHealth, problem
 from .shard_runner import ShardRunner
 from .simulate import SimResult
+from .token_mask import check_real_tokens, masked_outputs
 from .toolkit import as_list, compile_vm, make_function
 from .weight_tuning import WeightTuner
 
@@ -176,17 +177,21 @@ def calibrate(
     dataset,
     config: Config | None = None,
     target=None,
+    fixed: dict[str, QParam] | None = None,
 ) -> QParams:
     """Choose the qparams of every slot of ``sim`` (see the module docstring).
 
     ``params`` are the weight arrays (the same dict given to ``simulate``; may be None when
     the weights were constants); ``dataset`` an iterable of ``{input: array}`` dicts or of
-    arrays (single-input models), validated before any work.
+    arrays (single-input models), validated before any work. ``fixed``: activation slot ->
+    qparams taken as they are instead of calibrated (e.g. the int16 tensors an escalation
+    chose: :mod:`autoq.escalation`); everything downstream is calibrated on their values.
     """
     config = config or Config()
     target = target or default_target()
     g = sim.graph
     samples = samples_for(dataset, g.inputs, module=g.module)
+    check_real_tokens(config.token_mask, samples)
     t0 = time.perf_counter()
     result = calibrate_weights(sim)
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
@@ -194,9 +199,12 @@ def calibrate(
     tuner = None
     if config.calibration == "fp32":
         acts = _calibrate_fp32(sim, samples, config, target, stats, health)
+        acts.update(fixed or {})
         warn_untuned(config)
     else:
-        acts, tuner = _calibrate_topological(sim, samples, result, config, target, stats, health)
+        acts, tuner = _calibrate_topological(
+            sim, samples, result, config, target, stats, health, fixed or {}
+        )
     stats["total_s"] = time.perf_counter() - t0
     refuse_constant_inputs(sim, health, samples.num_samples)
     result.update(acts)
@@ -354,12 +362,13 @@ def run_plan(
     sim: SimResult,
     health: dict | None = None,
     tuner=None,
+    fixed: dict[str, QParam] | None = None,
 ) -> dict:
     """The coordinator loop: for each segment, choose its heads' qparams from every
     shard's statistics (and the lookup tables they complete), let ``tuner`` (a
     :class:`autoq.weight_tuning.WeightTuner`) tune the layers reading them, then let every
     shard run it with them. ``health`` (a dict) receives each head's :class:`SlotHealth`
-    for its chosen qparams on the same values."""
+    for its chosen qparams on the same values. ``fixed``: slot -> qparams used as they are."""
     result: dict[str, QParam] = {}
     n = sum(r.n for r in runners)
     bar = _progress(config, len(plan.segments) * n, "calibrating")
@@ -367,7 +376,8 @@ def run_plan(
         for j, seg in enumerate(plan.segments):
             chosen = {}
             for sid in seg.heads:
-                qp = result[sid] = choose_qparams(runners, sid, specs[sid])
+                qp = (fixed or {}).get(sid) or choose_qparams(runners, sid, specs[sid])
+                result[sid] = qp
                 chosen[sid] = (qp.scale, qp.zero_point)
                 if health is not None:
                     check = HealthCheck(qp)
@@ -398,9 +408,9 @@ def calibration_pipeline(target):
 
 
 def _calibrate_topological(
-    sim, samples, weight_qp, config, target, stats, health
+    sim, samples, weight_qp, config, target, stats, health, fixed
 ) -> dict[str, QParam]:
-    plan, functions = build_plan(sim)
+    plan, functions = build_plan(sim, config.token_mask)
     t0 = time.perf_counter()
     vm = compile_vm(functions, target, sim.mod, pipeline=calibration_pipeline(target))
     stats["compile_s"] = time.perf_counter() - t0
@@ -410,12 +420,15 @@ def _calibrate_topological(
     tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None
     if tuner is not None and tuner.fp32_slots():  # empirical bias correction's fp32 means
         t0 = time.perf_counter()
-        tuner.observe_fp32(fp32_slot_runner(sim, tuner.fp32_slots(), target)(samples))
+        slots = tuner.fp32_slots()
+        layouts = [plan.token_layouts.get(s) for s in slots]
+        outs = fp32_slot_runner(sim, slots, target)(samples)
+        tuner.observe_fp32(masked_outputs(outs, samples, config.token_mask, layouts))
         stats["fp32_means_s"] = time.perf_counter() - t0
     try:
         runner.load(samples)
         runner.run_prologue()
-        result = run_plan(plan, [runner], sim.plan.specs, config, sim, health, tuner)
+        result = run_plan(plan, [runner], sim.plan.specs, config, sim, health, tuner, fixed)
         stats.update(runner.stats, **runner.cache_stats())
     finally:
         runner.close()
@@ -471,10 +484,11 @@ def fp32_observers(specs: list[QuantSpec], ranges: list | None) -> list:
 
 
 def feed_observers(observers: list, outputs: Iterable[list]) -> list:
-    """Update each observer (None: skipped) with its tensor of every sample's ``outputs``."""
+    """Update each observer (None: skipped) with its tensor of every sample's ``outputs``
+    (empty tensors, e.g. no real token left by ``Config.token_mask``, skipped)."""
     for outs in outputs:
         for obs, x in zip(observers, outs, strict=True):
-            if obs is not None:
+            if obs is not None and np.size(x):
                 obs.update(x)
     return observers
 
@@ -482,7 +496,12 @@ def feed_observers(observers: list, outputs: Iterable[list]) -> list:
 def _calibrate_fp32(sim, samples, config, target, stats, health) -> dict[str, QParam]:
     slots = sim.activation_slots()
     t0 = time.perf_counter()
-    run = fp32_slot_runner(sim, slots, target)
+    layouts = [slot_layouts(sim, config.token_mask).get(s) for s in slots]
+    plain = fp32_slot_runner(sim, slots, target)
+
+    def run(samples):
+        return masked_outputs(plain(samples), samples, config.token_mask, layouts)
+
     stats["compile_s"] = time.perf_counter() - t0
     specs = [sim.plan.specs[s] for s in slots]
     ranges: list = [None] * len(slots)

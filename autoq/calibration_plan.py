@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from tvm import relax
 
 from .simulate import SimResult
-from .toolkit import bindings, free_vars, make_function, slice_bindings
+from .token_mask import TokenMask, token_layouts
+from .toolkit import bindings, free_vars, make_function, shape_of, slice_bindings
 
-__all__ = ["CalibrationPlan", "Segment", "build_plan"]
+__all__ = ["CalibrationPlan", "Segment", "build_plan", "slot_layouts"]
 
 
 @dataclass
@@ -57,6 +58,11 @@ class CalibrationPlan:
     #: ``<layer>.weight`` / ``<layer>.bias`` -> key of its value input (weights that
     #: calibration may change: :mod:`autoq.weight_tuning`)
     value_keys: dict[str, int] = field(default_factory=dict)
+    #: ``Config.token_mask``'s input name (None: statistics over every position) and the
+    #: activation slots whose statistics see only real tokens -> their layout
+    #: (:func:`autoq.token_mask.token_layout`)
+    mask_input: str | None = None
+    token_layouts: dict[str, str] = field(default_factory=dict)
 
 
 def _keys(func: relax.Function) -> tuple[dict, list]:
@@ -101,9 +107,11 @@ def _liveness(segs: list[tuple[Segment, list]]) -> tuple[list[list], list[list],
     return ins, outs, last_use
 
 
-def build_plan(sim: SimResult) -> tuple[CalibrationPlan, dict[str, relax.Function]]:
+def build_plan(
+    sim: SimResult, token_mask: TokenMask | None = None
+) -> tuple[CalibrationPlan, dict[str, relax.Function]]:
     """The plan of ``sim``'s topological calibration and the functions to compile
-    (``prologue`` and one per segment)."""
+    (``prologue`` and one per segment); ``token_mask``: ``Config.token_mask``."""
     func = sim.mod["main"]
     key, pairs = _keys(func)
     names = {p.name: p for p in func.params}
@@ -145,5 +153,14 @@ def build_plan(sim: SimResult) -> tuple[CalibrationPlan, dict[str, relax.Functio
         weight_keys={key[p]: p.name for p in func.params if p.name in weights},
         table_keys={layer: key[names[v.name]] for layer, v in sim.table_vars.items()},
         value_keys={k: key[names[v.name]] for k, v in sim.value_vars.items()},
+        mask_input=None if token_mask is None else token_mask.input,
+        token_layouts=slot_layouts(sim, token_mask),
     )
     return plan, functions
+
+
+def slot_layouts(sim: SimResult, token_mask: TokenMask | None) -> dict[str, str]:
+    """activation slot -> token layout of the tensor it quantizes, for ``token_mask``
+    (``{}`` without one; the mask input checked: :func:`autoq.token_mask.token_layouts`)."""
+    tensors = {sid: shape_of(sim.plan.tensors[sid]) for sid in sim.activation_slots()}
+    return token_layouts(token_mask, sim.graph.inputs, tensors)

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from . import primitives as P
+from .errors import InputError
 from .json_document import JsonDocument, check_keys
 from .layer_rules import FALLBACK_TYPES, AutoFallback, Fallback, compile_rule, str_tuple
 from .smoothing import check_alpha
+from .token_mask import TokenMask
 
 __all__ = [
     "AutoFallback",
@@ -22,6 +24,7 @@ __all__ = [
     "Fallback",
     "Override",
     "QuantSpec",
+    "TokenMask",
     "compile_rule",
 ]
 
@@ -246,6 +249,10 @@ class Config(JsonDocument):
     ``distributed``: calibrate on a Dask cluster (:class:`Distributed`); None (default):
     in this process, without importing Dask.
     ``int16_tensors``: activation slot ids quantized as int16 (:mod:`autoq.escalation`).
+    ``token_mask``: a :class:`TokenMask` naming the model's ``(batch, seq)`` padding-mask
+    input: calibration statistics (observers, weight tuning, SmoothQuant, the escalation's
+    ranges) then see only the real tokens of the tensors laid out per token
+    (:mod:`autoq.token_mask`); None (default): every position.
     ``int8_outputs``: the model's outputs also leave the integer graph as int8 (an exit slot,
     see :mod:`autoq.exits`, on every output an int32 result feeds). Off by default: an output
     reads its layer's int32 accumulator through one ``qnn.dequantize``, which keeps the
@@ -299,6 +306,7 @@ class Config(JsonDocument):
     equalization: bool = False
     int16_tensors: tuple[str, ...] = ()
     smooth_quant: float | None = 0.5
+    token_mask: TokenMask | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -338,6 +346,11 @@ class Config(JsonDocument):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         str_tuple(self, "int16_tensors")
         check_alpha(self.smooth_quant)
+        if self.token_mask is not None and not isinstance(self.token_mask, TokenMask):
+            raise InputError(
+                f"Config.token_mask must be a TokenMask('<mask input name>') or None, got "
+                f"{self.token_mask!r}"
+            )
         if self.distributed is not None and not isinstance(self.distributed, Distributed):
             raise TypeError(
                 f"Config.distributed must be a Distributed or None, got {self.distributed!r}"
@@ -393,6 +406,7 @@ class Config(JsonDocument):
             "equalization": self.equalization,
             "int16_tensors": list(self.int16_tensors),
             "smooth_quant": self.smooth_quant,
+            "token_mask": None if self.token_mask is None else self.token_mask.to_json(),
         }
 
     @classmethod
@@ -414,6 +428,8 @@ class Config(JsonDocument):
         d["int16_tensors"] = tuple(d.get("int16_tensors", ()))
         if d.get("distributed") is not None:
             d["distributed"] = Distributed.from_json(d["distributed"])
+        if d.get("token_mask") is not None:
+            d["token_mask"] = TokenMask.from_json(d["token_mask"])
         return cls(**d)
 
 

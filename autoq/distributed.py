@@ -393,7 +393,7 @@ def report_distributed(analysis, mod, params, dataset, client, shards: int | Non
 
 
 def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats, health) -> tuple:
-    plan, functions = build_plan(sim)
+    plan, functions = build_plan(sim, config.token_mask)
     t0 = time.perf_counter()
     lib = library_bytes(functions, target, sim.mod)
     stats["compile_s"] = time.perf_counter() - t0

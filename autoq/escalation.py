@@ -43,11 +43,13 @@ from . import qnn
 from .auto_fallback import FallbackDecision, FallbackOutcome, split_holdout
 from .build import default_target
 from .calibrate import calibrate, calibration_pipeline, samples_for
+from .calibration_plan import slot_layouts
 from .config import AutoFallback, Config, QuantSpec
 from .metrics import ErrorStats, fake_quant, sqnr_db
 from .primitives import quantize_bias
 from .qparams import QParam, QParams
 from .simulate import SimResult, simulate
+from .token_mask import TokenMask, keep_of, real_tokens
 from .toolkit import as_list, bindings, compile_vm, const, is_call, make_function, output_fields
 
 __all__ = ["EscalationGraph", "escalate", "escalate_search", "int16_qparam", "search_setup"]
@@ -84,9 +86,13 @@ class EscalationGraph:
     """The calibrated simulated graph with a runtime int16 switch per candidate slot
     (module docstring); :meth:`run` runs it with any set of slots switched to int16."""
 
-    def __init__(self, sim: SimResult, qparams: QParams, samples, target):
+    def __init__(
+        self, sim: SimResult, qparams: QParams, samples, target, token_mask: TokenMask | None = None
+    ):
         t0 = time.perf_counter()
         self.sim, self.qparams = sim, qparams
+        #: ``Config.token_mask``: ranges and own SQNRs over real tokens only
+        self.token_mask = token_mask
         g = sim.graph
         self.samples = samples_for(samples, g.inputs)
         #: per-tensor 8-bit activation slots with a quantize of their own
@@ -203,10 +209,14 @@ class EscalationGraph:
         err = {s: ErrorStats() for s in self.candidates}
         dummy = {s: QParam(np.float32(1.0), np.int32(0), "int16") for s in self.candidates}
         f = self.vm["ranges"]
+        layouts = slot_layouts(self.sim, self.token_mask)
         for sample in self.samples:
             vals = as_list(f(*self._args(sample, set(), dummy)))
+            keep = None if self.token_mask is None else keep_of(sample, self.token_mask)
             for sid, v in zip(self.candidates, vals, strict=True):
-                a = v.numpy()
+                a = real_tokens(v.numpy(), keep, layouts.get(sid))
+                if a.size == 0:
+                    continue
                 lo[sid] = min(lo[sid], float(a.min()))
                 hi[sid] = max(hi[sid], float(a.max()))
                 err[sid].add(a, fake_quant(a, self.qparams[sid])[0])
@@ -401,7 +411,7 @@ def escalate(
     sim = simulate(model, params, base_cfg)
     if qparams is None:
         qparams = calibrate(sim, params, calib, base_cfg, target=target)
-    eg = EscalationGraph(sim, qparams, calib, target)
+    eg = EscalationGraph(sim, qparams, calib, target, config.token_mask)
     found = escalate_search(eg, fb, eg.run_fp32, held)
     decision = FallbackDecision(
         layers=found["tensors"],
@@ -418,6 +428,11 @@ def escalate(
         evaluations=len(found["trials"]),
     )
     final_cfg = decision.config(base_cfg)
-    final_qp = eg.qparams_with(found["tensors"], simulate(model, params, final_cfg))
+    final_sim = simulate(model, params, final_cfg)
+    if fb.recalibrate and found["tensors"]:  # downstream int8 + weight tuning on int16 values
+        fixed = {s: eg.qparams16[s] for s in found["tensors"]}
+        final_qp = calibrate(final_sim, params, calib, final_cfg, target=target, fixed=fixed)
+    else:
+        final_qp = eg.qparams_with(found["tensors"], final_sim)
     final_qp.meta["fallback"] = decision.to_json()
     return FallbackOutcome(final_cfg, final_qp, decision, None, None)

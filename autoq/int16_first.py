@@ -205,7 +205,7 @@ def int16_first(
             simulate(model, params, base_cfg), params, calib, base_cfg, target=target
         )
     sim = simulate(model, params, base_cfg, switches=True)
-    eg = EscalationGraph(sim, qparams, calib, target)
+    eg = EscalationGraph(sim, qparams, calib, target, config.token_mask)
     decision = int16_first_search(eg, fb, held)
     return apply_decision(eg, decision, model, params, base_cfg)
 

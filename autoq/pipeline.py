@@ -66,6 +66,7 @@ from .report import Report
 from .scale_health import HealthCheck
 from .simulate import simulate
 from .smooth_quant import find_smoothable, smooth_graph
+from .token_mask import mask_shape
 
 __all__ = ["QuantizeResult", "Quantizer", "check_scales", "quantize"]
 
@@ -197,6 +198,8 @@ class Quantizer:
         with clock("match"):
             matched = match(mod, params, config)
             check_weights(matched.graph.params)
+            if config.token_mask is not None:  # the mask input named exists, (batch, seq)
+                mask_shape(config.token_mask, matched.graph.inputs)
             matched.active(config.fallback)  # fallback rules checked before any data work
             samples = self._data(dataset, matched.graph, client is not None)
         model, smoothed = (mod, params), ()  # the float model realized (after SmoothQuant)
@@ -277,7 +280,9 @@ class Quantizer:
             return matched, model, ()
         if isinstance(config.fallback, AutoFallback):  # held-out samples stay unseen
             samples, _ = split_holdout(samples, config.fallback.holdout)
-        mod, params, plans = smooth_graph(matched.graph, samples, config.smooth_quant, self.target)
+        mod, params, plans = smooth_graph(
+            matched.graph, samples, config.smooth_quant, self.target, config.token_mask
+        )
         return match(mod, params, config), (mod, params), tuple(p.ln.name for p in plans)
 
     def _calibrate_healthy(self, matched, sim, samples, config, client):

@@ -21,6 +21,7 @@ import tvm
 
 from . import calibrators
 from .calibration_plan import CalibrationPlan
+from .token_mask import real_tokens
 from .toolkit import as_list
 from .value_cache import ValueCache
 
@@ -47,6 +48,8 @@ class ShardRunner:
         self.static = {k: tvm.runtime.tensor(np.array(v, order="C")) for k, v in static.items()}
         self.cache = ValueCache(budget_bytes, cache_dir)
         self.n = 0
+        #: per sample: the bool (batch, seq) real-token mask (``plan.mask_input``)
+        self.keep: list[np.ndarray] = []
         self.stats = {"run_s": 0.0, "observe_s": 0.0}
 
     def load(self, samples: Iterable[dict]) -> int:
@@ -55,6 +58,8 @@ class ShardRunner:
         for sample in samples:
             for name, key in self.plan.inputs:
                 self.cache.put((key, self.n), sample[name])
+            if self.plan.mask_input is not None:
+                self.keep.append(np.asarray(sample[self.plan.mask_input]) != 0)
             self.n += 1
         self.stats["samples"] = self.n
         return self.n
@@ -66,8 +71,17 @@ class ShardRunner:
         self.static.update(zip(self.plan.prologue_outputs, outs, strict=True))
 
     def _batches(self, slot: str):
+        """``slot``'s input on each sample; with a token layout only its real tokens
+        (samples without any left out)."""
         key = self.plan.head_tensor[slot]
-        return (self.cache.get_numpy((key, i)) for i in range(self.n))
+        layout = self.plan.token_layouts.get(slot)
+        for i in range(self.n):
+            x = self.cache.get_numpy((key, i))
+            if layout is not None:
+                x = real_tokens(x, self.keep[i], layout)
+                if x.size == 0:
+                    continue
+            yield x
 
     def range_observer(self, slot: str):
         """The min/max observer of ``slot``'s input on this shard (histogram calibrators'

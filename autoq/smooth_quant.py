@@ -35,6 +35,7 @@ from tvm import relax
 from .calibrate import calibration_pipeline, fp32_runner
 from .graph import Graph
 from .smoothing import channel_absmax, smoothing_scales
+from .token_mask import TokenMask, masked_outputs, token_layouts
 from .toolkit import (
     compile_vm,
     const,
@@ -169,16 +170,24 @@ def find_smoothable(g: Graph) -> list[SmoothPlan]:
     return plans
 
 
-def activation_maxima(g: Graph, plans: list[SmoothPlan], samples, target) -> list[np.ndarray]:
-    """``max |y_j|`` per channel of each plan's LayerNorm output over ``samples``."""
+def activation_maxima(
+    g: Graph, plans: list[SmoothPlan], samples, target, token_mask: TokenMask | None = None
+) -> list[np.ndarray]:
+    """``max |y_j|`` per channel of each plan's LayerNorm output over ``samples`` (with
+    ``token_mask``, over their real tokens: :mod:`autoq.token_mask`)."""
     outs = [p.ln for p in plans]
     fn = make_function("main", list(g.inputs) + list(g.weight_params), g.bindings, outs)
     vm = compile_vm({"main": fn}, target, g.module, pipeline=calibration_pipeline(target))
     run = fp32_runner(vm, [v.name for v in g.inputs], [g.params[p.name] for p in g.weight_params])
     maxima = [np.zeros(p.channels) for p in plans]
-    for values in run(samples):
+    found = token_layouts(
+        token_mask, g.inputs, {str(i): shape_of(p.ln) for i, p in enumerate(plans)}
+    )
+    layouts = [found.get(str(i)) for i in range(len(plans))]
+    for values in masked_outputs(run(samples), samples, token_mask, layouts):
         for i, y in enumerate(values):
-            maxima[i] = np.maximum(maxima[i], channel_absmax(y))
+            if np.size(y):
+                maxima[i] = np.maximum(maxima[i], channel_absmax(y))
     return maxima
 
 
@@ -235,13 +244,14 @@ def _rebuild(g: Graph, plans: list[SmoothPlan], new_values: dict, twins: dict):
     return with_main(g.module, bb.get()["main"])
 
 
-def smooth_graph(g: Graph, samples, alpha: float, target):
+def smooth_graph(g: Graph, samples, alpha: float, target, token_mask: TokenMask | None = None):
     """SmoothQuant with migration strength ``alpha``: ``(module, params, plans)`` (the module
-    unchanged, as ``g.module``/``g.params``, when nothing applies)."""
+    unchanged, as ``g.module``/``g.params``, when nothing applies); ``token_mask``: channel
+    maxima over real tokens only."""
     plans = find_smoothable(g)
     if not plans:
         return g.module, dict(g.params), []
-    maxima = activation_maxima(g, plans, samples, target)
+    maxima = activation_maxima(g, plans, samples, target, token_mask)
     for p, amax in zip(plans, maxima, strict=True):
         wmax = np.max([np.abs(site.array).max(axis=1) for site in p.matmuls.values()], axis=0)
         p.scale = smoothing_scales(amax, wmax, alpha)

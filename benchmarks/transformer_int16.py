@@ -11,6 +11,8 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
   ``holdout`` held-out calibration sentences), for each ``--fractions``;
 * with ``--smooth a,b``: the all-int8 and escalation rows again with ``Config(smooth_quant=a)``
   (SmoothQuant, :mod:`autoq.smooth_quant`);
+* with ``--token-mask attention_mask``: every static row with ``Config(token_mask=...)``
+  (statistics over real tokens only, :mod:`autoq.token_mask`);
 * autoq dynamic per token (no data), for reference;
 * ONNX Runtime ``quantize_static`` (QDQ, minmax, per-channel weights, MatMul/Gemm only: what
   keeps it usable on this model, see vs_onnxruntime.md) and ``quantize_dynamic``
@@ -73,7 +75,7 @@ def ort_rows(info, calib, evalset, log) -> list[dict]:
 
 
 def configs(args):
-    from autoq import AutoFallback, Config, QuantSpec
+    from autoq import AutoFallback, Config, QuantSpec, TokenMask
 
     rows = [
         ("autoq static default", Config(progress=False)),
@@ -83,10 +85,11 @@ def configs(args):
         for rounding in args.rounding:
             fb = AutoFallback(
                 precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
-                min_sqnr=args.min_sqnr,
+                min_sqnr=args.min_sqnr, recalibrate=args.recalibrate,
             )  # fmt: skip
             cfg = Config(progress=False, check_scales=False, fallback=fb, weight_rounding=rounding)
-            rows.append((f"autoq int16 escalation (<= {f:.0%}), {rounding}", cfg))
+            label = f"autoq int16 escalation (<= {f:.0%}), {rounding}"
+            rows.append((label + (", recalibrated" if args.recalibrate else ""), cfg))
     for alpha in args.smooth:
         sq = f"SmoothQuant {alpha:g}"
         rows.append((f"autoq static, all layers int8, {sq}",
@@ -94,11 +97,14 @@ def configs(args):
         for f in args.fractions:
             fb = AutoFallback(
                 precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
-                min_sqnr=args.min_sqnr,
+                min_sqnr=args.min_sqnr, recalibrate=args.recalibrate,
             )  # fmt: skip
             cfg = Config(progress=False, check_scales=False, fallback=fb, smooth_quant=alpha,
                          weight_rounding=args.rounding[0])  # fmt: skip
             rows.append((f"autoq int16 escalation (<= {f:.0%}), {args.rounding[0]}, {sq}", cfg))
+    if args.token_mask:  # statistics over real tokens only (autoq.token_mask)
+        mask = TokenMask(args.token_mask)
+        rows = [(f"{label}, token mask", c.replace(token_mask=mask)) for label, c in rows]
     dyn = Config(activation=QuantSpec(dynamic=True, granularity="token"), progress=False)
     rows.append(("autoq dynamic (token), no data", dyn))
     return rows
@@ -113,6 +119,14 @@ def parse_args(argv=None):
     p.add_argument("--rounding", default="gptq", help="weight_rounding of the escalation rows")
     p.add_argument(
         "--smooth", default="", help="SmoothQuant alphas for extra rows (comma-separated)"
+    )
+    p.add_argument(
+        "--token-mask",
+        default="",
+        help="Config.token_mask input for the static rows (e.g. attention_mask)",
+    )
+    p.add_argument(
+        "--recalibrate", action="store_true", help="AutoFallback(recalibrate=True) escalation rows"
     )
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")

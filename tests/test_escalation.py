@@ -5,6 +5,8 @@ equals its simulated graph bit for bit."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from tvm import relax
@@ -16,6 +18,7 @@ from autoq.config import QuantSpec
 from autoq.escalation import INT16_HEADROOM, EscalationGraph, escalate_search, int16_qparam
 from autoq.fidelity import compare
 from autoq.metrics import sqnr_db
+from autoq.qparams import QParam
 from autoq.realize import realize
 from autoq.simulate import simulate
 from models import TARGET, Builder, Runner
@@ -159,3 +162,51 @@ def test_bad_int16_tensor_names_are_errors():
         simulate(mod, params, CFG.replace(int16_tensors=("no_such_tensor",)))
     with pytest.raises(ValueError, match="max_int16_fraction"):
         AutoFallback(precision="int16_tensors", max_int16_fraction=1.5)
+
+
+def test_fixed_qparams_are_kept_and_calibrate_what_follows():
+    """calibrate(fixed=...): the fixed slot keeps its qparams and the dense layer reading it
+    is calibrated on its values quantized with them (numpy: x on the fixed grid times the
+    per-channel int8 weight, max calibrator)."""
+    mod, params = tiny_transformer()
+    cfg = CFG.replace(activation=QuantSpec(calibrator="max"), weight_rounding="nearest")
+    sim = simulate(mod, params, cfg)
+    fixed = QParam(np.float32(0.5), np.int32(3), "int8")
+    calib = data(4, 1)
+    qp = calibrate(sim, params, calib, cfg, target=TARGET, fixed={"x": fixed})
+    assert qp["x"] == fixed
+    w, b = params["q.weight"].astype(np.float64), params["q.bias"].astype(np.float64)
+    s = np.abs(w).max(axis=1, keepdims=True) / 127
+    wq = np.clip(np.round(w / s), -127, 127) * s
+    ys = []
+    for x in calib:
+        xq = (np.clip(np.round(x.astype(np.float32) / 0.5) + 3, -128, 127) - 3) * 0.5
+        ys.append(xq[0] @ wq.T + b)
+    want = QParam.from_range(min(min(y.min() for y in ys), 0), max(max(y.max() for y in ys), 0))
+    assert np.isclose(float(qp["q"].scale), float(want.scale), rtol=1e-5)
+
+
+def test_recalibrate_after_the_search_realizes_exactly():
+    mod, params = tiny_transformer()
+    fb = AutoFallback(precision="int16_tensors", min_sqnr=99.0, recalibrate=True)
+    cfg = Config(progress=False, check_scales=False, fallback=fb)
+    assert Config.loads(cfg.dumps()) == cfg
+    res = autoq.Quantizer(cfg).run(mod, params, data(10, 1))
+    chosen = res.decision.layers
+    assert chosen and {res.qparams[s].dtype for s in chosen} == {"int16"}
+    plain = autoq.Quantizer(cfg.replace(fallback=replace(fb, recalibrate=False))).run(
+        mod, params, data(10, 1)
+    )
+    assert plain.decision.layers == chosen  # the same search; only the final calibration
+    assert all(res.qparams[s] == plain.qparams[s] for s in chosen)  # int16 qparams kept
+    after = [
+        s
+        for s in res.qparams.slots
+        if s not in chosen and res.qparams.slots[s].kind == "activation"
+    ]
+    assert any(res.qparams[s] != plain.qparams[s] for s in after)  # downstream recalibrated
+    sim = simulate(res.matched, None, res.config)
+    rep = compare(sim, res.module, res.qparams, samples_for(data(3, 4), sim.graph.inputs), TARGET)
+    assert rep.exact, rep.table()
+    with pytest.raises(TypeError, match=r"AutoFallback\.recalibrate"):
+        AutoFallback(precision="int16_tensors", recalibrate="yes")
