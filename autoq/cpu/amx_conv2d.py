@@ -37,6 +37,7 @@ from .amx_tiles import (
     task_groups,
 )
 from .conv2d import ConvShape
+from .epilogue import Epilogue, drop_table, table_shape, tail
 from .injective import KERNEL_ATTR
 from .packing import round_up
 
@@ -119,9 +120,12 @@ def _geometry(shape: ConvShape) -> tuple[int, int, int, int, int]:
     return round_up(shape.in_channels, KSTEP), round_up(shape.out_channels, BLOCK), wp, m, pix
 
 
-def amx_conv2d_kernel(shape: ConvShape, data_dtype: str, shift: int, pad_value: int):
-    """The PrimFunc ``(data[N, C, H, W], packed_weight, compensation[OCp, 16], out)``; ``shift``
-    is added to the activations, ``pad_value`` (the shifted zero point) fills the padding."""
+def amx_conv2d_kernel(
+    shape: ConvShape, data_dtype: str, shift: int, pad_value: int, epilogue: Epilogue | None = None
+):
+    """The PrimFunc ``(data[N, C, H, W], packed_weight, compensation[OCp, 16][, table], out)``:
+    see the module doc; with an ``epilogue``, blocks are requantized from the stack buffer."""
+    out_dtype, finish = "int32" if epilogue is None else epilogue.out_dtype, tail(epilogue)
     in_hw, (sh, sw), shape = (shape.height, shape.width), shape.strides, _subsampled(shape)
     n_img, ic, h, wd, oc = astuple(shape)[:5]
     (kh, kw), (pt, pl, _, _), (oh, ow) = shape.kernel, shape.padding, shape.out_hw
@@ -129,23 +133,23 @@ def amx_conv2d_kernel(shape: ConvShape, data_dtype: str, shift: int, pad_value: 
     row_blocks, chunks, quads = round_up(m, BLOCK) // BLOCK, icp // KSTEP, icp // 4
     groups = task_groups(n_img * row_blocks, ocp // BLOCK)
     per_group = ocp // BLOCK // groups
-    # complete blocks go straight to the output; output rows a block of pixels can touch
-    direct, spans = wp == ow, -(-BLOCK // wp) + 1
+    direct, spans = wp == ow and epilogue is None, -(-BLOCK // wp) + 1
 
     @T.prim_func
     def amx_conv2d(
         x: T.Buffer((n_img, ic, *in_hw), data_dtype),
         w: T.Buffer((ocp // 16, kh * kw * chunks, 16, KSTEP), "int8"),
         c: T.Buffer((ocp, 16), "int32"),
-        out: T.Buffer((n_img, oc, oh, ow), "int32"),
+        e: T.Buffer(table_shape(epilogue, oc), "int32"),
+        out: T.Buffer((n_img, oc, oh, ow), out_dtype),
     ):
         T.func_attr({"tirx.noalias": True})
         a = T.decl_buffer((n_img, quads, pix, 4), "uint8")
         a_flat = T.decl_buffer((n_img * quads, pix * 4), "uint8", data=a.data)
-        flat = T.decl_buffer((n_img, oc, oh * ow), "int32", data=out.data)
+        flat = T.decl_buffer((n_img, oc, oh * ow), out_dtype, data=out.data)
         for nq in T.parallel(n_img * quads):
-            for e in range(pix * 4):
-                a_flat[nq, e] = T.uint8(pad_value)
+            for b in range(pix * 4):
+                a_flat[nq, b] = T.uint8(pad_value)
             for y, xx in T.grid(h, wd):
                 for r in T.unroll(4):  # channels >= ic meet zero weights: any value will do
                     a[nq // quads, nq % quads, (y + pt) * wp + pl + xx, r] = T.Cast(
@@ -159,16 +163,13 @@ def amx_conv2d_kernel(shape: ConvShape, data_dtype: str, shift: int, pad_value: 
         for task in T.parallel(n_img * row_blocks * groups):
             cfg = T.decl_buffer((64,), "uint8", scope="local")
             acc = T.decl_buffer((BLOCK, BLOCK), "int32", scope="local")
+            blk = T.decl_buffer((BLOCK, BLOCK), out_dtype, scope="local")
             load_config(cfg)
             img = task // (row_blocks * groups)
             p0 = task // groups % row_blocks * BLOCK
             for q in range(per_group):
                 c0 = (task % groups * per_group + q) * BLOCK
-                move_block(
-                    "llvm.x86.tileloadd64",
-                    [T.address_of(c[c0 + i, 0]) for i in (0, 0, 16, 16)],
-                    64,
-                )
+                _load_compensation(c, c0)
                 for tap, ch in T.grid(kh * kw, chunks):
                     pt0 = p0 + tap // kw * wp + tap % kw
                     dot_block(
@@ -180,23 +181,52 @@ def amx_conv2d_kernel(shape: ConvShape, data_dtype: str, shift: int, pad_value: 
                         pix * 4,
                         "llvm.x86.tdpbsud",
                     )
-                if direct and p0 + BLOCK <= m and c0 + BLOCK <= oc:
-                    move_block(
-                        "llvm.x86.tilestored64",
-                        [T.address_of(flat[img, c0 + i, p0 + j]) for i, j in _CORNERS],
-                        oh * ow * 4,
-                    )
+                if direct and p0 + BLOCK <= m and c0 + BLOCK <= oc:  # complete int32 block
+                    _store_direct(flat, img, c0, p0, oh * ow * 4)
                 else:
                     store_block(acc)
-                    for i, yb in T.grid(T.min(BLOCK, oc - c0), spans):
-                        y = p0 // wp + yb  # output row; its valid pixels in this block:
-                        lo = T.max(p0, y * wp)
-                        hi = T.min(T.min(p0 + BLOCK, y * wp + ow), m)
-                        for j in range(T.max(hi - lo, 0)):
-                            out[img, c0 + i, y, lo - y * wp + j] = acc[i, lo - p0 + j]
+                    _finish_block(blk, acc, c0, oc, e, finish)
+                    if wp == ow and p0 + BLOCK <= m and c0 + BLOCK <= oc:  # contiguous rows
+                        _copy_block(flat, blk, img, c0, p0)
+                    else:
+                        for i, yb in T.grid(T.min(BLOCK, oc - c0), spans):
+                            y = p0 // wp + yb  # output row (spans: rows a block touches)
+                            lo = T.max(p0, y * wp)
+                            hi = T.min(T.min(p0 + BLOCK, y * wp + ow), m)
+                            for j in range(T.max(hi - lo, 0)):
+                                out[img, c0 + i, y, lo - y * wp + j] = blk[i, lo - p0 + j]
             T.evaluate(intrin("llvm.x86.tilerelease"))
 
-    return amx_conv2d.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
+    func = drop_table(amx_conv2d, epilogue, 3)
+    return func.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
 
 
 _CORNERS = ((0, 0), (0, 16), (16, 0), (16, 16))
+
+
+@T.macro
+def _finish_block(q, acc, c0, oc, e, finish):
+    """``q`` = the stack block ``acc`` through ``finish`` (the epilogue, vectorized over the 32
+    pixels of a channel row; channels past ``oc`` read channel ``oc - 1``'s parameters)."""
+    for i in range(BLOCK):
+        for j in T.vectorized(BLOCK):
+            q[i, j] = finish(acc[i, j], T.min(c0 + i, oc - 1), e)
+
+
+@T.macro
+def _copy_block(flat, blk, img, c0, p0):
+    """A complete block of pixels that are consecutive in the output (no horizontal padding)."""
+    for i in range(BLOCK):
+        for j in T.vectorized(BLOCK):
+            flat[img, c0 + i, p0 + j] = blk[i, j]
+
+
+def _store_direct(flat, img, c0, p0, stride):
+    """The int32 accumulators straight into the output (channels c0.., pixels p0..)."""
+    ptrs = [T.address_of(flat[img, c0 + i, p0 + j]) for i, j in _CORNERS]
+    move_block("llvm.x86.tilestored64", ptrs, stride)
+
+
+def _load_compensation(c, c0):
+    """The accumulators of channels ``c0 .. c0 + 31`` start from their compensation rows."""
+    move_block("llvm.x86.tileloadd64", [T.address_of(c[c0 + i, 0]) for i in (0, 0, 16, 16)], 64)

@@ -31,16 +31,22 @@ from .amx_tiles import (
     task_groups,
     zero_block,
 )
+from .epilogue import Epilogue, drop_table, table_shape, tail
 from .injective import KERNEL_ATTR
 from .packing import round_up
 
 __all__ = ["amx_dense_kernel"]
 
 
-def amx_dense_kernel(m: int, k_dim: int, n: int, data_dtype: str, shift: int) -> tvm.tirx.PrimFunc:
-    """The PrimFunc ``(data[m, k], packed_weight[N/16, K/4, 16, 4], compensation[N],
+def amx_dense_kernel(
+    m: int, k_dim: int, n: int, data_dtype: str, shift: int, epilogue: Epilogue | None = None
+) -> tvm.tirx.PrimFunc:
+    """The PrimFunc ``(data[m, k], packed_weight[N/16, K/4, 16, 4], compensation[N][, table],
     out[m, n])`` (N, K: ``n``, ``k`` rounded up to 32 and 64); ``shift`` is added to the
-    activations (128 for int8 data, 0 for uint8)."""
+    activations (128 for int8 data, 0 for uint8). With an ``epilogue`` the PrimFunc takes its
+    table and stores the requantized int8/uint8 output."""
+    out_dtype = "int32" if epilogue is None else epilogue.out_dtype
+    finish = tail(epilogue)
     mp, kp, np_ = round_up(m, BLOCK), round_up(k_dim, KSTEP), round_up(n, BLOCK)
     row_blocks, groups = mp // BLOCK, task_groups(mp // BLOCK, np_ // BLOCK)
     per_group = np_ // BLOCK // groups
@@ -51,7 +57,8 @@ def amx_dense_kernel(m: int, k_dim: int, n: int, data_dtype: str, shift: int) ->
         x: T.Buffer((m, k_dim), data_dtype),
         w: T.Buffer((np_ // 16, kp // 4, 16, 4), "int8"),
         c: T.Buffer((np_,), "int32"),
-        out: T.Buffer((m, n), "int32"),
+        e: T.Buffer(table_shape(epilogue, n), "int32"),
+        out: T.Buffer((m, n), out_dtype),
     ):
         T.func_attr({"tirx.noalias": True})
         a = T.decl_buffer((mp, kp), "uint8")
@@ -81,9 +88,15 @@ def amx_dense_kernel(m: int, k_dim: int, n: int, data_dtype: str, shift: int) ->
                         T.address_of(w[c0 // 16 + 1, s * 16, 0, 0]),
                     )
                 store_block(acc)
-                for i in range(T.min(BLOCK, m - r0)):
-                    for j in range(T.min(BLOCK, n - c0)):
-                        out[r0 + i, c0 + j] = acc[i, j] - c[c0 + j]
+                if r0 + BLOCK <= m and c0 + BLOCK <= n:  # complete block: vector rows
+                    for i in range(BLOCK):
+                        for j in T.vectorized(BLOCK):
+                            out[r0 + i, c0 + j] = finish(acc[i, j] - c[c0 + j], c0 + j, e)
+                else:
+                    for i in range(T.min(BLOCK, m - r0)):
+                        for j in range(T.min(BLOCK, n - c0)):
+                            out[r0 + i, c0 + j] = finish(acc[i, j] - c[c0 + j], c0 + j, e)
             T.evaluate(intrin("llvm.x86.tilerelease"))
 
-    return amx_dense.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
+    func = drop_table(amx_dense, epilogue, 3)
+    return func.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})

@@ -22,6 +22,7 @@ from __future__ import annotations
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
+from .epilogue import Epilogue, epilogue_compute
 from .injective import KERNEL_ATTR
 from .isa import AVX2, VNNI, Isa  # noqa: F401  (VNNI/AVX2: doctest)
 from .packing import round_up
@@ -51,7 +52,7 @@ def _pack_b(b, batch: int, k_dim: int, n: int, isa: Isa, zb: int):
     return te.compute((batch, np_ // lanes, kp // k, lanes, k), pack, name="autoq_pack_b")
 
 
-def _compute(batch, m, k_dim, n, isa: Isa, a_dtype: str, za: int, zb: int):
+def _compute(batch, m, k_dim, n, isa: Isa, a_dtype: str, za: int, zb: int, epi):
     lanes, k = isa.lanes, isa.k
     tile = pick_tile(m, isa.max_tile)
     mp, kp, np_ = round_up(m, tile), round_up(k_dim, k), isa.padded_channels(n)
@@ -75,11 +76,11 @@ def _compute(batch, m, k_dim, n, isa: Isa, a_dtype: str, za: int, zb: int):
         ),
         name="autoq_acc",
     )
+    inputs = [a, b]
     if za2 == 0 and zb2 == 0:
-        out = te.compute(
-            i64(batch, m, n), lambda t, i, j: acc[t, i, j // lanes, j % lanes], name="autoq_out"
-        )
-        return [a, b, out], tile
+        value = lambda t, i, j: acc[t, i, j // lanes, j % lanes]  # noqa: E731
+        out = epilogue_compute(i64(batch, m, n), value, 2, epi, inputs)
+        return [*inputs, out], tile
     terms = []  # (coefficient, sum tensor, its index function)
     if zb2:
         r1 = te.reduce_axis((0, k_dim), "r1")
@@ -101,16 +102,25 @@ def _compute(batch, m, k_dim, n, isa: Isa, a_dtype: str, za: int, zb: int):
             value = value - coef * term(t, i, j)
         return value + const if const else value
 
-    out = te.compute(i64(batch, m, n), corrected, name="autoq_out")
-    return [a, b, out], tile
+    out = epilogue_compute(i64(batch, m, n), corrected, 2, epi, inputs)
+    return [*inputs, out], tile
 
 
 def batch_matmul_kernel(
-    batch: int, m: int, k: int, n: int, isa: Isa, a_dtype: str, za: int, zb: int
+    batch: int,
+    m: int,
+    k: int,
+    n: int,
+    isa: Isa,
+    a_dtype: str,
+    za: int,
+    zb: int,
+    epilogue: Epilogue | None = None,
 ):
-    """The scheduled PrimFunc ``(lhs[batch, m, k], rhs[batch, k, n] int8, out[batch, m, n])``
-    of ``(lhs - za) @ (rhs - zb)`` in int32; parallel over (batch, row tile, column block)."""
-    tensors, tile = _compute(batch, m, k, n, isa, a_dtype, za, zb)
+    """The scheduled PrimFunc ``(lhs[batch, m, k], rhs[batch, k, n] int8[, table],
+    out[batch, m, n])`` of ``(lhs - za) @ (rhs - zb)`` in int32 (or, with an ``epilogue``,
+    requantized to int8/uint8); parallel over (batch, row tile, column block)."""
+    tensors, tile = _compute(batch, m, k, n, isa, a_dtype, za, zb, epilogue)
     sch = Schedule(te.create_prim_func(tensors))
     block = sch.get_sblock("autoq_acc")
     t, i, o, oi, rc, rk = sch.get_loops(block)

@@ -16,6 +16,7 @@ import tvm
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
+from .epilogue import Epilogue, epilogue_compute
 from .injective import KERNEL_ATTR
 from .isa import Isa
 from .packing import round_up
@@ -52,7 +53,7 @@ class ConvShape:
         return next(b for b in (64, 32, 16, 8, 4, 2) if b % isa.k == 0 and icp % b == 0)
 
 
-def _compute(shape: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value: int, comp):
+def _compute(shape: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value: int, comp, epi):
     s, lanes, k = shape, isa.lanes, isa.k
     icb = s.ic_block(isa)
     icp, ocp = round_up(s.in_channels, icb), isa.padded_channels(s.out_channels)
@@ -87,37 +88,38 @@ def _compute(shape: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value:
         name="autoq_acc",
     )
     out_shape = i64(s.batch, s.out_channels, oh, ow)
-    if comp is None:
-        out = te.compute(
-            out_shape, lambda n, c, y, x_: acc[n, c // lanes, y, x_, c % lanes], name="autoq_out"
-        )
-        return [x, w, out], tile
-    c = te.placeholder((ocp,), "int32", name="compensation")
-    out = te.compute(
-        out_shape, lambda n, o, y, x_: acc[n, o // lanes, y, x_, o % lanes] - c[o], name="autoq_out"
-    )
-    return [x, w, c, out], tile
+    c = te.placeholder((ocp,), "int32", name="compensation") if comp else None
+    inputs = [x, w] if c is None else [x, w, c]
+
+    def value(n, o, y, x_):
+        v = acc[n, o // lanes, y, x_, o % lanes]
+        return v if c is None else v - c[o]
+
+    out = epilogue_compute(out_shape, value, 1, epi, inputs)
+    return [*inputs, out], tile
 
 
 def conv2d_kernel(
-    shape: ConvShape, isa: Isa, data_dtype: str, zero_point: int
+    shape: ConvShape, isa: Isa, data_dtype: str, zero_point: int, epilogue: Epilogue | None = None
 ) -> tvm.tirx.PrimFunc:
     """The scheduled PrimFunc ``(data, packed_weight[, compensation], out)``.
 
     The compensation input exists when the ISA shifts activations by something other than
     ``-zero_point`` (VNNI); pass :func:`autoq.cpu.packing.compensation` of the weights with
-    ``zero_point + isa.shift(...)``.
+    ``zero_point + isa.shift(...)``. With an ``epilogue`` the PrimFunc also takes its table
+    (:meth:`autoq.cpu.epilogue.Epilogue.table`) and stores the requantized int8/uint8 output.
     """
     shift = isa.shift(data_dtype, zero_point)
     pad_value = zero_point + shift
-    tensors, tile = _compute(shape, isa, data_dtype, shift, pad_value, pad_value or None)
+    tensors, tile = _compute(shape, isa, data_dtype, shift, pad_value, pad_value, epilogue)
     sch = Schedule(te.create_prim_func(tensors))
     conv = sch.get_sblock("autoq_acc")
     n, o, y, x_, oi, rc, rh, rw, rb, rk = sch.get_loops(conv)
     xo, xi = sch.split(x_, [None, tile])
     oo, ob = sch.split(o, [None, isa.channel_blocks(shape.out_channels)])
     sch.reorder(n, oo, y, xo, rc, rh, rw, rb, xi, ob, oi, rk)
-    sch.reverse_compute_at(sch.get_consumers(conv)[0], xo)
+    # an epilogue runs per output row (vectorized along it), a plain unpack per tile
+    sch.reverse_compute_at(sch.get_consumers(conv)[0], xo if epilogue is None else y)
     sch.parallel(sch.fuse(n, oo, y))
     sch.unroll(xi)
     sch.unroll(ob)

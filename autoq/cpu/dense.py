@@ -12,6 +12,7 @@ from __future__ import annotations
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
+from .epilogue import epilogue_compute
 from .injective import KERNEL_ATTR
 from .isa import Isa
 from .packing import round_up
@@ -20,7 +21,9 @@ from .tiling import i64, int32, pick_tile, tensorize_accumulation
 __all__ = ["dense_kernel"]
 
 
-def _compute(m: int, k_dim: int, n: int, isa: Isa, data_dtype: str, shift: int, pad_value: int):
+def _compute(
+    m: int, k_dim: int, n: int, isa: Isa, data_dtype: str, shift: int, pad_value: int, epi
+):
     lanes, k = isa.lanes, isa.k
     tile = pick_tile(m, isa.max_tile)
     mp, kp, np_ = round_up(m, tile), round_up(k_dim, k), isa.padded_channels(n)
@@ -41,19 +44,24 @@ def _compute(m: int, k_dim: int, n: int, isa: Isa, data_dtype: str, shift: int, 
         ),
         name="autoq_acc",
     )
-    if not pad_value:
-        out = te.compute(i64(m, n), lambda i, j: acc[i, j // lanes, j % lanes], name="autoq_out")
-        return [x, w, out], tile
-    c = te.placeholder((np_,), "int32", name="compensation")
-    out = te.compute(i64(m, n), lambda i, j: acc[i, j // lanes, j % lanes] - c[j], name="autoq_out")
-    return [x, w, c, out], tile
+    c = te.placeholder((np_,), "int32", name="compensation") if pad_value else None
+    inputs = [x, w] if c is None else [x, w, c]
+
+    def value(i, j):
+        v = acc[i, j // lanes, j % lanes]
+        return v if c is None else v - c[j]
+
+    out = epilogue_compute(i64(m, n), value, 1, epi, inputs)
+    return [*inputs, out], tile
 
 
-def dense_kernel(m: int, k: int, n: int, isa: Isa, data_dtype: str, zero_point: int):
-    """The scheduled PrimFunc ``(data[m, k], packed_weight[, compensation], out[m, n])``; the
-    compensation input exists when ``zero_point + isa.shift(data_dtype, zero_point)`` != 0."""
+def dense_kernel(m: int, k: int, n: int, isa: Isa, data_dtype: str, zero_point: int, epilogue=None):
+    """The scheduled PrimFunc ``(data[m, k], packed_weight[, compensation][, table],
+    out[m, n])``; the compensation input exists when ``zero_point + isa.shift(data_dtype,
+    zero_point)`` != 0, the table with an :class:`autoq.cpu.epilogue.Epilogue` (then ``out``
+    is its int8/uint8 requantized output)."""
     shift = isa.shift(data_dtype, zero_point)
-    tensors, tile = _compute(m, k, n, isa, data_dtype, shift, zero_point + shift)
+    tensors, tile = _compute(m, k, n, isa, data_dtype, shift, zero_point + shift, epilogue)
     sch = Schedule(te.create_prim_func(tensors))
     block = sch.get_sblock("autoq_acc")
     i, o, oi, rc, rk = sch.get_loops(block)

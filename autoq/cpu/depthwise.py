@@ -21,6 +21,7 @@ from tvm import te, tirx
 from tvm.s_tir import Schedule
 
 from .conv2d import ConvShape
+from .epilogue import Epilogue, epilogue_compute
 from .injective import KERNEL_ATTR
 from .packing import pack_depthwise_weight, round_up
 from .tiling import int32, pick_tile
@@ -28,7 +29,7 @@ from .tiling import int32, pick_tile
 __all__ = ["blocked", "depthwise_kernel", "depthwise_weight"]
 
 
-def _compute_blocked(s: ConvShape, data_dtype: str, zero_point: int, lanes: int, tile: int):
+def _compute_blocked(s: ConvShape, data_dtype: str, zero_point: int, lanes: int, tile: int, epi):
     (kh, kw), (sh, sw), (dh, dw) = s.kernel, s.strides, s.dilation
     pt, pl = s.padding[0], s.padding[1]
     oh, ow = s.out_hw
@@ -54,23 +55,26 @@ def _compute_blocked(s: ConvShape, data_dtype: str, zero_point: int, lanes: int,
         ),
         name="autoq_acc",
     )
-    out = te.compute(
+    inputs = [x, w]
+    out = epilogue_compute(
         (s.batch, s.in_channels, oh, ow),
         lambda n, c, y, x_: acc[n, c // lanes, y, x_, c % lanes],
-        name="autoq_out",
+        1,
+        epi,
+        inputs,
     )
-    return [x, w, out]
+    return [*inputs, out]
 
 
-def _blocked_kernel(shape: ConvShape, data_dtype: str, zero_point: int, lanes: int):
+def _blocked_kernel(shape: ConvShape, data_dtype: str, zero_point: int, lanes: int, epi):
     tile = pick_tile(shape.out_hw[1], 8)
-    tensors = _compute_blocked(shape, data_dtype, zero_point, lanes, tile)
+    tensors = _compute_blocked(shape, data_dtype, zero_point, lanes, tile, epi)
     sch = Schedule(te.create_prim_func(tensors))
     acc = sch.get_sblock("autoq_acc")
     n, c, y, x_, ci, rh, rw = sch.get_loops(acc)
     xo, xi = sch.split(x_, [None, tile])
     sch.reorder(n, c, y, xo, rh, rw, xi, ci)
-    sch.reverse_compute_at(sch.get_sblock("autoq_out"), xo)
+    sch.reverse_compute_at(sch.get_sblock("autoq_out"), xo if epi is None else y)
     sch.parallel(sch.fuse(n, c, y))
     sch.unroll(xi)
     sch.vectorize(ci)
@@ -82,7 +86,7 @@ def _blocked_kernel(shape: ConvShape, data_dtype: str, zero_point: int, lanes: i
     return sch.mod["main"]
 
 
-def _compute_rows(s: ConvShape, data_dtype: str, zero_point: int):
+def _compute_rows(s: ConvShape, data_dtype: str, zero_point: int, epi):
     (kh, kw), (sh, sw), (dh, dw) = s.kernel, s.strides, s.dilation
     pt, pl = s.padding[0], s.padding[1]
     oh, ow = s.out_hw
@@ -106,14 +110,20 @@ def _compute_rows(s: ConvShape, data_dtype: str, zero_point: int):
         ),
         name="depthwise",
     )
-    return [x, w, out]
+    if epi is None:
+        return [x, w, out]
+    inputs = [x, w]
+    tail = epilogue_compute(out.shape, lambda *i: out[i], 1, epi, inputs)
+    return [*inputs, tail]
 
 
-def _row_kernel(shape: ConvShape, data_dtype: str, zero_point: int):
-    sch = Schedule(te.create_prim_func(_compute_rows(shape, data_dtype, zero_point)))
+def _row_kernel(shape: ConvShape, data_dtype: str, zero_point: int, epi):
+    sch = Schedule(te.create_prim_func(_compute_rows(shape, data_dtype, zero_point, epi)))
     block = sch.get_sblock("depthwise")
     n, c, y, x_, rh, rw = sch.get_loops(block)
     sch.reorder(n, c, y, rh, rw, x_)
+    if epi is not None:  # requantize each int32 row while it is in cache
+        sch.reverse_compute_at(sch.get_sblock("autoq_out"), y)
     nc = sch.fuse(n, c)
     sch.compute_at(sch.get_sblock("pad"), nc)
     sch.parallel(nc)
@@ -136,12 +146,17 @@ def depthwise_weight(shape: ConvShape, w: np.ndarray, lanes: int) -> np.ndarray:
 
 
 def depthwise_kernel(
-    shape: ConvShape, data_dtype: str, zero_point: int, lanes: int = 16
+    shape: ConvShape,
+    data_dtype: str,
+    zero_point: int,
+    lanes: int = 16,
+    epilogue: Epilogue | None = None,
 ) -> tirx.PrimFunc:
-    """The scheduled PrimFunc ``(data, depthwise_weight(shape, w, lanes), out)`` for
-    ``shape`` with ``out_channels == in_channels`` (channel multiplier 1)."""
+    """The scheduled PrimFunc ``(data, depthwise_weight(shape, w, lanes)[, table], out)`` for
+    ``shape`` with ``out_channels == in_channels`` (channel multiplier 1); with an
+    ``epilogue``, ``out`` is its requantized int8/uint8 output (the table its input)."""
     if blocked(shape):
-        func = _blocked_kernel(shape, data_dtype, zero_point, lanes)
+        func = _blocked_kernel(shape, data_dtype, zero_point, lanes, epilogue)
     else:
-        func = _row_kernel(shape, data_dtype, zero_point)
+        func = _row_kernel(shape, data_dtype, zero_point, epilogue)
     return func.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})

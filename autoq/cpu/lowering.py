@@ -23,7 +23,7 @@ import tvm
 from tvm import relax
 
 from .. import qnn  # noqa: F401  (registers the qnn.* ops whose legalizations are the fallback)
-from ..toolkit import const_array, dtype_of, shape_of
+from ..toolkit import const_array, dtype_of, is_call, shape_of
 from .amx_conv2d import (
     amx_conv2d_kernel,
     amx_conv_applies,
@@ -38,6 +38,8 @@ from .conv2d import ConvShape, conv2d_kernel
 from .conv_transpose import conv2d_transpose_kernel
 from .dense import dense_kernel
 from .depthwise import depthwise_kernel, depthwise_weight
+from .epilogue import Epilogue
+from .fuse_epilogue import fuse_epilogues
 from .isa import VNNI, Isa, kernel_isa
 from .lut import VBMI_TABLE_DTYPES, lut_kernel, vbmi_lut_kernel
 from .packing import compensation, pack_conv_weight, pack_dense_weight, round_up
@@ -75,27 +77,40 @@ def _operands(data, weight, z_x, z_w):
     return dt, zx, w
 
 
-def _call(bb, isa: Isa, func, name: str, data, w_packed, w, z: int, out_shape):
+def _out_type(shape, epilogue: Epilogue | None) -> relax.TensorType:
+    return relax.TensorType(shape, "int32" if epilogue is None else epilogue.out_dtype)
+
+
+def _tail(args: list, epilogue: Epilogue | None) -> list:
+    """``args`` plus the epilogue's table constant."""
+    if epilogue is not None:
+        return [*args, relax.const(epilogue.table())]
+    return args
+
+
+def _call(bb, isa: Isa, func, name: str, data, w_packed, w, z: int, out_shape, epilogue=None):
     """``call_tir`` of ``func`` (added to the module) on data + packed constants."""
     gv = bb.add_func(func.without_attr("global_symbol"), name)
     args = [data, relax.const(w_packed)]
     if z:
         args.append(relax.const(compensation(w, z, isa.padded_channels(w.shape[0]))))
-    return relax.call_tir(gv, args, out_ty=relax.TensorType(out_shape, "int32"))
+    return relax.call_tir(gv, _tail(args, epilogue), out_ty=_out_type(out_shape, epilogue))
 
 
-def _conv2d(isa: Isa, fallback, bb, call):
+def _conv2d_call(isa: Isa, bb, call, epilogue: Epilogue | None = None):
+    """The kernel call of a ``qnn.conv2d`` (with ``epilogue``), or None when no kernel
+    covers it."""
     data, weight, _s_x, z_x, _s_w, z_w = call.args
     ops = _operands(data, weight, z_x, z_w)
     a = call.attrs
     groups = int(a["groups"])
     if ops is None:
-        return fallback(bb, call)
+        return None
     dt, zx, w = ops
     n, c, h, wd = shape_of(data)
     depthwise = groups == c == w.shape[0] and w.shape[1] == 1
     if groups != 1 and not depthwise:
-        return fallback(bb, call)
+        return None
     shape = ConvShape(
         n, c, h, wd, w.shape[0], tuple(w.shape[2:]),
         tuple(int(v) for v in a["strides"]),
@@ -104,71 +119,101 @@ def _conv2d(isa: Isa, fallback, bb, call):
     )  # fmt: skip
     out = (n, w.shape[0], *shape.out_hw)
     if depthwise:
-        func = depthwise_kernel(shape, dt, zx, isa.lanes)
+        func = depthwise_kernel(shape, dt, zx, isa.lanes, epilogue)
         gv = bb.add_func(func.without_attr("global_symbol"), "autoq_depthwise")
-        packed = relax.const(depthwise_weight(shape, w, isa.lanes))
-        return relax.call_tir(gv, [data, packed], out_ty=relax.TensorType(out, "int32"))
+        args = _tail([data, relax.const(depthwise_weight(shape, w, isa.lanes))], epilogue)
+        return relax.call_tir(gv, args, out_ty=_out_type(out, epilogue))
     if isa.amx and amx_conv_applies(shape):
-        return _amx_conv2d(bb, shape, data, w, dt, zx, out)
-    func = conv2d_kernel(shape, isa, dt, zx)
+        return _amx_conv2d(bb, shape, data, w, dt, zx, out, epilogue)
+    func = conv2d_kernel(shape, isa, dt, zx, epilogue)
     packed = pack_conv_weight(
         w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype, isa.padded_channels(w.shape[0])
     )
     z = zx + isa.shift(dt, zx)
-    return _call(bb, isa, func, f"autoq_conv2d_{isa.name}", data, packed, w, z, out)
+    return _call(bb, isa, func, f"autoq_conv2d_{isa.name}", data, packed, w, z, out, epilogue)
 
 
-def _amx_dense(bb, x2, w: np.ndarray, dt: str, zx: int, m: int):
+def _conv2d(isa: Isa, fallback, bb, call):
+    out = _conv2d_call(isa, bb, call)
+    return fallback(bb, call) if out is None else out
+
+
+def _amx_dense(bb, x2, w: np.ndarray, dt: str, zx: int, m: int, epilogue=None):
     """``call_tir`` of :mod:`autoq.cpu.amx_dense` (VNNI packing, N padded to 32, K to 64)."""
     (n, k), shift = w.shape, VNNI.shift(dt, zx)
-    func = amx_dense_kernel(m, k, n, dt, shift)
+    func = amx_dense_kernel(m, k, n, dt, shift, epilogue)
     gv = bb.add_func(func.without_attr("global_symbol"), "autoq_dense_amx")
     np_ = round_up(n, AMX_BLOCK)
     packed = pack_dense_weight(w, VNNI.lanes, VNNI.k, "int8", np_, round_up(k, AMX_KSTEP))
     comp = compensation(w, zx + shift, np_)
-    args = [x2, relax.const(packed), relax.const(comp)]
-    return relax.call_tir(gv, args, out_ty=relax.TensorType((m, n), "int32"))
+    args = _tail([x2, relax.const(packed), relax.const(comp)], epilogue)
+    return relax.call_tir(gv, args, out_ty=_out_type((m, n), epilogue))
 
 
-def _amx_conv2d(bb, shape: ConvShape, data, w: np.ndarray, dt: str, zx: int, out):
+def _amx_conv2d(bb, shape: ConvShape, data, w: np.ndarray, dt: str, zx: int, out, epilogue=None):
     """``call_tir`` of :mod:`autoq.cpu.amx_conv2d` (stride-1 conv as channels x pixels)."""
     shift = VNNI.shift(dt, zx)
-    func = amx_conv2d_kernel(shape, dt, shift, zx + shift)
+    func = amx_conv2d_kernel(shape, dt, shift, zx + shift, epilogue)
     gv = bb.add_func(func.without_attr("global_symbol"), "autoq_conv2d_amx")
     consts = [amx_conv_weight(w), amx_conv_compensation(w, zx + shift)]
-    args = [data, *(relax.const(v) for v in consts)]
-    return relax.call_tir(gv, args, out_ty=relax.TensorType(out, "int32"))
+    args = _tail([data, *(relax.const(v) for v in consts)], epilogue)
+    return relax.call_tir(gv, args, out_ty=_out_type(out, epilogue))
 
 
-def _dense_call(isa: Isa, bb, data, w: np.ndarray, dt: str, zx: int):
+def _dense_call(isa: Isa, bb, data, w: np.ndarray, dt: str, zx: int, epilogue=None):
     shape = shape_of(data)
     m = int(np.prod(shape[:-1], dtype=np.int64))
     x2 = bb.emit(relax.op.reshape(data, [m, shape[-1]])) if len(shape) != 2 else data
     if isa.amx and m >= AMX_MIN_ROWS:
-        out = _amx_dense(bb, x2, w, dt, zx, m)
+        out = _amx_dense(bb, x2, w, dt, zx, m, epilogue)
     else:
-        func = dense_kernel(m, shape[-1], w.shape[0], isa, dt, zx)
+        func = dense_kernel(m, shape[-1], w.shape[0], isa, dt, zx, epilogue)
         packed = pack_dense_weight(
             w, isa.lanes, isa.k, isa.weight_dtype, isa.padded_channels(w.shape[0])
         )
         z = zx + isa.shift(dt, zx)
-        out = _call(bb, isa, func, f"autoq_dense_{isa.name}", x2, packed, w, z, (m, w.shape[0]))
+        name = f"autoq_dense_{isa.name}"
+        out = _call(bb, isa, func, name, x2, packed, w, z, (m, w.shape[0]), epilogue)
     if len(shape) == 2:
         return out
     return relax.op.reshape(bb.emit(out), [*shape[:-1], w.shape[0]])
 
 
+def _dense_operands(call):
+    """(data, weight [N, K], data dtype, zero point) of a qnn.dense / qnn.matmul with
+    constant weights the kernels cover, or None."""
+    a, b, _s_a, z_a, _s_b, z_b = call.args
+    ops = _operands(a, b, z_a, z_b)
+    if ops is None:
+        return None
+    dt, za, w = ops
+    if is_call(call, "qnn.matmul"):
+        if w.ndim != 2:
+            return None
+        w = np.ascontiguousarray(w.T)
+    return a, w, dt, za
+
+
 def _dense(isa: Isa, fallback, bb, call):
-    data, weight, _s_x, z_x, _s_w, z_w = call.args
-    ops = _operands(data, weight, z_x, z_w)
+    ops = _dense_operands(call)
     if ops is None:
         return fallback(bb, call)
-    return _dense_call(isa, bb, data, ops[2], ops[0], ops[1])
+    return _dense_call(isa, bb, *ops)
 
 
-def _activation_matmul(isa: Isa, bb, call):
+def _with_epilogue(isa: Isa, bb, call, epilogue: Epilogue):
+    """The kernel call of ``call`` storing ``epilogue``'s int8 output, or None."""
+    if is_call(call, "qnn.conv2d"):
+        return _conv2d_call(isa, bb, call, epilogue)
+    if is_call(call, "qnn.matmul") and const_array(call.args[1]) is None:
+        return _activation_matmul(isa, bb, call, epilogue)
+    ops = _dense_operands(call)
+    return None if ops is None else _dense_call(isa, bb, *ops, epilogue)
+
+
+def _activation_matmul(isa: Isa, bb, call, epilogue: Epilogue | None = None):
     """``call_tir`` of :mod:`autoq.cpu.batch_matmul` for a qnn.matmul of two activations
-    with the same static batch axes, or None."""
+    with the same static batch axes (storing ``epilogue``'s output), or None."""
     a, b, _s_a, z_a, _s_b, z_b = call.args
     za, zb = _scalar(z_a), _scalar(z_b)
     sa, sb = shape_of(a), shape_of(b)
@@ -180,22 +225,18 @@ def _activation_matmul(isa: Isa, bb, call):
     (m, k), n = sa[-2:], sb[-1]
     a3 = bb.emit(relax.op.reshape(a, [batch, m, k]))
     b3 = bb.emit(relax.op.reshape(b, [batch, k, n]))
-    func = batch_matmul_kernel(batch, m, k, n, isa, dtype_of(a), za, zb)
+    func = batch_matmul_kernel(batch, m, k, n, isa, dtype_of(a), za, zb, epilogue)
     gv = bb.add_func(func.without_attr("global_symbol"), f"autoq_batch_matmul_{isa.name}")
-    out = bb.emit(relax.call_tir(gv, [a3, b3], out_ty=relax.TensorType((batch, m, n), "int32")))
+    args = _tail([a3, b3], epilogue)
+    out = bb.emit(relax.call_tir(gv, args, out_ty=_out_type((batch, m, n), epilogue)))
     return relax.op.reshape(out, [*sa[:-2], m, n])
 
 
 def _matmul(isa: Isa, fallback, bb, call):
-    a, b, _s_a, z_a, _s_b, z_b = call.args
-    if const_array(b) is None:
+    if const_array(call.args[1]) is None:
         lowered = _activation_matmul(isa, bb, call)
         return fallback(bb, call) if lowered is None else lowered
-    ops = _operands(a, b, z_a, z_b)
-    if ops is None or ops[2].ndim != 2:
-        return fallback(bb, call)
-    dt, za, w = ops
-    return _dense_call(isa, bb, a, np.ascontiguousarray(w.T), dt, za)
+    return _dense(isa, fallback, bb, call)
 
 
 def _conv2d_transpose(isa: Isa, fallback, bb, call):
@@ -280,4 +321,5 @@ def lower_to_cpu_kernels(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IR
         own = tvm.ir.Op.get(name).get_attr("FLegalize")
         custom[name] = functools.partial(lower, isa, own)
     with target:
+        mod = fuse_epilogues(mod, functools.partial(_with_epilogue, isa))
         return relax.transform.LegalizeOps(customize_legalize_map=custom)(mod)

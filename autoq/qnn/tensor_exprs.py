@@ -70,9 +70,10 @@ def dequantize_value(q, s, z):
     The subtraction is exact: in int32 for 8/16-bit data, in int64 for int32 data (an int32
     accumulator minus a zero point can leave the int32 range), like primitives.dequantize.
     """
-    if "float" in str(q.dtype):
-        return (q - z.astype(q.dtype)).astype("float32") * s
-    wide = "int64" if str(q.dtype) == "int32" else "int32"
+    dtype = str(q.dtype if hasattr(q, "dtype") else q.ty)  # a tensor element or any PrimExpr
+    if "float" in dtype:
+        return (q - z.astype(dtype)).astype("float32") * s
+    wide = "int64" if dtype == "int32" else "int32"
     return (q.astype(wide) - z.astype(wide)).astype("float32") * s
 
 

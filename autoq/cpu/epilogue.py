@@ -1,0 +1,155 @@
+"""The requantize epilogue of a packed int8 kernel: int32 accumulator -> int8/uint8 in registers.
+
+A conv2d / depthwise / dense kernel followed by ``add(bias)`` and ``qnn.requantize`` (the
+chain ``realize`` emits) can apply both to its int32 accumulator before storing it, so that
+the int32 tensor is never written to memory. :class:`Epilogue` describes that tail (the
+optional int32 bias add, then the requantize with its rounding mode, output zero point and
+saturation to the output dtype's range, which is where folded ReLU / ReLU6 clips live), and
+:meth:`Epilogue.value` builds its TIR expression from the same TE helpers the ``qnn.requantize``
+legalization uses (:mod:`autoq.qnn.tensor_exprs`), so the fused result is bit-identical.
+
+Per-channel values (the bias, per-axis scales, zero points, integer multipliers / shifts) are
+rows of one int32 table ``[rows, channels]`` the kernel takes as an extra input (float32
+scales bit-cast to int32); scalar values are immediates.
+
+>>> e = Epilogue(np.array([1, 2], np.int32), (np.float32(0.5), 0, np.float32(1.0), 3),
+...              "float", "int8", 2)
+>>> e.rows, e.table().tolist()
+(('bias',), [[1, 2]])
+>>> tail(None)(7, 0, None)  # no epilogue: the int32 value as it is
+7
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from tvm import te, tirx
+
+from .. import primitives as P
+from ..qnn.tensor_exprs import (
+    clip_int64,
+    dequantize_value,
+    fixed_point_multiply,
+    quantize_value,
+)
+
+__all__ = ["Epilogue", "drop_table", "epilogue_compute", "table_shape", "tail"]
+
+# requantize operands in order: input scale, input zero point, output scale, output zero
+# point, then (integer rounding modes) multiplier and shift
+_NAMES = ("s_in", "z_in", "s_out", "z_out", "multiplier", "shift")
+_FLOATS = ("s_in", "s_out")
+
+
+@dataclass(frozen=True, eq=False)
+class Epilogue:
+    """``requantize(acc + bias)`` for ``channels`` output channels.
+
+    ``bias``: int32 ``[channels]`` or None. ``params``: the requantize operands in ``_NAMES``
+    order (float32 scales, int32 zero points / multipliers / shifts), each a scalar or a
+    ``[channels]`` array; the integer rounding modes need all six, ``float`` the first four.
+    """
+
+    bias: np.ndarray | None
+    params: tuple
+    rounding: str
+    out_dtype: str
+    channels: int
+
+    def __post_init__(self):
+        if self.rounding not in P.ROUNDING_MODES:
+            raise ValueError(f"Epilogue: unknown rounding {self.rounding!r}")
+        if self.out_dtype not in ("int8", "uint8"):
+            raise ValueError(f"Epilogue: out_dtype must be int8 or uint8, got {self.out_dtype!r}")
+        wanted = 4 if self.rounding == "float" else 6
+        if len(self.params) != wanted:
+            raise ValueError(f"Epilogue: {self.rounding} rounding takes {wanted} params")
+        for name, v in self._named():
+            if np.ndim(v) > 1 or np.size(v) not in (1, self.channels):
+                raise ValueError(f"Epilogue: {name} must be a scalar or [{self.channels}]")
+
+    def _named(self):
+        named = list(zip(_NAMES, self.params, strict=False))
+        return named if self.bias is None else [("bias", self.bias), *named]
+
+    @property
+    def rows(self) -> tuple[str, ...]:
+        """Names of the per-channel rows of :meth:`table`, in order."""
+        return tuple(name for name, v in self._named() if np.size(v) != 1)
+
+    def table(self) -> np.ndarray:
+        """The int32 ``[max(1, len(rows)), channels]`` table of per-channel values (a row of
+        zeros when there are none: the kernels take the table either way)."""
+        out = np.zeros((max(1, len(self.rows)), self.channels), np.int32)
+        values = dict(self._named())
+        for r, name in enumerate(self.rows):
+            dtype = np.float32 if name in _FLOATS else np.int32
+            out[r] = np.asarray(values[name]).astype(dtype).reshape(-1).view(np.int32)
+        return out
+
+    def value(self, acc, channel, load):
+        """The output value (``out_dtype``) of int32 ``acc`` in output channel ``channel``;
+        ``load(row, channel)`` reads the table (an int32 PrimExpr)."""
+        rows = self.rows
+
+        def get(name, v):
+            if name in rows:
+                x = load(rows.index(name), channel)
+                return tirx.reinterpret("float32", x) if name in _FLOATS else x
+            v = np.asarray(v).reshape(-1)[0]
+            if name in _FLOATS:
+                return tirx.const(float(np.float32(v)), "float32")
+            return tirx.const(int(v), "int32")
+
+        named = dict(self._named())
+        if self.bias is not None:
+            acc = acc + get("bias", self.bias)
+        p = {n: get(n, named[n]) for n in _NAMES[: len(self.params)]}
+        qmin, qmax = P.qrange(self.out_dtype)
+        if self.rounding == "float":
+            r = dequantize_value(acc, p["s_in"], p["z_in"])
+            q = quantize_value(r, p["s_out"], p["z_out"], qmin, qmax)
+            return q.astype(self.out_dtype)
+        d = acc.astype("int64") - p["z_in"].astype("int64")
+        y = fixed_point_multiply(d, p["multiplier"], p["shift"], self.rounding)
+        return clip_int64(y + p["z_out"].astype("int64"), qmin, qmax, self.out_dtype)
+
+
+def epilogue_compute(shape, value, axis: int, epilogue: Epilogue | None, inputs: list):
+    """The kernel's ``autoq_out`` TE stage: ``value(*index)`` (the int32 accumulator), or,
+    with an ``epilogue``, its requantized value for the channel ``index[axis]``; the
+    epilogue's table placeholder is appended to ``inputs``."""
+    if epilogue is None:
+        return te.compute(shape, value, name="autoq_out")
+    table = te.placeholder(epilogue.table().shape, "int32", name="epilogue")
+    inputs.append(table)
+
+    def f(*i):
+        return epilogue.value(value(*i), i[axis], lambda r, ch: table[r, ch])
+
+    return te.compute(shape, f, name="autoq_out")
+
+
+def tail(epilogue: Epilogue | None):
+    """For TVMScript kernels: ``f(int32 value, channel, table buffer)`` -> the stored value
+    (``value`` itself without an epilogue)."""
+    if epilogue is None:
+        return lambda v, _channel, _table: v
+    return lambda v, channel, table: epilogue.value(v, channel, lambda r, k: table[r, k])
+
+
+def table_shape(epilogue: Epilogue | None, channels: int) -> tuple[int, int]:
+    """Shape of the table buffer of a TVMScript kernel (a dummy ``[1, channels]`` without an
+    epilogue; :func:`drop_table` removes it then)."""
+    return (1, channels) if epilogue is None else epilogue.table().shape
+
+
+def drop_table(func, epilogue: Epilogue | None, index: int):
+    """``func`` without its table parameter ``index`` when there is no epilogue."""
+    if epilogue is not None:
+        return func
+    params = list(func.params)
+    params.pop(index)  # its buffer is never read: tail(None) ignores the table
+    return tirx.PrimFunc(params, func.body, func.ret_type, func.attrs)

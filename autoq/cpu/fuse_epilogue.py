@@ -1,0 +1,171 @@
+"""Find ``kernel -> add(bias) -> qnn.requantize`` chains and hand them to one kernel call.
+
+``realize`` writes a quantized conv / dense as ``qnn.conv2d`` (int32 accumulator), an
+``add`` of the int32 bias constant, and a ``qnn.requantize`` to int8/uint8 (a folded ReLU or
+ReLU6 is the requantize's output range). :func:`fuse_epilogues` rewrites each such chain
+whose intermediate int32 results have no other user, and whose requantize has constant
+scalar or per-channel (along the kernel's output channel axis) operands, into what
+``lower(builder, kernel call, Epilogue)`` returns (a kernel call storing int8 directly); when
+``lower`` returns None (the kernels do not cover that call) the chain is left as it is. The
+canonical graph is untouched: this runs inside the CPU lowering only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..qnn.quantize import with_multipliers
+from ..toolkit import bindings, const_array, dtype_of, free_vars, is_call, shape_of
+from .epilogue import Epilogue
+
+__all__ = ["fuse_epilogues"]
+
+KERNEL_OPS = ("qnn.conv2d", "qnn.dense", "qnn.matmul")
+OUT_DTYPES = ("int8", "uint8")
+# binding values whose variable uses free_vars sees completely
+_FLAT = (
+    tvm.ir.Call,
+    relax.Tuple,
+    relax.TupleGetItem,
+    relax.Var,
+    tvm.ir.GenericConst,
+    relax.ShapeExpr,
+)
+
+
+def _channel_vector(v: np.ndarray | None, shape, axis: int):
+    """``v`` (a constant broadcast against ``shape``) as a scalar or a per-channel vector
+    along ``axis``, or None when it varies along another axis."""
+    if v is None or v.ndim > len(shape):
+        return None
+    full = (1,) * (len(shape) - v.ndim) + v.shape
+    axis = axis % len(shape)
+    if any(d != 1 for i, d in enumerate(full) if i != axis):
+        return None
+    flat = v.reshape(-1)
+    if flat.size == 1:
+        return flat[0]
+    return flat if flat.size == shape[axis] else None
+
+
+def _bias(add: relax.Call, kernel_var, shape, axis: int):
+    """The int32 bias of ``add(kernel_var, const)`` (either order) per channel, or None."""
+    a, b = add.args
+    other = b if a.same_as(kernel_var) else a if b.same_as(kernel_var) else None
+    if other is None or dtype_of(other) != "int32":
+        return None
+    v = _channel_vector(const_array(other), shape, axis)
+    if v is None:
+        return None
+    return np.broadcast_to(np.asarray(v, np.int32), (shape[axis],)).copy()
+
+
+def _epilogue(req: relax.Call, bias, shape, axis: int) -> Epilogue | None:
+    """The :class:`Epilogue` of ``req`` on a kernel output ``shape`` (channels on ``axis``)."""
+    a = req.attrs
+    out_dtype, rounding = str(a["out_dtype"]), str(a["rounding"])
+    if out_dtype not in OUT_DTYPES:
+        return None
+    if rounding != "float" and len(req.args) == 5:
+        req = with_multipliers(req)
+    per_channel_ok = int(a["axis"]) % len(shape) == axis % len(shape)
+    params = []
+    for p in req.args[1:]:
+        v = const_array(p)
+        if v is None:
+            return None
+        v = v.reshape(-1)
+        if v.size == 1:
+            params.append(v[0])
+        elif v.size == shape[axis] and per_channel_ok:
+            params.append(v)
+        else:
+            return None
+    return Epilogue(bias, tuple(params), rounding, out_dtype, shape[axis])
+
+
+def _chains(func: relax.Function) -> dict:
+    """``{requantize var: (kernel call, Epilogue)}`` for every fusable chain of ``func``."""
+    pairs = bindings(func)
+    if not all(isinstance(e, _FLAT) for _, e in pairs):
+        return {}  # nested scopes (If, inner functions): uses are not all visible to free_vars
+    value_of = dict(pairs)
+    uses: Counter = Counter()
+    for _, e in pairs:
+        uses.update(free_vars(e))
+    uses.update(free_vars(func.body.body))
+    found = {}
+    for var, req in pairs:
+        if not is_call(req, "qnn.requantize") or not isinstance(req.args[0], relax.Var):
+            continue
+        src, bias = req.args[0], None
+        kernel = value_of.get(src)
+        if is_call(kernel, "relax.add") and uses[src] == 1:
+            add_var = src
+            src = next((a for a in kernel.args if isinstance(a, relax.Var)), None)
+            kernel = value_of.get(src)
+            if not is_call(kernel, *KERNEL_OPS) or uses[src] != 1:
+                continue
+            shape = shape_of(src)
+            axis = 1 if is_call(kernel, "qnn.conv2d") else -1
+            bias = _bias(value_of[add_var], src, shape, axis) if shape else None
+            if bias is None:
+                continue
+        elif not is_call(kernel, *KERNEL_OPS) or uses[src] != 1:
+            continue
+        shape = shape_of(src)
+        if shape is None or dtype_of(src) != "int32":
+            continue
+        axis = 1 if is_call(kernel, "qnn.conv2d") else -1
+        epilogue = _epilogue(req, bias, shape, axis)
+        if epilogue is not None:
+            found[var] = (kernel, epilogue)
+    return found
+
+
+def fuse_epilogues(
+    mod: tvm.IRModule, lower: Callable[[relax.BlockBuilder, relax.Call, Epilogue], object]
+) -> tvm.IRModule:
+    """``mod`` with every fusable chain of its Relax functions replaced by ``lower``'s call
+    (chains ``lower`` declines stay); the dead kernel / add bindings are removed."""
+    out = mod
+    changed = False
+    for gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function):
+            continue
+        chains = _chains(func)
+        if chains:
+            out = _Rewrite(out, chains, lower).run(gv, func)
+            changed = True
+    if not changed:
+        return mod
+    return relax.transform.DeadCodeElimination()(out)
+
+
+@relax.expr_functor.mutator
+class _Rewrite(relax.PyExprMutator):
+    def __init__(self, mod, chains, lower):
+        super().__init__(mod)
+        self.mod_, self.chains, self.lower = mod, chains, lower
+
+    def run(self, gv, func):
+        new = self.visit_expr(func)
+        self.builder_.update_func(gv, new)
+        return self.builder_.finalize()
+
+    def visit_var_binding_(self, binding):
+        chain = self.chains.get(binding.var)
+        if chain is not None:
+            kernel, epilogue = chain
+            kernel = self.visit_expr(kernel)
+            value = self.lower(self.builder_, kernel, epilogue)
+            if value is not None:
+                value = self.builder_.normalize(value)
+                self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+                return
+        super().visit_var_binding_(binding)

@@ -1,0 +1,161 @@
+"""autoq.cpu epilogue fusion: ``kernel -> add(bias) -> qnn.requantize`` chains stored as int8 /
+uint8 by the packed kernels themselves, bit for bit against the generic (unfused) lowering,
+for every kernel kind (conv2d, depthwise row / channel-blocked, dense; AMX conv / dense) and
+instruction-set path (AVX2 via a "haswell" target on any AVX2 CPU; VNNI and AMX skipped with
+the reason where the CPU lacks them), float and integer rounding modes; and the chains that
+must stay unfused."""
+
+from __future__ import annotations
+
+import doctest
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import autoq
+from autoq import qnn
+from autoq.cpu import amx, epilogue
+from autoq.cpu.lowering import lower_to_cpu_kernels
+from autoq.toolkit import shape_of
+
+HOST = tvm.target.codegen.llvm_get_system_cpu()
+FLAGS = amx.cpu_flags(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
+_AMX = {"amx_tile", "amx_int8"} <= FLAGS and amx.request_amx() is None
+TARGETS = [
+    pytest.param(
+        {"kind": "llvm", "mcpu": "haswell"},
+        marks=pytest.mark.skipif("avx2" not in FLAGS, reason="this CPU has no AVX2"),
+        id="avx2",
+    ),
+    pytest.param(
+        {"kind": "llvm", "mcpu": HOST},
+        marks=pytest.mark.skipif(
+            "avx512_vnni" not in FLAGS, reason="this CPU has no AVX-512 VNNI (avx512_vnni)"
+        ),
+        id="vnni",
+    ),
+    pytest.param(
+        {"kind": "llvm", "mcpu": HOST, "mattr": ["+amx-tile", "+amx-int8"]},
+        marks=pytest.mark.skipif(
+            not _AMX, reason="no AMX int8 tiles on this CPU, or Linux refuses the tile state"
+        ),
+        id="amx",
+    ),
+]
+# kind, data shape, weight shape, strides, padding
+CASES = {
+    "conv3x3": ("conv", (1, 64, 7, 9), (40, 64, 3, 3), (1, 1), (1, 1, 1, 1)),
+    "conv_strided": ("conv", (1, 24, 9, 9), (20, 24, 3, 3), (2, 2), (1, 0, 1, 1)),
+    "depthwise_rows": ("depthwise", (1, 20, 40, 41), (20, 1, 3, 3), (1, 1), (1, 1, 1, 1)),
+    "depthwise_blocked": ("depthwise", (1, 24, 9, 9), (24, 1, 5, 5), (2, 2), (2, 2, 2, 2)),
+    "conv1x1": ("conv", (1, 64, 7, 9), (48, 64, 1, 1), (1, 1), (0, 0, 0, 0)),
+    "dense": ("dense", (3, 12, 96), (40, 96), None, None),
+    "matmul": ("matmul", (2, 12, 32), (20, 32), None, None),  # q @ k^T: weight shape (n, k)
+}
+
+
+def _chain(case, rounding="float", out_dtype="int8", per_channel=True, bias=True, seed=0, odd=None):
+    """main(x) = requantize(kernel(x) [+ bias]) with random per-channel scales; ``odd``:
+    "output" also returns the int32 accumulator, "axis" gives the requantize per-axis
+    parameters along axis 1 of a dense output (its rows, not the channels)."""
+    kind, x_shape, w_shape, strides, padding = CASES[case]
+    rng = np.random.default_rng(seed)
+    x = relax.Var("x", relax.TensorType(x_shape, "int8"))
+    w = relax.const(rng.integers(-128, 128, w_shape).astype(np.int8))
+    oc = w_shape[0]
+    qx = [relax.const(np.float32(0.02)), relax.const(np.int32(-7))]
+    qw = [relax.const(np.full(oc, 0.01, np.float32)), relax.const(np.zeros(oc, np.int32))]
+    bb = relax.BlockBuilder()
+    params = [x]
+    if kind == "matmul":
+        params.append(relax.Var("y", relax.TensorType((*x_shape[:-2], *w_shape[::-1]), "int8")))
+    with bb.function("main", params):
+        with bb.dataflow():
+            if kind == "matmul":
+                qy = [relax.const(np.float32(0.01)), relax.const(np.int32(3))]
+                acc = bb.emit(qnn.matmul(x, params[1], *qx, *qy))
+                bias_shape, axis = (oc,), -1
+            elif kind == "dense":
+                acc = bb.emit(qnn.dense(x, w, *qx, *qw))
+                bias_shape, axis = (oc,), -1
+            else:
+                groups = x_shape[1] if kind == "depthwise" else 1
+                call = qnn.conv2d(x, w, *qx, *qw, strides, padding, groups=groups)
+                acc, bias_shape, axis = bb.emit(call), (1, oc, 1, 1), 1
+            if bias:
+                b = rng.integers(-5000, 5000, bias_shape).astype(np.int32)
+                acc = bb.emit(relax.op.add(acc, relax.const(b)))
+            n = oc if per_channel else 1
+            if odd == "axis":
+                n, axis = x_shape[1], 1
+            s_in = relax.const(rng.uniform(1e-4, 3e-4, n).astype(np.float32))
+            z_out = -125 if out_dtype == "int8" else 3
+            req = qnn.requantize(
+                acc, s_in, relax.const(np.zeros(n, np.int32)), relax.const(np.float32(0.05)),
+                relax.const(np.int32(z_out)), axis=axis, out_dtype=out_dtype, rounding=rounding,
+            )  # fmt: skip
+            out = bb.emit(req)
+            out = bb.emit_output(relax.Tuple([out, acc]) if odd == "output" else out)
+        bb.emit_func_output(out)
+    return tvm.IRModule({"main": bb.get()["main"]}), x_shape
+
+
+def _fused(mod, target) -> bool:
+    """Whether the lowered module requantizes inside the kernel (no requantize function)."""
+    names = [gv.name_hint for gv in lower_to_cpu_kernels(mod, target).functions]
+    return not any("requantize" in n for n in names) and any(n.startswith("autoq") for n in names)
+
+
+def _same_as_generic(mod, x_shape, target):
+    rng = np.random.default_rng(1)
+    shapes = [shape_of(p) for p in mod["main"].params]
+    xs = [tvm.runtime.tensor(rng.integers(-128, 128, s).astype(np.int8)) for s in shapes]
+    outs = []
+    for kernels in (True, False):
+        ex = autoq.compile(mod, target, cpu_kernels=kernels)
+        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](*xs).numpy())
+    assert outs[0].dtype == outs[1].dtype
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_epilogue_same_as_generic(target, case):
+    target = tvm.target.Target(target)
+    mod, x_shape = _chain(case)
+    assert _fused(mod, target)
+    _same_as_generic(mod, x_shape, target)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(
+    ("case", "rounding", "out_dtype", "per_channel", "bias"),
+    [
+        ("conv3x3", "tflite", "int8", True, True),
+        ("conv3x3", "half_even", "uint8", False, False),
+        ("dense", "half_away", "uint8", True, False),
+        ("depthwise_rows", "tflite_single", "int8", False, True),
+        ("matmul", "half_even", "int8", False, False),
+    ],
+)
+def test_fused_epilogue_variants(target, case, rounding, out_dtype, per_channel, bias):
+    target = tvm.target.Target(target)
+    mod, x_shape = _chain(case, rounding, out_dtype, per_channel, bias, seed=2)
+    assert _fused(mod, target)
+    _same_as_generic(mod, x_shape, target)
+
+
+@pytest.mark.parametrize("odd", ["output", "axis"])
+def test_chains_the_kernels_cannot_fuse_stay_unfused(odd):
+    mod, x_shape = _chain("dense" if odd == "axis" else "conv3x3", odd=odd)
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
+    assert not _fused(mod, target)
+    if odd == "axis":
+        _same_as_generic(mod, x_shape, target)
+
+
+def test_doctests():
+    assert doctest.testmod(epilogue).failed == 0
