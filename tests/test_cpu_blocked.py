@@ -21,23 +21,33 @@ from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.toolkit import bindings, is_call, shape_of
 
 TARGETS = [p for p in EPILOGUE_TARGETS if p.id != "amx"]  # AVX2 and VNNI
-# out channels, kernel, stride, padding of each conv of the chain
+# out channels, kernel, stride, padding, depthwise of each conv of the chain
 CHAIN = [
-    (20, 3, 1, (1, 1, 1, 1)),  # NCHW in (model input), blocked out
-    (24, 1, 1, (0, 0, 0, 0)),  # blocked in read directly (no padding), blocked out
-    (16, 3, 2, (1, 0, 1, 1)),  # blocked in, padded by the consumer; asymmetric padding
-    (8, 1, 2, (0, 0, 0, 0)),  # strided 1x1 with a blocked input; model output: NCHW
+    (20, 3, 1, (1, 1, 1, 1), False),  # NCHW in (model input), blocked out
+    (24, 1, 1, (0, 0, 0, 0), False),  # blocked in read directly (no padding), blocked out
+    (16, 3, 2, (1, 0, 1, 1), False),  # blocked in, padded by the consumer; asymmetric padding
+    (8, 1, 2, (0, 0, 0, 0), False),  # strided 1x1 with a blocked input; model output: NCHW
 ]
+# pointwise -> depthwise (channel-blocked kernel: narrow planes, 5x5) -> pointwise
+DEPTHWISE_CHAIN = [
+    (24, 1, 1, (0, 0, 0, 0), False),
+    (24, 3, 1, (1, 1, 1, 1), True),
+    (24, 5, 2, (2, 2, 2, 2), True),
+    (16, 1, 1, (0, 0, 0, 0), False),
+]
+X_SHAPE = (1, 12, 11, 12)
 
 
-def _conv(bb, x, rng, oc, k, s, pad, z_in, z_out, out_dtype="int8", rounding="float"):
+def _conv(bb, x, rng, layer, z_in, z_out, out_dtype="int8", rounding="float"):
     """requantize(conv(x) + bias) with per-channel scales."""
-    ic = shape_of(x)[1]
+    oc, k, s, pad, depthwise = layer
+    ic = 1 if depthwise else shape_of(x)[1]
     w_np = rng.integers(-128, 128, (oc, ic, k, k)).astype(np.int8)
     w = relax.const(w_np)
     qx = [relax.const(np.float32(0.02)), relax.const(np.int32(z_in))]
     qw = [relax.const(np.full(oc, 0.01, np.float32)), relax.const(np.zeros(oc, np.int32))]
-    acc = bb.emit(qnn.conv2d(x, w, *qx, *qw, (s, s), pad))
+    groups = oc if depthwise else 1
+    acc = bb.emit(qnn.conv2d(x, w, *qx, *qw, (s, s), pad, groups=groups))
     b = rng.integers(-3000, 3000, (1, oc, 1, 1)).astype(np.int32)
     acc = bb.emit(relax.op.add(acc, relax.const(b)))
     s_np = rng.uniform(1e-4, 3e-4, oc).astype(np.float32)
@@ -49,20 +59,21 @@ def _conv(bb, x, rng, oc, k, s, pad, z_in, z_out, out_dtype="int8", rounding="fl
     return bb.emit(req), (w_np, b, s_np, z_in, z_out)
 
 
-def _chain_module(dtype="int8", rounding="float", residual=False, seed=0):
-    """main(x) = the CHAIN of convs (int8 or uint8 activations, zero points -3 / 5 / ...);
-    ``residual``: the second conv's output also feeds an ``add`` with the fourth's input."""
+def _chain_module(dtype="int8", rounding="float", residual=False, seed=0, chain=None, shape=None):
+    """main(x) = the ``chain`` of convs (default CHAIN; int8 or uint8 activations, zero
+    points -3 / 7 / ...); ``residual``: the second conv's output also feeds an ``add``."""
+    chain, shape = chain or CHAIN, shape or X_SHAPE
     rng = np.random.default_rng(seed)
-    x = relax.Var("x", relax.TensorType((1, 12, 11, 12), dtype))
+    x = relax.Var("x", relax.TensorType(shape, dtype))
     zs = [-3, 7, -20, 0, 4] if dtype == "int8" else [130, 3, 200, 128, 90]
     bb = relax.BlockBuilder()
     layers = []
     with bb.function("main", [x]):
         with bb.dataflow():
             h = x
-            for i, (oc, k, s, pad) in enumerate(CHAIN):
-                h, params = _conv(bb, h, rng, oc, k, s, pad, zs[i], zs[i + 1], dtype, rounding)
-                layers.append((k, s, pad, params))
+            for i, layer in enumerate(chain):
+                h, params = _conv(bb, h, rng, layer, zs[i], zs[i + 1], dtype, rounding)
+                layers.append((layer, params))
                 if residual and i == 1:
                     side = bb.emit(relax.op.add(h, h))
             out = bb.emit_output(relax.Tuple([h, side]) if residual else h)
@@ -74,14 +85,18 @@ def _reference(x: np.ndarray, layers, dtype: str) -> np.ndarray:
     """numpy: float-rounding requantize of conv(x - z_in, w) + bias, layer by layer."""
     lo, hi = (-128, 127) if dtype == "int8" else (0, 255)
     h = x
-    for k, s, (pt, pl, pb, pr), (w, b, s_in, z_in, z_out) in layers:
+    for (_, k, s, (pt, pl, pb, pr), depthwise), (w, b, s_in, z_in, z_out) in layers:
         xc = np.pad(h.astype(np.int64) - z_in, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
         oh, ow = (xc.shape[2] - k) // s + 1, (xc.shape[3] - k) // s + 1
         acc = np.zeros((1, w.shape[0], oh, ow), np.int64)
         for i in range(k):
             for j in range(k):
                 patch = xc[:, :, i : i + s * (oh - 1) + 1 : s, j : j + s * (ow - 1) + 1 : s]
-                acc += np.einsum("nchw,oc->nohw", patch, w[:, :, i, j].astype(np.int64))
+                wij = w[:, :, i, j].astype(np.int64)
+                if depthwise:
+                    acc += patch * wij.reshape(1, -1, 1, 1)
+                else:
+                    acc += np.einsum("nchw,oc->nohw", patch, wij)
         acc = (acc + b).astype(np.int32)
         real = acc.astype(np.float32) * s_in.reshape(1, -1, 1, 1)
         q = np.round(real / np.float32(0.05)) + z_out
@@ -111,22 +126,24 @@ def _packs(mod, target, on: bool) -> int:
 
 
 def _blocked_reads(mod, target) -> int:
-    """How many conv kernel calls of the lowered module read a blocked (5-D) tensor."""
+    """How many conv / depthwise kernel calls of the lowered module read a blocked (5-D)
+    tensor."""
     lowered = lower_to_cpu_kernels(mod, tvm.target.Target(target), blocked_layout=True)
     calls = [e for _, e in bindings(lowered["main"]) if is_call(e, "relax.call_tir")]
+    kernels = ("autoq_conv2d", "autoq_depthwise")
     return sum(
-        c.args[0].name_hint.startswith("autoq_conv2d") and len(shape_of(c.args[1][0])) == 5
-        for c in calls
+        c.args[0].name_hint.startswith(kernels) and len(shape_of(c.args[1][0])) == 5 for c in calls
     )
 
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize(("dtype", "rounding"), [("int8", "float"), ("uint8", "tflite")])
-def test_blocked_chain_bit_exact(target, dtype, rounding):
-    mod, layers = _chain_module(dtype, rounding)
+@pytest.mark.parametrize("chain", [CHAIN, DEPTHWISE_CHAIN], ids=["convs", "depthwise"])
+def test_blocked_chain_bit_exact(target, dtype, rounding, chain):
+    mod, layers = _chain_module(dtype, rounding, chain=chain)
     rng = np.random.default_rng(1)
     lo, hi = (-128, 128) if dtype == "int8" else (0, 256)
-    x = rng.integers(lo, hi, (1, 12, 11, 12)).astype(dtype)
+    x = rng.integers(lo, hi, X_SHAPE).astype(dtype)
     got = _run(mod, target, x, blocked_layout=True)
     nchw = _run(mod, target, x, blocked_layout=False)
     generic = _run(mod, target, x, cpu_kernels=False)
@@ -154,11 +171,24 @@ def test_residual_add_is_an_edge(target):
     """The second conv's output also feeds an add: it stays NCHW (the others flow blocked)."""
     mod, _ = _chain_module(residual=True)
     assert _blocked_reads(mod, target) == 2  # the third conv reads NCHW
-    x = np.random.default_rng(3).integers(-128, 128, (1, 12, 11, 12)).astype("int8")
+    x = np.random.default_rng(3).integers(-128, 128, X_SHAPE).astype("int8")
     got = _run(mod, target, x, blocked_layout=True)
     generic = _run(mod, target, x, cpu_kernels=False)
     for a, b in zip(got, generic, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_depthwise_chain_structure(target):
+    """Narrow planes: the pointwise -> depthwise -> depthwise -> pointwise tensors all flow
+    blocked; a wide 3x3 depthwise (the row kernel, NCHW planes) is an edge on both sides."""
+    assert _blocked_reads(_chain_module(chain=DEPTHWISE_CHAIN)[0], target) == 3
+    mod, _ = _chain_module(chain=DEPTHWISE_CHAIN[:2] + DEPTHWISE_CHAIN[3:], shape=(1, 12, 5, 40))
+    assert _blocked_reads(mod, target) == 0
+    x = np.random.default_rng(4).integers(-128, 128, (1, 12, 5, 40)).astype("int8")
+    np.testing.assert_array_equal(
+        _run(mod, target, x, blocked_layout=True)[0], _run(mod, target, x, cpu_kernels=False)[0]
+    )
 
 
 def test_layout_validation_and_json():

@@ -38,7 +38,7 @@ from .blocked import BlockedLayout, layout_for
 from .conv2d import ConvShape, conv2d_kernel
 from .conv_transpose import conv2d_transpose_kernel
 from .dense import dense_kernel
-from .depthwise import depthwise_kernel, depthwise_weight
+from .depthwise import blocked, depthwise_kernel, depthwise_weight
 from .epilogue import Epilogue
 from .fuse_epilogue import fuse_epilogues
 from .isa import VNNI, Isa, kernel_isa
@@ -134,7 +134,7 @@ def _layout_of(isa: Isa, call) -> BlockedLayout | None:
     if not is_call(call, "qnn.conv2d"):
         return None
     plan = _conv_plan(isa, call)
-    if plan is None or plan[4] != "packed":
+    if plan is None or plan[4] == "amx" or (plan[4] == "depthwise" and not blocked(plan[3])):
         return None
     return layout_for(isa, plan[0], plan[1])
 
@@ -147,19 +147,19 @@ def _conv2d_call(isa: Isa, bb, call, epilogue: Epilogue | None = None, fed=None,
     if plan is None:
         return None
     dt, zx, w, shape, kind = plan
-    data = call.args[0]
-    n = shape.batch
-    out = (n, w.shape[0], *shape.out_hw)
+    data, in_layout = (call.args[0], None) if fed is None else fed
+    out = (shape.batch, w.shape[0], *shape.out_hw)
+    ty = _out_type(out, epilogue)
+    if out_layout is not None:
+        ty = relax.TensorType(out_layout.shape(*out), out_layout.dtype)
     if kind == "depthwise":
-        func = depthwise_kernel(shape, dt, zx, isa.lanes, epilogue)
-        gv = bb.add_func(func.without_attr("global_symbol"), "autoq_depthwise")
+        func = depthwise_kernel(shape, dt, zx, isa.lanes, epilogue, in_layout, out_layout)
+        name = "autoq_depthwise" + ("_blocked" if in_layout or out_layout else "")
+        gv = bb.add_func(func.without_attr("global_symbol"), name)
         args = _tail([data, relax.const(depthwise_weight(shape, w, isa.lanes))], epilogue)
-        return relax.call_tir(gv, args, out_ty=_out_type(out, epilogue))
+        return relax.call_tir(gv, args, out_ty=ty)
     if kind == "amx":
         return _amx_conv2d(bb, shape, data, w, dt, zx, out, epilogue)
-    in_layout = None if fed is None else fed[1]
-    if fed is not None:
-        data = fed[0]
     func = conv2d_kernel(shape, isa, dt, zx, epilogue, in_layout, out_layout)
     packed = pack_conv_weight(
         w,
@@ -171,9 +171,6 @@ def _conv2d_call(isa: Isa, bb, call, epilogue: Epilogue | None = None, fed=None,
     )
     z = zx + isa.shift(dt, zx)
     name = f"autoq_conv2d_{isa.name}" + ("_blocked" if in_layout or out_layout else "")
-    ty = _out_type(out, epilogue)
-    if out_layout is not None:
-        ty = relax.TensorType(out_layout.shape(*out), out_layout.dtype)
     return _call(bb, isa, func, name, data, packed, w, z, ty, epilogue)
 
 
