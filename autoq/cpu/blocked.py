@@ -96,9 +96,14 @@ def store_blocked(shape, channels: int, value, layout: BlockedLayout, inputs: li
 
     def f(n, c, y, x, ci):
         ch = c * b + ci
+        if channels % b:  # keep the padded channels' (discarded) reads inside the table
+            ch = tirx.min(ch, channels - 1)
         q = epilogue.value(value(n, ch, y, x), ch, lambda r, k: table[r, k])
         stored = (q.astype("int32") + layout.shift).astype(layout.dtype)
-        return tirx.if_then_else(ch < channels, stored, tirx.const(layout.pad, layout.dtype))
+        if channels % b == 0:
+            return stored
+        inside = c * b + ci < channels
+        return tirx.if_then_else(inside, stored, tirx.const(layout.pad, layout.dtype))
 
     return te.compute(layout.shape(*shape), f, name="autoq_out")
 

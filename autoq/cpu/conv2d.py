@@ -178,8 +178,10 @@ def conv2d_kernel(
     if out_layout is not None:  # a vector of channels per pixel
         sch.vectorize(sch.get_loops(out)[-1])
     if packs:
-        pn, pc, ph, _, _ = sch.get_loops(sch.get_sblock("autoq_pack"))
+        pn, pc, ph, _, pi = sch.get_loops(sch.get_sblock("autoq_pack"))
         sch.parallel(sch.fuse(pn, pc, ph))
+        if in_layout is not None:  # a pad of the blocked input: a vector per pixel
+            sch.vectorize(pi)
     # opaque to FuseOps: fusing the epilogue into the autoq_out block (op_pattern 4 +
     # reverse_compute_inline) was measured 5-10% slower on ResNet-50 than separate,
     # row-parallel epilogue functions
