@@ -36,6 +36,7 @@ DEPTHWISE_CHAIN = [
     (16, 1, 1, (0, 0, 0, 0), False),
 ]
 X_SHAPE = (1, 12, 11, 12)
+_RANGE = {"int8": (-128, 128), "uint8": (0, 256)}
 
 
 def _conv(bb, x, rng, layer, z_in, z_out, out_dtype="int8", rounding="float"):
@@ -59,9 +60,12 @@ def _conv(bb, x, rng, layer, z_in, z_out, out_dtype="int8", rounding="float"):
     return bb.emit(req), (w_np, b, s_np, z_in, z_out)
 
 
-def _chain_module(dtype="int8", rounding="float", residual=False, seed=0, chain=None, shape=None):
+def _chain_module(
+    dtype="int8", rounding="float", residual=False, seed=0, chain=None, shape=None, lut=False
+):
     """main(x) = the ``chain`` of convs (default CHAIN; int8 or uint8 activations, zero
-    points -3 / 7 / ...); ``residual``: the second conv's output also feeds an ``add``."""
+    points -3 / 7 / ...); ``residual``: the second conv's output also feeds an ``add``;
+    ``lut``: a random ``qnn.lut`` (an activation) after each conv but the last."""
     chain, shape = chain or CHAIN, shape or X_SHAPE
     rng = np.random.default_rng(seed)
     x = relax.Var("x", relax.TensorType(shape, dtype))
@@ -73,7 +77,11 @@ def _chain_module(dtype="int8", rounding="float", residual=False, seed=0, chain=
             h = x
             for i, layer in enumerate(chain):
                 h, params = _conv(bb, h, rng, layer, zs[i], zs[i + 1], dtype, rounding)
-                layers.append((layer, params))
+                table = None
+                if lut and i < len(chain) - 1:
+                    table = rng.integers(*_RANGE[dtype], 256).astype(dtype)
+                    h = bb.emit(qnn.lut(h, relax.const(table)))
+                layers.append((layer, params, table))
                 if residual and i == 1:
                     side = bb.emit(relax.op.add(h, h))
             out = bb.emit_output(relax.Tuple([h, side]) if residual else h)
@@ -85,7 +93,7 @@ def _reference(x: np.ndarray, layers, dtype: str) -> np.ndarray:
     """numpy: float-rounding requantize of conv(x - z_in, w) + bias, layer by layer."""
     lo, hi = (-128, 127) if dtype == "int8" else (0, 255)
     h = x
-    for (_, k, s, (pt, pl, pb, pr), depthwise), (w, b, s_in, z_in, z_out) in layers:
+    for (_, k, s, (pt, pl, pb, pr), depthwise), (w, b, s_in, z_in, z_out), table in layers:
         xc = np.pad(h.astype(np.int64) - z_in, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
         oh, ow = (xc.shape[2] - k) // s + 1, (xc.shape[3] - k) // s + 1
         acc = np.zeros((1, w.shape[0], oh, ow), np.int64)
@@ -101,6 +109,8 @@ def _reference(x: np.ndarray, layers, dtype: str) -> np.ndarray:
         real = acc.astype(np.float32) * s_in.reshape(1, -1, 1, 1)
         q = np.round(real / np.float32(0.05)) + z_out
         h = np.clip(q, lo, hi).astype(dtype)
+        if table is not None:
+            h = table[h.astype(np.int32) - lo]
     return h
 
 
@@ -138,9 +148,13 @@ def _blocked_reads(mod, target) -> int:
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize(("dtype", "rounding"), [("int8", "float"), ("uint8", "tflite")])
-@pytest.mark.parametrize("chain", [CHAIN, DEPTHWISE_CHAIN], ids=["convs", "depthwise"])
-def test_blocked_chain_bit_exact(target, dtype, rounding, chain):
-    mod, layers = _chain_module(dtype, rounding, chain=chain)
+@pytest.mark.parametrize(
+    ("chain", "lut"),
+    [(CHAIN, False), (DEPTHWISE_CHAIN, False), (DEPTHWISE_CHAIN, True)],
+    ids=["convs", "depthwise", "depthwise-lut"],
+)
+def test_blocked_chain_bit_exact(target, dtype, rounding, chain, lut):
+    mod, layers = _chain_module(dtype, rounding, chain=chain, lut=lut)
     rng = np.random.default_rng(1)
     lo, hi = (-128, 128) if dtype == "int8" else (0, 256)
     x = rng.integers(lo, hi, X_SHAPE).astype(dtype)
@@ -191,11 +205,20 @@ def test_depthwise_chain_structure(target):
     )
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_lookups_between_convs(target):
+    """conv -> qnn.lut -> conv: on VNNI the lookup reads the blocked bytes as its table index
+    (everything flows blocked); on AVX2 (int16 blocks) the lookups are edges."""
+    mod, _ = _chain_module(chain=DEPTHWISE_CHAIN, lut=True)
+    vnni = tvm.target.codegen.target_has_features("avx512vnni", tvm.target.Target(target))
+    assert _blocked_reads(mod, target) == (3 if vnni else 0)
+
+
 def test_layout_validation_and_json():
     with pytest.raises(ValueError, match="block must be a power of two"):
-        blocked.BlockedLayout(12, "uint8", 0, 0)
+        blocked.BlockedLayout(12, "uint8", 0)
     with pytest.raises(ValueError, match="dtype"):
-        blocked.BlockedLayout(16, "float32", 0, 0)
+        blocked.BlockedLayout(16, "float32", 0)
 
 
 def test_doctests():

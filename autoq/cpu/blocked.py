@@ -24,25 +24,32 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import numpy as np
 from tvm import relax, te, tirx
 
-from ..toolkit import bindings, free_vars, is_call
+from ..toolkit import bindings, const_array, dtype_of, free_vars, is_call
 from .isa import Isa
 
-__all__ = ["BlockedLayout", "blocked_edges", "layout_for", "store_blocked"]
+__all__ = [
+    "BlockedLayout",
+    "blocked_edges",
+    "blocked_lut",
+    "layout_for",
+    "lut_layout",
+    "store_blocked",
+]
 
 _DTYPES = ("uint8", "int8", "int16")
 
 
 @dataclass(frozen=True)
 class BlockedLayout:
-    """``[N, ceil(C / block), H, W, block]`` of ``dtype`` holding ``value + shift``;
-    ``pad``: what the padded channels hold."""
+    """``[N, ceil(C / block), H, W, block]`` of ``dtype`` holding ``value + shift`` (the
+    padded channels hold ``shift``, a stored 0: the consumers' zero weights ignore them)."""
 
     block: int
     dtype: str
     shift: int
-    pad: int
 
     def __post_init__(self):
         if self.block < 1 or self.block & (self.block - 1):
@@ -53,7 +60,7 @@ class BlockedLayout:
     def shape(self, n: int, c: int, h: int, w: int) -> tuple[int, int, int, int, int]:
         """The blocked shape of an NCHW tensor.
 
-        >>> BlockedLayout(16, "uint8", 128, 125).shape(1, 20, 7, 9)
+        >>> BlockedLayout(16, "uint8", 128).shape(1, 20, 7, 9)
         (1, 2, 7, 9, 16)
         """
         return (n, -(-c // self.block), h, w, self.block)
@@ -71,20 +78,33 @@ class BlockedLayout:
         return cls(**json.loads(text))
 
 
-VNNI_INT8 = BlockedLayout(16, "uint8", 128, 128)
+VNNI_INT8 = BlockedLayout(16, "uint8", 128)
 
 
 def layout_for(isa: Isa, data_dtype: str, zero_point: int) -> BlockedLayout:
     """The layout a conv on ``isa`` reads ``data_dtype`` activations with ``zero_point`` in.
 
     >>> from autoq.cpu.isa import AVX2, VNNI
-    >>> layout_for(VNNI, "int8", 3) == BlockedLayout(16, "uint8", 128, 131)
+    >>> layout_for(VNNI, "int8", 3) == BlockedLayout(16, "uint8", 128)
     True
     >>> layout_for(AVX2, "uint8", 5)
-    BlockedLayout(block=8, dtype='int16', shift=-5, pad=0)
+    BlockedLayout(block=8, dtype='int16', shift=-5)
     """
-    shift = isa.shift(data_dtype, zero_point)
-    return BlockedLayout(isa.lanes, isa.act_dtype, shift, zero_point + shift)
+    return BlockedLayout(isa.lanes, isa.act_dtype, isa.shift(data_dtype, zero_point))
+
+
+def lut_layout(isa: Isa, data_dtype: str) -> BlockedLayout | None:
+    """The blocked layout in which a ``qnn.lut`` reads ``data_dtype`` data as it is: the
+    unsigned one where the stored byte is the table index (``x + 128`` for int8, VNNI), None
+    when the ISA stores wider values (AVX2: int16).
+
+    >>> from autoq.cpu.isa import AVX2, VNNI
+    >>> lut_layout(VNNI, "int8") == VNNI_INT8, lut_layout(AVX2, "int8")
+    (True, None)
+    """
+    if isa.act_dtype != "uint8":
+        return None
+    return BlockedLayout(isa.lanes, "uint8", isa.shift(data_dtype, 0))
 
 
 def store_blocked(shape, channels: int, value, layout: BlockedLayout, inputs: list, epilogue):
@@ -103,7 +123,7 @@ def store_blocked(shape, channels: int, value, layout: BlockedLayout, inputs: li
         if channels % b == 0:
             return stored
         inside = c * b + ci < channels
-        return tirx.if_then_else(inside, stored, tirx.const(layout.pad, layout.dtype))
+        return tirx.if_then_else(inside, stored, tirx.const(layout.shift, layout.dtype))
 
     return te.compute(layout.shape(*shape), f, name="autoq_out")
 
@@ -116,30 +136,70 @@ def _users(pairs, body) -> Counter:
     return uses
 
 
+def _reads(var, e) -> bool:
+    """Whether ``e`` reads ``var`` as its first operand and nowhere else."""
+    return e.args[0].same_as(var) and not any(a.same_as(var) for a in e.args[1:])
+
+
 def blocked_edges(
     func: relax.Function,
     chains: dict,
-    kernels: dict,
+    kernels: set,
     layout_of: Callable[[relax.Call], BlockedLayout | None],
+    lut_layout: Callable[[str], BlockedLayout | None] = lambda _dtype: None,
 ) -> dict:
-    """``{requantize var: layout}`` for the variables of ``chains`` (``{var: (kernel call,
-    epilogue)}``) that flow blocked: produced by a conv (``layout_of(conv)`` not None) and
-    read only as the data of convs that are the kernels (``kernels``: the kernel variables
-    of the chains) of other chains and all take the same layout (``layout_of``)."""
+    """``{var: layout}`` for the tensors of ``func`` that flow blocked.
+
+    Candidates: the requantize variables of ``chains`` (``{var: (kernel call, epilogue)}``)
+    whose kernel is a conv the kernels cover (``layout_of(conv)`` not None), and ``qnn.lut``
+    of a constant table when ``lut_layout(data dtype)`` (the layout a lookup indexes
+    directly; None when there is none) is not None. A candidate flows blocked when every user
+    is a conv kernel of a chain (``kernels``: their variables) reading it as data, or a
+    blocked lookup, they all want one layout, and (a lookup) its own input flows blocked;
+    candidates are dropped until that holds for all."""
     pairs = bindings(func)
     uses = _users(pairs, func.body.body)
+    value_of = dict(pairs)
     readers: dict = {}
     for var, e in pairs:
-        if var in kernels and is_call(e, "qnn.conv2d") and isinstance(e.args[0], relax.Var):
-            readers.setdefault(e.args[0], []).append(e)
-    out = {}
-    for var, (kernel, _epilogue) in chains.items():
-        convs = readers.get(var, [])
-        if not convs or uses[var] != len(convs) or layout_of(kernel) is None:
-            continue
-        if any(c.args[0].same_as(a) for c in convs for a in c.args[1:]):
-            continue  # also read as another operand of the conv
-        layouts = {layout_of(c) for c in convs}
-        if len(layouts) == 1 and None not in layouts:
-            out[var] = layouts.pop()
-    return out
+        if is_call(e, "qnn.conv2d", "qnn.lut") and isinstance(e.args[0], relax.Var):
+            readers.setdefault(e.args[0], []).append((var, e))
+    cand = {v for v, (kernel, _) in chains.items() if layout_of(kernel) is not None}
+    for var, e in pairs:
+        lut = is_call(e, "qnn.lut") and const_array(e.args[1]) is not None
+        if lut and isinstance(e.args[0], relax.Var) and lut_layout(dtype_of(e.args[0])):
+            cand.add(var)
+    layouts: dict = {}
+    changed = True
+    while changed:
+        changed, layouts = False, {}
+        for var in list(cand):
+            wanted = set()
+            for user, e in readers.get(var, []):
+                if not _reads(var, e):
+                    wanted.add(None)
+                elif is_call(e, "qnn.conv2d"):
+                    wanted.add(layout_of(e) if user in kernels else None)
+                else:
+                    wanted.add(lut_layout(dtype_of(var)) if user in cand else None)
+            lut = is_call(value_of[var], "qnn.lut")
+            n = len(readers.get(var, []))
+            if (
+                n == 0
+                or n != uses[var]
+                or len(wanted) != 1
+                or None in wanted
+                or (lut and value_of[var].args[0] not in cand)
+            ):
+                cand.discard(var)
+                changed = True
+            else:
+                layouts[var] = wanted.pop()
+    return layouts
+
+
+def blocked_lut(call: relax.Call, data: relax.Var, layout: BlockedLayout) -> relax.Call:
+    """``qnn.lut`` of ``data`` (the blocked input of ``call``, stored unsigned: the stored
+    byte is the table index) with the table's values stored in ``layout``."""
+    table = const_array(call.args[1]).astype(np.int32) + layout.shift
+    return relax.Call(call.op, [data, relax.const(table.astype(layout.dtype))], call.attrs)

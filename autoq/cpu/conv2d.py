@@ -74,7 +74,7 @@ def _pack(s: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value: int, i
         def pad(n, c, h, x_, ci):
             hh, ww = h - pt, x_ - pl
             inside = tirx.all(hh >= 0, hh < s.height, ww >= 0, ww < s.width)
-            return tirx.if_then_else(inside, x[n, c, hh, ww, ci], tirx.const(lay.pad, lay.dtype))
+            return tirx.if_then_else(inside, x[n, c, hh, ww, ci], tirx.const(pad_value, lay.dtype))
 
         shape = (s.batch, lay.shape(1, s.in_channels, 1, 1)[1], hp, wp, icb)
         return x, te.compute(shape, pad, name="autoq_pack")

@@ -21,7 +21,7 @@ from tvm import relax
 
 from ..qnn.quantize import with_multipliers
 from ..toolkit import bindings, const_array, dtype_of, free_vars, is_call, shape_of
-from .blocked import blocked_edges
+from .blocked import blocked_edges, blocked_lut
 from .epilogue import Epilogue
 
 __all__ = ["fuse_epilogues"]
@@ -131,13 +131,19 @@ def _chains(func: relax.Function) -> tuple[dict, dict]:
     return found, parts
 
 
-def fuse_epilogues(mod: tvm.IRModule, lower: Callable, layout_of: Callable | None = None):
+def fuse_epilogues(
+    mod: tvm.IRModule,
+    lower: Callable,
+    layout_of: Callable | None = None,
+    lut_layout: Callable | None = None,
+):
     """``mod`` with every fusable chain of its Relax functions replaced by ``lower(builder,
     kernel call, epilogue, fed, out_layout)``'s call (chains ``lower`` declines stay); the
     dead kernel / add bindings are removed. ``layout_of(conv call)``: the blocked layout the
     kernels read that conv's data in, or None (see :func:`autoq.cpu.blocked.blocked_edges`);
     with it, chains between convs pass ``fed`` = (blocked variable, layout) for the data of
-    the consumer and ``out_layout`` to the producer (None elsewhere / without it)."""
+    the consumer and ``out_layout`` to the producer (None elsewhere / without it);
+    ``lut_layout(dtype)``: the blocked layout a ``qnn.lut`` can read directly, or None."""
     out = mod
     changed = False
     for gv, func in mod.functions_items():
@@ -148,7 +154,8 @@ def fuse_epilogues(mod: tvm.IRModule, lower: Callable, layout_of: Callable | Non
             edges = {}
             if layout_of is not None:
                 kernels = {kernel_var for kernel_var, _ in parts.values()}
-                edges = blocked_edges(func, chains, kernels, layout_of)
+                luts = lut_layout or (lambda _dtype: None)
+                edges = blocked_edges(func, chains, kernels, layout_of, luts)
             out = _Rewrite(out, chains, lower, edges, parts).run(gv, func)
             changed = True
     if not changed:
@@ -176,6 +183,11 @@ class _Rewrite(relax.PyExprMutator):
 
     def visit_var_binding_(self, binding):
         if binding.var in self.skip:
+            return
+        if binding.var in self.edges and is_call(binding.value, "qnn.lut"):
+            data, _ = self.fed[binding.value.args[0]]
+            value = blocked_lut(binding.value, data, self.edges[binding.var])
+            self.fed[binding.var] = (self.builder_.emit(value), self.edges[binding.var])
             return
         chain = self.chains.get(binding.var)
         if chain is not None:

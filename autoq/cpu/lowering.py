@@ -34,7 +34,7 @@ from .amx_dense import amx_dense_kernel
 from .amx_tiles import BLOCK as AMX_BLOCK
 from .amx_tiles import KSTEP as AMX_KSTEP
 from .batch_matmul import batch_matmul_kernel
-from .blocked import BlockedLayout, layout_for
+from .blocked import BlockedLayout, layout_for, lut_layout
 from .conv2d import ConvShape, conv2d_kernel
 from .conv_transpose import conv2d_transpose_kernel
 from .dense import dense_kernel
@@ -367,6 +367,8 @@ def lower_to_cpu_kernels(
         own = tvm.ir.Op.get(name).get_attr("FLegalize")
         custom[name] = functools.partial(lower, isa, own)
     with target:
-        layout_of = functools.partial(_layout_of, isa) if blocked_layout else None
-        mod = fuse_epilogues(mod, functools.partial(_with_epilogue, isa), layout_of)
+        layouts = (None, None)
+        if blocked_layout:
+            layouts = (functools.partial(_layout_of, isa), functools.partial(lut_layout, isa))
+        mod = fuse_epilogues(mod, functools.partial(_with_epilogue, isa), *layouts)
         return relax.transform.LegalizeOps(customize_legalize_map=custom)(mod)
