@@ -39,8 +39,8 @@ X_SHAPE = (1, 12, 11, 12)
 _RANGE = {"int8": (-128, 128), "uint8": (0, 256)}
 
 
-def _conv(bb, x, rng, layer, z_in, z_out, out_dtype="int8", rounding="float"):
-    """requantize(conv(x) + bias) with per-channel scales."""
+def _conv(bb, x, rng, layer, z_in, z_out, out_dtype="int8", rounding="float", bare=False):
+    """requantize(conv(x) + bias) with per-channel scales (``bare``: the int32 conv(x))."""
     oc, k, s, pad, depthwise = layer
     ic = 1 if depthwise else shape_of(x)[1]
     w_np = rng.integers(-128, 128, (oc, ic, k, k)).astype(np.int8)
@@ -49,6 +49,8 @@ def _conv(bb, x, rng, layer, z_in, z_out, out_dtype="int8", rounding="float"):
     qw = [relax.const(np.full(oc, 0.01, np.float32)), relax.const(np.zeros(oc, np.int32))]
     groups = oc if depthwise else 1
     acc = bb.emit(qnn.conv2d(x, w, *qx, *qw, (s, s), pad, groups=groups))
+    if bare:
+        return acc, (w_np, None, None, z_in, None)
     b = rng.integers(-3000, 3000, (1, oc, 1, 1)).astype(np.int32)
     acc = bb.emit(relax.op.add(acc, relax.const(b)))
     s_np = rng.uniform(1e-4, 3e-4, oc).astype(np.float32)
@@ -61,11 +63,13 @@ def _conv(bb, x, rng, layer, z_in, z_out, out_dtype="int8", rounding="float"):
 
 
 def _chain_module(
-    dtype="int8", rounding="float", residual=False, seed=0, chain=None, shape=None, lut=False
-):
+    dtype="int8", rounding="float", residual=False, seed=0, chain=None, shape=None, lut=False,
+    bare=False,
+):  # fmt: skip
     """main(x) = the ``chain`` of convs (default CHAIN; int8 or uint8 activations, zero
     points -3 / 7 / ...); ``residual``: the second conv's output also feeds an ``add``;
-    ``lut``: a random ``qnn.lut`` (an activation) after each conv but the last."""
+    ``lut``: a random ``qnn.lut`` (an activation) after each conv but the last; ``bare``: the
+    last conv returns its int32 accumulator (no bias, no requantize)."""
     chain, shape = chain or CHAIN, shape or X_SHAPE
     rng = np.random.default_rng(seed)
     x = relax.Var("x", relax.TensorType(shape, dtype))
@@ -76,7 +80,8 @@ def _chain_module(
         with bb.dataflow():
             h = x
             for i, layer in enumerate(chain):
-                h, params = _conv(bb, h, rng, layer, zs[i], zs[i + 1], dtype, rounding)
+                last = bare and i == len(chain) - 1
+                h, params = _conv(bb, h, rng, layer, zs[i], zs[i + 1], dtype, rounding, last)
                 table = None
                 if lut and i < len(chain) - 1:
                     table = rng.integers(*_RANGE[dtype], 256).astype(dtype)
@@ -105,6 +110,8 @@ def _reference(x: np.ndarray, layers, dtype: str) -> np.ndarray:
                     acc += patch * wij.reshape(1, -1, 1, 1)
                 else:
                     acc += np.einsum("nchw,oc->nohw", patch, wij)
+        if b is None:
+            return acc.astype(np.int32)
         acc = (acc + b).astype(np.int32)
         real = acc.astype(np.float32) * s_in.reshape(1, -1, 1, 1)
         q = np.round(real / np.float32(0.05)) + z_out
@@ -212,6 +219,18 @@ def test_lookups_between_convs(target):
     mod, _ = _chain_module(chain=DEPTHWISE_CHAIN, lut=True)
     vnni = tvm.target.codegen.target_has_features("avx512vnni", tvm.target.Target(target))
     assert _blocked_reads(mod, target) == (3 if vnni else 0)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_bare_conv_reads_blocked(target):
+    """A conv whose int32 output is not requantized by itself (ResNet's last conv of a block
+    goes into the residual add) still reads its blocked input."""
+    mod, layers = _chain_module(bare=True)
+    assert _blocked_reads(mod, target) == 3
+    x = np.random.default_rng(5).integers(-128, 128, X_SHAPE).astype("int8")
+    got = _run(mod, target, x, blocked_layout=True)[0]
+    np.testing.assert_array_equal(got, _run(mod, target, x, cpu_kernels=False)[0])
+    np.testing.assert_array_equal(got, _reference(x, layers, "int8"))
 
 
 def test_layout_validation_and_json():

@@ -144,7 +144,6 @@ def _reads(var, e) -> bool:
 def blocked_edges(
     func: relax.Function,
     chains: dict,
-    kernels: set,
     layout_of: Callable[[relax.Call], BlockedLayout | None],
     lut_layout: Callable[[str], BlockedLayout | None] = lambda _dtype: None,
 ) -> dict:
@@ -154,8 +153,8 @@ def blocked_edges(
     whose kernel is a conv the kernels cover (``layout_of(conv)`` not None), and ``qnn.lut``
     of a constant table when ``lut_layout(data dtype)`` (the layout a lookup indexes
     directly; None when there is none) is not None. A candidate flows blocked when every user
-    is a conv kernel of a chain (``kernels``: their variables) reading it as data, or a
-    blocked lookup, they all want one layout, and (a lookup) its own input flows blocked;
+    is a conv reading it as data (the kernel of a chain, or a conv whose int32 output goes
+    elsewhere, e.g. into a residual add), or a blocked lookup, they all want one layout, and (a lookup) its own input flows blocked;
     candidates are dropped until that holds for all."""
     pairs = bindings(func)
     uses = _users(pairs, func.body.body)
@@ -178,8 +177,8 @@ def blocked_edges(
             for user, e in readers.get(var, []):
                 if not _reads(var, e):
                     wanted.add(None)
-                elif is_call(e, "qnn.conv2d"):
-                    wanted.add(layout_of(e) if user in kernels else None)
+                elif is_call(e, "qnn.conv2d"):  # the kernel of a chain or a bare int32 conv
+                    wanted.add(layout_of(e))
                 else:
                     wanted.add(lut_layout(dtype_of(var)) if user in cand else None)
             lut = is_call(value_of[var], "qnn.lut")

@@ -153,9 +153,8 @@ def fuse_epilogues(
         if chains:
             edges = {}
             if layout_of is not None:
-                kernels = {kernel_var for kernel_var, _ in parts.values()}
                 luts = lut_layout or (lambda _dtype: None)
-                edges = blocked_edges(func, chains, kernels, layout_of, luts)
+                edges = blocked_edges(func, chains, layout_of, luts)
             out = _Rewrite(out, chains, lower, edges, parts).run(gv, func)
             changed = True
     if not changed:
@@ -189,6 +188,15 @@ class _Rewrite(relax.PyExprMutator):
             value = blocked_lut(binding.value, data, self.edges[binding.var])
             self.fed[binding.var] = (self.builder_.emit(value), self.edges[binding.var])
             return
+        if is_call(binding.value, "qnn.conv2d"):
+            fed = self.fed.get(binding.value.args[0])
+            if fed is not None:  # a bare conv (int32 output) reading a blocked tensor
+                value = self.lower(self.builder_, binding.value, None, fed, None)
+                if value is None:
+                    raise RuntimeError(f"blocked layout: no kernel for {binding.var.name_hint}")
+                value = self.builder_.normalize(value)
+                self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+                return
         chain = self.chains.get(binding.var)
         if chain is not None:
             kernel, epilogue = chain
