@@ -12,7 +12,7 @@ Per model (ResNet-50 open_nsfw, PP-OCRv4 det by default):
    with the load average and the commit.
 
 Run:  .venv/bin/python benchmarks/blocked_layout.py [--models resnet50,ppocr_det] [--calib 8]
-      [--repeats 30] [--profile-runs 5]
+      [--repeats 30] [--profile-runs 5] [--top 6]
 Numbers only: nothing here asserts a timing.
 """
 
@@ -98,21 +98,25 @@ def bench(name: str, args, log) -> None:
         f"- per-call profile, 1 thread, min of {args.profile_runs} runs (load {os.getloadavg()}):"
     )
     for key, vm in vms.items():
-        total, conv, rest = _split(tuned_latency.profile_calls(vm, targs, args.profile_runs))
+        rows = tuned_latency.profile_calls(vm, targs, args.profile_runs)
+        total, conv, rest = _split(rows)
         print(f"  - {key}: total {total:.2f} ms, conv kernels {conv:.2f} ms, rest {rest:.2f} ms")
+        top = ", ".join(f"`{n}` x{c} {us / 1e3:.2f}" for n, us, c in rows[: args.top])
+        print(f"    top: {top}")
     print(
         "\n| build | ms 1T | ms 2T | vs NCHW 1T | vs NCHW 2T |\n| --- | ---: | ---: | ---: | ---: |"
     )
     times: dict[str, dict[int, float]] = {key: {} for key in vms}
+    lows: dict[str, dict[int, float]] = {key: {} for key in vms}
     for t in int8_kernels.THREADS:
         common.TvmRunner.set_threads(t)
         fns = {key: functools.partial(vm["main"], *targs) for key, vm in vms.items()}
         for key, (median, least) in int8_kernels.interleaved(fns, args.repeats).items():
-            times[key][t] = median
+            times[key][t], lows[key][t] = median, least
             log(f"{name} {t}T {key}: median {median:.2f} ms, min {least:.2f} ms")
     ref = times["NCHW between kernels"]
     for key, ts in times.items():
-        cells = [f"{ts[t]:.2f}" for t in int8_kernels.THREADS]
+        cells = [f"{ts[t]:.2f} (min {lows[key][t]:.2f})" for t in int8_kernels.THREADS]
         cells += [f"{ts[t] / ref[t]:.3f}x" for t in int8_kernels.THREADS]
         print(f"| {key} | " + " | ".join(cells) + " |")
     print(f"\nload average after the timings: {os.getloadavg()}")
@@ -124,6 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--calib", type=int, default=8, help="calibration samples")
     p.add_argument("--repeats", type=int, default=30, help="interleaved rounds per thread count")
     p.add_argument("--profile-runs", type=int, default=5)
+    p.add_argument("--top", type=int, default=6, help="functions listed per profile")
     args = p.parse_args(argv)
     print("## Blocked int8 activations between convs vs NCHW, same process\n")
     print(common.machine_summary())
