@@ -12,7 +12,7 @@ Per model (ResNet-50 open_nsfw, PP-OCRv4 det by default):
    with the load average and the commit.
 
 Run:  .venv/bin/python benchmarks/blocked_layout.py [--models resnet50,ppocr_det] [--calib 8]
-      [--repeats 30] [--profile-runs 5] [--top 6]
+      [--repeats 30] [--profile-runs 5] [--top 6] [--avx2]
 Numbers only: nothing here asserts a timing.
 """
 
@@ -78,7 +78,7 @@ def bench(name: str, args, log) -> None:
     info = common.find_model(name)
     calib = common.make_dataset(info, "calib", args.calib)
     sample = common.make_dataset(info, "eval", 2)[0]
-    target = autoq.default_target()
+    target = tvm.target.Target(int8_kernels.AVX2_TARGET) if args.avx2 else autoq.default_target()
     mod, params = autoq.from_onnx(info.path, input_shapes=dict(info.input_shapes))
     qmod = autoq.quantize(mod, params, calib.samples, autoq.Config(progress=False))
     title = common.MODEL_TITLES.get(name, name)
@@ -129,6 +129,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=30, help="interleaved rounds per thread count")
     p.add_argument("--profile-runs", type=int, default=5)
     p.add_argument("--top", type=int, default=6, help="functions listed per profile")
+    p.add_argument(
+        "--avx2",
+        action="store_true",
+        help=f"the AVX2 kernels (mcpu={int8_kernels.AVX2_TARGET['mcpu']}) instead of the host's",
+    )
     args = p.parse_args(argv)
     print("## Blocked int8 activations between convs vs NCHW, same process\n")
     print(common.machine_summary())

@@ -1,20 +1,22 @@
 """Activations in the blocked layout NCHW[x]c between packed int8 convs.
 
 A packed conv kernel (:mod:`autoq.cpu.conv2d`; the channel-blocked depthwise kernel of
-:mod:`autoq.cpu.depthwise` likewise) reads its activations as NCHW[x]c blocks of
-the instruction set's activation dtype, shifted (VNNI: ``x + 128`` for int8 data, uint8 as
-it is; AVX2: int16 ``x - zero_point``). :class:`BlockedLayout` is that form for one tensor,
+:mod:`autoq.cpu.depthwise` likewise) reads its activations as NCHW[x]c blocks of the
+instruction set's activation dtype, shifted (VNNI: ``x + 128`` for int8 data, uint8 as it
+is; AVX2: int16 ``x - zero_point``). :class:`BlockedLayout` is that form for one tensor,
 chosen from the target's :class:`autoq.cpu.isa.Isa` (``x`` = its ``lanes``: 16 for VNNI, 8
-for AVX2), unpadded: ``[N, ceil(C / x), H, W, x]``, the channels past ``C`` hold ``pad``
-(the shifted zero point, which the zero-padded weights ignore anyway).
+for AVX2), unpadded: ``[N, ceil(C / x), H, W, x]``; the channels past ``C`` hold a stored 0,
+which the zero-padded weights ignore anyway.
 
 :func:`blocked_edges` decides, per int8 tensor of a function, whether it flows blocked: the
-requantized output of a conv that stores it itself (a fused epilogue) whose every user is the
-data operand of a conv the kernels cover; the producer's epilogue then writes the layout and
-its consumers read it instead of packing NCHW (a conv without top/left padding reads it as
-it is; the others only pad it). Everything else is an edge and stays NCHW: model inputs and
-outputs, residual ``add``s, pools, dense, row-kernel (wide 3x3) depthwise and AMX convs, a
-tensor with any non-conv user, or convs that disagree on the zero point.
+requantized output of a conv that stores it itself (a fused epilogue), or of a ``qnn.lut``
+that reads a blocked tensor (VNNI only: the stored byte is the table index), whose every
+user is the data operand of a conv the kernels cover or such a lookup; the producer writes
+the layout and its consumers read it instead of packing NCHW (a conv without top/left
+padding reads it as it is; the others only pad it). Everything else is an edge and stays
+NCHW: model inputs and outputs, residual ``add``s, pools, dense, row-kernel (wide 3x3)
+depthwise and AMX convs, a tensor with any other user, or consumers that disagree on the
+layout (AVX2: different zero points).
 """
 
 from __future__ import annotations

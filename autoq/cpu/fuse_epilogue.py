@@ -7,7 +7,9 @@ whose intermediate int32 results have no other user, and whose requantize has co
 scalar or per-channel (along the kernel's output channel axis) operands, into what
 ``lower(builder, kernel call, Epilogue)`` returns (a kernel call storing int8 directly); when
 ``lower`` returns None (the kernels do not cover that call) the chain is left as it is. The
-canonical graph is untouched: this runs inside the CPU lowering only.
+canonical graph is untouched: this runs inside the CPU lowering only. With a ``layout_of``,
+the tensors :func:`autoq.cpu.blocked.blocked_edges` picks pass between the kernels in the
+blocked layout (producers store it, consumers, also bare int32 convs and lookups, read it).
 """
 
 from __future__ import annotations
