@@ -142,10 +142,10 @@ def _packs(mod, target, on: bool) -> int:
     )
 
 
-def _blocked_reads(mod, target) -> int:
+def _blocked_reads(mod, target, on: bool | None = True) -> int:
     """How many conv / depthwise kernel calls of the lowered module read a blocked (5-D)
     tensor."""
-    lowered = lower_to_cpu_kernels(mod, tvm.target.Target(target), blocked_layout=True)
+    lowered = lower_to_cpu_kernels(mod, tvm.target.Target(target), blocked_layout=on)
     calls = [e for _, e in bindings(lowered["main"]) if is_call(e, "relax.call_tir")]
     kernels = ("autoq_conv2d", "autoq_depthwise")
     return sum(
@@ -231,6 +231,15 @@ def test_bare_conv_reads_blocked(target):
     got = _run(mod, target, x, blocked_layout=True)[0]
     np.testing.assert_array_equal(got, _run(mod, target, x, cpu_kernels=False)[0])
     np.testing.assert_array_equal(got, _reference(x, layers, "int8"))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_default_comes_from_the_target(target):
+    """Default: blocked on VNNI targets (measured faster), NCHW on AVX2 (measured slower)."""
+    mod, _ = _chain_module()
+    vnni = tvm.target.codegen.target_has_features("avx512vnni", tvm.target.Target(target))
+    assert _blocked_reads(mod, target, on=None) == (3 if vnni else 0)
+    assert _blocked_reads(mod, target, on=False) == 0
 
 
 def test_layout_validation_and_json():

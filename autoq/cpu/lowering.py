@@ -352,13 +352,14 @@ _LOWERINGS = {
 
 
 def lower_to_cpu_kernels(
-    mod: tvm.IRModule, target: tvm.target.Target, blocked_layout: bool = False
+    mod: tvm.IRModule, target: tvm.target.Target, blocked_layout: bool | None = None
 ) -> tvm.IRModule:
     """``mod`` legalized with the packed kernels for ``target``'s instruction set (unchanged
     when the target has neither AVX-512 VNNI nor AVX2; dense with >= ``AMX_MIN_ROWS`` rows
     on AMX tiles when the target has ``amx-int8``, see :func:`autoq.cpu.isa.kernel_isa`).
     ``blocked_layout``: int8 tensors between packed convs flow in the target's blocked
-    layout (:mod:`autoq.cpu.blocked`) instead of NCHW."""
+    layout (:mod:`autoq.cpu.blocked`) instead of NCHW; None: the instruction set's default
+    (:attr:`autoq.cpu.isa.Isa.blocked`: on for VNNI, off for AVX2)."""
     isa = kernel_isa(target)
     if isa is None:
         return mod
@@ -368,7 +369,7 @@ def lower_to_cpu_kernels(
         custom[name] = functools.partial(lower, isa, own)
     with target:
         layouts = (None, None)
-        if blocked_layout:
+        if isa.blocked if blocked_layout is None else blocked_layout:
             layouts = (functools.partial(_layout_of, isa), functools.partial(lut_layout, isa))
         mod = fuse_epilogues(mod, functools.partial(_with_epilogue, isa), *layouts)
         return relax.transform.LegalizeOps(customize_legalize_map=custom)(mod)
