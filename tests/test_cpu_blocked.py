@@ -101,7 +101,7 @@ def _reference(x: np.ndarray, layers, dtype: str) -> np.ndarray:
     for (_, k, s, (pt, pl, pb, pr), depthwise), (w, b, s_in, z_in, z_out), table in layers:
         xc = np.pad(h.astype(np.int64) - z_in, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
         oh, ow = (xc.shape[2] - k) // s + 1, (xc.shape[3] - k) // s + 1
-        acc = np.zeros((1, w.shape[0], oh, ow), np.int64)
+        acc = np.zeros((h.shape[0], w.shape[0], oh, ow), np.int64)
         for i in range(k):
             for j in range(k):
                 patch = xc[:, :, i : i + s * (oh - 1) + 1 : s, j : j + s * (ow - 1) + 1 : s]
@@ -228,6 +228,16 @@ def test_bare_conv_reads_blocked(target):
     mod, layers = _chain_module(bare=True)
     assert _blocked_reads(mod, target) == 3
     x = np.random.default_rng(5).integers(-128, 128, X_SHAPE).astype("int8")
+    got = _run(mod, target, x, blocked_layout=True)[0]
+    np.testing.assert_array_equal(got, _run(mod, target, x, cpu_kernels=False)[0])
+    np.testing.assert_array_equal(got, _reference(x, layers, "int8"))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_batch_of_two(target):
+    shape = (2, *X_SHAPE[1:])
+    mod, layers = _chain_module(shape=shape)
+    x = np.random.default_rng(6).integers(-128, 128, shape).astype("int8")
     got = _run(mod, target, x, blocked_layout=True)[0]
     np.testing.assert_array_equal(got, _run(mod, target, x, cpu_kernels=False)[0])
     np.testing.assert_array_equal(got, _reference(x, layers, "int8"))
