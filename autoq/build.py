@@ -30,7 +30,12 @@ def default_target() -> tvm.target.Target:
 
 
 def compile(
-    mod: tvm.IRModule, target=None, fuse: bool = True, cpu_kernels: bool = True, database=None
+    mod: tvm.IRModule,
+    target=None,
+    fuse: bool = True,
+    cpu_kernels: bool = True,
+    database=None,
+    blocked_layout: bool | None = None,
 ):
     """``tvm.compile`` with the default Relax pipeline for ``target`` (fusion on by default).
 
@@ -41,13 +46,16 @@ def compile(
     that Linux refuses the tile state is a :class:`autoq.errors.PlatformError`.
     ``database``: a tuning database folder written by :func:`autoq.tune` with the same
     ``cpu_kernels`` (its kernels get their tuned schedules; the others compile as without it).
+    ``blocked_layout`` (with ``cpu_kernels``): int8 tensors between packed convs flow in the
+    target's blocked NCHW[x]c layout (:mod:`autoq.cpu.blocked`), NCHW only at the edges;
+    None (default): on for AVX-512 VNNI targets, off for AVX2 (measured slower there).
     """
     target = target or default_target()
     if isinstance(target, dict):
         target = tvm.target.Target(target)
     if cpu_kernels:
         require_amx(target)  # AMX kernels need the tile state granted before they run
-        mod = lower_to_cpu_kernels(mod, target)
+        mod = lower_to_cpu_kernels(mod, target, blocked_layout)
     if database is not None:
         from .tuning_database import pipeline_with_database
 

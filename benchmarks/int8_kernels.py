@@ -12,7 +12,7 @@ Rows (median latency in ms, 1 thread and 2 threads, measured in this run):
   GEMM 196x2304x256 (autoq ``qnn.dense`` vs ORT ``MatMulInteger`` u8s8).
 
 Run:  .venv/bin/python benchmarks/int8_kernels.py [--calib 16] [--repeats 20] [--skip-model]
-      [--models resnet50,ppocr_det,minilm]
+      [--models resnet50,ppocr_det,minilm] [--blocked] [--avx2]
 Numbers only: nothing here asserts a timing.
 """
 
@@ -98,12 +98,19 @@ def print_latency_table(title, rows, ref_name):
 
 
 def bench_model(
-    name: str, calib_n: int, repeats: int, log, skip_generic: bool = False, avx2: bool = False
+    name: str,
+    calib_n: int,
+    repeats: int,
+    log,
+    skip_generic: bool = False,
+    avx2: bool = False,
+    blocked: bool = False,
 ) -> None:
     import tvm
     from tvm import relax
 
     import autoq
+    from autoq.cpu.isa import kernel_isa
 
     info = common.find_model(name)
     calib = common.make_dataset(info, "calib", calib_n)
@@ -126,6 +133,11 @@ def bench_model(
             vms["no amx"] = relax.VirtualMachine(autoq.compile(qmod, no_amx), tvm.cpu())
         if avx2:
             vms["avx2"] = relax.VirtualMachine(autoq.compile(qmod, AVX2_TARGET), tvm.cpu())
+        # the blocked layout the target does not use by default (VNNI: on, AVX2: off)
+        other = not kernel_isa(target).blocked if kernel_isa(target) else True
+        if blocked:
+            ex = autoq.compile(qmod, target, blocked_layout=other)
+            vms["blocked"] = relax.VirtualMachine(ex, tvm.cpu())
         names = [p.name for p in qmod["main"].params]
         args = [tvm.runtime.tensor(sample[n]) for n in names]
         if avx2:
@@ -133,6 +145,11 @@ def bench_model(
                 first_output(vms[True]["main"](*args)), first_output(vms["avx2"]["main"](*args))
             )
             log(f"autoq int8 outputs of the AVX2 kernels identical: {same}")
+        if blocked:
+            same = np.array_equal(
+                first_output(vms[True]["main"](*args)), first_output(vms["blocked"]["main"](*args))
+            )
+            log(f"autoq int8 outputs with blocked_layout={other} identical: {same}")
         if "no amx" in vms:
             same = np.array_equal(
                 first_output(vms[True]["main"](*args)), first_output(vms["no amx"]["main"](*args))
@@ -149,6 +166,10 @@ def bench_model(
             if "no amx" in vms:
                 tvm_fns["autoq int8, kernels without AMX"] = functools.partial(
                     vms["no amx"]["main"], *args
+                )
+            if blocked:
+                tvm_fns[f"autoq int8, kernels, blocked_layout={other}"] = functools.partial(
+                    vms["blocked"]["main"], *args
                 )
             if avx2:
                 tvm_fns[f"autoq int8, AVX2 kernels (mcpu={AVX2_TARGET['mcpu']})"] = (
@@ -327,6 +348,11 @@ def main(argv=None) -> int:
         help=f"add a row for autoq's AVX2 kernels (mcpu={AVX2_TARGET['mcpu']}) on this CPU",
     )
     p.add_argument(
+        "--blocked",
+        action="store_true",
+        help="add a row for the kernels with the blocked layout the target does not default to",
+    )
+    p.add_argument(
         "--models", default="resnet50", help=f"comma-separated, of {','.join(common.MODEL_NAMES)}"
     )
     args = p.parse_args(argv)
@@ -350,7 +376,9 @@ def main(argv=None) -> int:
         bench_ops(args.repeats)
     if not args.skip_model:
         for name in args.models.split(","):
-            bench_model(name, args.calib, args.repeats, log, args.skip_generic, args.avx2)
+            bench_model(
+                name, args.calib, args.repeats, log, args.skip_generic, args.avx2, args.blocked
+            )
     return 0
 
 

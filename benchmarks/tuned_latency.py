@@ -40,7 +40,7 @@ import common
 import int8_kernels
 
 
-def _profile(vm, args, runs: int) -> list[tuple[str, float, int]]:
+def profile_calls(vm, args, runs: int) -> list[tuple[str, float, int]]:
     """(function, min-over-runs total us per inference, calls per inference) of every call
     the Relax VM makes (a timer around each call, ``vm.set_instrument``; the 0.27 VM has no
     profiler)."""
@@ -132,7 +132,7 @@ def run(args, log) -> None:
             int8_kernels.vs_ort(info.path, ort_int8, sample, fns, t, args.repeats, times, log)
         load = os.getloadavg()
         common.TvmRunner.set_threads(1)
-        prof = {k: _profile(vm, targs, args.profile_runs) for k, vm in vms.items()}
+        prof = {k: profile_calls(vm, targs, args.profile_runs) for k, vm in vms.items()}
     title = common.MODEL_TITLES.get(args.model, args.model)
     cap = f", at most {args.trials_per_task} per kernel" if args.trials_per_task else ""
     print(f"## {title}: autoq int8 after `autoq tune` ({args.trials} trials{cap})\n")

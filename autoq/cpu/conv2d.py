@@ -1,11 +1,15 @@
 """int8 conv2d (groups = 1) as a packed, tensorized PrimFunc with a fixed schedule.
 
-The PrimFunc takes the NCHW int8/uint8 activations, the weights packed by
+The PrimFunc takes the NCHW int8/uint8 activations (or, with ``in_layout``, the same in the
+blocked layout of :mod:`autoq.cpu.blocked`, already shifted: then the kernel only pads them,
+or reads them as they are when the conv has no top/left padding), the weights packed by
 :func:`autoq.cpu.packing.pack_conv_weight` and (when the activations are shifted) the int32
 compensation, and returns the int32 NCHW accumulator of ``conv(x - zx, w)``, exactly what
 ``qnn.conv2d`` returns. Inside it: pad + shift + pack the activations to NCHW[c]c, accumulate
 a register tile of ``tile`` output columns x ``lanes`` output channels with the ISA's
-dot-product intrinsic, unpack to NCHW; parallel over (batch, channel block, output row).
+dot-product intrinsic, unpack to NCHW (or, with ``out_layout`` and an epilogue, store the
+requantized values in that blocked layout for the next conv); parallel over (batch, channel
+block, output row).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import tvm
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
+from .blocked import BlockedLayout, store_blocked
 from .epilogue import Epilogue, epilogue_compute
 from .injective import KERNEL_ATTR
 from .isa import Isa
@@ -47,26 +52,33 @@ class ConvShape:
         ow = (self.width + pl + pr - dw * (kw - 1) - 1) // sw + 1
         return oh, ow
 
-    def ic_block(self, isa: Isa) -> int:
-        """Input channels per packed activation block (NCHW[ic_block]c)."""
+    def ic_block(self, isa: Isa, blocked: bool = False) -> int:
+        """Input channels per packed activation block (NCHW[ic_block]c); ``blocked``: the
+        activations arrive in :func:`autoq.cpu.blocked.layout_for` (blocks of ``isa.lanes``)."""
+        if blocked:
+            return isa.lanes
         icp = round_up(self.in_channels, isa.k)
         return next(b for b in (64, 32, 16, 8, 4, 2) if b % isa.k == 0 and icp % b == 0)
 
 
-def _compute(shape: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value: int, comp, epi):
-    s, lanes, k = shape, isa.lanes, isa.k
-    icb = s.ic_block(isa)
-    icp, ocp = round_up(s.in_channels, icb), isa.padded_channels(s.out_channels)
-    (kh, kw), (sh, sw), (dh, dw) = s.kernel, s.strides, s.dilation
+def _pack(s: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value: int, icb, hp, wp, lay):
+    """(data placeholder, packed activations): a pad + shift + pack stage from NCHW; from
+    the blocked ``lay`` a pad stage, or none (the data itself) when no padding is read."""
     pt, pl = s.padding[0], s.padding[1]
-    oh, ow = s.out_hw
-    tile = pick_tile(ow, isa.max_tile)
-    owp = round_up(ow, tile)
-    hp, wp = (oh - 1) * sh + (kh - 1) * dh + 1, (owp - 1) * sw + (kw - 1) * dw + 1
+    if lay is not None:
+        x = te.placeholder(i64(*lay.shape(s.batch, s.in_channels, s.height, s.width)), lay.dtype,
+                           name="data")  # fmt: skip
+        if pt == pl == 0 and hp <= s.height and wp <= s.width:
+            return x, x
+
+        def pad(n, c, h, x_, ci):
+            hh, ww = h - pt, x_ - pl
+            inside = tirx.all(hh >= 0, hh < s.height, ww >= 0, ww < s.width)
+            return tirx.if_then_else(inside, x[n, c, hh, ww, ci], tirx.const(pad_value, lay.dtype))
+
+        shape = (s.batch, lay.shape(1, s.in_channels, 1, 1)[1], hp, wp, icb)
+        return x, te.compute(shape, pad, name="autoq_pack")
     x = te.placeholder(i64(s.batch, s.in_channels, s.height, s.width), data_dtype, name="data")
-    w = te.placeholder(
-        (ocp // lanes, icp // icb, kh, kw, icb // k, lanes, k), isa.weight_dtype, name="weight"
-    )
 
     def pack(n, c, h, x_, ci):
         ic, hh, ww = c * icb + ci, h - pt, x_ - pl
@@ -74,7 +86,25 @@ def _compute(shape: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value:
         value = (int32(x[n, ic, hh, ww]) + shift).astype(isa.act_dtype)
         return tirx.if_then_else(inside, value, tirx.const(pad_value, isa.act_dtype))
 
-    packed = te.compute((s.batch, icp // icb, hp, wp, icb), pack, name="autoq_pack")
+    icp = round_up(s.in_channels, icb)
+    return x, te.compute((s.batch, icp // icb, hp, wp, icb), pack, name="autoq_pack")
+
+
+def _compute(shape: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value: int, comp, epi,
+             layouts=(None, None)):  # fmt: skip
+    s, lanes, k = shape, isa.lanes, isa.k
+    in_layout, out_layout = layouts
+    icb = s.ic_block(isa, in_layout is not None)
+    icp, ocp = round_up(s.in_channels, icb), isa.padded_channels(s.out_channels)
+    (kh, kw), (sh, sw), (dh, dw) = s.kernel, s.strides, s.dilation
+    oh, ow = s.out_hw
+    tile = pick_tile(ow, isa.max_tile)
+    owp = round_up(ow, tile)
+    hp, wp = (oh - 1) * sh + (kh - 1) * dh + 1, (owp - 1) * sw + (kw - 1) * dw + 1
+    x, packed = _pack(s, isa, data_dtype, shift, pad_value, icb, hp, wp, in_layout)
+    w = te.placeholder(
+        (ocp // lanes, icp // icb, kh, kw, icb // k, lanes, k), isa.weight_dtype, name="weight"
+    )
     rc, rh = te.reduce_axis((0, icp // icb), "rc"), te.reduce_axis((0, kh), "rh")
     rw, rb = te.reduce_axis((0, kw), "rw"), te.reduce_axis((0, icb // k), "rb")
     rk = te.reduce_axis((0, k), "rk")
@@ -95,12 +125,22 @@ def _compute(shape: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value:
         v = acc[n, o // lanes, y, x_, o % lanes]
         return v if c is None else v - c[o]
 
-    out = epilogue_compute(out_shape, value, 1, epi, inputs)
-    return [*inputs, out], tile
+    if out_layout is not None:
+        dims = (s.batch, s.out_channels, oh, ow)
+        out = store_blocked(dims, s.out_channels, value, out_layout, inputs, epi)
+    else:
+        out = epilogue_compute(out_shape, value, 1, epi, inputs)
+    return [*inputs, out], tile, packed is not x
 
 
 def conv2d_kernel(
-    shape: ConvShape, isa: Isa, data_dtype: str, zero_point: int, epilogue: Epilogue | None = None
+    shape: ConvShape,
+    isa: Isa,
+    data_dtype: str,
+    zero_point: int,
+    epilogue: Epilogue | None = None,
+    in_layout: BlockedLayout | None = None,
+    out_layout: BlockedLayout | None = None,
 ) -> tvm.tirx.PrimFunc:
     """The scheduled PrimFunc ``(data, packed_weight[, compensation], out)``.
 
@@ -108,10 +148,20 @@ def conv2d_kernel(
     ``-zero_point`` (VNNI); pass :func:`autoq.cpu.packing.compensation` of the weights with
     ``zero_point + isa.shift(...)``. With an ``epilogue`` the PrimFunc also takes its table
     (:meth:`autoq.cpu.epilogue.Epilogue.table`) and stores the requantized int8/uint8 output.
+    ``in_layout``: ``data`` arrives in that blocked layout (weights packed with
+    ``shape.ic_block(isa, blocked=True)``); ``out_layout`` (needs an epilogue): ``out`` is
+    stored in it (see :mod:`autoq.cpu.blocked`).
     """
+    if out_layout is not None and (epilogue is None or out_layout.block != isa.lanes):
+        raise ValueError("conv2d_kernel: out_layout needs an epilogue and blocks of isa.lanes")
+    if in_layout is not None and in_layout.block != isa.lanes:
+        raise ValueError(f"conv2d_kernel: in_layout blocks must be {isa.lanes} on {isa.name}")
     shift = isa.shift(data_dtype, zero_point)
     pad_value = zero_point + shift
-    tensors, tile = _compute(shape, isa, data_dtype, shift, pad_value, pad_value, epilogue)
+    layouts = (in_layout, out_layout)
+    tensors, tile, packs = _compute(
+        shape, isa, data_dtype, shift, pad_value, pad_value, epilogue, layouts
+    )
     sch = Schedule(te.create_prim_func(tensors))
     conv = sch.get_sblock("autoq_acc")
     n, o, y, x_, oi, rc, rh, rw, rb, rk = sch.get_loops(conv)
@@ -119,14 +169,19 @@ def conv2d_kernel(
     oo, ob = sch.split(o, [None, isa.channel_blocks(shape.out_channels)])
     sch.reorder(n, oo, y, xo, rc, rh, rw, rb, xi, ob, oi, rk)
     # an epilogue runs per output row (vectorized along it), a plain unpack per tile
-    sch.reverse_compute_at(sch.get_consumers(conv)[0], xo if epilogue is None else y)
+    out = sch.get_consumers(conv)[0]
+    sch.reverse_compute_at(out, xo if epilogue is None else y)
     sch.parallel(sch.fuse(n, oo, y))
     sch.unroll(xi)
     sch.unroll(ob)
     tensorize_accumulation(sch, conv, rc, oi, isa.intrinsic)
-    pack = sch.get_sblock("autoq_pack")
-    pn, pc, ph, _, _ = sch.get_loops(pack)
-    sch.parallel(sch.fuse(pn, pc, ph))
+    if out_layout is not None:  # a vector of channels per pixel
+        sch.vectorize(sch.get_loops(out)[-1])
+    if packs:
+        pn, pc, ph, _, pi = sch.get_loops(sch.get_sblock("autoq_pack"))
+        sch.parallel(sch.fuse(pn, pc, ph))
+        if in_layout is not None:  # a pad of the blocked input: a vector per pixel
+            sch.vectorize(pi)
     # opaque to FuseOps: fusing the epilogue into the autoq_out block (op_pattern 4 +
     # reverse_compute_inline) was measured 5-10% slower on ResNet-50 than separate,
     # row-parallel epilogue functions

@@ -20,6 +20,7 @@ import numpy as np
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
+from .blocked import BlockedLayout, store_blocked
 from .conv2d import ConvShape
 from .epilogue import Epilogue, epilogue_compute
 from .injective import KERNEL_ATTR
@@ -29,20 +30,29 @@ from .tiling import int32, pick_tile
 __all__ = ["blocked", "depthwise_kernel", "depthwise_weight"]
 
 
-def _compute_blocked(s: ConvShape, data_dtype: str, zero_point: int, lanes: int, tile: int, epi):
+def _compute_blocked(s: ConvShape, data_dtype: str, zero_point: int, lanes: int, tile: int, epi,
+                     layouts=(None, None)):  # fmt: skip
     (kh, kw), (sh, sw), (dh, dw) = s.kernel, s.strides, s.dilation
     pt, pl = s.padding[0], s.padding[1]
     oh, ow = s.out_hw
     owp = round_up(ow, tile)
     hp, wp = (oh - 1) * sh + (kh - 1) * dh + 1, (owp - 1) * sw + (kw - 1) * dw + 1
     cb = round_up(s.in_channels, lanes) // lanes
-    x = te.placeholder((s.batch, s.in_channels, s.height, s.width), data_dtype, name="data")
+    in_layout, out_layout = layouts
+    if in_layout is None:
+        x = te.placeholder((s.batch, s.in_channels, s.height, s.width), data_dtype, name="data")
+    else:
+        dims = in_layout.shape(s.batch, s.in_channels, s.height, s.width)
+        x = te.placeholder(dims, in_layout.dtype, name="data")
     w = te.placeholder((cb, kh, kw, lanes), "int16", name="weight")
 
     def pad(n, c, h, x_, ci):
         ch, hh, ww = c * lanes + ci, h - pt, x_ - pl
         inside = tirx.all(ch < s.in_channels, hh >= 0, hh < s.height, ww >= 0, ww < s.width)
-        value = (int32(x[n, ch, hh, ww]) - zero_point).astype("int16")
+        if in_layout is None:
+            value = (int32(x[n, ch, hh, ww]) - zero_point).astype("int16")
+        else:  # stored x + shift
+            value = (int32(x[n, c, hh, ww, ci]) - (zero_point + in_layout.shift)).astype("int16")
         return tirx.if_then_else(inside, value, tirx.const(0, "int16"))
 
     padded = te.compute((s.batch, cb, hp, wp, lanes), pad, name="autoq_pack")
@@ -56,25 +66,32 @@ def _compute_blocked(s: ConvShape, data_dtype: str, zero_point: int, lanes: int,
         name="autoq_acc",
     )
     inputs = [x, w]
-    out = epilogue_compute(
-        (s.batch, s.in_channels, oh, ow),
-        lambda n, c, y, x_: acc[n, c // lanes, y, x_, c % lanes],
-        1,
-        epi,
-        inputs,
-    )
+    dims = (s.batch, s.in_channels, oh, ow)
+
+    def value(n, c, y, x_):
+        return acc[n, c // lanes, y, x_, c % lanes]
+
+    if out_layout is not None:
+        out = store_blocked(dims, s.in_channels, value, out_layout, inputs, epi)
+    else:
+        out = epilogue_compute(dims, value, 1, epi, inputs)
     return [*inputs, out]
 
 
-def _blocked_kernel(shape: ConvShape, data_dtype: str, zero_point: int, lanes: int, epi):
+def _blocked_kernel(
+    shape: ConvShape, data_dtype: str, zero_point: int, lanes: int, epi, layouts=(None, None)
+):
     tile = pick_tile(shape.out_hw[1], 8)
-    tensors = _compute_blocked(shape, data_dtype, zero_point, lanes, tile, epi)
+    tensors = _compute_blocked(shape, data_dtype, zero_point, lanes, tile, epi, layouts)
     sch = Schedule(te.create_prim_func(tensors))
     acc = sch.get_sblock("autoq_acc")
     n, c, y, x_, ci, rh, rw = sch.get_loops(acc)
     xo, xi = sch.split(x_, [None, tile])
     sch.reorder(n, c, y, xo, rh, rw, xi, ci)
-    sch.reverse_compute_at(sch.get_sblock("autoq_out"), xo if epi is None else y)
+    out = sch.get_sblock("autoq_out")
+    sch.reverse_compute_at(out, xo if epi is None else y)
+    if layouts[1] is not None:  # a vector of channels per pixel
+        sch.vectorize(sch.get_loops(out)[-1])
     sch.parallel(sch.fuse(n, c, y))
     sch.unroll(xi)
     sch.vectorize(ci)
@@ -151,12 +168,24 @@ def depthwise_kernel(
     zero_point: int,
     lanes: int = 16,
     epilogue: Epilogue | None = None,
+    in_layout: BlockedLayout | None = None,
+    out_layout: BlockedLayout | None = None,
 ) -> tirx.PrimFunc:
     """The scheduled PrimFunc ``(data, depthwise_weight(shape, w, lanes)[, table], out)`` for
     ``shape`` with ``out_channels == in_channels`` (channel multiplier 1); with an
-    ``epilogue``, ``out`` is its requantized int8/uint8 output (the table its input)."""
+    ``epilogue``, ``out`` is its requantized int8/uint8 output (the table its input).
+    ``in_layout`` / ``out_layout`` (channel-blocked kernel only, blocks of ``lanes``; the
+    output one needs an epilogue): ``data`` / ``out`` in that layout of
+    :mod:`autoq.cpu.blocked`."""
+    layouts = (in_layout, out_layout)
+    if any(lay is not None and lay.block != lanes for lay in layouts):
+        raise ValueError(f"depthwise_kernel: blocked layouts must have blocks of {lanes}")
+    if (in_layout or out_layout) and not blocked(shape):
+        raise ValueError("depthwise_kernel: blocked layouts need the channel-blocked kernel")
+    if out_layout is not None and epilogue is None:
+        raise ValueError("depthwise_kernel: out_layout needs an epilogue")
     if blocked(shape):
-        func = _blocked_kernel(shape, data_dtype, zero_point, lanes, epilogue)
+        func = _blocked_kernel(shape, data_dtype, zero_point, lanes, epilogue, layouts)
     else:
         func = _row_kernel(shape, data_dtype, zero_point, epilogue)
     return func.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})

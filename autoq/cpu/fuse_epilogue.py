@@ -7,7 +7,9 @@ whose intermediate int32 results have no other user, and whose requantize has co
 scalar or per-channel (along the kernel's output channel axis) operands, into what
 ``lower(builder, kernel call, Epilogue)`` returns (a kernel call storing int8 directly); when
 ``lower`` returns None (the kernels do not cover that call) the chain is left as it is. The
-canonical graph is untouched: this runs inside the CPU lowering only.
+canonical graph is untouched: this runs inside the CPU lowering only. With a ``layout_of``,
+the tensors :func:`autoq.cpu.blocked.blocked_edges` picks pass between the kernels in the
+blocked layout (producers store it, consumers, also bare int32 convs and lookups, read it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tvm import relax
 
 from ..qnn.quantize import with_multipliers
 from ..toolkit import bindings, const_array, dtype_of, free_vars, is_call, shape_of
+from .blocked import blocked_edges, blocked_lut
 from .epilogue import Epilogue
 
 __all__ = ["fuse_epilogues"]
@@ -89,21 +92,22 @@ def _epilogue(req: relax.Call, bias, shape, axis: int) -> Epilogue | None:
     return Epilogue(bias, tuple(params), rounding, out_dtype, shape[axis])
 
 
-def _chains(func: relax.Function) -> dict:
-    """``{requantize var: (kernel call, Epilogue)}`` for every fusable chain of ``func``."""
+def _chains(func: relax.Function) -> tuple[dict, dict]:
+    """``{requantize var: (kernel call, Epilogue)}`` for every fusable chain of ``func``, and
+    ``{requantize var: (kernel var, bias add var or None)}``."""
     pairs = bindings(func)
     if not all(isinstance(e, _FLAT) for _, e in pairs):
-        return {}  # nested scopes (If, inner functions): uses are not all visible to free_vars
+        return {}, {}  # nested scopes (If, inner functions): uses are not all visible to free_vars
     value_of = dict(pairs)
     uses: Counter = Counter()
     for _, e in pairs:
         uses.update(free_vars(e))
     uses.update(free_vars(func.body.body))
-    found = {}
+    found, parts = {}, {}
     for var, req in pairs:
         if not is_call(req, "qnn.requantize") or not isinstance(req.args[0], relax.Var):
             continue
-        src, bias = req.args[0], None
+        src, bias, add_var = req.args[0], None, None
         kernel = value_of.get(src)
         if is_call(kernel, "relax.add") and uses[src] == 1:
             add_var = src
@@ -125,22 +129,35 @@ def _chains(func: relax.Function) -> dict:
         epilogue = _epilogue(req, bias, shape, axis)
         if epilogue is not None:
             found[var] = (kernel, epilogue)
-    return found
+            parts[var] = (src, add_var)
+    return found, parts
 
 
 def fuse_epilogues(
-    mod: tvm.IRModule, lower: Callable[[relax.BlockBuilder, relax.Call, Epilogue], object]
-) -> tvm.IRModule:
-    """``mod`` with every fusable chain of its Relax functions replaced by ``lower``'s call
-    (chains ``lower`` declines stay); the dead kernel / add bindings are removed."""
+    mod: tvm.IRModule,
+    lower: Callable,
+    layout_of: Callable | None = None,
+    lut_layout: Callable | None = None,
+):
+    """``mod`` with every fusable chain of its Relax functions replaced by ``lower(builder,
+    kernel call, epilogue, fed, out_layout)``'s call (chains ``lower`` declines stay); the
+    dead kernel / add bindings are removed. ``layout_of(conv call)``: the blocked layout the
+    kernels read that conv's data in, or None (see :func:`autoq.cpu.blocked.blocked_edges`);
+    with it, chains between convs pass ``fed`` = (blocked variable, layout) for the data of
+    the consumer and ``out_layout`` to the producer (None elsewhere / without it);
+    ``lut_layout(dtype)``: the blocked layout a ``qnn.lut`` can read directly, or None."""
     out = mod
     changed = False
     for gv, func in mod.functions_items():
         if not isinstance(func, relax.Function):
             continue
-        chains = _chains(func)
+        chains, parts = _chains(func)
         if chains:
-            out = _Rewrite(out, chains, lower).run(gv, func)
+            edges = {}
+            if layout_of is not None:
+                luts = lut_layout or (lambda _dtype: None)
+                edges = blocked_edges(func, chains, layout_of, luts)
+            out = _Rewrite(out, chains, lower, edges, parts).run(gv, func)
             changed = True
     if not changed:
         return mod
@@ -149,9 +166,16 @@ def fuse_epilogues(
 
 @relax.expr_functor.mutator
 class _Rewrite(relax.PyExprMutator):
-    def __init__(self, mod, chains, lower):
+    def __init__(self, mod, chains, lower, edges, parts):
         super().__init__(mod)
-        self.mod_, self.chains, self.lower = mod, chains, lower
+        self.mod_, self.chains, self.lower, self.edges = mod, chains, lower, edges
+        self.fed = {}  # producer requantize var -> (blocked var, layout), once emitted
+        # the kernel / bias bindings of chains reading a blocked tensor are never emitted
+        # (their data variable is not bound any more)
+        self.skip = set()
+        for var, (kernel, _) in chains.items():
+            if any(kernel.args[0].same_as(e) for e in edges):
+                self.skip.update(v for v in parts[var] if v is not None)
 
     def run(self, gv, func):
         new = self.visit_expr(func)
@@ -159,13 +183,37 @@ class _Rewrite(relax.PyExprMutator):
         return self.builder_.finalize()
 
     def visit_var_binding_(self, binding):
+        if binding.var in self.skip:
+            return
+        if binding.var in self.edges and is_call(binding.value, "qnn.lut"):
+            data, _ = self.fed[binding.value.args[0]]
+            value = blocked_lut(binding.value, data, self.edges[binding.var])
+            self.fed[binding.var] = (self.builder_.emit(value), self.edges[binding.var])
+            return
+        if is_call(binding.value, "qnn.conv2d"):
+            fed = self.fed.get(binding.value.args[0])
+            if fed is not None:  # a bare conv (int32 output) reading a blocked tensor
+                value = self.lower(self.builder_, binding.value, None, fed, None)
+                if value is None:
+                    raise RuntimeError(f"blocked layout: no kernel for {binding.var.name_hint}")
+                value = self.builder_.normalize(value)
+                self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+                return
         chain = self.chains.get(binding.var)
         if chain is not None:
             kernel, epilogue = chain
-            kernel = self.visit_expr(kernel)
-            value = self.lower(self.builder_, kernel, epilogue)
+            fed = self.fed.get(kernel.args[0]) if isinstance(kernel.args[0], relax.Var) else None
+            layout = self.edges.get(binding.var)
+            if fed is None:
+                kernel = self.visit_expr(kernel)
+            value = self.lower(self.builder_, kernel, epilogue, fed, layout)
+            if value is None and (fed is not None or layout is not None):
+                raise RuntimeError(f"blocked layout: no kernel for {binding.var.name_hint}")
             if value is not None:
                 value = self.builder_.normalize(value)
-                self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+                if layout is not None:
+                    self.fed[binding.var] = (self.builder_.emit(value), layout)
+                else:
+                    self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
                 return
         super().visit_var_binding_(binding)

@@ -34,10 +34,11 @@ from .amx_dense import amx_dense_kernel
 from .amx_tiles import BLOCK as AMX_BLOCK
 from .amx_tiles import KSTEP as AMX_KSTEP
 from .batch_matmul import batch_matmul_kernel
+from .blocked import BlockedLayout, layout_for, lut_layout
 from .conv2d import ConvShape, conv2d_kernel
 from .conv_transpose import conv2d_transpose_kernel
 from .dense import dense_kernel
-from .depthwise import depthwise_kernel, depthwise_weight
+from .depthwise import blocked, depthwise_kernel, depthwise_weight
 from .epilogue import Epilogue
 from .fuse_epilogue import fuse_epilogues
 from .isa import VNNI, Isa, kernel_isa
@@ -88,18 +89,21 @@ def _tail(args: list, epilogue: Epilogue | None) -> list:
     return args
 
 
-def _call(bb, isa: Isa, func, name: str, data, w_packed, w, z: int, out_shape, epilogue=None):
-    """``call_tir`` of ``func`` (added to the module) on data + packed constants."""
+def _call(bb, isa: Isa, func, name: str, data, w_packed, w, z: int, out_ty, epilogue=None):
+    """``call_tir`` of ``func`` (added to the module) on data + packed constants; ``out_ty``
+    its output type (or output shape, the dtype from ``epilogue``)."""
     gv = bb.add_func(func.without_attr("global_symbol"), name)
     args = [data, relax.const(w_packed)]
     if z:
         args.append(relax.const(compensation(w, z, isa.padded_channels(w.shape[0]))))
-    return relax.call_tir(gv, _tail(args, epilogue), out_ty=_out_type(out_shape, epilogue))
+    if not isinstance(out_ty, relax.TensorType):
+        out_ty = _out_type(out_ty, epilogue)
+    return relax.call_tir(gv, _tail(args, epilogue), out_ty=out_ty)
 
 
-def _conv2d_call(isa: Isa, bb, call, epilogue: Epilogue | None = None):
-    """The kernel call of a ``qnn.conv2d`` (with ``epilogue``), or None when no kernel
-    covers it."""
+def _conv_plan(isa: Isa, call):
+    """(data dtype, zero point, weights, ConvShape, kind) of a ``qnn.conv2d`` the kernels
+    cover (kind: "depthwise", "amx" or "packed"), or None."""
     data, weight, _s_x, z_x, _s_w, z_w = call.args
     ops = _operands(data, weight, z_x, z_w)
     a = call.attrs
@@ -117,20 +121,57 @@ def _conv2d_call(isa: Isa, bb, call, epilogue: Epilogue | None = None):
         tuple(int(v) for v in a["padding"]),
         tuple(int(v) for v in a["dilation"]),
     )  # fmt: skip
-    out = (n, w.shape[0], *shape.out_hw)
     if depthwise:
-        func = depthwise_kernel(shape, dt, zx, isa.lanes, epilogue)
-        gv = bb.add_func(func.without_attr("global_symbol"), "autoq_depthwise")
+        kind = "depthwise"
+    else:
+        kind = "amx" if isa.amx and amx_conv_applies(shape) else "packed"
+    return dt, zx, w, shape, kind
+
+
+def _layout_of(isa: Isa, call) -> BlockedLayout | None:
+    """The blocked layout the packed conv kernel reads ``call``'s data in, or None (not a
+    conv, or one another kernel runs)."""
+    if not is_call(call, "qnn.conv2d"):
+        return None
+    plan = _conv_plan(isa, call)
+    if plan is None or plan[4] == "amx" or (plan[4] == "depthwise" and not blocked(plan[3])):
+        return None
+    return layout_for(isa, plan[0], plan[1])
+
+
+def _conv2d_call(isa: Isa, bb, call, epilogue: Epilogue | None = None, fed=None, out_layout=None):
+    """The kernel call of a ``qnn.conv2d`` (with ``epilogue``; ``fed``: its data as a blocked
+    (variable, layout); ``out_layout``: store the output blocked), or None when no kernel
+    covers it."""
+    plan = _conv_plan(isa, call)
+    if plan is None:
+        return None
+    dt, zx, w, shape, kind = plan
+    data, in_layout = (call.args[0], None) if fed is None else fed
+    out = (shape.batch, w.shape[0], *shape.out_hw)
+    ty = _out_type(out, epilogue)
+    if out_layout is not None:
+        ty = relax.TensorType(out_layout.shape(*out), out_layout.dtype)
+    if kind == "depthwise":
+        func = depthwise_kernel(shape, dt, zx, isa.lanes, epilogue, in_layout, out_layout)
+        name = "autoq_depthwise" + ("_blocked" if in_layout or out_layout else "")
+        gv = bb.add_func(func.without_attr("global_symbol"), name)
         args = _tail([data, relax.const(depthwise_weight(shape, w, isa.lanes))], epilogue)
-        return relax.call_tir(gv, args, out_ty=_out_type(out, epilogue))
-    if isa.amx and amx_conv_applies(shape):
+        return relax.call_tir(gv, args, out_ty=ty)
+    if kind == "amx":
         return _amx_conv2d(bb, shape, data, w, dt, zx, out, epilogue)
-    func = conv2d_kernel(shape, isa, dt, zx, epilogue)
+    func = conv2d_kernel(shape, isa, dt, zx, epilogue, in_layout, out_layout)
     packed = pack_conv_weight(
-        w, isa.lanes, isa.k, shape.ic_block(isa), isa.weight_dtype, isa.padded_channels(w.shape[0])
+        w,
+        isa.lanes,
+        isa.k,
+        shape.ic_block(isa, in_layout is not None),
+        isa.weight_dtype,
+        isa.padded_channels(w.shape[0]),
     )
     z = zx + isa.shift(dt, zx)
-    return _call(bb, isa, func, f"autoq_conv2d_{isa.name}", data, packed, w, z, out, epilogue)
+    name = f"autoq_conv2d_{isa.name}" + ("_blocked" if in_layout or out_layout else "")
+    return _call(bb, isa, func, name, data, packed, w, z, ty, epilogue)
 
 
 def _conv2d(isa: Isa, fallback, bb, call):
@@ -201,10 +242,11 @@ def _dense(isa: Isa, fallback, bb, call):
     return _dense_call(isa, bb, *ops)
 
 
-def _with_epilogue(isa: Isa, bb, call, epilogue: Epilogue):
-    """The kernel call of ``call`` storing ``epilogue``'s int8 output, or None."""
+def _with_epilogue(isa: Isa, bb, call, epilogue: Epilogue, fed=None, out_layout=None):
+    """The kernel call of ``call`` storing ``epilogue``'s int8 output (blocked: see
+    :func:`_conv2d_call`), or None."""
     if is_call(call, "qnn.conv2d"):
-        return _conv2d_call(isa, bb, call, epilogue)
+        return _conv2d_call(isa, bb, call, epilogue, fed, out_layout)
     if is_call(call, "qnn.matmul") and const_array(call.args[1]) is None:
         return _activation_matmul(isa, bb, call, epilogue)
     ops = _dense_operands(call)
@@ -309,10 +351,15 @@ _LOWERINGS = {
 }
 
 
-def lower_to_cpu_kernels(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+def lower_to_cpu_kernels(
+    mod: tvm.IRModule, target: tvm.target.Target, blocked_layout: bool | None = None
+) -> tvm.IRModule:
     """``mod`` legalized with the packed kernels for ``target``'s instruction set (unchanged
     when the target has neither AVX-512 VNNI nor AVX2; dense with >= ``AMX_MIN_ROWS`` rows
-    on AMX tiles when the target has ``amx-int8``, see :func:`autoq.cpu.isa.kernel_isa`)."""
+    on AMX tiles when the target has ``amx-int8``, see :func:`autoq.cpu.isa.kernel_isa`).
+    ``blocked_layout``: int8 tensors between packed convs flow in the target's blocked
+    layout (:mod:`autoq.cpu.blocked`) instead of NCHW; None: the instruction set's default
+    (:attr:`autoq.cpu.isa.Isa.blocked`: on for VNNI, off for AVX2)."""
     isa = kernel_isa(target)
     if isa is None:
         return mod
@@ -321,5 +368,8 @@ def lower_to_cpu_kernels(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IR
         own = tvm.ir.Op.get(name).get_attr("FLegalize")
         custom[name] = functools.partial(lower, isa, own)
     with target:
-        mod = fuse_epilogues(mod, functools.partial(_with_epilogue, isa))
+        layouts = (None, None)
+        if isa.blocked if blocked_layout is None else blocked_layout:
+            layouts = (functools.partial(_layout_of, isa), functools.partial(lut_layout, isa))
+        mod = fuse_epilogues(mod, functools.partial(_with_epilogue, isa), *layouts)
         return relax.transform.LegalizeOps(customize_legalize_map=custom)(mod)

@@ -1,0 +1,206 @@
+"""Activations in the blocked layout NCHW[x]c between packed int8 convs.
+
+A packed conv kernel (:mod:`autoq.cpu.conv2d`; the channel-blocked depthwise kernel of
+:mod:`autoq.cpu.depthwise` likewise) reads its activations as NCHW[x]c blocks of the
+instruction set's activation dtype, shifted (VNNI: ``x + 128`` for int8 data, uint8 as it
+is; AVX2: int16 ``x - zero_point``). :class:`BlockedLayout` is that form for one tensor,
+chosen from the target's :class:`autoq.cpu.isa.Isa` (``x`` = its ``lanes``: 16 for VNNI, 8
+for AVX2), unpadded: ``[N, ceil(C / x), H, W, x]``; the channels past ``C`` hold a stored 0,
+which the zero-padded weights ignore anyway.
+
+:func:`blocked_edges` decides, per int8 tensor of a function, whether it flows blocked: the
+requantized output of a conv that stores it itself (a fused epilogue), or of a ``qnn.lut``
+that reads a blocked tensor (VNNI only: the stored byte is the table index), whose every
+user is the data operand of a conv the kernels cover or such a lookup; the producer writes
+the layout and its consumers read it instead of packing NCHW (a conv without top/left
+padding reads it as it is; the others only pad it). Everything else is an edge and stays
+NCHW: model inputs and outputs, residual ``add``s, pools, dense, row-kernel (wide 3x3)
+depthwise and AMX convs, a tensor with any other user, or consumers that disagree on the
+layout (AVX2: different zero points).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from tvm import relax, te, tirx
+
+from ..toolkit import bindings, const_array, dtype_of, free_vars, is_call
+from .isa import Isa
+
+__all__ = [
+    "BlockedLayout",
+    "blocked_edges",
+    "blocked_lut",
+    "layout_for",
+    "lut_layout",
+    "store_blocked",
+]
+
+_DTYPES = ("uint8", "int8", "int16")
+
+
+@dataclass(frozen=True)
+class BlockedLayout:
+    """``[N, ceil(C / block), H, W, block]`` of ``dtype`` holding ``value + shift`` (the
+    padded channels hold ``shift``, a stored 0: the consumers' zero weights ignore them)."""
+
+    block: int
+    dtype: str
+    shift: int
+
+    def __post_init__(self):
+        if self.block < 1 or self.block & (self.block - 1):
+            raise ValueError(f"BlockedLayout: block must be a power of two, got {self.block}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"BlockedLayout: dtype must be one of {_DTYPES}, got {self.dtype!r}")
+
+    def shape(self, n: int, c: int, h: int, w: int) -> tuple[int, int, int, int, int]:
+        """The blocked shape of an NCHW tensor.
+
+        >>> BlockedLayout(16, "uint8", 128).shape(1, 20, 7, 9)
+        (1, 2, 7, 9, 16)
+        """
+        return (n, -(-c // self.block), h, w, self.block)
+
+    def to_json(self) -> str:
+        """The layout as JSON (:meth:`from_json` reads it back).
+
+        >>> BlockedLayout.from_json(VNNI_INT8.to_json()) == VNNI_INT8
+        True
+        """
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> BlockedLayout:
+        return cls(**json.loads(text))
+
+
+VNNI_INT8 = BlockedLayout(16, "uint8", 128)
+
+
+def layout_for(isa: Isa, data_dtype: str, zero_point: int) -> BlockedLayout:
+    """The layout a conv on ``isa`` reads ``data_dtype`` activations with ``zero_point`` in.
+
+    >>> from autoq.cpu.isa import AVX2, VNNI
+    >>> layout_for(VNNI, "int8", 3) == BlockedLayout(16, "uint8", 128)
+    True
+    >>> layout_for(AVX2, "uint8", 5)
+    BlockedLayout(block=8, dtype='int16', shift=-5)
+    """
+    return BlockedLayout(isa.lanes, isa.act_dtype, isa.shift(data_dtype, zero_point))
+
+
+def lut_layout(isa: Isa, data_dtype: str) -> BlockedLayout | None:
+    """The blocked layout in which a ``qnn.lut`` reads ``data_dtype`` data as it is: the
+    unsigned one where the stored byte is the table index (``x + 128`` for int8, VNNI), None
+    when the ISA stores wider values (AVX2: int16).
+
+    >>> from autoq.cpu.isa import AVX2, VNNI
+    >>> lut_layout(VNNI, "int8") == VNNI_INT8, lut_layout(AVX2, "int8")
+    (True, None)
+    """
+    if isa.act_dtype != "uint8":
+        return None
+    return BlockedLayout(isa.lanes, "uint8", isa.shift(data_dtype, 0))
+
+
+def store_blocked(shape, channels: int, value, layout: BlockedLayout, inputs: list, epilogue):
+    """The kernel's ``autoq_out`` stage storing ``epilogue(value(n, channel, y, x))`` in
+    ``layout`` (``shape``: the NCHW output); the epilogue table is appended to ``inputs``."""
+    table = te.placeholder(epilogue.table().shape, "int32", name="epilogue")
+    inputs.append(table)
+    b = layout.block
+
+    def f(n, c, y, x, ci):
+        ch = c * b + ci
+        if channels % b:  # keep the padded channels' (discarded) reads inside the table
+            ch = tirx.min(ch, channels - 1)
+        q = epilogue.value(value(n, ch, y, x), ch, lambda r, k: table[r, k])
+        stored = (q.astype("int32") + layout.shift).astype(layout.dtype)
+        if channels % b == 0:
+            return stored
+        inside = c * b + ci < channels
+        return tirx.if_then_else(inside, stored, tirx.const(layout.shift, layout.dtype))
+
+    return te.compute(layout.shape(*shape), f, name="autoq_out")
+
+
+def _users(pairs, body) -> Counter:
+    uses: Counter = Counter()
+    for _, e in pairs:
+        uses.update(free_vars(e))
+    uses.update(free_vars(body))
+    return uses
+
+
+def _reads(var, e) -> bool:
+    """Whether ``e`` reads ``var`` as its first operand and nowhere else."""
+    return e.args[0].same_as(var) and not any(a.same_as(var) for a in e.args[1:])
+
+
+def blocked_edges(
+    func: relax.Function,
+    chains: dict,
+    layout_of: Callable[[relax.Call], BlockedLayout | None],
+    lut_layout: Callable[[str], BlockedLayout | None] = lambda _dtype: None,
+) -> dict:
+    """``{var: layout}`` for the tensors of ``func`` that flow blocked.
+
+    Candidates: the requantize variables of ``chains`` (``{var: (kernel call, epilogue)}``)
+    whose kernel is a conv the kernels cover (``layout_of(conv)`` not None), and ``qnn.lut``
+    of a constant table when ``lut_layout(data dtype)`` (the layout a lookup indexes
+    directly; None when there is none) is not None. A candidate flows blocked when every user
+    is a conv reading it as data (the kernel of a chain, or a conv whose int32 output goes
+    elsewhere, e.g. into a residual add), or a blocked lookup, they all want one layout, and (a lookup) its own input flows blocked;
+    candidates are dropped until that holds for all."""
+    pairs = bindings(func)
+    uses = _users(pairs, func.body.body)
+    value_of = dict(pairs)
+    readers: dict = {}
+    for var, e in pairs:
+        if is_call(e, "qnn.conv2d", "qnn.lut") and isinstance(e.args[0], relax.Var):
+            readers.setdefault(e.args[0], []).append((var, e))
+    cand = {v for v, (kernel, _) in chains.items() if layout_of(kernel) is not None}
+    for var, e in pairs:
+        lut = is_call(e, "qnn.lut") and const_array(e.args[1]) is not None
+        if lut and isinstance(e.args[0], relax.Var) and lut_layout(dtype_of(e.args[0])):
+            cand.add(var)
+    layouts: dict = {}
+    changed = True
+    while changed:
+        changed, layouts = False, {}
+        for var in list(cand):
+            wanted = set()
+            for user, e in readers.get(var, []):
+                if not _reads(var, e):
+                    wanted.add(None)
+                elif is_call(e, "qnn.conv2d"):  # the kernel of a chain or a bare int32 conv
+                    wanted.add(layout_of(e))
+                else:
+                    wanted.add(lut_layout(dtype_of(var)) if user in cand else None)
+            lut = is_call(value_of[var], "qnn.lut")
+            n = len(readers.get(var, []))
+            if (
+                n == 0
+                or n != uses[var]
+                or len(wanted) != 1
+                or None in wanted
+                or (lut and value_of[var].args[0] not in cand)
+            ):
+                cand.discard(var)
+                changed = True
+            else:
+                layouts[var] = wanted.pop()
+    return layouts
+
+
+def blocked_lut(call: relax.Call, data: relax.Var, layout: BlockedLayout) -> relax.Call:
+    """``qnn.lut`` of ``data`` (the blocked input of ``call``, stored unsigned: the stored
+    byte is the table index) with the table's values stored in ``layout``."""
+    table = const_array(call.args[1]).astype(np.int32) + layout.shift
+    return relax.Call(call.op, [data, relax.const(table.astype(layout.dtype))], call.attrs)
