@@ -307,7 +307,7 @@ class WeightTuner:
                     merged.merge(other)
                 rows = self._held_rows(sid, act_qp[sid])
                 for r in held if empirical and self.config.bias_correction_holdout else ():
-                    r.feed(sid, rows)
+                    rows = r.feed(sid, rows).resolve()  # (a remote shard returns a copy)
                 for task in group:
                     updates.update(self._tune(task, merged.hessians[task.layer], merged, rows))
         for r in [*runners, *held]:
