@@ -72,6 +72,7 @@ __all__ = [
     "MIN_ROWS_PER_COLUMN",
     "LayerTask",
     "WeightTuner",
+    "distinct_values",
     "layer_tasks",
     "single_threaded_blas",
 ]
@@ -232,7 +233,8 @@ def _distinct_items(table: dict) -> list[tuple[str, object]]:
     return list(seen.values())
 
 
-def _distinct(table: dict) -> list:
+def distinct_values(table: dict) -> list:
+    """The distinct value objects of ``table`` (shared ones once), in first-key order."""
     return [v for _, v in _distinct_items(table)]
 
 
@@ -260,29 +262,42 @@ class WeightTuner:
         ``empirical_bias_correction``)."""
         return list(self.tasks) if self.config.empirical_bias_correction else []
 
+    def fp32_tables(self) -> dict[str, dict[str, PatchMean]]:
+        """Slot of :meth:`fp32_slots` -> layer -> an empty mean patch of its fp32 input
+        (shared by the layers whose patches are equal), to fill and give :meth:`use_fp32`."""
+        return {sid: patch_mean_table(self.tasks[sid]) for sid in self.fp32_slots()}
+
+    def held_sinks(self) -> dict[str, HeldRows]:
+        """Slot -> an empty sink of the fp32 held-out rows (none without the gate)."""
+        gated = self.config.bias_correction_holdout
+        return {sid: self._held_rows(sid) for sid in self.fp32_slots()} if gated else {}
+
     def observe_fp32(self, outputs, held=()) -> None:
         """Feed the fp32 model's values of :meth:`fp32_slots` (one list per sample, in that
         order) into the layers' fp32 mean patches; those of the ``held`` samples (same form)
         give the layers' fp32 outputs on the held-out rows (:mod:`autoq.bias_gate`)."""
         t0 = time.perf_counter()
-        tables = {sid: patch_mean_table(self.tasks[sid]) for sid in self.fp32_slots()}
+        tables, sinks = self.fp32_tables(), self.held_sinks()
         for outs in outputs:
-            for sid, x in zip(tables, outs, strict=True):
-                for m in _distinct(tables[sid]):
+            for table, x in zip(tables.values(), outs, strict=True):
+                for m in distinct_values(table):
                     m.update(x)
+        for outs in held:
+            for sink, x in zip(sinks.values(), outs, strict=True):
+                sink.update(x)
+        self.use_fp32(tables, sinks)
+        self.stats["fp32_pass_s"] = time.perf_counter() - t0
+
+    def use_fp32(self, tables: dict[str, dict[str, PatchMean]], sinks: dict[str, HeldRows]):
+        """Take the filled :meth:`fp32_tables` and :meth:`held_sinks`."""
         for table in tables.values():
             self.fp32_means.update(table)
-        sinks = {sid: self._held_rows(sid) for sid in tables}
-        for outs in held:
-            for sid, x in zip(sinks, outs, strict=True):
-                sinks[sid].update(x)
         for sid, sink in sinks.items():
             for t in self.tasks[sid]:
                 rows = sink.rows(t.layer)
                 if t.has_bias and rows is not None:
                     b = self.sim.plan.biases[t.layer][0]
                     self.held_fp32[t.layer] = layer_output(t.flat(t.weight), rows, b)
-        self.stats["fp32_pass_s"] = time.perf_counter() - t0
 
     def _held_rows(self, sid: str, qp: QParam | None = None) -> HeldRows:
         return HeldRows({t.layer: t.geom for t in self.tasks[sid]}, qp)
