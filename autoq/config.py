@@ -275,7 +275,8 @@ class Config(JsonDocument):
     ``bias_correction_holdout``: with ``empirical_bias_correction``, the last this many
     calibration samples are held out of calibration and each layer's correction is kept only
     if it lowers the layer's output error against fp32 on them (:mod:`autoq.bias_gate`;
-    0, the default: every correction kept; in-process topological calibration only).
+    0, the default: every correction kept; topological calibration only; on a Dask
+    cluster the held-out samples are one shard of their own).
     ``scale_search``: per-channel weight scales chosen on a
     grid of clipping ratios by the layer's output MSE (OMSE, Choukroun et al. 2019;
     :mod:`autoq.scale_search`). The integer weights and biases they choose are carried in
