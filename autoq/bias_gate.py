@@ -17,7 +17,8 @@ with ``x~`` the layer's quantized input on the held-out samples, ``x`` the fp32 
 input on the same samples, ``b`` the float bias, ``c`` the correction (per output channel)
 and ``f`` the elementwise activation that alone reads the layer's output (relu, clip, a
 table activation such as hardswish or GELU: :func:`follower_activation`), the identity
-otherwise (pre-activation). The correction is **kept iff** ``err(c) < err(0)``; a tie
+otherwise (pre-activation; also for a layer with a residual add, whose activation reads a
+tensor the gate does not compute). The correction is **kept iff** ``err(c) < err(0)``; a tie
 drops it. The errors are reported relative to ``sum(f(W x + b)^2)``. Rows: up to
 :data:`MAX_ROWS` output positions (tokens) per held-out sample, evenly spaced
 (:func:`autoq.hessian.even_rows`). A layer with no held-out row (e.g. a token mask leaves
@@ -53,11 +54,14 @@ __all__ = [
 MAX_ROWS = 1024
 
 
-def follower_activation(graph, root) -> Callable[[np.ndarray], np.ndarray] | None:
-    """The elementwise activation (numpy, float64) that is the only reader of ``root`` (a
-    layer's output Var in ``graph``, an :class:`autoq.graph.Graph`): relu, clip or a row of
-    :data:`autoq.activations.ACTIVATIONS`; None for anything else."""
-    users = graph.users.get(root, [])
+def follower_activation(graph, match) -> Callable[[np.ndarray], np.ndarray] | None:
+    """The elementwise activation (numpy, float64) that is the only reader of ``match``'s
+    output (a layer of ``graph``, an :class:`autoq.graph.Graph`): relu, clip or a row of
+    :data:`autoq.activations.ACTIVATIONS`; None for anything else, and for a layer with a
+    residual add (the activation reads ``W x + b + r``, and the gate does not see ``r``)."""
+    if "residual" in match.nodes:
+        return None
+    users = graph.users.get(match.root, [])
     call = graph.value.get(users[0]) if len(users) == 1 else None
     name = op_name(call) if call is not None else ""
     if name == "relax.nn.relu":

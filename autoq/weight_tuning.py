@@ -254,7 +254,7 @@ class WeightTuner:
         #: ``bias_correction_holdout``: layer -> its fp32 output on the held-out rows
         self.held_fp32: dict[str, np.ndarray | None] = {}
         #: layer -> the activation that alone reads its output (the gate's error after it)
-        self.followers = {m.layer: follower_activation(sim.graph, m.root) for m in sim.matches}
+        self.followers = {m.layer: follower_activation(sim.graph, m) for m in sim.matches}
         self.dropped: list[str] = []
 
     def fp32_slots(self) -> list[str]:

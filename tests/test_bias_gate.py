@@ -20,7 +20,7 @@ from autoq.fidelity import compare
 from autoq.hessian import ConvGeometry
 from autoq.qparams import QParams
 from autoq.weight_tuning import layer_tasks
-from models import TARGET, conv2d_nchw, small_cnn, two_convs
+from models import TARGET, conv2d_nchw, mlp, small_cnn, two_convs
 
 EBC = Config(progress=False, weight_rounding="nearest", empirical_bias_correction=True)
 
@@ -52,6 +52,24 @@ def test_rows_times_weights_are_the_layer_output():
     y = G.layer_output(wd.T[None], G.sample_rows(xd, None), np.zeros(3))
     np.testing.assert_allclose(y, xd[0] @ wd, rtol=1e-12)
     assert G.sample_rows(np.zeros((1, 4000, 2)), None).shape == (1, G.MAX_ROWS, 2)
+
+
+def test_follower_activations_of_the_test_models():
+    """relu and clip after a layer are applied by the gate; a residual block's conv (its
+    relu reads conv + b + residual) and a final dense layer are measured pre-activation."""
+    v = np.array([-1.0, 2.0, 7.0])
+    for make, want in (
+        (small_cnn, {"stem": "relu", "block.conv1": "relu", "block.conv2": None, "dw": "relu",
+                     "fc": None}),
+        (mlp, {"fc1": "relu", "fc2": "clip", "fc3": None}),
+    ):  # fmt: skip
+        mod, params, _ = make()
+        sim = simulate(mod, params, EBC)
+        got = {}
+        for m in sim.matches:
+            f = G.follower_activation(sim.graph, m)
+            got[m.layer] = None if f is None else {7.0: "relu", 6.0: "clip"}[f(v)[2]]
+        assert {k: got[k] for k in want} == want
 
 
 def test_a_layer_without_held_out_rows_is_dropped():
