@@ -256,6 +256,8 @@ class WeightTuner:
         #: layer -> the activation that alone reads its output (the gate's error after it)
         self.followers = {m.layer: follower_activation(sim.graph, m) for m in sim.matches}
         self.dropped: list[str] = []
+        #: layer -> the gate's relative held-out error without / with its correction
+        self.gate_errors: dict[str, list] = {}
 
     def fp32_slots(self) -> list[str]:
         """The activation slots whose fp32 values :meth:`observe_fp32` needs (none unless
@@ -385,6 +387,9 @@ class WeightTuner:
         self.stats[key] = self.stats.get(key, 0) + 1
         if not d.kept:
             self.dropped.append(task.layer)
+        self.gate_errors[task.layer] = [
+            None if np.isnan(v) else float(f"{v:.6g}") for v in (d.error, d.corrected)
+        ]
         return d.kept
 
     def values(self, qparams: dict[str, QParam]) -> dict[str, np.ndarray]:
@@ -404,4 +409,5 @@ class WeightTuner:
         out = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.stats.items()}
         if self.config.bias_correction_holdout:
             out["bias_gate_dropped"] = list(self.dropped)
+            out["bias_gate_errors"] = dict(self.gate_errors)
         return out

@@ -91,10 +91,11 @@ def _images(n, seed, offset):
     return out
 
 
-def _reference_keeps_c1(sim, params, qp, cal, held) -> bool:
+def _reference_c1(sim, params, qp, cal, held):
     """The gate's rule for two_convs' first layer, recomputed in numpy on every position:
     the correction is the calibration mean of conv(x, W) - conv(x~, W_q); kept iff it
-    lowers sum((relu(y~ + c) - relu(y))^2) on the held-out samples."""
+    lowers sum((relu(y~ + c) - relu(y))^2) on the held-out samples. Returns (kept, relative
+    errors without / with it)."""
     x_slot = next(t.input_slot for ts in layer_tasks(sim).values() for t in ts if t.layer == "c1")
     xq, wq = qp[x_slot], qp["c1.weight"]
     w, b = params["c1.weight"].astype(np.float64), params["c1.bias"].astype(np.float64)
@@ -109,7 +110,7 @@ def _reference_keeps_c1(sim, params, qp, cal, held) -> bool:
     shift = (y - yt).mean(axis=(0, 2, 3))[None, :, None, None]
     y, yt = (v + b[None, :, None, None] for v in outs(held))
     err = [np.sum((np.maximum(yt + c, 0) - np.maximum(y, 0)) ** 2) for c in (0.0, shift)]
-    return bool(err[1] < err[0])
+    return bool(err[1] < err[0]), np.array(err) / np.sum(np.maximum(y, 0) ** 2)
 
 
 @pytest.mark.parametrize("held_offset, helps", [(2.0, True), (-2.0, False)])
@@ -123,8 +124,10 @@ def test_gate_keeps_a_helpful_correction_and_drops_a_harmful_one(held_offset, he
     sim = simulate(mod, params, cfg)
     qp = calibrate(sim, params, cal + held, cfg, target=TARGET)
     assert qp.meta["samples"] == 12
-    assert _reference_keeps_c1(sim, params, qp, cal, held) is helps  # the construction
+    kept, errors = _reference_c1(sim, params, qp, cal, held)
+    assert kept is helps  # the construction
     tuning = qp.meta["weight_tuning"]
+    np.testing.assert_allclose(tuning["bias_gate_errors"]["c1"], errors, rtol=1e-5)
     assert ("c1.bias" in qp.values) is helps and ("c1" in tuning["bias_gate_dropped"]) is not helps
     ungated = calibrate(sim, params, cal, EBC, target=TARGET)
     if helps:  # a kept correction is the ungated one (same calibration samples)
