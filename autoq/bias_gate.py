@@ -25,6 +25,10 @@ drops it. The errors are reported relative to ``sum(f(W x + b)^2)``. Rows: up to
 no real token in any held-out sample) is **dropped**: the gate keeps only corrections
 shown to help.
 
+The gate can only reject what its held-out samples show: on ResNet-50 (README, "Accuracy
+options") the correction helps held-out crops of the calibration photos and hurts crops of
+other photos, so it is kept; held-out samples should come from other sources than the rest.
+
 Pure numpy; :class:`HeldRows` is a sink for :meth:`autoq.shard_runner.ShardRunner.feed`.
 """
 
