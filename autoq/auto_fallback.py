@@ -29,6 +29,7 @@ from .analysis import Analysis
 from .build import default_target
 from .calibrate import calibrate
 from .config import AutoFallback, Config, Fallback, Override
+from .holdout import split_holdout
 from .json_document import JsonDocument
 from .metrics import sqnr_db
 from .qparams import QParam, QParams
@@ -236,19 +237,6 @@ def _search(an: Analysis, ranking, fb: AutoFallback, trial, within, start, held)
         if sort_key(v) > sort_key(value):
             layers, value = cand, v
     return layers, value, False
-
-
-def split_holdout(dataset, n: int) -> tuple:
-    """(calibration part, held-out part): the last ``n`` samples held out (module doc)."""
-    if not n:
-        return dataset, []
-    items = list(dataset)
-    if len(items) <= n:
-        raise ValueError(
-            f"AutoFallback.holdout={n} leaves no calibration samples: the dataset has "
-            f"{len(items)}; lower holdout or give more samples"
-        )
-    return items[:-n], items[-n:]
 
 
 def search_fallback(

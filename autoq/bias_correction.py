@@ -100,7 +100,10 @@ class PatchMean:
         self.sum: np.ndarray | None = None
         self.count = 0
 
-    def _sums(self, x: np.ndarray) -> tuple[np.ndarray, int]:
+    def sums(self, x) -> tuple[np.ndarray, int]:
+        """One batch's ``(sums, rows)`` (what :meth:`update` adds; :meth:`add` takes them
+        from elsewhere, e.g. a shard's per-sample sums added in dataset order)."""
+        x = np.asarray(x, np.float64)
         if self.geom is None:
             rows = x.reshape(-1, x.shape[-1])
             return rows.sum(axis=0)[None], rows.shape[0]
@@ -121,7 +124,9 @@ class PatchMean:
         return out.reshape(g.groups, -1), x.shape[0] * oh * ow
 
     def update(self, x) -> None:
-        sums, n = self._sums(np.asarray(x, np.float64))
+        self.add(*self.sums(x))
+
+    def add(self, sums: np.ndarray, n: int) -> None:
         if self.sum is not None and self.sum.shape != sums.shape:
             raise ValueError(f"patch shape {sums.shape}, earlier batches had {self.sum.shape}")
         self.sum = sums if self.sum is None else self.sum + sums

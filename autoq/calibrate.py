@@ -40,6 +40,7 @@ from .calibration_plan import CalibrationPlan, build_plan, slot_layouts
 from .config import Config, QuantSpec
 from .dataset import DatasetError, InputSpec, as_dataset, index_bounds
 from .errors import CalibratorError
+from .holdout import split_holdout
 from .loop_schedule import pipeline_with_loop_schedule
 from .qparams import QParam, QParams
 from .registry import slot_id_of
@@ -190,7 +191,11 @@ def calibrate(
     config = config or Config()
     target = target or default_target()
     g = sim.graph
+    topological = config.calibration != "fp32"
+    n_held = config.bias_correction_holdout if topological else 0
+    dataset, held = split_holdout(dataset, n_held, "Config.bias_correction_holdout")
     samples = samples_for(dataset, g.inputs, module=g.module)
+    held = samples_for(held, g.inputs, module=g.module) if n_held else None
     check_real_tokens(config.token_mask, samples)
     t0 = time.perf_counter()
     result = calibrate_weights(sim)
@@ -203,7 +208,7 @@ def calibrate(
         warn_untuned(config)
     else:
         acts, tuner = _calibrate_topological(
-            sim, samples, result, config, target, stats, health, fixed or {}
+            sim, (samples, held), result, config, target, stats, health, fixed or {}
         )
     stats["total_s"] = time.perf_counter() - t0
     refuse_constant_inputs(sim, health, samples.num_samples)
@@ -363,12 +368,15 @@ def run_plan(
     health: dict | None = None,
     tuner=None,
     fixed: dict[str, QParam] | None = None,
+    held: list = (),
 ) -> dict:
     """The coordinator loop: for each segment, choose its heads' qparams from every
     shard's statistics (and the lookup tables they complete), let ``tuner`` (a
     :class:`autoq.weight_tuning.WeightTuner`) tune the layers reading them, then let every
     shard run it with them. ``health`` (a dict) receives each head's :class:`SlotHealth`
-    for its chosen qparams on the same values. ``fixed``: slot -> qparams used as they are."""
+    for its chosen qparams on the same values. ``fixed``: slot -> qparams used as they are.
+    ``held``: runners of held-out samples that run every segment but give no statistics
+    (``Config.bias_correction_holdout``: only the tuner's gate reads them)."""
     result: dict[str, QParam] = {}
     n = sum(r.n for r in runners)
     bar = _progress(config, len(plan.segments) * n, "calibrating")
@@ -390,10 +398,12 @@ def run_plan(
                 if out_sid in chosen
             }
             if tuner is not None:
-                tuner.step(seg.heads, result, runners)
+                tuner.step(seg.heads, result, runners, held)
             bar.set_postfix_str(",".join(seg.heads)[:40])
             for r in runners:
                 r.run_segment(j, chosen, progress=lambda: bar.update(1), tables=tables)
+            for r in held:
+                r.run_segment(j, chosen, tables=tables)
     finally:
         bar.close()
     return result
@@ -410,28 +420,43 @@ def calibration_pipeline(target):
 def _calibrate_topological(
     sim, samples, weight_qp, config, target, stats, health, fixed
 ) -> dict[str, QParam]:
+    """``samples``: (calibration samples, held-out samples or None)."""
+    samples, held = samples
     plan, functions = build_plan(sim, config.token_mask)
     t0 = time.perf_counter()
     vm = compile_vm(functions, target, sim.mod, pipeline=calibration_pipeline(target))
     stats["compile_s"] = time.perf_counter() - t0
     stats["segments"] = len(plan.segments)
     budget = config.memory_budget_mb * 2**20
-    runner = ShardRunner(vm, plan, static_values(sim, plan, weight_qp), budget, config.cache_dir)
+    runners = [
+        ShardRunner(vm, plan, static_values(sim, plan, weight_qp), budget, config.cache_dir)
+        for _ in range(1 if held is None else 2)
+    ]
     tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None
     if tuner is not None and tuner.fp32_slots():  # empirical bias correction's fp32 means
         t0 = time.perf_counter()
         slots = tuner.fp32_slots()
         layouts = [plan.token_layouts.get(s) for s in slots]
-        outs = fp32_slot_runner(sim, slots, target)(samples)
-        tuner.observe_fp32(masked_outputs(outs, samples, config.token_mask, layouts))
+        run = fp32_slot_runner(sim, slots, target)
+
+        def outs(part):
+            return masked_outputs(run(part), part, config.token_mask, layouts)
+
+        tuner.observe_fp32(outs(samples), () if held is None else outs(held))
         stats["fp32_means_s"] = time.perf_counter() - t0
     try:
-        runner.load(samples)
-        runner.run_prologue()
-        result = run_plan(plan, [runner], sim.plan.specs, config, sim, health, tuner, fixed)
-        stats.update(runner.stats, **runner.cache_stats())
+        for r, part in zip(runners, (samples, held), strict=False):
+            r.load(part)
+            r.run_prologue()
+        result = run_plan(
+            plan, runners[:1], sim.plan.specs, config, sim, health, tuner, fixed, runners[1:]
+        )
+        stats.update(runners[0].stats, **runners[0].cache_stats())
+        if held is not None:
+            stats["held_out_samples"] = held.num_samples
     finally:
-        runner.close()
+        for r in runners:
+            r.close()
     missing = [s for s in sim.activation_slots() if s not in result]
     if missing:
         raise RuntimeError(f"internal error: activation slots {missing} were never calibrated")

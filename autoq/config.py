@@ -271,7 +271,13 @@ class Config(JsonDocument):
     variant): each layer's mean output on the calibration data is matched to the fp32
     model's, ``W E[x_fp32] - W_q E[x~]`` added to the bias, where ``x~`` is the layer's
     quantized-so-far input; this also removes the mean error arriving from upstream (costs
-    one fp32 pass over the calibration data; supersedes ``bias_correction``). ``scale_search``: per-channel weight scales chosen on a
+    one fp32 pass over the calibration data; supersedes ``bias_correction``).
+    ``bias_correction_holdout``: with ``empirical_bias_correction``, the last this many
+    calibration samples are held out of calibration and each layer's correction is kept only
+    if it lowers the layer's output error against fp32 on them (:mod:`autoq.bias_gate`;
+    0, the default: every correction kept; topological calibration only; on a Dask
+    cluster the held-out samples are one shard of their own).
+    ``scale_search``: per-channel weight scales chosen on a
     grid of clipping ratios by the layer's output MSE (OMSE, Choukroun et al. 2019;
     :mod:`autoq.scale_search`). The integer weights and biases they choose are carried in
     ``QParams.values`` (realized as they are; simulated exactly). EfficientNet-Lite0 top-1
@@ -302,6 +308,7 @@ class Config(JsonDocument):
     weight_rounding: str = "gptq"
     bias_correction: bool = False
     empirical_bias_correction: bool = False
+    bias_correction_holdout: int = 0
     scale_search: bool = False
     equalization: bool = False
     int16_tensors: tuple[str, ...] = ()
@@ -344,6 +351,7 @@ class Config(JsonDocument):
                      "equalization"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
+        _check_holdout(self)
         str_tuple(self, "int16_tensors")
         check_alpha(self.smooth_quant)
         if self.token_mask is not None and not isinstance(self.token_mask, TokenMask):
@@ -402,6 +410,7 @@ class Config(JsonDocument):
             "weight_rounding": self.weight_rounding,
             "bias_correction": self.bias_correction,
             "empirical_bias_correction": self.empirical_bias_correction,
+            "bias_correction_holdout": self.bias_correction_holdout,
             "scale_search": self.scale_search,
             "equalization": self.equalization,
             "int16_tensors": list(self.int16_tensors),
@@ -431,6 +440,19 @@ class Config(JsonDocument):
         if d.get("token_mask") is not None:
             d["token_mask"] = TokenMask.from_json(d["token_mask"])
         return cls(**d)
+
+
+def _check_holdout(config: Config) -> None:
+    n = config.bias_correction_holdout
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(
+            f"Config.bias_correction_holdout must be an int >= 0 (held-out samples), got {n!r}"
+        )
+    if n and not config.empirical_bias_correction:
+        raise ValueError(
+            f"Config.bias_correction_holdout={n} gates empirical bias correction, which is off: "
+            "set empirical_bias_correction=True or bias_correction_holdout=0"
+        )
 
 
 def _check_dynamic_config(config: Config) -> None:

@@ -25,7 +25,11 @@
    depend on the split or the merge order, :class:`autoq.hessian.CodeHessian`); the
    coordinator merges them, runs GPTQ / the scale search / the bias correction (all three
    need only these sums) and sends the tuned weights, biases and weight scales to the
-   shards, which recompute their prologue before the segment runs.
+   shards, which recompute their prologue before the segment runs. Empirical bias
+   correction's fp32 mean patches come from one float-graph pass on the shards, per-sample
+   sums added in dataset order (the in-process bits); with ``bias_correction_holdout`` the
+   last samples go to a shard of their own that runs every segment but gives no
+   statistics, whose rows the held-out gate reads (:mod:`autoq.bias_gate`).
 
 The qparams are the same bit for bit as in-process calibration, for any number of shards
 and workers (``tests/test_distributed.py``). A worker that dies during topological
@@ -43,7 +47,6 @@ import itertools
 import os
 import tempfile
 import time
-import warnings
 from dataclasses import fields
 
 from . import calibrators
@@ -63,12 +66,13 @@ from .calibrate import (
 from .calibration_plan import build_plan
 from .config import Config, Distributed
 from .dataset import InputSpec, as_dataset, is_shard_source
+from .holdout import split_holdout
 from .remote_shards import RemoteShard, ShardLostError, result_of
 from .scale_health import HealthCheck
 from .shard_actor import ShardActor, shard_name
 from .simulate import SimResult
 from .toolkit import compile_executable
-from .weight_tuning import WeightTuner
+from .weight_tuning import WeightTuner, distinct_values
 
 __all__ = [
     "AnalysisFanOut",
@@ -310,16 +314,21 @@ def calibrate_distributed(
     result = calibrate_weights(sim)
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
     specs = input_specs(sim.graph.inputs)
+    dataset, held = _split_held(dataset, config)
     t1 = time.perf_counter()
     health: dict = {}  # the scale health of the activation slots (topological mode)
-    with ShardSet(client, specs, dataset, config, shards) as shard_set:
+    with contextlib.ExitStack() as stack:
+        shard_set = stack.enter_context(ShardSet(client, specs, dataset, config, shards))
+        held_set = stack.enter_context(ShardSet(client, specs, held, config, 1)) if held else None
         stats["load_s"] = time.perf_counter() - t1
         stats["shards"] = shard_set.count
         tuner = None
         if config.calibration == "fp32":
             acts = _fp32(sim, shard_set, target, stats, health)
         else:
-            acts, tuner = _topological(sim, shard_set, result, config, target, stats, health)
+            acts, tuner = _topological(
+                sim, (shard_set, held_set), result, config, target, stats, health
+            )
         for i, d in enumerate(shard_set.info()):
             stats[f"shard{i}_peak_rss_mb"] = d["peak_rss_mb"]
         n = sum(shard_set.counts)
@@ -392,7 +401,46 @@ def report_distributed(analysis, mod, params, dataset, client, shards: int | Non
         return fan_out(analysis)[0]
 
 
-def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats, health) -> tuple:
+def _split_held(dataset, config: Config) -> tuple:
+    """(calibration samples, held-out samples) for ``Config.bias_correction_holdout``."""
+    n = config.bias_correction_holdout if config.calibration != "fp32" else 0
+    if n and is_shard_source(dataset):
+        raise ValueError(
+            f"Config.bias_correction_holdout={n} needs the samples streamed from this process; "
+            f"a worker-side shard source ({dataset.describe()}) cannot be split: set it to 0"
+        )
+    return split_holdout(dataset, n, "Config.bias_correction_holdout")
+
+
+def _fp32_means(sim, tuner, plan, sets, config, target, stats) -> None:
+    """Empirical bias correction's fp32 pass on the shards (``sets``: the calibration
+    :class:`ShardSet` and the held-out one or None): per-sample sums added in dataset order,
+    the held-out shard's fp32 rows, given to ``tuner``."""
+    t0 = time.perf_counter()
+    shard_set, held_set = sets
+    g, slots = sim.graph, tuner.fp32_slots()
+    lib = library_bytes(fp32_slot_functions(sim, slots), target, g.module)
+    weights = [g.params[p.name] for p in g.weight_params]
+    layouts = [plan.token_layouts.get(s) for s in slots]
+    for ss in (s for s in sets if s is not None):
+        ss.call("start_fp32", lib, [v.name for v in g.inputs], weights)
+    tables, sinks = tuner.fp32_tables(), tuner.held_sinks()
+    means = [distinct_values(t) for t in tables.values()]
+    per_shard = shard_set.call("fp32_patch_sums", means, config.token_mask, layouts)
+    for i, j in shard_set.order(is_shard_source(shard_set.dataset)):
+        for ms, sums in zip(means, per_shard[i][j], strict=True):
+            for m, (s, n) in zip(ms, sums, strict=True):
+                m.add(s, n)
+    if held_set is not None and sinks:
+        fed = held_set.call("fp32_feed", list(sinks.values()), config.token_mask, layouts)[0]
+        sinks = dict(zip(sinks, fed, strict=True))
+    tuner.use_fp32(tables, sinks)
+    stats["fp32_means_s"] = time.perf_counter() - t0
+
+
+def _topological(sim, sets: tuple, weight_qp, config, target, stats, health) -> tuple:
+    """``sets``: the calibration :class:`ShardSet` and the held-out one (or None)."""
+    shard_set, held_set = sets
     plan, functions = build_plan(sim, config.token_mask)
     t0 = time.perf_counter()
     lib = library_bytes(functions, target, sim.mod)
@@ -401,29 +449,29 @@ def _topological(sim, shard_set: ShardSet, weight_qp, config, target, stats, hea
     t0 = time.perf_counter()
     dist = config.distributed  # cluster= without it: Distributed's default retries
     default = {f.name: f.default for f in fields(Distributed)}["retries"]
-    remotes = shard_set.remotes(dist.retries if dist is not None else default)
+    retries = dist.retries if dist is not None else default
+    remotes = shard_set.remotes(retries)
+    held = [] if held_set is None else held_set.remotes(retries)
     static = static_values(sim, plan, weight_qp)
-    for r in remotes:
+    for r in [*remotes, *held]:
         r.submit("start_topological", lib, plan, static, what="start")
-    for r in remotes:
+    for r in [*remotes, *held]:
         r.wait()
     stats["start_s"] = time.perf_counter() - t0
     tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None
-    if config.empirical_bias_correction:
-        warnings.warn(
-            "Config.empirical_bias_correction is not applied on a Dask cluster yet (it needs "
-            "an fp32 pass over the data in this process): calibrate without Config.distributed "
-            "to use it",
-            stacklevel=3,
-        )
+    if tuner is not None and tuner.fp32_slots():
+        _fp32_means(sim, tuner, plan, sets, config, target, stats)
     t0 = time.perf_counter()
-    result = run_plan(plan, remotes, sim.plan.specs, config, sim, health, tuner)
-    for r in remotes:
+    result = run_plan(plan, remotes, sim.plan.specs, config, sim, health, tuner, None, held)
+    for r in [*remotes, *held]:
         r.wait()
     stats["run_plan_s"] = time.perf_counter() - t0
     for i, d in enumerate(shard_set.call("finish_topological")):
         for k in ("run_s", "observe_s", "cache_peak_mb", "spilled_mb"):
             stats[f"shard{i}_{k}"] = d[k]
+    if held_set is not None:
+        held_set.call("finish_topological")
+        stats["held_out_samples"] = sum(held_set.counts)
     missing = [s for s in sim.activation_slots() if s not in result]
     if missing:
         raise RuntimeError(f"internal error: activation slots {missing} were never calibrated")

@@ -8,7 +8,8 @@ A shard actor lives in a Dask worker process (created by :mod:`autoq.distributed
   :class:`autoq.value_cache.ValueCache` (``Config.memory_budget_mb``, then disk);
 * for topological calibration, a :class:`autoq.shard_runner.ShardRunner` over the compiled
   plan and its cached activations (the same runner in-process calibration uses);
-* for fp32-mode calibration, the compiled float graph returning every slot's tensor.
+* for fp32-mode calibration, the compiled float graph returning every slot's tensor (also
+  the float graph of the layer inputs whose fp32 means empirical bias correction needs).
 
 Everything it returns is plain data: observer *states* (``observer.state()``, numpy arrays,
 see :mod:`autoq.calibrators`), counts and statistics. The compiled libraries arrive as the
@@ -36,6 +37,7 @@ from .cpu.amx import request_amx
 from .dataset import DatasetError, InputSpec, validate_sample
 from .metrics import output_sums
 from .shard_runner import ShardRunner
+from .token_mask import masked_outputs
 from .value_cache import ValueCache
 
 __all__ = ["ShardActor", "load_vm", "shard_name", "tune_malloc"]
@@ -208,6 +210,28 @@ class ShardActor:
             raise RuntimeError(f"{self.name}: start_fp32 was not called")
         observers = feed_observers(fp32_observers(specs, ranges), self.fp32(self.samples()))
         return [None if o is None else o.state() for o in observers]
+
+    def _fp32_values(self, mask, layouts: list):
+        if self.fp32 is None:
+            raise RuntimeError(f"{self.name}: start_fp32 was not called")
+        return masked_outputs(self.fp32(self.samples()), self.samples(), mask, layouts)
+
+    def fp32_patch_sums(self, means: list[list], mask, layouts: list) -> list:
+        """Per sample of the shard, per output of the float graph, per empty mean patch of
+        ``means`` (:class:`autoq.bias_correction.PatchMean`, one list per output) its
+        ``sums(x)`` on the sample's fp32 value (real tokens only with the token ``mask``)."""
+        return [
+            [[m.sums(x) for m in ms] for ms, x in zip(means, outs, strict=True)]
+            for outs in self._fp32_values(mask, layouts)
+        ]
+
+    def fp32_feed(self, sinks: list, mask, layouts: list) -> list:
+        """``sinks`` (one per output of the float graph, e.g. :class:`autoq.bias_gate.
+        HeldRows`) fed every sample's fp32 values; returned."""
+        for outs in self._fp32_values(mask, layouts):
+            for sink, x in zip(sinks, outs, strict=True):
+                sink.update(x)
+        return sinks
 
     # ---- per-layer analysis and fallback trials
     def start_analysis(self, mod, params, qparams, config, target, accumulator: str) -> float:

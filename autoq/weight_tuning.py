@@ -23,7 +23,9 @@ for every such layer it
    ``empirical_bias_correction`` the whole mean shift to the fp32 model instead,
    ``W E[x_fp32] - W_q E[x~]`` (exact mean patches, :class:`autoq.bias_correction.PatchMean`:
    ``E[x~]`` of the quantized input streamed here, ``E[x_fp32]`` from one fp32 pass before
-   calibration, :meth:`WeightTuner.observe_fp32`);
+   calibration, :meth:`WeightTuner.observe_fp32`); with ``bias_correction_holdout`` each
+   layer's correction kept only if it lowers the layer's output error on held-out samples
+   (:mod:`autoq.bias_gate`);
 
 and hands the new weight (the chosen integers, dequantized: they quantize back to the same
 integers exactly), bias and weight qparams to the runners, so the segments that follow (the
@@ -56,6 +58,7 @@ import numpy as np
 
 from . import primitives as P
 from .bias_correction import PatchMean
+from .bias_gate import HeldRows, decide, follower_activation, layer_output
 from .config import Config
 from .gptq import gptq, rtn
 from .hessian import CodeHessian, ConvGeometry, flatten_conv_weight
@@ -69,6 +72,7 @@ __all__ = [
     "MIN_ROWS_PER_COLUMN",
     "LayerTask",
     "WeightTuner",
+    "distinct_values",
     "layer_tasks",
     "single_threaded_blas",
 ]
@@ -229,7 +233,8 @@ def _distinct_items(table: dict) -> list[tuple[str, object]]:
     return list(seen.values())
 
 
-def _distinct(table: dict) -> list:
+def distinct_values(table: dict) -> list:
+    """The distinct value objects of ``table`` (shared ones once), in first-key order."""
     return [v for _, v in _distinct_items(table)]
 
 
@@ -246,28 +251,65 @@ class WeightTuner:
         self.stats = {"tune_s": 0.0, "gptq": 0, "nearest": 0, "searched": 0, "bias_corrected": 0}
         #: ``empirical_bias_correction``: layer -> mean patch of its fp32 input
         self.fp32_means: dict[str, PatchMean] = {}
+        #: ``bias_correction_holdout``: layer -> its fp32 output on the held-out rows
+        self.held_fp32: dict[str, np.ndarray | None] = {}
+        #: layer -> the activation that alone reads its output (the gate's error after it)
+        self.followers = {m.layer: follower_activation(sim.graph, m) for m in sim.matches}
+        self.dropped: list[str] = []
+        #: layer -> the gate's relative held-out error without / with its correction
+        self.gate_errors: dict[str, list] = {}
 
     def fp32_slots(self) -> list[str]:
         """The activation slots whose fp32 values :meth:`observe_fp32` needs (none unless
         ``empirical_bias_correction``)."""
         return list(self.tasks) if self.config.empirical_bias_correction else []
 
-    def observe_fp32(self, outputs) -> None:
+    def fp32_tables(self) -> dict[str, dict[str, PatchMean]]:
+        """Slot of :meth:`fp32_slots` -> layer -> an empty mean patch of its fp32 input
+        (shared by the layers whose patches are equal), to fill and give :meth:`use_fp32`."""
+        return {sid: patch_mean_table(self.tasks[sid]) for sid in self.fp32_slots()}
+
+    def held_sinks(self) -> dict[str, HeldRows]:
+        """Slot -> an empty sink of the fp32 held-out rows (none without the gate)."""
+        gated = self.config.bias_correction_holdout
+        return {sid: self._held_rows(sid) for sid in self.fp32_slots()} if gated else {}
+
+    def observe_fp32(self, outputs, held=()) -> None:
         """Feed the fp32 model's values of :meth:`fp32_slots` (one list per sample, in that
-        order) into the layers' fp32 mean patches."""
+        order) into the layers' fp32 mean patches; those of the ``held`` samples (same form)
+        give the layers' fp32 outputs on the held-out rows (:mod:`autoq.bias_gate`)."""
         t0 = time.perf_counter()
-        tables = {sid: patch_mean_table(self.tasks[sid]) for sid in self.fp32_slots()}
+        tables, sinks = self.fp32_tables(), self.held_sinks()
         for outs in outputs:
-            for sid, x in zip(tables, outs, strict=True):
-                for m in _distinct(tables[sid]):
+            for table, x in zip(tables.values(), outs, strict=True):
+                for m in distinct_values(table):
                     m.update(x)
-        for table in tables.values():
-            self.fp32_means.update(table)
+        for outs in held:
+            for sink, x in zip(sinks.values(), outs, strict=True):
+                sink.update(x)
+        self.use_fp32(tables, sinks)
         self.stats["fp32_pass_s"] = time.perf_counter() - t0
 
-    def step(self, heads: list[str], act_qp: dict[str, QParam], runners: list) -> None:
+    def use_fp32(self, tables: dict[str, dict[str, PatchMean]], sinks: dict[str, HeldRows]):
+        """Take the filled :meth:`fp32_tables` and :meth:`held_sinks`."""
+        for table in tables.values():
+            self.fp32_means.update(table)
+        for sid, sink in sinks.items():
+            for t in self.tasks[sid]:
+                rows = sink.rows(t.layer)
+                if t.has_bias and rows is not None:
+                    b = self.sim.plan.biases[t.layer][0]
+                    self.held_fp32[t.layer] = layer_output(t.flat(t.weight), rows, b)
+
+    def _held_rows(self, sid: str, qp: QParam | None = None) -> HeldRows:
+        return HeldRows({t.layer: t.geom for t in self.tasks[sid]}, qp)
+
+    def step(
+        self, heads: list[str], act_qp: dict[str, QParam], runners: list, held: list = ()
+    ) -> None:
         """Tune the layers reading any of ``heads`` (their qparams in ``act_qp``) before
-        the segment starting at them runs on ``runners``."""
+        the segment starting at them runs on ``runners`` (and on the ``held`` runners of the
+        held-out samples, which only the bias-correction gate reads)."""
         tasks = [(sid, self.tasks[sid]) for sid in heads if sid in self.tasks]
         if not tasks:
             return
@@ -280,13 +322,18 @@ class WeightTuner:
                 merged = shards[0].resolve()
                 for other in shards[1:]:
                     merged.merge(other)
+                rows = self._held_rows(sid, act_qp[sid])
+                for r in held if empirical and self.config.bias_correction_holdout else ():
+                    rows = r.feed(sid, rows).resolve()  # (a remote shard returns a copy)
                 for task in group:
-                    updates.update(self._tune(task, merged.hessians[task.layer], merged))
-        for r in runners:
+                    updates.update(self._tune(task, merged.hessians[task.layer], merged, rows))
+        for r in [*runners, *held]:
             r.update_static(updates)
         self.stats["tune_s"] += time.perf_counter() - t0
 
-    def _tune(self, task: LayerTask, h: CodeHessian, stats: InputStats) -> dict[int, np.ndarray]:
+    def _tune(
+        self, task: LayerTask, h: CodeHessian, stats: InputStats, held: HeldRows
+    ) -> dict[int, np.ndarray]:
         cfg, spec = self.config, self.sim.plan.specs[task.weight_slot]
         qmin, qmax = spec.qrange
         qp = self.weight_qp[task.weight_slot]
@@ -319,12 +366,31 @@ class WeightTuner:
             if task.layer in stats.means:  # empirical: to the fp32 model's mean output
                 m_fp, m_q = self.fp32_means[task.layer].mean(), stats.input_mean(task.layer)
                 shift = np.einsum("gok,gk->go", wf, m_fp) - np.einsum("gok,gk->go", wq, m_q)
+                if not self._gate(task, wq, b, shift.reshape(-1), held):
+                    return out
             else:
                 shift = np.einsum("gok,gk->go", wf - wq, h.mean())
             self.biases[task.layer] = (b + shift.reshape(-1)).astype(np.float32)
             out[self.plan.value_keys[f"{task.layer}.bias"]] = self.biases[task.layer]
             self.stats["bias_corrected"] += 1
         return out
+
+    def _gate(self, task: LayerTask, wq, b, shift, held: HeldRows) -> bool:
+        """Whether ``task``'s empirical correction ``shift`` is kept (always without
+        ``bias_correction_holdout``; else :func:`autoq.bias_gate.decide` on ``held``)."""
+        if not self.config.bias_correction_holdout:
+            return True
+        rows = held.rows(task.layer)
+        y_q = None if rows is None else layer_output(wq, rows, b)
+        d = decide(self.held_fp32.get(task.layer), y_q, shift, self.followers.get(task.layer))
+        key = "bias_kept" if d.kept else "bias_unmeasured" if not d.rows else "bias_dropped"
+        self.stats[key] = self.stats.get(key, 0) + 1
+        if not d.kept:
+            self.dropped.append(task.layer)
+        self.gate_errors[task.layer] = [
+            None if np.isnan(v) else float(f"{v:.6g}") for v in (d.error, d.corrected)
+        ]
+        return d.kept
 
     def values(self, qparams: dict[str, QParam]) -> dict[str, np.ndarray]:
         """The integers to realize (``QParams.values``) for the final ``qparams``."""
@@ -340,4 +406,8 @@ class WeightTuner:
         return out
 
     def summary(self) -> dict:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.stats.items()}
+        out = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.stats.items()}
+        if self.config.bias_correction_holdout:
+            out["bias_gate_dropped"] = list(self.dropped)
+            out["bias_gate_errors"] = dict(self.gate_errors)
+        return out

@@ -281,7 +281,12 @@ def tuning_cost(res) -> str:
     if t is None:
         return fb
     run = res.qparams.meta.get("stats", {}).get("run_s") or float("nan")
-    return f" (weight tuning {t:.1f} s = {t / run:.2f} calibration passes){fb}"
+    wt = res.qparams.meta.get("weight_tuning", {})
+    gate = "" if "bias_gate_dropped" not in wt else (
+        f"; bias gate kept {wt.get('bias_kept', 0)}, dropped {wt.get('bias_dropped', 0)}, "
+        f"unmeasured {wt.get('bias_unmeasured', 0)}"
+    )  # fmt: skip
+    return f" (weight tuning {t:.1f} s = {t / run:.2f} calibration passes){gate}{fb}"
 
 
 def equalization_note(res) -> str:
@@ -324,6 +329,12 @@ def baseline_configs() -> dict[str, tuple[object, str]]:
         "default+ebc": (
             base.replace(empirical_bias_correction=True),
             "defaults + empirical bias correction",
+        ),
+        # the last 8 calibration samples held out: each layer's correction kept only if it
+        # lowers the layer's (post-activation) output error on them (autoq.bias_gate)
+        "default+ebc_gated": (
+            base.replace(empirical_bias_correction=True, bias_correction_holdout=8),
+            "defaults + empirical bias correction, held-out gate (8 of the samples)",
         ),
         "all": (
             plain.replace(weight_rounding="gptq", bias_correction=True, scale_search=True),

@@ -253,13 +253,19 @@ def test_shard_sources_split_the_data(tmp_path):
 TUNING = {
     "gptq": {"weight_rounding": "gptq"},
     "all": {"weight_rounding": "gptq", "bias_correction": True, "scale_search": True},
+    "ebc": {"empirical_bias_correction": True},
+    "ebc_gated": {"empirical_bias_correction": True, "bias_correction_holdout": 2},
 }
 
 
-@pytest.mark.parametrize(("name", "shards"), [("gptq", 3), ("all", 2)])
+@pytest.mark.parametrize(
+    ("name", "shards"), [("gptq", 3), ("all", 2), ("ebc", 2), ("ebc_gated", 3)]
+)
 def test_weight_tuning_gives_the_in_process_weights(client, model, name, shards):
-    """GPTQ, bias correction and the scale search on the shards' merged (exact) Hessians:
-    the same weight scales, activation qparams and tuned integers (QParams.values)."""
+    """GPTQ, bias correction and the scale search on the shards' merged (exact) Hessians,
+    empirical bias correction on their fp32 sums added in dataset order, its held-out gate
+    on a held-out shard: the same weight scales, activation qparams and tuned integers
+    (QParams.values), the same gate decisions."""
     mod, params, data = model
     cfg = config("max", **TUNING[name])
     sim = simulate(mod, params, cfg)
@@ -269,13 +275,26 @@ def test_weight_tuning_gives_the_in_process_weights(client, model, name, shards)
     tuned = want.meta["weight_tuning"]
     assert tuned["gptq"] >= 3, tuned  # the layers with enough rows were really rounded
     if name == "all":
-        assert tuned["searched"] >= 3 and tuned["bias_corrected"] >= 3, tuned
-    assert {k: got.meta["weight_tuning"][k] for k in tuned if k != "tune_s"} == {
-        k: v for k, v in tuned.items() if k != "tune_s"
+        assert tuned["searched"] >= 3, tuned
+    if name != "gptq":
+        assert tuned["bias_corrected"] >= 3 - (name == "ebc_gated"), tuned
+    if name == "ebc_gated":
+        assert tuned["bias_kept"] >= 1 and got.meta["stats"]["held_out_samples"] == 2, tuned
+    timings = [k for k in tuned if k.endswith("_s")]
+    assert {k: v for k, v in got.meta["weight_tuning"].items() if k not in timings} == {
+        k: v for k, v in tuned.items() if k not in timings
     }
     assert want.values and list(got.values) == list(want.values)
     for k, v in want.values.items():
         assert got.values[k].dtype == v.dtype and got.values[k].tobytes() == v.tobytes(), k
+
+
+def test_bias_correction_holdout_refuses_a_worker_side_source(client, model):
+    mod, params, _ = model
+    cfg = config("max", empirical_bias_correction=True, bias_correction_holdout=2)
+    sim = simulate(mod, params, cfg)
+    with pytest.raises(ValueError, match="bias_correction_holdout=2 needs the samples streamed"):
+        calibrate_distributed(sim, CallableShards(shard_of_seven), cfg, TARGET, client)
 
 
 def test_in_process_runs_never_import_dask():
