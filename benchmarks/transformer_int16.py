@@ -15,6 +15,7 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
 * with ``--token-mask attention_mask``: every static row again with ``Config(token_mask=...)``
   (statistics over real tokens only, :mod:`autoq.token_mask`);
 * autoq dynamic per token (no data), for reference;
+* ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
 * with ``--margins``: after each row, its NN@1 failures with their fp32 margins, NN@1 with the
   row's error scaled down, and what an isotropic error of the same size predicts
   (:mod:`nn_margins`: how much of a row's NN@1 is the eval set's near-ties);
@@ -90,7 +91,7 @@ def configs(args):
         for rounding in args.rounding:
             fb = AutoFallback(
                 precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
-                min_sqnr=args.min_sqnr,
+                min_sqnr=args.min_sqnr, trial_samples=args.trial_samples,
             )  # fmt: skip
             cfg = Config(progress=False, check_scales=False, fallback=fb, weight_rounding=rounding)
             rows.append((f"autoq int16 escalation (<= {f:.0%}), {rounding}", cfg))
@@ -101,7 +102,7 @@ def configs(args):
         for f in args.fractions:
             fb = AutoFallback(
                 precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
-                min_sqnr=args.min_sqnr,
+                min_sqnr=args.min_sqnr, trial_samples=args.trial_samples,
             )  # fmt: skip
             cfg = Config(progress=False, check_scales=False, fallback=fb, smooth_quant=alpha,
                          weight_rounding=args.rounding[0])  # fmt: skip
@@ -149,6 +150,9 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--margins", action="store_true", help="NN@1 margin analysis per row (nn_margins.py)"
+    )
+    p.add_argument(
+        "--trial-samples", type=int, default=4, help="AutoFallback.trial_samples (0: all)"
     )
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
