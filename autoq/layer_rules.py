@@ -156,8 +156,8 @@ class AutoFallback(Fallback):
     ``trial_samples`` (``int16_tensors`` / ``int16_first`` with ``metric="sqnr"``): the
     trials' output SQNR is measured on the first ``trial_samples`` calibration samples (0:
     all of them; the held-out ones never). Default 4: all-MiniLM-L6-v2 (12 search sentences,
-    64 evaluation sentences, the same calibration) with 12 instead of 4 swaps one of 23
-    tensors, cosine 0.9921 -> 0.9928 and NN@1 within one sentence, at 2.3x the search time
+    64 evaluation sentences) with 12 instead of 4 swaps one of 23 tensors: cosine 0.99223 ->
+    0.99271 but NN@1 60/64 -> 57/64 (near-ties), at 2.3x the search time
     (benchmarks/results/transformer_int16.md, session 6).
     """
 
