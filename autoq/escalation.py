@@ -22,7 +22,8 @@ the switch on, the slot's integers are the int16 ones re-expressed on the int8 g
 computes with the int16 value (up to float32 rounding). A lookup-table activation whose
 input or output slot is switched computes its float activation and quantizes it, as the
 realized graph does for a 16-bit slot. Each trial is then one run over the first
-``TRIAL_SAMPLES`` calibration samples (SQNR metric; a callable metric picks its own).
+``AutoFallback.trial_samples`` calibration samples (SQNR metric; a callable metric picks its
+own).
 
 int16 qparams come from the tensor's full observed range on the calibration samples, times
 :data:`INT16_HEADROOM` (:func:`int16_qparam`): the int8 calibrator's clipping is what int16
@@ -52,7 +53,14 @@ from .simulate import SimResult, simulate
 from .token_mask import TokenMask, keep_of, real_tokens
 from .toolkit import as_list, bindings, compile_vm, const, is_call, make_function, output_fields
 
-__all__ = ["EscalationGraph", "escalate", "escalate_search", "int16_qparam", "search_setup"]
+__all__ = [
+    "EscalationGraph",
+    "escalate",
+    "escalate_search",
+    "int16_qparam",
+    "search_setup",
+    "trial_set",
+]
 
 WIDE = {"int8": "int16", "uint8": "int16"}
 
@@ -278,8 +286,13 @@ class EscalationGraph:
         return QParams(out, dict(dst.slots), meta, values)
 
 
-#: the SQNR metric's trials run on the first TRIAL_SAMPLES calibration samples
-TRIAL_SAMPLES = 4
+def trial_set(eg: EscalationGraph, fb: AutoFallback) -> list:
+    """The calibration samples the SQNR metric's trials run on: the first
+    ``fb.trial_samples`` (0: all)."""
+    some = list(eg.samples)
+    return some[: fb.trial_samples] if fb.trial_samples else some
+
+
 #: tensors measured one by one: the SHORTLIST x budget with the lowest own int8 SQNR
 SHORTLIST = 3
 
@@ -291,7 +304,7 @@ def escalate_search(
     model. Returns ``{"tensors", "metric", "met", "budget", "ranking", "trials", ...}``."""
     t0 = time.perf_counter()
     if fb.metric == "sqnr":
-        some = list(eg.samples)[:TRIAL_SAMPLES]
+        some = trial_set(eg, fb)
         ref = reference_run(some)
 
         def score(sel):

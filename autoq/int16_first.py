@@ -36,7 +36,7 @@ from .analysis import layer_feeders
 from .auto_fallback import FallbackDecision, FallbackOutcome, remap_qparams
 from .calibrate import calibrate
 from .config import AutoFallback, Config
-from .escalation import TRIAL_SAMPLES, EscalationGraph, search_setup
+from .escalation import EscalationGraph, search_setup, trial_set
 from .metrics import sqnr_db
 from .qparams import QParams
 from .report import fmt_db, json_num, sort_key
@@ -122,7 +122,7 @@ def _rank(eg: EscalationGraph, fb: AutoFallback, trials: _Trials, layers, feeder
              "reason": f"lowest own int8 SQNR of its activations {fmt_db(own.get(x, math.inf))} dB"}
             for x in ranked
         ]  # fmt: skip
-    some = list(eg.samples)[:TRIAL_SAMPLES]
+    some = trial_set(eg, fb)
     ref = eg.run_fp32(some)
     out = []
     for x in layers:  # its effect on the output: int16 if it can be, else fp32 (its group)

@@ -151,7 +151,14 @@ class AutoFallback(Fallback):
     each step is kept only if it raises the metric on the calibration samples and (with
     ``holdout``) the output SQNR on the held-out ones; ``max_fp32_layers`` then counts the
     int16 and fp32 layers together (:mod:`autoq.int16_first`; ``ranking="revert"`` ranks by
-    the output SQNR with that one layer int16, on the first 4 calibration samples).
+    the output SQNR with that one layer int16, on the first ``trial_samples`` calibration
+    samples).
+    ``trial_samples`` (``int16_tensors`` / ``int16_first`` with ``metric="sqnr"``): the
+    trials' output SQNR is measured on the first ``trial_samples`` calibration samples (0:
+    all of them; the held-out ones never). Default 4: all-MiniLM-L6-v2 (12 search sentences,
+    64 evaluation sentences) with 12 instead of 4 swaps one of 23 tensors: cosine 0.99223 ->
+    0.99271 but NN@1 60/64 -> 57/64 (near-ties), at 2.3x the search time
+    (benchmarks/results/transformer_int16.md, session 6).
     """
 
     metric: Any = "sqnr"
@@ -163,15 +170,18 @@ class AutoFallback(Fallback):
     holdout: int = 0
     max_int16_fraction: float = 0.2
     recalibrate: bool = False
+    trial_samples: int = 4
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for name in ("holdout", "trial_samples"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"AutoFallback.{name} must be an int >= 0, got {v!r}")
         if not isinstance(self.recalibrate, bool):
             raise TypeError(
                 f"AutoFallback.recalibrate must be True or False, got {self.recalibrate!r}"
             )
-        if not isinstance(self.holdout, int) or isinstance(self.holdout, bool) or self.holdout < 0:
-            raise ValueError(f"AutoFallback.holdout must be an int >= 0, got {self.holdout!r}")
         if not (self.metric == "sqnr" or callable(self.metric)):
             raise ValueError(
                 f"AutoFallback.metric must be 'sqnr' or a callable metric(run) -> float, got {self.metric!r}"
@@ -217,6 +227,7 @@ class AutoFallback(Fallback):
             holdout=self.holdout,
             max_int16_fraction=self.max_int16_fraction,
             recalibrate=self.recalibrate,
+            trial_samples=self.trial_samples,
         )
         return d
 

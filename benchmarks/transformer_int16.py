@@ -15,6 +15,10 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
 * with ``--token-mask attention_mask``: every static row again with ``Config(token_mask=...)``
   (statistics over real tokens only, :mod:`autoq.token_mask`);
 * autoq dynamic per token (no data), for reference;
+* ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
+* with ``--margins``: after each row, its NN@1 failures with their fp32 margins, NN@1 with the
+  row's error scaled down, and what an isotropic error of the same size predicts
+  (:mod:`nn_margins`: how much of a row's NN@1 is the eval set's near-ties);
 * ONNX Runtime ``quantize_static`` (QDQ, minmax, per-channel weights, MatMul/Gemm only: what
   keeps it usable on this model, see vs_onnxruntime.md) and ``quantize_dynamic``
   (per-channel), in the same run.
@@ -39,6 +43,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import common
 import dynamic_quantization
+import nn_margins
 
 HEADERS = ["runtime", "NN@1", "cos mean", "cos min", "int16 tensors", "fp32 layers", "quantize s"]
 
@@ -86,7 +91,7 @@ def configs(args):
         for rounding in args.rounding:
             fb = AutoFallback(
                 precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
-                min_sqnr=args.min_sqnr,
+                min_sqnr=args.min_sqnr, trial_samples=args.trial_samples,
             )  # fmt: skip
             cfg = Config(progress=False, check_scales=False, fallback=fb, weight_rounding=rounding)
             rows.append((f"autoq int16 escalation (<= {f:.0%}), {rounding}", cfg))
@@ -97,7 +102,7 @@ def configs(args):
         for f in args.fractions:
             fb = AutoFallback(
                 precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
-                min_sqnr=args.min_sqnr,
+                min_sqnr=args.min_sqnr, trial_samples=args.trial_samples,
             )  # fmt: skip
             cfg = Config(progress=False, check_scales=False, fallback=fb, smooth_quant=alpha,
                          weight_rounding=args.rounding[0])  # fmt: skip
@@ -143,6 +148,12 @@ def parse_args(argv=None):
     p.add_argument(
         "--recalibrate", action="store_true", help="AutoFallback(recalibrate=True) escalation rows"
     )
+    p.add_argument(
+        "--margins", action="store_true", help="NN@1 margin analysis per row (nn_margins.py)"
+    )
+    p.add_argument(
+        "--trial-samples", type=int, default=4, help="AutoFallback.trial_samples (0: all)"
+    )
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
     p.add_argument("--only", default="autoq", help="run only rows containing one of these")
@@ -174,6 +185,9 @@ def main(argv=None) -> int:
         rows.append(autoq_row(info, cfg, data, evalset, label, log))
         f = common.fidelity("embedding", ref, rows[-1]["outputs"])  # logged now: a later
         log(f"    NN@1 {f['agree']:.1%}, cos {f['cos']:.5f} (min {f['cos_min']:.5f})")  # crash
+        if args.margins:
+            for line in nn_margins.summary(ref, rows[-1]["outputs"]):
+                log(line)
     if not any("ORT" in s for s in args.skip):
         rows += ort_rows(info, list(calib), evalset, log)
     table = []

@@ -210,3 +210,19 @@ def test_recalibrate_after_the_search_realizes_exactly():
     assert rep.exact, rep.table()
     with pytest.raises(TypeError, match=r"AutoFallback\.recalibrate"):
         AutoFallback(precision="int16_tensors", recalibrate="yes")
+
+
+def test_trial_samples_choose_the_samples_the_trials_measure(calibrated):
+    """AutoFallback.trial_samples: the base trial's SQNR is the all-int8 output SQNR on the
+    first n calibration samples (0: all of them); bad values name the option."""
+    _mod, _params, _sim, _qp, eg = calibrated
+    samples = list(eg.samples)
+    for n, some in ((2, samples[:2]), (0, samples)):
+        fb = AutoFallback(precision="int16_tensors", min_sqnr=99.0, trial_samples=n)
+        assert AutoFallback.from_json(fb.to_json()) == fb
+        found = escalate_search(eg, fb, eg.run_fp32)
+        base = next(t for t in found["trials"] if t["kind"] == "base")["metric"]
+        assert base == pytest.approx(sqnr_db(eg.run_fp32(some), eg.run([], some)), rel=1e-9)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="trial_samples"):
+            AutoFallback(precision="int16_tensors", trial_samples=bad)
