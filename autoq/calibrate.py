@@ -41,6 +41,7 @@ from .config import Config, QuantSpec
 from .dataset import DatasetError, InputSpec, as_dataset, index_bounds
 from .errors import CalibratorError
 from .loop_schedule import pipeline_with_loop_schedule
+from .lut_ranges import cut, cut_lut_inputs, lut_input_bounds
 from .qparams import QParam, QParams
 from .registry import slot_id_of
 from .scale_health import HealthCheck, SlotHealth, problem
@@ -368,15 +369,22 @@ def run_plan(
     shard's statistics (and the lookup tables they complete), let ``tuner`` (a
     :class:`autoq.weight_tuning.WeightTuner`) tune the layers reading them, then let every
     shard run it with them. ``health`` (a dict) receives each head's :class:`SlotHealth`
-    for its chosen qparams on the same values. ``fixed``: slot -> qparams used as they are."""
+    for its chosen qparams on the same values. ``fixed``: slot -> qparams used as they are.
+    A lookup-table input slot's range is cut where its activation is flat
+    (``Config.lut_input_ranges``, :mod:`autoq.lut_ranges`)."""
     result: dict[str, QParam] = {}
     n = sum(r.n for r in runners)
+    bounds = lut_input_bounds(sim) if config.lut_input_ranges else {}
     bar = _progress(config, len(plan.segments) * n, "calibrating")
     try:
         for j, seg in enumerate(plan.segments):
             chosen = {}
             for sid in seg.heads:
-                qp = (fixed or {}).get(sid) or choose_qparams(runners, sid, specs[sid])
+                qp = (fixed or {}).get(sid)
+                if qp is None:
+                    qp = choose_qparams(runners, sid, specs[sid])
+                    if sid in bounds:  # autoq.lut_ranges
+                        qp = cut(qp, bounds[sid], specs[sid])
                 result[sid] = qp
                 chosen[sid] = (qp.scale, qp.zero_point)
                 if health is not None:
@@ -514,6 +522,7 @@ def _calibrate_fp32(sim, samples, config, target, stats, health) -> dict[str, QP
         s: checked_result(obs.compute(sp), sp.calibrator, s)
         for s, obs, sp in zip(slots, observers, specs, strict=True)
     }
+    cut_lut_inputs(sim, result, config)
     # the chosen scales against the values they represent
     checks = feed_observers([HealthCheck(result[s]).observer() for s in slots], run(samples))
     health.update({s: obs.compute() for s, obs in zip(slots, checks, strict=True)})
