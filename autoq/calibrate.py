@@ -27,6 +27,7 @@ feeds the observers batch by batch, like ONNX Runtime does.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Iterable
@@ -56,6 +57,7 @@ __all__ = [
     "calibrate_weights",
     "calibration_pipeline",
     "choose_qparams",
+    "cut_slots",
     "feed_observers",
     "fp32_observers",
     "fp32_runner",
@@ -245,7 +247,7 @@ def make_qparams(
             "samples": samples,
             "specs": {s: sp.to_json() for s, sp in sim.plan.specs.items()},
             "bias_widened": widened,
-            "scale_problems": scale_problems(health or {}, result),
+            "scale_problems": scale_problems(health or {}, result, cut_slots(sim, config)),
             "stats": {k: round(v, 4) for k, v in stats.items()},
             **meta,
         },
@@ -253,11 +255,21 @@ def make_qparams(
     )
 
 
-def scale_problems(health: dict, qparams: dict) -> dict[str, str]:
+def cut_slots(sim: SimResult, config: Config) -> set[str]:
+    """The lookup-table input slots whose range ``Config.lut_input_ranges`` cuts where the
+    activation is flat (:mod:`autoq.lut_ranges`): values beyond their grid are meant to be
+    clipped (they give the same table entry)."""
+    return set(lut_input_bounds(sim)) if config.lut_input_ranges else set()
+
+
+def scale_problems(health: dict, qparams: dict, cut: set[str] = frozenset()) -> dict[str, str]:
     """slot -> why its chosen scale is unusable on its calibration values (see
-    :mod:`autoq.scale_health`); healthy slots are left out."""
+    :mod:`autoq.scale_health`); healthy slots are left out. The ``cut`` slots
+    (:func:`cut_slots`) are judged without their clipped values."""
     out = {}
     for sid, h in health.items():
+        if sid in cut:
+            h = dataclasses.replace(h, clipped=0)
         why = problem(h, float(np.asarray(qparams[sid].scale).reshape(-1)[0]))
         if why is not None:
             out[sid] = why

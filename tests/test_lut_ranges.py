@@ -103,3 +103,36 @@ def test_config_round_trip():
     assert Config.loads(cfg.dumps()) == cfg
     with pytest.raises(TypeError, match="lut_input_ranges"):
         Config(lut_input_ranges="yes")
+
+
+def test_cut_logit_is_not_a_scale_problem():
+    """A probability map whose logits often lie beyond +-17 (bias -40): the cut clips
+    over a quarter of the logit slot on purpose (same table entry), so ``check_scales`` keeps
+    every layer int8 (it kept the logit and the sigmoid fp32: "values fall outside the
+    grid"), and the map matches numpy's within the int8 steps."""
+    import warnings
+
+    b = Builder(12)
+    x = b.input("x", (1, 1, 16, 16))
+
+    def body(b):
+        w = b.weight("c.weight", np.full((1, 1, 1, 1), 30.0))
+        y = b.emit(relax.op.nn.conv2d(x, w))
+        y = b.emit(relax.op.add(y, b.weight("c.bias", np.full((1, 1, 1, 1), -40.0))))
+        return b.emit(relax.op.sigmoid(y))
+
+    mod, params = b.build(body)
+    rng = np.random.default_rng(4)
+    data = [rng.uniform(0.0, 2.0, (1, 1, 16, 16)).astype(np.float32) for _ in range(10)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = autoq.Quantizer(Config(progress=False), target=TARGET).run(mod, params, data)
+    assert not r.fp32_layers
+    assert not r.qparams.meta["scale_problems"]
+    z = data[0].astype(np.float64) * 30.0 - 40.0
+    from autoq.scale_health import CLIPPED_LIMIT
+
+    assert np.mean(np.abs(z) > 17) > CLIPPED_LIMIT  # enough beyond the cut to be "clipped"
+    want = 1.0 / (1.0 + np.exp(-z))
+    got = Runner(r.module)(data[0])
+    assert np.abs(got - want).max() < 0.1
