@@ -187,6 +187,10 @@ ROWS = {
         {"int16": ("conv2d_0.w_0",), "empirical_bias_correction": True},
         "stem conv output int16 + EBC",
     ),
+    "dw16+ebc": (
+        {"int16": ("autoq.hardswish_1",), "empirical_bias_correction": True},
+        "the first depthwise conv's input int16 + EBC (1 layer above int8)",
+    ),
     "three": ({"unfused": True}, "without the activation_affine patterns (old default)"),
     "three+ebc": ({"unfused": True, "empirical_bias_correction": True}, "old default + EBC"),
 }
