@@ -191,6 +191,14 @@ ROWS = {
         {"int16": ("autoq.hardswish_1",), "empirical_bias_correction": True},
         "the first depthwise conv's input int16 + EBC (1 layer above int8)",
     ),
+    "percentile+ebc": (
+        {"calibrator": "percentile", "empirical_bias_correction": True},
+        "percentile + EBC",
+    ),
+    "calib+percentile+ebc": (
+        {"extra_images": True, "calibrator": "percentile", "empirical_bias_correction": True},
+        "80 calibration crops + percentile + EBC",
+    ),
     "three": ({"unfused": True}, "without the activation_affine patterns (old default)"),
     "three+ebc": ({"unfused": True, "empirical_bias_correction": True}, "old default + EBC"),
 }
