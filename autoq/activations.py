@@ -32,7 +32,7 @@ import numpy as np
 
 from .primitives import qrange
 
-__all__ = ["ACTIVATIONS", "LUT_DTYPES", "Activation", "lut_table"]
+__all__ = ["ACTIVATIONS", "LUT_DTYPES", "Activation", "Affine", "affine", "lut_table"]
 
 #: input/output dtypes a lookup table covers (256 entries)
 LUT_DTYPES = ("int8", "uint8")
@@ -74,6 +74,33 @@ ACTIVATIONS: dict[str, Activation] = {
         "x * Phi(x), tanh approximation",
     ),
 }
+
+
+@dataclass(frozen=True)
+class Affine:
+    """``scale * f(x) + shift`` for the activation named ``base`` (a picklable callable: the
+    ``f`` of an :func:`affine` row)."""
+
+    base: str
+    scale: float
+    shift: float
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.scale * _by_name(self.base).f(x) + self.shift
+
+
+def affine(name: str, scale: float, shift: float) -> Activation:
+    """The activation ``name`` followed by a per-tensor ``x * scale + shift`` as one row:
+    its table rounds once, where the three ops rounded three times.
+
+    >>> t = lut_table(affine("hardswish", 2.0, 0.5), 0.1, 0, "int8", 0.1, 0, "int8")
+    >>> int(t[128 + 10])   # x = 1: 2 * hardswish(1) + 0.5 = 1.8333
+    18
+    """
+    base = _by_name(name)
+    return Activation(
+        f"{name}_affine", Affine(name, float(scale), float(shift)), f"{base.doc} * a + b"
+    )
 
 
 def lut_table(

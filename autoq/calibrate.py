@@ -27,6 +27,7 @@ feeds the observers batch by batch, like ONNX Runtime does.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Iterable
@@ -42,6 +43,7 @@ from .dataset import DatasetError, InputSpec, as_dataset, index_bounds
 from .errors import CalibratorError
 from .holdout import split_holdout
 from .loop_schedule import pipeline_with_loop_schedule
+from .lut_ranges import cut, cut_lut_inputs, lut_input_bounds
 from .qparams import QParam, QParams
 from .registry import slot_id_of
 from .scale_health import HealthCheck, SlotHealth, problem
@@ -56,6 +58,7 @@ __all__ = [
     "calibrate_weights",
     "calibration_pipeline",
     "choose_qparams",
+    "cut_slots",
     "feed_observers",
     "fp32_observers",
     "fp32_runner",
@@ -249,7 +252,7 @@ def make_qparams(
             "samples": samples,
             "specs": {s: sp.to_json() for s, sp in sim.plan.specs.items()},
             "bias_widened": widened,
-            "scale_problems": scale_problems(health or {}, result),
+            "scale_problems": scale_problems(health or {}, result, cut_slots(sim, config)),
             "stats": {k: round(v, 4) for k, v in stats.items()},
             **meta,
         },
@@ -257,11 +260,21 @@ def make_qparams(
     )
 
 
-def scale_problems(health: dict, qparams: dict) -> dict[str, str]:
+def cut_slots(sim: SimResult, config: Config) -> set[str]:
+    """The lookup-table input slots whose range ``Config.lut_input_ranges`` cuts where the
+    activation is flat (:mod:`autoq.lut_ranges`): values beyond their grid are meant to be
+    clipped (they give the same table entry)."""
+    return set(lut_input_bounds(sim)) if config.lut_input_ranges else set()
+
+
+def scale_problems(health: dict, qparams: dict, cut: set[str] = frozenset()) -> dict[str, str]:
     """slot -> why its chosen scale is unusable on its calibration values (see
-    :mod:`autoq.scale_health`); healthy slots are left out."""
+    :mod:`autoq.scale_health`); healthy slots are left out. The ``cut`` slots
+    (:func:`cut_slots`) are judged without their clipped values."""
     out = {}
     for sid, h in health.items():
+        if sid in cut:
+            h = dataclasses.replace(h, clipped=0)
         why = problem(h, float(np.asarray(qparams[sid].scale).reshape(-1)[0]))
         if why is not None:
             out[sid] = why
@@ -376,15 +389,22 @@ def run_plan(
     shard run it with them. ``health`` (a dict) receives each head's :class:`SlotHealth`
     for its chosen qparams on the same values. ``fixed``: slot -> qparams used as they are.
     ``held``: runners of held-out samples that run every segment but give no statistics
-    (``Config.bias_correction_holdout``: only the tuner's gate reads them)."""
+    (``Config.bias_correction_holdout``: only the tuner's gate reads them). A lookup-table
+    input slot's range is cut where its activation is flat (``Config.lut_input_ranges``,
+    :mod:`autoq.lut_ranges`)."""
     result: dict[str, QParam] = {}
     n = sum(r.n for r in runners)
+    bounds = lut_input_bounds(sim) if config.lut_input_ranges else {}
     bar = _progress(config, len(plan.segments) * n, "calibrating")
     try:
         for j, seg in enumerate(plan.segments):
             chosen = {}
             for sid in seg.heads:
-                qp = (fixed or {}).get(sid) or choose_qparams(runners, sid, specs[sid])
+                qp = (fixed or {}).get(sid)
+                if qp is None:
+                    qp = choose_qparams(runners, sid, specs[sid])
+                    if sid in bounds:  # autoq.lut_ranges
+                        qp = cut(qp, bounds[sid], specs[sid])
                 result[sid] = qp
                 chosen[sid] = (qp.scale, qp.zero_point)
                 if health is not None:
@@ -539,6 +559,7 @@ def _calibrate_fp32(sim, samples, config, target, stats, health) -> dict[str, QP
         s: checked_result(obs.compute(sp), sp.calibrator, s)
         for s, obs, sp in zip(slots, observers, specs, strict=True)
     }
+    cut_lut_inputs(sim, result, config)
     # the chosen scales against the values they represent
     checks = feed_observers([HealthCheck(result[s]).observer() for s in slots], run(samples))
     health.update({s: obs.compute() for s, obs in zip(slots, checks, strict=True)})

@@ -67,6 +67,7 @@ from .calibration_plan import build_plan
 from .config import Config, Distributed
 from .dataset import InputSpec, as_dataset, is_shard_source
 from .holdout import split_holdout
+from .lut_ranges import cut_lut_inputs
 from .remote_shards import RemoteShard, ShardLostError, result_of
 from .scale_health import HealthCheck
 from .shard_actor import ShardActor, shard_name
@@ -324,7 +325,7 @@ def calibrate_distributed(
         stats["shards"] = shard_set.count
         tuner = None
         if config.calibration == "fp32":
-            acts = _fp32(sim, shard_set, target, stats, health)
+            acts = _fp32(sim, shard_set, target, stats, health, config)
         else:
             acts, tuner = _topological(
                 sim, (shard_set, held_set), result, config, target, stats, health
@@ -478,7 +479,7 @@ def _topological(sim, sets: tuple, weight_qp, config, target, stats, health) -> 
     return result, tuner
 
 
-def _fp32(sim, shard_set: ShardSet, target, stats, health) -> dict:
+def _fp32(sim, shard_set: ShardSet, target, stats, health, config) -> dict:
     slots = sim.activation_slots()
     g = sim.graph
     t0 = time.perf_counter()
@@ -500,6 +501,7 @@ def _fp32(sim, shard_set: ShardSet, target, stats, health) -> dict:
         s: checked_result(o.compute(sp), sp.calibrator, s)
         for s, o, sp in zip(slots, merged, specs, strict=True)
     }
+    cut_lut_inputs(sim, result, config)
     qps = [result[s] for s in slots]  # the chosen scales against the values they represent
     checks = [HealthCheck(q).observer() for q in qps]
     checks = _merge_passes(checks, shard_set.call("fp32_health_states", qps))

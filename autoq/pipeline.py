@@ -43,7 +43,14 @@ import tvm
 from .analysis import Analysis
 from .auto_fallback import FallbackDecision, auto_fallback, split_holdout
 from .build import default_target
-from .calibrate import calibrate, feed_observers, fp32_slot_runner, samples_for, scale_problems
+from .calibrate import (
+    calibrate,
+    cut_slots,
+    feed_observers,
+    fp32_slot_runner,
+    samples_for,
+    scale_problems,
+)
 from .config import AutoFallback, Config
 from .cross_layer_equalization import EqualizationReport, equalize_layers
 from .dataset import is_shard_source
@@ -426,7 +433,8 @@ def check_scales(
         [HealthCheck(qparams[s]).observer() for s in slots],
         run(samples_for(dataset, sim.graph.inputs)),
     )
-    bad = scale_problems({s: o.compute() for s, o in zip(slots, checks, strict=True)}, qparams)
+    health = {s: o.compute() for s, o in zip(slots, checks, strict=True)}
+    bad = scale_problems(health, qparams, cut_slots(sim, config))
     if bad:
         raise CalibrationError(
             "the qparams do not fit the data: "

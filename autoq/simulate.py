@@ -303,14 +303,15 @@ class SimContext:
         shape[channel_axis] = n
         return self.emit(relax.op.reshape(q, shape))
 
-    def lut_output(self, x: _LazyQ, real: relax.Expr, activation: str) -> relax.Expr:
+    def lut_output(self, x: _LazyQ, real: relax.Expr, activation) -> relax.Expr:
         """The current match's result as a table lookup of its input ``x`` (an 8-bit slot
         of this layer): ``real`` (the float activation of ``x.real``) is what the output
         slot's calibrator observes; the output integers are ``table[x - qmin]``, the table
         a runtime input ``<layer>.table`` computed from both slots' qparams
         (:func:`autoq.activations.lut_table`), so the realized ``qnn.lut`` is predicted bit
-        for bit. Falls back to :meth:`output` (float activation, then quantize) when either
-        slot is not 8-bit."""
+        for bit. ``activation``: a row's name or an :class:`autoq.activations.Activation`
+        (e.g. :func:`autoq.activations.affine`). Falls back to :meth:`output` (float
+        activation, then quantize) when either slot is not 8-bit."""
         m = self.match
         in_sid = self.tensor_id(m["data"])
         spec = self.act_spec(m.layer, m.layer)

@@ -47,6 +47,7 @@ def main(argv=None) -> None:
         t = res.timings
         cost = f"calibrate {t.get('calibrate', 0):.1f} s"
         cost += A.tuning_cost(res) + A.equalization_note(res)
+        cost += f"; {len(res.fp32_layers)} layer(s) above int8 {sorted(res.fp32_layers)}"
         rows.append([name, *common.format_fidelity(f), f"{secs:.0f}", f"{note}; {cost}"])
         print(f"  {name}: {f}", flush=True)
     print()

@@ -364,6 +364,14 @@ CALIB_IMAGES = (
     "moon",
     "page",
 )
+#: more calibration photos from other packages (scikit-learn, matplotlib; the stereo pair)
+EXTRA_CALIB_IMAGES = (
+    "sklearn:china",
+    "sklearn:flower",
+    "mpl:grace_hopper",
+    "motorcycle_left",
+    "motorcycle_right",
+)
 EVAL_IMAGES = (
     "chelsea",
     "immunohistochemistry",
@@ -595,14 +603,18 @@ class Dataset:
         return self.samples[i]
 
 
-def make_dataset(info: ModelInfo, split: str, n: int, seed: int | None = None) -> Dataset:
+def make_dataset(
+    info: ModelInfo, split: str, n: int, seed: int | None = None, extra: bool = False
+) -> Dataset:
     """``n`` preprocessed inputs for ``info``; ``split`` is ``calib`` or ``eval`` (disjoint
-    source images / pydoc topics; different seeds)."""
-    if split not in ("calib", "eval"):
+    source images / pydoc topics; different seeds). ``extra``: calibration crops of
+    ``EXTRA_CALIB_IMAGES`` instead (more calibration data, still disjoint from eval)."""
+    if split not in ("calib", "eval") or (extra and split != "calib"):
         raise ValueError(split)
     if seed is None:
-        seed = 0 if split == "calib" else 1
+        seed = (0 if split == "calib" else 1) + (100 if extra else 0)
     names = CALIB_IMAGES if split == "calib" else EVAL_IMAGES
+    names = EXTRA_CALIB_IMAGES if extra else names
     if info.name == "resnet50":
         samples = _nsfw_preprocess(random_crops(names, n, seed))
         desc = f"{n} crops of {len(names)} skimage images, open_nsfw preprocessing"

@@ -72,6 +72,10 @@ def _layer(b: Builder, x, name: str):
     if name in ("add", "subtract", "multiply"):
         y = emit(relax.op.nn.relu(x))  # a second activation
         return emit(getattr(relax.op, name)(x, y))
+    if name.endswith("_affine"):  # f(x) * a + b, one-element constants
+        y = _layer(b, x, name.removesuffix("_affine"))
+        y = emit(relax.op.multiply(y, relax.const(np.array([0.8], np.float32))))
+        return emit(relax.op.add(y, relax.const(np.array([0.3], np.float32))))
     if name.endswith("_const"):
         c = np.linspace(0.5, 2.0, C, dtype=np.float32).reshape(1, C, 1, 1)
         return emit(getattr(relax.op, _op(name))(x, relax.const(c)))

@@ -141,3 +141,127 @@ def test_counts_match_the_rounded_grid(values, scale, zero_point):
     want = [values.size, nonzero.sum(), (nonzero & (q == zero_point)).sum()]
     want.append(((q < -128) | (q > 127)).sum())
     assert obs.counts.tolist() == [int(v) for v in want]
+
+
+def prob_map_model():
+    """A text-detector head in miniature: conv 1x1 (1 -> 4) + bias, relu, conv 1x1 (4 -> 1)
+    + bias -9, sigmoid: background ~1e-4, blobs ~1, their edges in between."""
+    from models import Builder, conv
+
+    b = Builder(0)
+    x = b.input("x", (1, 1, 16, 16))
+
+    def body(b):
+        y = b.emit(relax.op.nn.relu(conv(b, x, "c1", 1, 4, k=1, pad=0)))
+        y = conv(b, y, "c2", 4, 1, k=1, pad=0)
+        return b.emit(relax.op.sigmoid(y))
+
+    mod, params = b.build(body)
+    params["c1.weight"] = np.full((4, 1, 1, 1), 1.0, np.float32)
+    params["c1.bias"] = np.zeros(4, np.float32)
+    params["c2.weight"] = np.full((1, 4, 1, 1), 4.0, np.float32)
+    params["c2.bias"] = np.full(1, -9.0, np.float32)
+    return mod, params
+
+
+def blobs(n, seed):
+    """Noise with a Gaussian bump (height 3) in 4 of every 5 samples."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[:16, :16]
+    out = []
+    for i in range(n):
+        img = rng.normal(scale=0.05, size=(16, 16))
+        if i % 5:
+            cy, cx = rng.uniform(4, 12, 2)
+            img += 3.0 * np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * rng.uniform(1, 3) ** 2))
+        out.append(img.reshape(1, 1, 16, 16).astype(np.float32))
+    return out
+
+
+def prob_map_reference(x, p):
+    """The fp32 model in numpy."""
+    h = np.maximum(x * p["c1.weight"].reshape(1, 4, 1, 1) + p["c1.bias"].reshape(1, 4, 1, 1), 0)
+    z = (h * p["c2.weight"].reshape(1, 4, 1, 1)).sum(axis=1, keepdims=True) + p["c2.bias"]
+    return 1.0 / (1.0 + np.exp(-z.astype(np.float64)))
+
+
+def test_probability_map_output_stays_int8():
+    """The output sigmoid of a probability map has ~90 % of its non-zero values on the zero
+    point (background 1e-4 < half a step of [0, 1]), but its values fill the grid in most
+    samples: the scale is healthy, the layer stays int8 (it went fp32 before), and the map
+    thresholded at 0.3 matches numpy's."""
+    import warnings
+
+    mod, params = prob_map_model()
+    calib, test = blobs(20, 0), blobs(10, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "keeping ... in fp32" warning
+        # (lut_input_ranges off: the fp32-sigmoid variant below then reads the same logits)
+        cfg = autoq.Config(progress=False, lut_input_ranges=False)
+        r = autoq.Quantizer(cfg, target=TARGET).run(mod, params, calib)
+    assert not r.fp32_layers
+    out_slot = [s for s in r.qparams if r.qparams.slots[s].kind == "activation"][-1]
+    assert r.qparams[out_slot].scale == pytest.approx(1 / 255, rel=0.05)
+    got = _run_module(r.module, test)
+    want = np.stack([prob_map_reference(x, params) for x in test])
+    assert np.mean(np.abs(want) < 0.5 / 255) > 0.5  # most of the map collapses
+    # the same calibration with the sigmoid kept in fp32 (what check_scales did before):
+    # the int8 sigmoid adds at most one output step to its error (the rest is the int8 logit)
+    cfg = cfg.replace(fallback=autoq.Fallback(ids=("sigmoid_0",)))
+    fp32_sigmoid = _run_module(
+        autoq.Quantizer(cfg, target=TARGET).run(mod, params, calib).module, test
+    )
+    assert np.abs(got - want).max() <= np.abs(fp32_sigmoid - want).max() + 1 / 255
+    assert np.abs(got - fp32_sigmoid).max() <= 0.5 / 255 + 1e-6
+    inter, union = np.sum((got > 0.3) & (want > 0.3)), np.sum((got > 0.3) | (want > 0.3))
+    assert inter / union > 0.95
+
+
+def _run_module(mod, xs):
+    vm = relax.VirtualMachine(tvm.compile(mod, TARGET), tvm.cpu())
+    return np.stack([vm["main"](tvm.runtime.tensor(x)).numpy() for x in xs])
+
+
+def test_sparse_extremes_in_one_sample_stay_unusable():
+    """The exemption needs both: values spread over the grid (16 bands) but from one sample
+    of ten (an extreme late in the data) is a problem; so is a huge constant channel in
+    every sample (two bands)."""
+    spread_once = scale_health.SlotHealth(1000, 1000, 980, 0, -1.0, 1e30, 16, 1, 10)
+    assert "round to the zero point" in scale_health.problem(spread_once, 3.9e27)
+    constant_channel = scale_health.SlotHealth(1000, 1000, 960, 0, 0.0, 1e25, 2, 10, 10)
+    assert "round to the zero point" in scale_health.problem(constant_channel, 3.9e22)
+    # PP-OCRv4 det's sigmoid in the simulated graph with a coarse logit grid (measured)
+    coarse = scale_health.SlotHealth(9216000, 9198687, 8863565, 0, 0.0, 1.0, 7, 31, 40)
+    assert scale_health.problem(coarse, 1 / 255) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batches=st.lists(
+        hnp.arrays(np.float32, st.integers(1, 200), elements=st.floats(-300, 300, width=32)),
+        min_size=1,
+        max_size=5,
+    ),
+    scale=st.sampled_from([0.01, 0.37, 1.0, 3.0]),
+    zero_point=st.integers(-30, 30),
+)
+def test_bands_and_reaching_batches_match_numpy(batches, scale, zero_point):
+    """Band counts (the grid [qmin - 1/2, qmax + 1/2] s cut into 16, values beyond it in the
+    end bands) and batches reaching 64 steps from the zero point, against numpy in float64
+    (values away from a band edge and from the reach threshold: those are one-ulp bands)."""
+    width = 256 * scale / 16
+    below = (-128 - zero_point - 0.5) * scale
+    obs = scale_health.HealthObserver(scale, zero_point, -128, 127)
+    want_bands, want_reach = np.zeros(16, np.int64), 0
+    for x in batches:
+        pos = (x.astype(np.float64) - below) / width
+        assume(not np.any(np.abs(pos - np.rint(pos)) < 1e-4))
+        far = np.abs(x.astype(np.float64)) / scale
+        assume(not np.any(np.abs(far - 64) < 1e-4))
+        obs.update(x)
+        want_bands += np.bincount(np.clip(np.floor(pos), 0, 15).astype(int), minlength=16)
+        want_reach += bool(np.any(far >= 64))
+    h = obs.compute()
+    assert obs.bands.tolist() == want_bands.tolist()
+    assert h.occupied == np.count_nonzero(want_bands)
+    assert (h.reaching, h.batches) == (want_reach, len(batches))
