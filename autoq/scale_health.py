@@ -53,6 +53,7 @@ import numpy as np
 
 __all__ = [
     "BANDS",
+    "BAND_SAMPLE",
     "CLIPPED_LIMIT",
     "COLLAPSED_LIMIT",
     "OCCUPIED_LIMIT",
@@ -69,6 +70,10 @@ COLLAPSED_LIMIT = 0.5
 CLIPPED_LIMIT = 0.25
 #: the integer grid cut into this many equal bands (values beyond it count in the end bands)
 BANDS = 16
+#: a batch of more values counts its bands on every k-th value (at most this many): a
+#: subset occupies no more bands than the whole, so sampling can only withhold the
+#: exemption, never grant it; the other counts see every value
+BAND_SAMPLE = 65536
 #: values in at least this many bands: the scale is used by the data, collapsed or not
 OCCUPIED_LIMIT = BANDS // 4
 #: ... and at least this fraction of the batches reach a quarter of the grid from the zero point
@@ -150,19 +155,24 @@ class HealthObserver:
         clipped = int(np.count_nonzero(x < self.below)) if lo < self.below else 0
         clipped += int(np.count_nonzero(x > self.above)) if hi > self.above else 0
         self.counts += (x.size, nonzero, near_zero - (x.size - nonzero), clipped)
-        self.bands += self._band_counts(x)
+        step = -(-x.size // BAND_SAMPLE)  # bands from a regular sample of a large batch
+        self.bands += self._band_counts(x[::step], finite=np.isfinite(lo) and np.isfinite(hi))
         self.batches += (1, max(-lo, hi) >= self.far)
         self.lo = min(self.lo, lo)
         self.hi = max(self.hi, hi)
 
-    def _band_counts(self, x: np.ndarray) -> np.ndarray:
-        """Values per band, positions computed in ``x``'s dtype (an overflow to inf lands
-        in the last band; a value on a band edge may land on either side: bands are a
-        coarse count, not the rounding)."""
-        pos = (x - self.below) * self.band_scale  # in x's dtype: no float64 copy of x
-        pos = np.nan_to_num(pos, nan=0.0, posinf=BANDS - 1, neginf=0.0)
-        idx = np.clip(pos, 0, BANDS - 1).astype(np.int32)
-        return np.bincount(idx, minlength=BANDS)[:BANDS]
+    def _band_counts(self, x: np.ndarray, finite: bool = True) -> np.ndarray:
+        """Values per band, positions computed in ``x``'s dtype in one buffer (an overflow
+        to inf lands in the last band; a value on a band edge may land on either side: bands
+        are a coarse count, not the rounding). ``finite``: ``x`` holds no nan/inf (the
+        common case skips ``nan_to_num``, which made this count 7x slower than the rest of
+        :meth:`update` on a ResNet-50 activation)."""
+        pos = np.subtract(x, self.below, dtype=x.dtype)  # no float64 copy of x
+        pos *= self.band_scale
+        if not finite:
+            np.nan_to_num(pos, copy=False, nan=0.0, posinf=BANDS - 1, neginf=0.0)
+        np.clip(pos, 0, BANDS - 1, out=pos)
+        return np.bincount(pos.astype(np.uint8), minlength=BANDS)[:BANDS]
 
     def merge(self, other: HealthObserver) -> None:
         self.merge_state(other.state())

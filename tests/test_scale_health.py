@@ -265,3 +265,22 @@ def test_bands_and_reaching_batches_match_numpy(batches, scale, zero_point):
     assert obs.bands.tolist() == want_bands.tolist()
     assert h.occupied == np.count_nonzero(want_bands)
     assert (h.reaching, h.batches) == (want_reach, len(batches))
+
+
+def test_bands_of_a_large_batch_come_from_a_regular_sample():
+    """A batch larger than BAND_SAMPLE counts the bands of every k-th value (k the smallest
+    step that leaves at most BAND_SAMPLE of them); every other count sees all values. Edge
+    case: a value present only off the sample (here the single 250.0 at an odd index) is
+    missed by the bands, but not by the range, the clipped count or the reaching batch."""
+    n = 2 * scale_health.BAND_SAMPLE + 2  # step 3
+    x = np.zeros(n, np.float32)
+    x[::3] = np.linspace(-100, 100, len(x[::3]), dtype=np.float32)
+    x[1] = 250.0
+    obs = scale_health.HealthObserver(1.0, 0, -128, 127)
+    obs.update(x)
+    below, width = -128.5, 256 / 16
+    sample = x[::3].astype(np.float64)
+    want = np.bincount(np.clip(np.floor((sample - below) / width), 0, 15).astype(int), minlength=16)
+    assert obs.bands.tolist() == want.tolist()
+    h = obs.compute()
+    assert (h.count, h.hi, h.clipped, h.reaching) == (n, 250.0, 1, 1)
