@@ -15,7 +15,8 @@ A slot is cut only when every use of its tensor is inside such a lookup layer (n
 op, residual add or model output reads it) and both the slot and the layer's output are
 8-bit (the table form; a 16-bit layer computes the activation in float). The cut range is
 re-quantized with the slot's spec (:func:`autoq.qparams.QParam.from_range`; it still holds
-0). ``Config.lut_input_ranges`` (default True) turns it on; see the README's PP-OCR rows.
+0). ``Config.lut_input_ranges`` (default False: it helped PP-OCRv4 det by 0.1 point and cost
+all-MiniLM-L6-v2 3 NN@1 points, README) turns it on.
 
     >>> flat_interval("hardswish"), flat_interval("hardsigmoid_affine")
     ((-3.0, None), (-3.0, 3.0))
