@@ -69,6 +69,7 @@ __all__ = [
     "refuse_constant_inputs",
     "run_plan",
     "samples_for",
+    "split_bias_holdout",
     "static_values",
     "warn_untuned",
 ]
@@ -194,11 +195,9 @@ def calibrate(
     config = config or Config()
     target = target or default_target()
     g = sim.graph
-    topological = config.calibration != "fp32"
-    n_held = config.bias_correction_holdout if topological else 0
-    dataset, held = split_holdout(dataset, n_held, "Config.bias_correction_holdout")
+    dataset, held = split_bias_holdout(dataset, config)
     samples = samples_for(dataset, g.inputs, module=g.module)
-    held = samples_for(held, g.inputs, module=g.module) if n_held else None
+    held = samples_for(held, g.inputs, module=g.module) if held else None
     check_real_tokens(config.token_mask, samples)
     t0 = time.perf_counter()
     result = calibrate_weights(sim)
@@ -258,6 +257,13 @@ def make_qparams(
         },
         values={} if tuner is None else tuner.values(result),
     )
+
+
+def split_bias_holdout(dataset, config: Config) -> tuple:
+    """(calibration samples, held-out samples) for ``Config.bias_correction_holdout``: the
+    last n samples, none in fp32 mode (the gate runs inside topological calibration)."""
+    n = config.bias_correction_holdout if config.calibration != "fp32" else 0
+    return split_holdout(dataset, n, "Config.bias_correction_holdout")
 
 
 def cut_slots(sim: SimResult, config: Config) -> set[str]:

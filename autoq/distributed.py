@@ -60,13 +60,13 @@ from .calibrate import (
     refuse_constant_inputs,
     run_plan,
     samples_for,
+    split_bias_holdout,
     static_values,
     warn_untuned,
 )
 from .calibration_plan import build_plan
 from .config import Config, Distributed
 from .dataset import InputSpec, as_dataset, is_shard_source
-from .holdout import split_holdout
 from .lut_ranges import cut_lut_inputs
 from .remote_shards import RemoteShard, ShardLostError, result_of
 from .scale_health import HealthCheck
@@ -405,12 +405,12 @@ def report_distributed(analysis, mod, params, dataset, client, shards: int | Non
 def _split_held(dataset, config: Config) -> tuple:
     """(calibration samples, held-out samples) for ``Config.bias_correction_holdout``."""
     n = config.bias_correction_holdout if config.calibration != "fp32" else 0
-    if n and is_shard_source(dataset):
+    if n and is_shard_source(dataset):  # the rest of the rule: calibrate.split_bias_holdout
         raise ValueError(
             f"Config.bias_correction_holdout={n} needs the samples streamed from this process; "
             f"a worker-side shard source ({dataset.describe()}) cannot be split: set it to 0"
         )
-    return split_holdout(dataset, n, "Config.bias_correction_holdout")
+    return split_bias_holdout(dataset, config)
 
 
 def _fp32_means(sim, tuner, plan, sets, config, target, stats) -> None:

@@ -254,7 +254,10 @@ class WeightTuner:
         #: ``bias_correction_holdout``: layer -> its fp32 output on the held-out rows
         self.held_fp32: dict[str, np.ndarray | None] = {}
         #: layer -> the activation that alone reads its output (the gate's error after it)
-        self.followers = {m.layer: follower_activation(sim.graph, m) for m in sim.matches}
+        gated = config.bias_correction_holdout
+        self.followers = (
+            {m.layer: follower_activation(sim.graph, m) for m in sim.matches} if gated else {}
+        )
         self.dropped: list[str] = []
         #: layer -> the gate's relative held-out error without / with its correction
         self.gate_errors: dict[str, list] = {}
