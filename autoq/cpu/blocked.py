@@ -11,12 +11,13 @@ which the zero-padded weights ignore anyway.
 :func:`blocked_edges` decides, per int8 tensor of a function, whether it flows blocked: the
 requantized output of a conv that stores it itself (a fused epilogue), or of a ``qnn.lut``
 that reads a blocked tensor (VNNI only: the stored byte is the table index), whose every
-user is the data operand of a conv the kernels cover or such a lookup; the producer writes
-the layout and its consumers read it instead of packing NCHW (a conv without top/left
-padding reads it as it is; the others only pad it). Everything else is an edge and stays
-NCHW: model inputs and outputs, residual ``add``s, pools, dense, row-kernel (wide 3x3)
-depthwise and AMX convs, a tensor with any other user, or consumers that disagree on the
-layout (AVX2: different zero points).
+user is the data operand of a conv the kernels cover, such a lookup or the shortcut of a
+residual add fused into a conv's epilogue (:mod:`autoq.cpu.residual`, which reads any
+layout); the producer writes the layout and its consumers read it instead of packing NCHW (a
+conv without top/left padding reads it as it is; the others only pad it). Everything else is
+an edge and stays NCHW: model inputs and outputs, unfused residual ``add``s, pools, dense,
+row-kernel (wide 3x3) depthwise and AMX convs, a tensor with any other user, or consumers
+that disagree on the layout (AVX2: different zero points).
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ def blocked_edges(
     chains: dict,
     layout_of: Callable[[relax.Call], BlockedLayout | None],
     lut_layout: Callable[[str], BlockedLayout | None] = lambda _dtype: None,
+    shortcuts: dict | None = None,
 ) -> dict:
     """``{var: layout}`` for the tensors of ``func`` that flow blocked.
 
@@ -156,14 +158,18 @@ def blocked_edges(
     of a constant table when ``lut_layout(data dtype)`` (the layout a lookup indexes
     directly; None when there is none) is not None. A candidate flows blocked when every user
     is a conv reading it as data (the kernel of a chain, or a conv whose int32 output goes
-    elsewhere, e.g. into a residual add), or a blocked lookup, they all want one layout, and (a lookup) its own input flows blocked;
-    candidates are dropped until that holds for all."""
+    elsewhere), a blocked lookup, or the shortcut requantize of a fused residual add
+    (``shortcuts``: ``{its variable: the layout to store when no conv reads the tensor}``;
+    a residual reads any layout), they all want one layout, and (a lookup) its own input
+    flows blocked; candidates are dropped until that holds for all."""
+    shortcuts = shortcuts or {}
     pairs = bindings(func)
     uses = _users(pairs, func.body.body)
     value_of = dict(pairs)
     readers: dict = {}
     for var, e in pairs:
-        if is_call(e, "qnn.conv2d", "qnn.lut") and isinstance(e.args[0], relax.Var):
+        reader = is_call(e, "qnn.conv2d", "qnn.lut") or var in shortcuts
+        if reader and isinstance(e.args[0], relax.Var):
             readers.setdefault(e.args[0], []).append((var, e))
     cand = {v for v, (kernel, _) in chains.items() if layout_of(kernel) is not None}
     for var, e in pairs:
@@ -175,14 +181,7 @@ def blocked_edges(
     while changed:
         changed, layouts = False, {}
         for var in list(cand):
-            wanted = set()
-            for user, e in readers.get(var, []):
-                if not _reads(var, e):
-                    wanted.add(None)
-                elif is_call(e, "qnn.conv2d"):  # the kernel of a chain or a bare int32 conv
-                    wanted.add(layout_of(e))
-                else:
-                    wanted.add(lut_layout(dtype_of(var)) if user in cand else None)
+            wanted = _wanted(var, readers.get(var, []), cand, layout_of, lut_layout, shortcuts)
             lut = is_call(value_of[var], "qnn.lut")
             n = len(readers.get(var, []))
             if (
@@ -197,6 +196,24 @@ def blocked_edges(
             else:
                 layouts[var] = wanted.pop()
     return layouts
+
+
+def _wanted(var, readers: list, cand: set, layout_of, lut_layout, shortcuts: dict) -> set:
+    """The layouts ``var``'s readers want (None: one cannot read it blocked); a residual
+    shortcut takes any, its own default only when nothing else decides."""
+    wanted, anyway = set(), []
+    for user, e in readers:
+        if not _reads(var, e):
+            wanted.add(None)
+        elif user in shortcuts:
+            anyway.append(shortcuts[user])
+        elif is_call(e, "qnn.conv2d"):  # the kernel of a chain or a bare int32 conv
+            wanted.add(layout_of(e))
+        else:
+            wanted.add(lut_layout(dtype_of(var)) if user in cand else None)
+    if not wanted and anyway:
+        wanted.add(anyway[0])
+    return wanted
 
 
 def blocked_lut(call: relax.Call, data: relax.Var, layout: BlockedLayout) -> relax.Call:
