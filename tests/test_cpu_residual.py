@@ -7,6 +7,8 @@ blocks)."""
 
 from __future__ import annotations
 
+import doctest
+
 import numpy as np
 import pytest
 import tvm
@@ -15,7 +17,7 @@ from tvm import relax
 
 import autoq
 from autoq import qnn
-from autoq.cpu import residual
+from autoq.cpu import blocked_elementwise, residual
 from autoq.cpu.epilogue import Epilogue
 from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.toolkit import bindings, is_call, shape_of
@@ -231,6 +233,64 @@ def test_shortcut_with_another_user_stays_nchw(target):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+def _qnn_add(net, a, za, b, zb, z_out):
+    """qnn.add of two int8 tensors (per-tensor scales 0.05), or of ``a`` and a constant."""
+    q = [relax.const(np.float32(0.05)), relax.const(np.int32(za))]
+    q += [relax.const(np.float32(0.05)), relax.const(np.int32(zb))]
+    q += [relax.const(np.float32(0.08)), relax.const(np.int32(z_out))]
+    return net.bb.emit(qnn.add(a, b, *q, out_dtype=net.dtype, rounding=net.rounding))
+
+
+def _elementwise_module(dtype="int8", rounding="float"):
+    """open_nsfw's downsampling block: ``qnn.add``s of two requantized conv outputs, each
+    plus a per-channel int8 constant, then a per-tensor requantize (the ReLU), then a conv."""
+    net = _Net(dtype, rounding)
+    x = relax.Var("x", relax.TensorType(X_SHAPE, dtype))
+    z0 = next(net.zeros)
+    c = relax.const(net.rng.integers(-128, 128, (1, 32, 1, 1)).astype(dtype))
+    with net.bb.function("main", [x]):
+        with net.bb.dataflow():
+            h, z = net.layer(x, z0, "a1")
+            d, zd = net.layer(h, z, "ds")
+            h, z = net.layer(h, z, "b1")
+            h, z = net.layer(h, z, "b2")
+            zc, z1, z2, z3 = (0, 3, -2, 1) if dtype == "int8" else (128, 131, 126, 129)
+            h = _qnn_add(net, h, z, c, zc, z1)
+            d = _qnn_add(net, d, zd, c, zc, z2)
+            y = _qnn_add(net, h, z1, d, z2, z3)
+            req = qnn.requantize(
+                y, relax.const(np.float32(0.08)), relax.const(np.int32(z3)),
+                relax.const(np.float32(0.04)), relax.const(np.int32(_LIMITS[dtype][0])),
+                out_dtype=dtype, rounding=rounding,
+            )  # fmt: skip
+            y = net.bb.emit(req)
+            out, _ = net.layer(y, _LIMITS[dtype][0], "c1")
+            gv = net.bb.emit_output(out)
+        net.bb.emit_func_output(gv)
+    return tvm.IRModule({"main": net.bb.get()["main"]})
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(("dtype", "rounding"), [("int8", "float"), ("uint8", "tflite")])
+def test_plain_int8_adds_run_blocked(target, dtype, rounding):
+    """The qnn.adds and the requantize run on the blocked tensors (with the per-channel
+    constant re-blocked): the conv after them reads blocked too, bit for bit as before."""
+    mod = _elementwise_module(dtype, rounding)
+    before, after = _structure(mod, target, False), _structure(mod, target, True)
+    assert (before["read blocked"], after["read blocked"]) == (3, 4)  # + the last conv
+    lo, hi = _LIMITS[dtype]
+    x = np.random.default_rng(3).integers(lo, hi + 1, X_SHAPE).astype(dtype)
+    got = _run(mod, target, x, blocked_layout=True, residual_epilogue=True)
+    np.testing.assert_array_equal(got, _run(mod, target, x, cpu_kernels=False))
+    np.testing.assert_array_equal(got, _run(mod, target, x, blocked_layout=False))
+
+
+def test_reblocked_constant():
+    v = np.arange(20, dtype=np.int8).reshape(1, 20, 1, 1)
+    got = blocked_elementwise.reblock_constant(v, 16)
+    assert got[0, 1, 0, 0, 3] == 19 and got[0, 1, 0, 0, 4] == 0 and got[0, 0, 0, 0, 5] == 5
+
+
 def test_residual_validation():
     short = Epilogue(None, (np.float32(0.1), 0, np.float32(0.2), 0), "float", "int32", 4)
     with pytest.raises(ValueError, match="dtype must be int8 or uint8"):
@@ -238,3 +298,7 @@ def test_residual_validation():
     int8 = Epilogue(None, (np.float32(0.1), 0, np.float32(0.2), 0), "float", "int8", 4)
     with pytest.raises(ValueError, match="must be int32"):
         residual.Residual(int8, "int8")
+
+
+def test_doctests():
+    assert doctest.testmod(blocked_elementwise).failed == 0

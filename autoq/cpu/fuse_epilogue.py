@@ -25,6 +25,7 @@ from tvm import relax
 from ..qnn.quantize import with_multipliers
 from ..toolkit import bindings, const_array, dtype_of, free_vars, is_call, shape_of
 from .blocked import blocked_edges, blocked_lut
+from .blocked_elementwise import blocked_call, blocked_operands
 from .epilogue import Epilogue
 from .residual import Residual, residual_chain
 
@@ -168,7 +169,7 @@ def fuse_epilogues(
     layout_of: Callable | None = None,
     lut_layout: Callable | None = None,
     residual: Callable | None = None,
-    shortcut_layout: Callable | None = None,
+    any_layout: Callable | None = None,
 ):
     """``mod`` with every fusable chain of its Relax functions replaced by ``lower(builder,
     kernel call, epilogue, fed, out_layout, residual)``'s call (chains ``lower`` declines
@@ -180,8 +181,10 @@ def fuse_epilogues(
     ``qnn.lut`` can read directly, or None. ``residual(conv call)``: whether the conv's kernel
     takes a residual add in its epilogue (:mod:`autoq.cpu.residual`; None: never); those
     chains pass ``residual`` = (:class:`Residual` with the shortcut's layout, shortcut
-    expression), and the shortcut flows blocked when its producer stores it blocked (in the
-    layout of its other readers, else ``shortcut_layout(dtype, zero point)``)."""
+    expression), the shortcut read blocked when its producer stores it blocked.
+    ``any_layout(dtype)`` (with ``layout_of``): plain int8 elementwise ops between blocked
+    tensors run blocked too (:mod:`autoq.cpu.blocked_elementwise`), and a tensor read only
+    by them and residual shortcuts is stored in that layout."""
     out = mod
     changed = False
     for gv, func in mod.functions_items():
@@ -192,29 +195,15 @@ def fuse_epilogues(
             edges = {}
             if layout_of is not None:
                 luts = lut_layout or (lambda _dtype: None)
-                shortcuts = _shortcuts(func, residuals, shortcut_layout)
-                edges = blocked_edges(func, chains, layout_of, luts, shortcuts)
+                shortcuts = {chain.shortcut_requantize for chain, _ in residuals.values()}
+                edges = blocked_edges(
+                    func, chains, layout_of, luts, shortcuts, blocked_operands, any_layout
+                )
             out = _Rewrite(out, chains, lower, edges, parts, residuals).run(gv, func)
             changed = True
     if not changed:
         return mod
     return relax.transform.DeadCodeElimination()(out)
-
-
-def _shortcuts(func, residuals: dict, shortcut_layout) -> dict:
-    """``{shortcut requantize var: the layout its shortcut is stored in when no conv reads
-    it}`` of the residual chains (empty without ``shortcut_layout``)."""
-    if shortcut_layout is None:
-        return {}
-    value_of = dict(bindings(func))
-    out = {}
-    for chain, _ in residuals.values():
-        req = value_of[chain.shortcut_requantize]
-        z = const_array(req.args[2])
-        if z is not None and z.size == 1:
-            zp = int(z.reshape(-1)[0])
-            out[chain.shortcut_requantize] = shortcut_layout(dtype_of(chain.shortcut), zp)
-    return out
 
 
 @relax.expr_functor.mutator
@@ -250,10 +239,14 @@ class _Rewrite(relax.PyExprMutator):
     def visit_var_binding_(self, binding):
         if binding.var in self.skip:
             return
-        if binding.var in self.edges and is_call(binding.value, "qnn.lut"):
-            data, _ = self.fed[binding.value.args[0]]
-            value = blocked_lut(binding.value, data, self.edges[binding.var])
-            self.fed[binding.var] = (self.builder_.emit(value), self.edges[binding.var])
+        if binding.var in self.edges and not self.chains.get(binding.var):
+            layout = self.edges[binding.var]
+            if is_call(binding.value, "qnn.lut"):
+                data, _ = self.fed[binding.value.args[0]]
+                value = blocked_lut(binding.value, data, layout)
+            else:  # an elementwise op
+                value = blocked_call(self.builder_, binding.value, self.fed, layout)
+            self.fed[binding.var] = (self.builder_.emit(value), layout)
             return
         if is_call(binding.value, "qnn.conv2d"):
             fed = self.fed.get(binding.value.args[0])

@@ -381,8 +381,10 @@ def lower_to_cpu_kernels(
     layout (:mod:`autoq.cpu.blocked`) instead of NCHW; None: the instruction set's default
     (:attr:`autoq.cpu.isa.Isa.blocked`: on for VNNI, off for AVX2). ``residual_epilogue``:
     a conv's residual add (and the requantize after it) runs in the conv kernel's epilogue
-    (:mod:`autoq.cpu.residual`), the shortcut read blocked when it flows blocked; None: on
-    exactly when the blocked layout is."""
+    (:mod:`autoq.cpu.residual`), the shortcut read blocked when it flows blocked, and (with
+    the blocked layout) plain int8 elementwise ops (``qnn.add`` of two blocked tensors, a
+    per-tensor requantize) run on blocked tensors (:mod:`autoq.cpu.blocked_elementwise`);
+    None: on exactly when the blocked layout is."""
     isa = kernel_isa(target)
     if isa is None:
         return mod
@@ -400,7 +402,7 @@ def lower_to_cpu_kernels(
         if residual:
             residuals = (
                 functools.partial(_takes_residual, isa),
-                functools.partial(layout_for, isa),
+                functools.partial(layout_for, isa, zero_point=0),
             )
         mod = fuse_epilogues(mod, functools.partial(_with_epilogue, isa), *layouts, *residuals)
         return relax.transform.LegalizeOps(customize_legalize_map=custom)(mod)
