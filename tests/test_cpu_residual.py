@@ -302,3 +302,4 @@ def test_residual_validation():
 
 def test_doctests():
     assert doctest.testmod(blocked_elementwise).failed == 0
+    assert doctest.testmod(residual).failed == 0

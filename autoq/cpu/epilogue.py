@@ -92,9 +92,11 @@ class Epilogue:
             out[r] = np.asarray(values[name]).astype(dtype).reshape(-1).view(np.int32)
         return out
 
-    def value(self, acc, channel, load):
+    def value(self, acc, channel, load, saturates: bool = True):
         """The output value (``out_dtype``) of int32 ``acc`` in output channel ``channel``;
-        ``load(row, channel)`` reads the table (an int32 PrimExpr)."""
+        ``load(row, channel)`` reads the table (an int32 PrimExpr). ``saturates=False``
+        (float rounding; the caller proved the result always inside the output range):
+        without the clip, which would never act."""
         rows = self.rows
 
         def get(name, v):
@@ -113,6 +115,10 @@ class Epilogue:
         qmin, qmax = P.qrange(self.out_dtype)
         if self.rounding == "float":
             r = dequantize_value(acc, p["s_in"], p["z_in"])
+            if not saturates:
+                return (te.round(r / p["s_out"]) + p["z_out"].astype("float32")).astype(
+                    self.out_dtype
+                )
             # int32 outputs (a residual's shortcut on the accumulator grid) clip in float64,
             # like the qnn.requantize legalization
             clip = "float64" if self.out_dtype == "int32" else "float32"

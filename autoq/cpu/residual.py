@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from tvm import relax, te
 
+from .. import primitives as P
 from ..toolkit import dtype_of, is_call, shape_of
 from .blocked import BlockedLayout
 from .epilogue import Epilogue
@@ -48,6 +50,27 @@ class Residual:
             raise ValueError(f"Residual: dtype must be int8 or uint8, got {self.dtype!r}")
         if self.shortcut.out_dtype != "int32" or self.shortcut.bias is not None:
             raise ValueError("Residual: the shortcut requantize must be int32, without a bias")
+
+    @property
+    def saturates(self) -> bool:
+        """Whether the shortcut's int32 saturation can act: False when (float rounding) every
+        ``dtype`` value lands well inside the int32 range, a bound from the requantize's
+        constants (then the kernel skips that float64 clip, which never changes a value).
+
+        >>> e = Epilogue(None, (np.float32(0.05), 3, np.float32(1e-4), 0), "float", "int32", 1)
+        >>> Residual(e, "int8").saturates
+        False
+        """
+        e = self.shortcut
+        if e.rounding != "float":
+            return True
+        s_in, z_in, s_out, z_out = (np.abs(np.asarray(v, np.float64)) for v in e.params)
+        if not (np.all(np.isfinite(s_in)) and np.all(np.isfinite(s_out)) and np.all(s_out > 0)):
+            return True
+        lo, hi = P.qrange(self.dtype)
+        span = max(abs(lo), abs(hi)) + z_in.max()
+        bound = span * s_in.max() / s_out.min() * 1.01 + z_out.max() + 1
+        return not bound < 2**30
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,7 +152,8 @@ def add_shortcut(value, residual: Residual, dims, inputs: list):
     inputs += [x, table]
 
     def f(n, ch, y, x_):
-        term = residual.shortcut.value(load(n, ch, y, x_), ch, lambda r, k: table[r, k])
+        q = load(n, ch, y, x_)
+        term = residual.shortcut.value(q, ch, lambda r, k: table[r, k], residual.saturates)
         return value(n, ch, y, x_) + term
 
     return f
