@@ -3,7 +3,8 @@ against NCHW between the kernels (``blocked_layout=False``), with and without th
 epilogue (``residual_epilogue``: residual adds in the conv kernel, plain int8 adds on
 blocked tensors), same process, interleaved.
 
-Per model (ResNet-50 open_nsfw, PP-OCRv4 det by default):
+Per model (ResNet-50 open_nsfw, PP-OCRv4 det by default; ``efficientnet_lite0`` with the
+packages of ``benchmarks/accuracy.py``):
 
 1. structure: conv kernel calls, how many read a blocked tensor (their pack is gone or is a
    pad of the blocked tensor), conv kernels with a pack stage, residual conv kernels, the
@@ -45,6 +46,7 @@ BUILDS = {
     "blocked + residual epilogue": {"blocked_layout": True, "residual_epilogue": True},
 }
 BEFORE = "blocked, residual adds as edges"
+EFFNET = "efficientnet_lite0"  # from benchmarks/accuracy.py (needs its extra packages)
 RESIDUAL_BUILDS = (BEFORE, "blocked + residual epilogue")
 
 
@@ -85,19 +87,32 @@ def commit() -> str:
     return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.strip()
 
 
+def _model(name: str, n_calib: int):
+    """(ModelInfo, calibration samples, one evaluation sample) of ``name``."""
+    if name == EFFNET:
+        import accuracy
+
+        return (
+            accuracy.find_model(),
+            accuracy.make_data("calib", n_calib),
+            accuracy.make_data("eval", 1)[0],
+        )
+    info = common.find_model(name)
+    calib = common.make_dataset(info, "calib", n_calib)
+    return info, calib.samples, common.make_dataset(info, "eval", 2)[0]
+
+
 def bench(name: str, args, log) -> None:
     import tvm
     from tvm import relax
 
     import autoq
 
-    info = common.find_model(name)
-    calib = common.make_dataset(info, "calib", args.calib)
-    sample = common.make_dataset(info, "eval", 2)[0]
+    info, samples, sample = _model(name, args.calib)
     target = tvm.target.Target(int8_kernels.AVX2_TARGET) if args.avx2 else autoq.default_target()
     mod, params = autoq.from_onnx(info.path, input_shapes=dict(info.input_shapes))
-    qmod = autoq.quantize(mod, params, calib.samples, autoq.Config(progress=False))
-    title = common.MODEL_TITLES.get(name, name)
+    qmod = autoq.quantize(mod, params, samples, autoq.Config(progress=False))
+    title = common.MODEL_TITLES.get(name, "EfficientNet-Lite0" if name == EFFNET else name)
     print(f"\n### {title}, batch 1, target mcpu={target.mcpu}, commit {commit()}\n")
     builds = {k: v for k, v in BUILDS.items() if args.builds == "all" or k in RESIDUAL_BUILDS}
     for key, options in builds.items():
