@@ -251,6 +251,39 @@ def test_default_follows_the_blocked_layout(target):
     assert residual_kernels(blocked_layout=False, residual_epilogue=True) == 3
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_depthwise_residual_stays_unfused(target):
+    """A residual on a depthwise conv (no residual epilogue in that kernel) keeps its NCHW
+    add chain, and its shortcut (the first conv's output) stays NCHW; still exact."""
+    rng = np.random.default_rng(7)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(X_SHAPE, "int8"))
+    s_acc = np.full(16, 0.02 * 0.01, np.float32)
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            net = _Net("int8", "float")
+            net.bb = bb
+            h, z = net.layer(x, -3, "a1")
+            w = relax.const(rng.integers(-128, 128, (16, 1, 3, 3)).astype(np.int8))
+            q = [relax.const(np.float32(0.02)), relax.const(np.int32(z))]
+            qw = [relax.const(np.full(16, 0.01, np.float32)), relax.const(np.zeros(16, np.int32))]
+            acc = bb.emit(qnn.conv2d(h, w, *q, *qw, (1, 1), (1, 1, 1, 1), groups=16))
+            r = qnn.requantize(
+                h, relax.const(np.float32(0.05)), relax.const(np.int32(z)),
+                relax.const(s_acc), relax.const(np.zeros(16, np.int32)),
+                axis=1, out_dtype="int32",
+            )  # fmt: skip
+            acc = bb.emit(relax.op.add(acc, bb.emit(r)))
+            gv = bb.emit_output(net.requantize(acc, s_acc, -128))
+        bb.emit_func_output(gv)
+    mod = tvm.IRModule({"main": bb.get()["main"]})
+    lowered = lower_to_cpu_kernels(mod, tvm.target.Target(target), True, True)
+    assert not any("residual" in gv.name_hint for gv in lowered.functions)
+    xs = np.random.default_rng(8).integers(-128, 128, X_SHAPE).astype("int8")
+    got = _run(mod, target, xs, blocked_layout=True, residual_epilogue=True)
+    np.testing.assert_array_equal(got, _run(mod, target, xs, cpu_kernels=False))
+
+
 def _qnn_add(net, a, za, b, zb, z_out):
     """qnn.add of two int8 tensors (per-tensor scales 0.05), or of ``a`` and a constant."""
     q = [relax.const(np.float32(0.05)), relax.const(np.int32(za))]
