@@ -10,6 +10,10 @@ scalar or per-channel (along the kernel's output channel axis) operands, into wh
 canonical graph is untouched: this runs inside the CPU lowering only. With a ``layout_of``,
 the tensors :func:`autoq.cpu.blocked.blocked_edges` picks pass between the kernels in the
 blocked layout (producers store it, consumers, also bare int32 convs and lookups, read it).
+With a ``residual`` predicate, ``conv + bias + requantize(shortcut) -> int32`` chains ending
+in a requantize (:mod:`autoq.cpu.residual`) are chains too: the conv kernel adds the
+shortcut term, read blocked or NCHW, and plain int8 elementwise ops between blocked tensors
+run blocked (:mod:`autoq.cpu.blocked_elementwise`).
 """
 
 from __future__ import annotations
