@@ -36,6 +36,7 @@ def compile(
     cpu_kernels: bool = True,
     database=None,
     blocked_layout: bool | None = None,
+    residual_epilogue: bool | None = None,
 ):
     """``tvm.compile`` with the default Relax pipeline for ``target`` (fusion on by default).
 
@@ -49,13 +50,16 @@ def compile(
     ``blocked_layout`` (with ``cpu_kernels``): int8 tensors between packed convs flow in the
     target's blocked NCHW[x]c layout (:mod:`autoq.cpu.blocked`), NCHW only at the edges;
     None (default): on for AVX-512 VNNI targets, off for AVX2 (measured slower there).
+    ``residual_epilogue`` (with ``cpu_kernels``): a conv's residual add runs in the conv
+    kernel's epilogue (:mod:`autoq.cpu.residual`; with the blocked layout the block outputs
+    flow blocked too); None (default): on exactly when the blocked layout is.
     """
     target = target or default_target()
     if isinstance(target, dict):
         target = tvm.target.Target(target)
     if cpu_kernels:
         require_amx(target)  # AMX kernels need the tile state granted before they run
-        mod = lower_to_cpu_kernels(mod, target, blocked_layout)
+        mod = lower_to_cpu_kernels(mod, target, blocked_layout, residual_epilogue)
     if database is not None:
         from .tuning_database import pipeline_with_database
 

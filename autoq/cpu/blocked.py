@@ -11,12 +11,13 @@ which the zero-padded weights ignore anyway.
 :func:`blocked_edges` decides, per int8 tensor of a function, whether it flows blocked: the
 requantized output of a conv that stores it itself (a fused epilogue), or of a ``qnn.lut``
 that reads a blocked tensor (VNNI only: the stored byte is the table index), whose every
-user is the data operand of a conv the kernels cover or such a lookup; the producer writes
-the layout and its consumers read it instead of packing NCHW (a conv without top/left
-padding reads it as it is; the others only pad it). Everything else is an edge and stays
-NCHW: model inputs and outputs, residual ``add``s, pools, dense, row-kernel (wide 3x3)
-depthwise and AMX convs, a tensor with any other user, or consumers that disagree on the
-layout (AVX2: different zero points).
+user is the data operand of a conv the kernels cover, such a lookup or the shortcut of a
+residual add fused into a conv's epilogue (:mod:`autoq.cpu.residual`, which reads any
+layout); the producer writes the layout and its consumers read it instead of packing NCHW (a
+conv without top/left padding reads it as it is; the others only pad it). Everything else is
+an edge and stays NCHW: model inputs and outputs, unfused residual ``add``s, pools, dense,
+row-kernel (wide 3x3) depthwise and AMX convs, a tensor with any other user, or consumers
+that disagree on the layout (AVX2: different zero points).
 """
 
 from __future__ import annotations
@@ -148,24 +149,40 @@ def blocked_edges(
     chains: dict,
     layout_of: Callable[[relax.Call], BlockedLayout | None],
     lut_layout: Callable[[str], BlockedLayout | None] = lambda _dtype: None,
+    shortcuts: set | frozenset = frozenset(),
+    elementwise: Callable | None = None,
+    any_layout: Callable[[str], BlockedLayout] | None = None,
 ) -> dict:
     """``{var: layout}`` for the tensors of ``func`` that flow blocked.
 
     Candidates: the requantize variables of ``chains`` (``{var: (kernel call, epilogue)}``)
-    whose kernel is a conv the kernels cover (``layout_of(conv)`` not None), and ``qnn.lut``
-    of a constant table when ``lut_layout(data dtype)`` (the layout a lookup indexes
-    directly; None when there is none) is not None. A candidate flows blocked when every user
-    is a conv reading it as data (the kernel of a chain, or a conv whose int32 output goes
-    elsewhere, e.g. into a residual add), or a blocked lookup, they all want one layout, and (a lookup) its own input flows blocked;
-    candidates are dropped until that holds for all."""
+    whose kernel is a conv the kernels cover (``layout_of(conv)`` not None), ``qnn.lut`` of a
+    constant table when ``lut_layout(data dtype)`` (the layout a lookup indexes directly;
+    None when there is none) is not None, and (with ``any_layout``) the elementwise calls
+    ``elementwise(call)`` gives the activation operand positions of
+    (:func:`autoq.cpu.blocked_elementwise.blocked_operands`). A candidate flows blocked when
+    every user is a conv reading it as data (the kernel of a chain, or a conv whose int32
+    output goes elsewhere), a blocked lookup, a blocked elementwise call, or a shortcut
+    requantize of ``shortcuts`` (a residual fused into a conv's epilogue); the convs and
+    lookups must want one layout (elementwise calls and shortcuts read any: without a conv
+    or lookup the tensor is stored in ``any_layout(dtype)``), and a lookup's or elementwise
+    call's own inputs flow blocked; candidates are dropped until that holds for all."""
     pairs = bindings(func)
     uses = _users(pairs, func.body.body)
     value_of = dict(pairs)
+    flexible = {}  # elementwise candidate var -> its activation operand positions
     readers: dict = {}
     for var, e in pairs:
-        if is_call(e, "qnn.conv2d", "qnn.lut") and isinstance(e.args[0], relax.Var):
-            readers.setdefault(e.args[0], []).append((var, e))
+        pos = elementwise(e) if elementwise and any_layout else None
+        if pos is not None:
+            flexible[var] = pos
+            for a in {e.args[i] for i in pos}:
+                readers.setdefault(a, []).append((var, e))
+        elif var in shortcuts or is_call(e, "qnn.conv2d", "qnn.lut"):
+            if isinstance(e.args[0], relax.Var):
+                readers.setdefault(e.args[0], []).append((var, e))
     cand = {v for v, (kernel, _) in chains.items() if layout_of(kernel) is not None}
+    cand |= set(flexible)
     for var, e in pairs:
         lut = is_call(e, "qnn.lut") and const_array(e.args[1]) is not None
         if lut and isinstance(e.args[0], relax.Var) and lut_layout(dtype_of(e.args[0])):
@@ -175,28 +192,45 @@ def blocked_edges(
     while changed:
         changed, layouts = False, {}
         for var in list(cand):
-            wanted = set()
-            for user, e in readers.get(var, []):
-                if not _reads(var, e):
-                    wanted.add(None)
-                elif is_call(e, "qnn.conv2d"):  # the kernel of a chain or a bare int32 conv
-                    wanted.add(layout_of(e))
-                else:
-                    wanted.add(lut_layout(dtype_of(var)) if user in cand else None)
-            lut = is_call(value_of[var], "qnn.lut")
-            n = len(readers.get(var, []))
+            rs = readers.get(var, [])
+            wanted = _wanted(var, rs, cand, layout_of, lut_layout, shortcuts, flexible)
+            if not wanted and rs and any_layout is not None:
+                wanted = {any_layout(dtype_of(var))}  # only readers that take any layout
+            e = value_of[var]
+            inputs = [e.args[i] for i in flexible.get(var, ())]
+            if is_call(e, "qnn.lut"):
+                inputs = [e.args[0]]
             if (
-                n == 0
-                or n != uses[var]
+                not rs
+                or len(rs) != uses[var]
                 or len(wanted) != 1
                 or None in wanted
-                or (lut and value_of[var].args[0] not in cand)
+                or any(a not in cand for a in inputs)
             ):
                 cand.discard(var)
                 changed = True
             else:
-                layouts[var] = wanted.pop()
+                layouts[var] = next(iter(wanted))
     return layouts
+
+
+def _wanted(var, readers: list, cand: set, layout_of, lut_layout, shortcuts, flexible) -> set:
+    """The layouts ``var``'s readers want (None: one cannot read it blocked); elementwise
+    candidates and residual shortcuts take any (they add nothing)."""
+    wanted = set()
+    for user, e in readers:
+        if user in flexible:
+            if user not in cand:
+                wanted.add(None)
+        elif not _reads(var, e):
+            wanted.add(None)
+        elif user in shortcuts:
+            continue
+        elif is_call(e, "qnn.conv2d"):  # the kernel of a chain or a bare int32 conv
+            wanted.add(layout_of(e))
+        else:
+            wanted.add(lut_layout(dtype_of(var)) if user in cand else None)
+    return wanted
 
 
 def blocked_lut(call: relax.Call, data: relax.Var, layout: BlockedLayout) -> relax.Call:

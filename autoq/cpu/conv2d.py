@@ -8,8 +8,9 @@ compensation, and returns the int32 NCHW accumulator of ``conv(x - zx, w)``, exa
 ``qnn.conv2d`` returns. Inside it: pad + shift + pack the activations to NCHW[c]c, accumulate
 a register tile of ``tile`` output columns x ``lanes`` output channels with the ISA's
 dot-product intrinsic, unpack to NCHW (or, with ``out_layout`` and an epilogue, store the
-requantized values in that blocked layout for the next conv); parallel over (batch, channel
-block, output row).
+requantized values in that blocked layout for the next conv; with a ``residual``, add the
+shortcut's term before the epilogue, :mod:`autoq.cpu.residual`); parallel over (batch,
+channel block, output row).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .epilogue import Epilogue, epilogue_compute
 from .injective import KERNEL_ATTR
 from .isa import Isa
 from .packing import round_up
+from .residual import Residual, add_shortcut
 from .tiling import i64, int32, pick_tile, tensorize_accumulation
 
 __all__ = ["ConvShape", "conv2d_kernel"]
@@ -91,7 +93,7 @@ def _pack(s: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value: int, i
 
 
 def _compute(shape: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value: int, comp, epi,
-             layouts=(None, None)):  # fmt: skip
+             layouts=(None, None), residual: Residual | None = None):  # fmt: skip
     s, lanes, k = shape, isa.lanes, isa.k
     in_layout, out_layout = layouts
     icb = s.ic_block(isa, in_layout is not None)
@@ -125,8 +127,10 @@ def _compute(shape: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value:
         v = acc[n, o // lanes, y, x_, o % lanes]
         return v if c is None else v - c[o]
 
+    dims = (s.batch, s.out_channels, oh, ow)
+    if residual is not None:
+        value = add_shortcut(value, residual, dims, inputs)
     if out_layout is not None:
-        dims = (s.batch, s.out_channels, oh, ow)
         out = store_blocked(dims, s.out_channels, value, out_layout, inputs, epi)
     else:
         out = epilogue_compute(out_shape, value, 1, epi, inputs)
@@ -141,6 +145,7 @@ def conv2d_kernel(
     epilogue: Epilogue | None = None,
     in_layout: BlockedLayout | None = None,
     out_layout: BlockedLayout | None = None,
+    residual: Residual | None = None,
 ) -> tvm.tirx.PrimFunc:
     """The scheduled PrimFunc ``(data, packed_weight[, compensation], out)``.
 
@@ -150,17 +155,21 @@ def conv2d_kernel(
     (:meth:`autoq.cpu.epilogue.Epilogue.table`) and stores the requantized int8/uint8 output.
     ``in_layout``: ``data`` arrives in that blocked layout (weights packed with
     ``shape.ic_block(isa, blocked=True)``); ``out_layout`` (needs an epilogue): ``out`` is
-    stored in it (see :mod:`autoq.cpu.blocked`).
+    stored in it (see :mod:`autoq.cpu.blocked`). ``residual`` (needs an epilogue): the
+    PrimFunc also takes the shortcut tensor and its table (after the compensation) and adds
+    the shortcut term to the accumulator before the epilogue (:mod:`autoq.cpu.residual`).
     """
     if out_layout is not None and (epilogue is None or out_layout.block != isa.lanes):
         raise ValueError("conv2d_kernel: out_layout needs an epilogue and blocks of isa.lanes")
+    if residual is not None and epilogue is None:
+        raise ValueError("conv2d_kernel: a residual needs an epilogue")
     if in_layout is not None and in_layout.block != isa.lanes:
         raise ValueError(f"conv2d_kernel: in_layout blocks must be {isa.lanes} on {isa.name}")
     shift = isa.shift(data_dtype, zero_point)
     pad_value = zero_point + shift
     layouts = (in_layout, out_layout)
     tensors, tile, packs = _compute(
-        shape, isa, data_dtype, shift, pad_value, pad_value, epilogue, layouts
+        shape, isa, data_dtype, shift, pad_value, pad_value, epilogue, layouts, residual
     )
     sch = Schedule(te.create_prim_func(tensors))
     conv = sch.get_sblock("autoq_acc")

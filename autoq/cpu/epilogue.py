@@ -45,7 +45,8 @@ _FLOATS = ("s_in", "s_out")
 
 @dataclass(frozen=True, eq=False)
 class Epilogue:
-    """``requantize(acc + bias)`` for ``channels`` output channels.
+    """``requantize(acc + bias)`` for ``channels`` output channels (``out_dtype`` int8 or
+    uint8; int32 for the shortcut term of :class:`autoq.cpu.residual.Residual`).
 
     ``bias``: int32 ``[channels]`` or None. ``params``: the requantize operands in ``_NAMES``
     order (float32 scales, int32 zero points / multipliers / shifts), each a scalar or a
@@ -61,8 +62,10 @@ class Epilogue:
     def __post_init__(self):
         if self.rounding not in P.ROUNDING_MODES:
             raise ValueError(f"Epilogue: unknown rounding {self.rounding!r}")
-        if self.out_dtype not in ("int8", "uint8"):
-            raise ValueError(f"Epilogue: out_dtype must be int8 or uint8, got {self.out_dtype!r}")
+        if self.out_dtype not in ("int8", "uint8", "int32"):
+            raise ValueError(
+                f"Epilogue: out_dtype must be int8, uint8 or int32, got {self.out_dtype!r}"
+            )
         wanted = 4 if self.rounding == "float" else 6
         if len(self.params) != wanted:
             raise ValueError(f"Epilogue: {self.rounding} rounding takes {wanted} params")
@@ -89,9 +92,11 @@ class Epilogue:
             out[r] = np.asarray(values[name]).astype(dtype).reshape(-1).view(np.int32)
         return out
 
-    def value(self, acc, channel, load):
+    def value(self, acc, channel, load, saturates: bool = True):
         """The output value (``out_dtype``) of int32 ``acc`` in output channel ``channel``;
-        ``load(row, channel)`` reads the table (an int32 PrimExpr)."""
+        ``load(row, channel)`` reads the table (an int32 PrimExpr). ``saturates=False``
+        (float rounding; the caller proved the result always inside the output range):
+        without the clip, which would never act."""
         rows = self.rows
 
         def get(name, v):
@@ -110,7 +115,14 @@ class Epilogue:
         qmin, qmax = P.qrange(self.out_dtype)
         if self.rounding == "float":
             r = dequantize_value(acc, p["s_in"], p["z_in"])
-            q = quantize_value(r, p["s_out"], p["z_out"], qmin, qmax)
+            if not saturates:
+                return (te.round(r / p["s_out"]) + p["z_out"].astype("float32")).astype(
+                    self.out_dtype
+                )
+            # int32 outputs (a residual's shortcut on the accumulator grid) clip in float64,
+            # like the qnn.requantize legalization
+            clip = "float64" if self.out_dtype == "int32" else "float32"
+            q = quantize_value(r, p["s_out"], p["z_out"], qmin, qmax, clip)
             return q.astype(self.out_dtype)
         d = acc.astype("int64") - p["z_in"].astype("int64")
         y = fixed_point_multiply(d, p["multiplier"], p["shift"], self.rounding)

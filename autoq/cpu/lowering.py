@@ -89,13 +89,15 @@ def _tail(args: list, epilogue: Epilogue | None) -> list:
     return args
 
 
-def _call(bb, isa: Isa, func, name: str, data, w_packed, w, z: int, out_ty, epilogue=None):
-    """``call_tir`` of ``func`` (added to the module) on data + packed constants; ``out_ty``
-    its output type (or output shape, the dtype from ``epilogue``)."""
+def _call(bb, isa: Isa, func, name: str, data, w_packed, w, z: int, out_ty, epilogue=None,
+          extra=()):  # fmt: skip
+    """``call_tir`` of ``func`` (added to the module) on data + packed constants (+ ``extra``
+    arguments); ``out_ty`` its output type (or output shape, the dtype from ``epilogue``)."""
     gv = bb.add_func(func.without_attr("global_symbol"), name)
     args = [data, relax.const(w_packed)]
     if z:
         args.append(relax.const(compensation(w, z, isa.padded_channels(w.shape[0]))))
+    args += extra
     if not isinstance(out_ty, relax.TensorType):
         out_ty = _out_type(out_ty, epilogue)
     return relax.call_tir(gv, _tail(args, epilogue), out_ty=out_ty)
@@ -139,12 +141,21 @@ def _layout_of(isa: Isa, call) -> BlockedLayout | None:
     return layout_for(isa, plan[0], plan[1])
 
 
-def _conv2d_call(isa: Isa, bb, call, epilogue: Epilogue | None = None, fed=None, out_layout=None):
-    """The kernel call of a ``qnn.conv2d`` (with ``epilogue``; ``fed``: its data as a blocked
-    (variable, layout); ``out_layout``: store the output blocked), or None when no kernel
-    covers it."""
+def _takes_residual(isa: Isa, call) -> bool:
+    """Whether the kernel of ``call`` (a ``qnn.conv2d``) adds a residual in its epilogue
+    (:mod:`autoq.cpu.residual`: the packed conv kernel)."""
     plan = _conv_plan(isa, call)
-    if plan is None:
+    return plan is not None and plan[4] == "packed"
+
+
+def _conv2d_call(
+    isa: Isa, bb, call, epilogue: Epilogue | None = None, fed=None, out_layout=None, residual=None
+):
+    """The kernel call of a ``qnn.conv2d`` (with ``epilogue``; ``fed``: its data as a blocked
+    (variable, layout); ``out_layout``: store the output blocked; ``residual``: (Residual,
+    shortcut expression) added before the epilogue), or None when no kernel covers it."""
+    plan = _conv_plan(isa, call)
+    if plan is None or (residual is not None and plan[4] != "packed"):
         return None
     dt, zx, w, shape, kind = plan
     data, in_layout = (call.args[0], None) if fed is None else fed
@@ -160,7 +171,10 @@ def _conv2d_call(isa: Isa, bb, call, epilogue: Epilogue | None = None, fed=None,
         return relax.call_tir(gv, args, out_ty=ty)
     if kind == "amx":
         return _amx_conv2d(bb, shape, data, w, dt, zx, out, epilogue)
-    func = conv2d_kernel(shape, isa, dt, zx, epilogue, in_layout, out_layout)
+    res, extra = (None, ()) if residual is None else (residual[0], residual[1:])
+    if res is not None:
+        extra = (*extra, relax.const(res.shortcut.table()))
+    func = conv2d_kernel(shape, isa, dt, zx, epilogue, in_layout, out_layout, res)
     packed = pack_conv_weight(
         w,
         isa.lanes,
@@ -171,7 +185,8 @@ def _conv2d_call(isa: Isa, bb, call, epilogue: Epilogue | None = None, fed=None,
     )
     z = zx + isa.shift(dt, zx)
     name = f"autoq_conv2d_{isa.name}" + ("_blocked" if in_layout or out_layout else "")
-    return _call(bb, isa, func, name, data, packed, w, z, ty, epilogue)
+    name += "_residual" if res is not None else ""
+    return _call(bb, isa, func, name, data, packed, w, z, ty, epilogue, extra)
 
 
 def _conv2d(isa: Isa, fallback, bb, call):
@@ -242,11 +257,13 @@ def _dense(isa: Isa, fallback, bb, call):
     return _dense_call(isa, bb, *ops)
 
 
-def _with_epilogue(isa: Isa, bb, call, epilogue: Epilogue, fed=None, out_layout=None):
-    """The kernel call of ``call`` storing ``epilogue``'s int8 output (blocked: see
-    :func:`_conv2d_call`), or None."""
+def _with_epilogue(isa: Isa, bb, call, epilogue: Epilogue, fed=None, out_layout=None, res=None):
+    """The kernel call of ``call`` storing ``epilogue``'s int8 output (blocked, residual:
+    see :func:`_conv2d_call`), or None."""
     if is_call(call, "qnn.conv2d"):
-        return _conv2d_call(isa, bb, call, epilogue, fed, out_layout)
+        return _conv2d_call(isa, bb, call, epilogue, fed, out_layout, res)
+    if res is not None:
+        return None
     if is_call(call, "qnn.matmul") and const_array(call.args[1]) is None:
         return _activation_matmul(isa, bb, call, epilogue)
     ops = _dense_operands(call)
@@ -352,14 +369,22 @@ _LOWERINGS = {
 
 
 def lower_to_cpu_kernels(
-    mod: tvm.IRModule, target: tvm.target.Target, blocked_layout: bool | None = None
+    mod: tvm.IRModule,
+    target: tvm.target.Target,
+    blocked_layout: bool | None = None,
+    residual_epilogue: bool | None = None,
 ) -> tvm.IRModule:
     """``mod`` legalized with the packed kernels for ``target``'s instruction set (unchanged
     when the target has neither AVX-512 VNNI nor AVX2; dense with >= ``AMX_MIN_ROWS`` rows
     on AMX tiles when the target has ``amx-int8``, see :func:`autoq.cpu.isa.kernel_isa`).
     ``blocked_layout``: int8 tensors between packed convs flow in the target's blocked
     layout (:mod:`autoq.cpu.blocked`) instead of NCHW; None: the instruction set's default
-    (:attr:`autoq.cpu.isa.Isa.blocked`: on for VNNI, off for AVX2)."""
+    (:attr:`autoq.cpu.isa.Isa.blocked`: on for VNNI, off for AVX2). ``residual_epilogue``:
+    a conv's residual add (and the requantize after it) runs in the conv kernel's epilogue
+    (:mod:`autoq.cpu.residual`), the shortcut read blocked when it flows blocked, and (with
+    the blocked layout) plain int8 elementwise ops (``qnn.add`` of two blocked tensors, a
+    per-tensor requantize) run on blocked tensors (:mod:`autoq.cpu.blocked_elementwise`);
+    None: on exactly when the blocked layout is."""
     isa = kernel_isa(target)
     if isa is None:
         return mod
@@ -367,9 +392,17 @@ def lower_to_cpu_kernels(
     for name, lower in _LOWERINGS.items():
         own = tvm.ir.Op.get(name).get_attr("FLegalize")
         custom[name] = functools.partial(lower, isa, own)
+    blocked = isa.blocked if blocked_layout is None else blocked_layout
+    residual = blocked if residual_epilogue is None else residual_epilogue
     with target:
         layouts = (None, None)
-        if isa.blocked if blocked_layout is None else blocked_layout:
+        if blocked:
             layouts = (functools.partial(_layout_of, isa), functools.partial(lut_layout, isa))
-        mod = fuse_epilogues(mod, functools.partial(_with_epilogue, isa), *layouts)
+        residuals = (None, None)
+        if residual:
+            residuals = (
+                functools.partial(_takes_residual, isa),
+                functools.partial(layout_for, isa, zero_point=0),
+            )
+        mod = fuse_epilogues(mod, functools.partial(_with_epilogue, isa), *layouts, *residuals)
         return relax.transform.LegalizeOps(customize_legalize_map=custom)(mod)
