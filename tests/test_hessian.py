@@ -205,6 +205,7 @@ def test_add_gram_is_the_full_product_bit_for_bit(dtype, block, monkeypatch):
     numpy product), for widths that do and do not divide into blocks, several groups,
     a (G, K, rows) view that is not contiguous, onto any int64 sums already there."""
     monkeypatch.setattr(Hm, "GRAM_BLOCK", block)
+    monkeypatch.setattr(Hm, "GRAM_MIN", 2 * block)
     rng = np.random.default_rng(13)
     bound = 15 if dtype == np.float32 else 30000  # products exact in the dtype
     for g, k, rows in [(1, 2 * block, 40), (2, 3 * block + 1, 33), (1, 2 * block - 1, 10)]:
@@ -216,7 +217,7 @@ def test_add_gram_is_the_full_product_bit_for_bit(dtype, block, monkeypatch):
             out = start.copy()
             Hm.add_gram(c, out)
             np.testing.assert_array_equal(out, ref)
-    big = rng.integers(-255, 256, size=(1, 2 * Hm.GRAM_BLOCK + 3, 250)).astype(np.float32)
+    big = rng.integers(-255, 256, size=(1, 2 * block + 3, 250)).astype(np.float32)
     out = np.zeros((1, big.shape[1], big.shape[1]), np.int64)
     Hm.add_gram(big, out)  # int8 codes, 250 rows: below 2**24 per column, exact
     np.testing.assert_array_equal(out, np.matmul(big, big.transpose(0, 2, 1)).astype(np.int64))
