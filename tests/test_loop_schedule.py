@@ -36,18 +36,6 @@ def _conv(bb, x, k=3, cout=16, groups=1, stride=1):
     )
 
 
-def _fake_quant(bb, x, scale=0.043, zp=3):
-    s, z = relax.const(scale, "float32"), relax.const(zp, "int8")
-    return bb.emit(relax.op.dequantize(bb.emit(relax.op.quantize(x, s, z, out_dtype="int8")), s, z))
-
-
-def _mul_add(bb, x):
-    c = int(x.ty.shape.values[1])
-    a = np.linspace(0.1, 3, c, dtype="float32").reshape(1, c, 1, 1)
-    b = np.linspace(-1, 1, c, dtype="float32").reshape(1, c, 1, 1)
-    return bb.emit(relax.op.add(bb.emit(relax.op.multiply(x, relax.const(a))), relax.const(b)))
-
-
 CASES = {
     "conv3x3": ((1, 8, 12, 12), lambda bb, x: _conv(bb, x)),
     "conv7x7_stride2_odd": ((1, 3, 15, 15), lambda bb, x: _conv(bb, x, k=7, stride=2)),
@@ -68,8 +56,34 @@ CASES = {
     "gelu_erf": ((1, 128, 384), lambda bb, x: bb.emit(relax.op.nn.gelu(x))),
     "gelu_tanh": ((1, 128, 384), lambda bb, x: bb.emit(relax.op.nn.gelu_tanh(x))),
     "exp_odd_size": ((3, 7, 1001), lambda bb, x: bb.emit(relax.op.exp(x))),
-    "quantize_dequantize": ((1, 16, 56, 56), lambda bb, x: _fake_quant(bb, x)),
-    "mul_add_broadcast": ((1, 32, 28, 28), lambda bb, x: _mul_add(bb, x)),
+    "quantize_dequantize": (
+        (1, 16, 56, 56),
+        lambda bb, x: bb.emit(
+            relax.op.dequantize(
+                bb.emit(
+                    relax.op.quantize(
+                        x, relax.const(0.043, "float32"), relax.const(3, "int8"), out_dtype="int8"
+                    )
+                ),
+                relax.const(0.043, "float32"),
+                relax.const(3, "int8"),
+            )
+        ),
+    ),
+    "mul_add_broadcast": (
+        (1, 32, 28, 28),
+        lambda bb, x: bb.emit(
+            relax.op.add(
+                bb.emit(
+                    relax.op.multiply(
+                        x,
+                        relax.const(np.linspace(0.1, 3, 32, dtype="float32").reshape(1, 32, 1, 1)),
+                    )
+                ),
+                relax.const(np.linspace(-1, 1, 32, dtype="float32").reshape(1, 32, 1, 1)),
+            )
+        ),
+    ),
 }
 
 
