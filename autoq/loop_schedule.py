@@ -10,10 +10,7 @@ accumulates 4 or 8 such vectors of neighbouring output rows (a conv's output cha
 together so that one load of the input serves them all, and runs the outer spatial loops in
 parallel. Each output element is still accumulated by one
 lane of one thread, in the same reduction order: the results are identical bit for bit to
-the unscheduled kernel (tested), so calibrated qparams do not change. Elementwise kernels
-(the pipeline does not fuse: the simulated quantize is a few of them per activation) of at
-least 16384 elements become one parallel loop of vectors (:func:`schedule_reductions`):
-every element is computed by the same operations, so the bits do not change either.
+the unscheduled kernel (tested), so calibrated qparams do not change.
 
 >>> import tvm
 >>> from tvm import relax
@@ -32,8 +29,6 @@ __all__ = ["pipeline_with_loop_schedule", "rows_for", "schedule_module", "schedu
 
 _LANES = (16, 8, 4)
 _DATA_PAR, _REDUCE = 0, 2
-#: elementwise kernels with fewer elements stay serial (threads cost more than they save)
-_MIN_PARALLEL = 16384
 
 
 def _plain_loops(sch, block) -> tuple[list, list] | None:
@@ -93,36 +88,6 @@ def _schedule_block(sch, block, n_rows: int) -> bool:
     return True
 
 
-def _schedule_elementwise(sch, block) -> bool:
-    """A block without reduction (an elementwise kernel: the simulated quantize's divide,
-    round, clip, ... each its own kernel) as one loop over all its elements, split by the
-    widest of 16/8/4 lanes that divides it, the lanes vectorized and the rest in parallel;
-    each element is computed by the same operations as before, only in another order."""
-    loops = sch.get_loops(block)
-    ivars = list(sch.get(block).iter_vars)
-    if not loops or len(loops) != len(ivars):
-        return False
-    total = 1
-    for lp, iv in zip(loops, ivars, strict=True):
-        ext, dom = sch.get(lp).extent, iv.dom.extent
-        if not (isinstance(ext, tvm.tirx.IntImm) and isinstance(dom, tvm.tirx.IntImm)):
-            return False
-        if int(ext) != int(dom) or int(iv.iter_type) != _DATA_PAR:
-            return False
-        total *= int(ext)
-    if total < _MIN_PARALLEL:
-        return False
-    fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-    lanes = next((f for f in _LANES if total % f == 0), None)
-    if lanes is None:
-        sch.parallel(fused)
-        return True
-    outer, inner = sch.split(fused, [None, lanes])
-    sch.parallel(outer)
-    sch.vectorize(inner)
-    return True
-
-
 def _row_block(sch, loops, n_rows: int) -> tuple[int, object] | None:
     """(index, loop): the outer spatial loop with the largest extent divisible by
     ``n_rows`` (a conv's output channels), or None."""
@@ -137,8 +102,8 @@ def _row_block(sch, loops, n_rows: int) -> tuple[int, object] | None:
 
 def schedule_reductions(func: tvm.tirx.PrimFunc, rows: int = 4) -> tvm.tirx.PrimFunc:
     """``func`` with each plain reduction block scheduled as the module docstring says
-    (``rows`` vectors accumulated together) and each large plain elementwise block as one
-    parallel loop of vectors (unchanged when no step applies)."""
+    (``rows`` vectors accumulated together; unchanged when it has no reduction, or when a
+    step does not apply)."""
     if func.attrs is not None and func.attrs.get("tirx.is_scheduled", False):
         return func
     try:
@@ -149,7 +114,7 @@ def schedule_reductions(func: tvm.tirx.PrimFunc, rows: int = 4) -> tvm.tirx.Prim
     changed = False
     for block in blocks:
         try:
-            changed |= _schedule_block(sch, block, rows) or _schedule_elementwise(sch, block)
+            changed |= _schedule_block(sch, block, rows)
         except tvm.s_tir.ScheduleError:
             return func
     return sch.mod["main"] if changed else func
