@@ -43,9 +43,10 @@ class CalibrationPlan:
 
     #: (model input name, key) in the model's input order
     inputs: list[tuple[str, int]]
-    #: keys the prologue reads (weights, weight qparams) and writes
-    prologue_inputs: list[int]
-    prologue_outputs: list[int]
+    #: the prologue, in parts: one function per set of weight / weight-qparam inputs (keys)
+    #: read, with the keys it writes; weight tuning recomputes only the parts reading a
+    #: changed input
+    prologue: list[Segment]
     segments: list[Segment]
     #: activation slot -> key of the float tensor its quantize reads
     head_tensor: dict[str, int]
@@ -107,6 +108,28 @@ def _liveness(segs: list[tuple[Segment, list]]) -> tuple[list[list], list[list],
     return ins, outs, last_use
 
 
+def _prologue_parts(prologue: list, outputs: list, params: set, key: dict) -> list:
+    """The prologue ``outputs`` grouped by the parameters they are computed from:
+    ``[(inputs in key order, outputs)]``, in the order of each group's first output (the
+    parts of a ResNet-50: one per layer, its weight and weight qparams)."""
+    value_of = dict(prologue)
+    reads: dict = {}  # prologue var -> the parameters it depends on
+
+    def roots(v) -> frozenset:
+        if v in params:
+            return frozenset([v])
+        if v not in reads:
+            reads[v] = frozenset().union(*(roots(u) for u in free_vars(value_of[v])))
+        return reads[v]
+
+    for v, _ in prologue:  # in binding order: every operand's set is known before it
+        roots(v)
+    groups: dict[frozenset, list] = {}
+    for v in outputs:
+        groups.setdefault(roots(v), []).append(v)
+    return [(sorted(ins, key=key.get), outs) for ins, outs in groups.items()]
+
+
 def build_plan(
     sim: SimResult, token_mask: TokenMask | None = None
 ) -> tuple[CalibrationPlan, dict[str, relax.Function]]:
@@ -131,8 +154,14 @@ def build_plan(
     pro_vars = {v for v, _ in prologue}
     pro_out = sorted((v for v in pro_vars if any(v in s for s in ins)), key=lambda v: v.name)
     params = set(func.params)
-    pro_in = sorted({u for _, e in prologue for u in free_vars(e) if u in params}, key=key.get)
-    functions = {"prologue": make_function("prologue", pro_in, prologue, pro_out)}
+    functions, parts = {}, []
+    for i, (part_in, part_out) in enumerate(_prologue_parts(prologue, pro_out, params, key)):
+        part = Segment(f"prologue_{i}", inputs=[key[v] for v in part_in])
+        part.outputs = [key[v] for v in part_out]
+        functions[part.name] = make_function(
+            part.name, part_in, slice_bindings(prologue, part_out, part_in), part_out
+        )
+        parts.append(part)
     static = (params - set(inputs)) | pro_vars  # never cached per sample
     for i, (seg, b) in enumerate(segs):
         functions[seg.name] = make_function(seg.name, ins[i], b, outs[i])
@@ -143,8 +172,7 @@ def build_plan(
     weights = {p.name for p in sim.graph.weight_params}
     plan = CalibrationPlan(
         inputs=[(v.name, key[v]) for v in inputs],
-        prologue_inputs=[key[v] for v in pro_in],
-        prologue_outputs=[key[v] for v in pro_out],
+        prologue=parts,
         segments=[s for s, _ in segs],
         head_tensor={sid: key[value_of[var].args[0]] for var, sid in sq_slot.items()},
         qparam_keys={

@@ -64,11 +64,14 @@ class ShardRunner:
         self.stats["samples"] = self.n
         return self.n
 
-    def run_prologue(self) -> None:
-        """Compute the weight-only values once (the same on every shard)."""
-        args = [self.static[k] for k in self.plan.prologue_inputs]
-        outs = as_list(self.vm["prologue"](*args))
-        self.static.update(zip(self.plan.prologue_outputs, outs, strict=True))
+    def run_prologue(self, changed=None) -> None:
+        """Compute the weight-only values (the same on every shard): every part of the
+        prologue, or those reading one of the ``changed`` keys."""
+        for part in self.plan.prologue:
+            if changed is not None and changed.isdisjoint(part.inputs):
+                continue
+            outs = as_list(self.vm[part.name](*[self.static[k] for k in part.inputs]))
+            self.static.update(zip(part.outputs, outs, strict=True))
 
     def _batches(self, slot: str):
         """``slot``'s input on each sample; with a token layout only its real tokens
@@ -112,10 +115,10 @@ class ShardRunner:
 
     def update_static(self, values: dict[int, np.ndarray]) -> None:
         """Replace weight / weight-qparam inputs (key -> array) chosen by calibration and
-        recompute the prologue from them."""
+        recompute the parts of the prologue that read them."""
         for k, v in values.items():
             self.static[k] = tvm.runtime.tensor(np.array(v, order="C"))
-        self.run_prologue()
+        self.run_prologue(set(values))
 
     def run_segment(
         self,

@@ -74,6 +74,7 @@ __all__ = [
     "WeightTuner",
     "distinct_values",
     "layer_tasks",
+    "quantize_offset",
     "single_threaded_blas",
 ]
 
@@ -157,6 +158,36 @@ def layer_tasks(sim) -> dict[str, list[LayerTask]]:
     return out
 
 
+def quantize_offset(x, scale, zero_point, dtype: str = "int8") -> np.ndarray:
+    """``autoq.primitives.quantize(x, scale, zero_point, dtype) - zero_point`` (per tensor) as float32
+    integers, in three passes over one float32 buffer: ``clip(rint(float32(x) / scale),
+    qmin - zero_point, qmax - zero_point)`` (the integer codes weight tuning sums).
+
+    The same integers as :func:`autoq.primitives.quantize`: with ``v = rint(x / scale)``, ``v + zero_point``
+    is exact in float32 while ``|v| < 2**24 - 2**16``, so clipping it to ``[qmin, qmax]``
+    is clipping ``v`` to ``[qmin - zp, qmax - zp]``; a larger ``|v|`` saturates on the same
+    side in both. Ranges up to 16 bits (``zero_point`` inside the range); nan stays nan.
+
+    >>> quantize_offset(np.array([0.25, 0.75, 1.25, -0.25, 100.0, -100.0]), 0.5, 1)
+    array([   0.,    2.,    2.,   -0.,  126., -129.], dtype=float32)
+    """
+    qmin, qmax = P.qrange(dtype)
+    scale, zp = np.asarray(scale), np.asarray(zero_point)
+    if scale.size != 1 or zp.size != 1:
+        raise ValueError(f"quantize_offset is per tensor, got {scale.size} scales")
+    z = int(zp.reshape(-1)[0])
+    if max(-qmin, qmax) > 2**16 or not qmin <= z <= qmax:
+        raise ValueError(
+            f"quantize_offset takes ranges up to 16 bits and a zero point inside them, got "
+            f"{dtype} with zero point {z}"
+        )
+    v = np.divide(
+        np.asarray(x, np.float32), np.asarray(scale, np.float32).reshape(())
+    )  # a new float32 buffer
+    np.rint(v, out=v)
+    return np.clip(v, qmin - z, qmax - z, out=v)
+
+
 def single_threaded_blas():
     """A context in which numpy's and scipy's BLAS/LAPACK use one thread (threadpoolctl;
     a no-op context where it is not installed)."""
@@ -195,13 +226,33 @@ class InputStats:
         self.distinct_means = dict(_distinct_items(self.means))
 
     def update(self, x: np.ndarray) -> None:
+        """Add one batch of the slot's float values: each Hessian gets the integer codes of
+        its rows, quantized after gathering them when that is fewer values (the kept
+        patches of a large image) and gathered from the quantized batch otherwise: the
+        same integers (:func:`quantize_offset`); the mean patches take
+        the whole batch's codes."""
         qp = self.qp
-        q = P.quantize(x, qp.scale, qp.zero_point, qp.dtype).astype(np.int32)
-        codes = q - np.asarray(qp.zero_point, np.int32)
+        if self.distinct_means or P.qrange(qp.dtype)[1] > 2**16:
+            q = P.quantize(x, qp.scale, qp.zero_point, qp.dtype).astype(np.int32)
+            codes = q - np.asarray(qp.zero_point, np.int32)
+            for h in self.distinct.values():
+                h.update(codes)
+            for m in self.distinct_means.values():
+                m.update(codes)
+            return
+        x = np.asarray(x)
+        codes = None  # the whole batch's, computed once if some Hessian needs it
+
+        def offset(v):
+            return quantize_offset(v, qp.scale, qp.zero_point, qp.dtype)
+
         for h in self.distinct.values():
-            h.update(codes)
-        for m in self.distinct_means.values():
-            m.update(codes)
+            if h.rows_size(x.shape) < x.size:
+                rows = offset(h.rows_of(x, np.float32))
+            else:
+                codes = offset(x) if codes is None else codes
+                rows = h.rows_of(codes, np.float32)
+            h.update_rows(rows.transpose(0, 2, 1))
 
     def merge(self, other: InputStats) -> None:
         other = other.resolve()

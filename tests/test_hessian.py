@@ -196,3 +196,68 @@ def test_code_hessian_buffers_rows_while_the_product_stays_exact():
         assert h.rows == 1200
         assert h.matrix().tobytes() == each.matrix().tobytes()
         np.testing.assert_array_equal(h.row_sum, each.row_sum)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("block", [4, 5, Hm.GRAM_BLOCK])
+def test_add_gram_is_the_full_product_bit_for_bit(dtype, block, monkeypatch):
+    """The upper block rows, mirrored, add exactly the int64 of the full matmul (the plain
+    numpy product), for widths that do and do not divide into blocks, several groups,
+    a (G, K, rows) view that is not contiguous, onto any int64 sums already there."""
+    monkeypatch.setattr(Hm, "GRAM_BLOCK", block)
+    monkeypatch.setattr(Hm, "GRAM_MIN", 2 * block)
+    rng = np.random.default_rng(13)
+    bound = 15 if dtype == np.float32 else 30000  # products exact in the dtype
+    for g, k, rows in [(1, 2 * block, 40), (2, 3 * block + 1, 33), (1, 2 * block - 1, 10)]:
+        cols = rng.integers(-bound, bound + 1, size=(g, k, rows)).astype(dtype)
+        start = rng.integers(-(2**40), 2**40, size=(g, k, k))
+        start = start + start.transpose(0, 2, 1)
+        ref = start + np.matmul(cols, cols.transpose(0, 2, 1)).astype(np.int64)
+        for c in (cols, np.ascontiguousarray(cols.transpose(0, 2, 1)).transpose(0, 2, 1)):
+            out = start.copy()
+            Hm.add_gram(c, out)
+            np.testing.assert_array_equal(out, ref)
+    big = rng.integers(-255, 256, size=(1, 2 * block + 3, 250)).astype(np.float32)
+    out = np.zeros((1, big.shape[1], big.shape[1]), np.int64)
+    Hm.add_gram(big, out)  # int8 codes, 250 rows: below 2**24 per column, exact
+    np.testing.assert_array_equal(out, np.matmul(big, big.transpose(0, 2, 1)).astype(np.int64))
+
+
+def test_max_rows_gathers_patches_without_padding_the_input():
+    """The kept rows are read from the input itself (taps in the padding 0): exactly the
+    rows of the full unfold, for every geometry, row budget and a border-heavy image."""
+    for name, spec in GEOMETRIES.items():
+        geom, x, _ = _case(spec, seed=3, n=2, hw=(5, 4))
+        full = conv_unfold(x, geom)
+        for max_rows in (1, 2, 7, full.shape[1] - 1):
+            keep = Hm.even_rows(full.shape[1], max_rows)
+            np.testing.assert_array_equal(conv_unfold(x, geom, max_rows), full[:, keep], name)
+        h = Hessian.conv2d(geom, x.shape[1], max_rows=7)
+        assert h.rows_size(x.shape) == h.rows_of(x).size
+
+
+@pytest.mark.parametrize("bound", [127, 30000], ids=["int8", "int16"])
+def test_code_hessian_update_rows_equals_update(bound):
+    """Rows gathered from a float input and quantized (quantize_offset) add the same int64
+    sums as the whole input quantized (quantize - zero point) and then unfolded."""
+    from autoq import primitives as P
+    from autoq.weight_tuning import quantize_offset
+
+    dtype = "int8" if bound == 127 else "int16"
+    geom = ConvGeometry(kernel=(3, 3), strides=(2, 2), padding=(1, 1, 1, 1))
+    rng = np.random.default_rng(17)
+    scale, zp = 0.05 if bound == 127 else 0.0002, 3
+    whole, rows = (CodeHessian.conv2d(geom, 4, max_rows=9, scale=scale) for _ in range(2))
+    for _ in range(5):
+        x = rng.normal(size=(1, 4, 9, 8)).astype(np.float32) * 4
+        codes = P.quantize(x, scale, zp, dtype).astype(np.int32) - zp
+        whole.update(codes)
+        gathered = rows.rows_of(x, np.float32)
+        rows.update_rows(quantize_offset(gathered, scale, zp, dtype).transpose(0, 2, 1))
+    assert rows.rows == whole.rows == 45
+    assert rows.matrix().tobytes() == whole.matrix().tobytes()
+    np.testing.assert_array_equal(rows.row_sum, whole.row_sum)
+    with pytest.raises(ValueError, match="integer codes"):
+        rows.update_rows(np.full((1, 36, 2), 0.5, np.float32))
+    with pytest.raises(ValueError, match="float"):
+        rows.update_rows(np.zeros((1, 36, 2), np.int32))

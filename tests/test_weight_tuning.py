@@ -13,7 +13,7 @@ from autoq.calibrate import samples_for
 from autoq.fidelity import compare
 from autoq.gptq import rtn
 from autoq.qparams import QParams
-from autoq.weight_tuning import layer_tasks
+from autoq.weight_tuning import layer_tasks, quantize_offset
 from models import TARGET, Runner, conv2d_nchw, small_cnn, two_convs
 
 PLAIN = Config(progress=False, weight_rounding="nearest", bias_correction=False, scale_search=False)
@@ -217,3 +217,67 @@ def test_layers_with_the_same_patches_share_one_exact_hessian():
         np.testing.assert_array_equal(
             stats.hessians[t.layer].matrix(), alone.hessians[t.layer].matrix()
         )
+
+
+def test_input_stats_hessians_equal_those_of_the_whole_quantized_input():
+    """Each Hessian is fed codes gathered then quantized where that is fewer values (a 1x1
+    conv keeping 256 of 400 pixels), or quantized then gathered (a 3x3 conv keeping all):
+    the int64 sums equal those of the reference path, the whole input quantized by
+    primitives.quantize minus the zero point, then fed to CodeHessian.update."""
+    from autoq.hessian import ConvGeometry
+    from autoq.qparams import QParam
+    from autoq.weight_tuning import InputStats, LayerTask
+
+    one = ConvGeometry(kernel=(1, 1))
+    three = ConvGeometry(kernel=(3, 3), strides=(2, 2), padding=(1, 1, 1, 1))
+    tasks = [
+        LayerTask("a", "a.weight", "x", np.zeros((8, 4, 1, 1), np.float32), one, False),
+        LayerTask("c", "c.weight", "x", np.zeros((8, 4, 3, 3), np.float32), three, False),
+    ]
+    rng = np.random.default_rng(4)
+    xs = [rng.normal(size=(1, 4, 20, 20)).astype(np.float32) * 3 for _ in range(3)]
+    for qp in (QParam(np.float32(0.02), -128, "int8"), QParam(np.float32(1e-4), 7, "int16")):
+        stats = InputStats(tasks, qp)
+        refs = {t.layer: t.hessian(float(qp.scale)) for t in tasks}
+        for x in xs:
+            stats.update(x)
+            q = P.quantize(x, qp.scale, qp.zero_point, qp.dtype).astype(np.int64)
+            codes = q - int(qp.zero_point)
+            for h in refs.values():
+                h.update(codes)
+        for t in tasks:
+            got, ref = stats.hessians[t.layer], refs[t.layer]
+            got.flush(), ref.flush()
+            assert got.rows == ref.rows
+            np.testing.assert_array_equal(got.sum, ref.sum)
+            np.testing.assert_array_equal(got.row_sum, ref.row_sum)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "int4"])
+def test_quantize_offset_is_quantize_minus_the_zero_point(dtype):
+    """The float32 codes weight tuning sums: the integers of quantize() - zero_point, for
+    zero points at both ends and inside the range, ties, values far beyond the grid and
+    infinities (float32 overflow of the division included)."""
+    qmin, qmax = P.qrange(dtype)
+    rng = np.random.default_rng(5)
+    x = np.concatenate(
+        [
+            rng.normal(size=4000) * 3,
+            rng.normal(size=400) * 1e6,
+            [np.inf, -np.inf, 0.0, -0.0, 3e38, -3e38, 2.5, -2.5, 3.5, 0.5, -0.5, 1.5],
+        ]
+    ).astype(np.float32)
+    for zp in (qmin, qmax, (qmin + qmax) // 2, qmin + 1):
+        for scale in (0.01, 0.5, 1.0, 7e-5):
+            with np.errstate(over="ignore"):
+                got = quantize_offset(x, scale, zp, dtype)
+                ref = P.quantize(x, scale, zp, dtype).astype(np.int64) - zp
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got.astype(np.int64), ref)
+
+
+def test_quantize_offset_rejects_what_it_cannot_do_exactly():
+    with pytest.raises(ValueError, match="per tensor"):
+        quantize_offset(np.zeros(2), np.array([0.1, 0.2]), 0)
+    with pytest.raises(ValueError, match="16 bits"):
+        quantize_offset(np.zeros(2), 0.1, 0, "int32")
