@@ -633,6 +633,22 @@ def make_dataset(
     return Dataset(samples, split, desc)
 
 
+def second_sentence_set(info: ModelInfo, n: int, n_calib: int, seed: int = 2) -> Dataset:
+    """``n`` MiniLM sentences of the *calibration* topic pool that are not among the
+    ``n_calib`` calibration sentences (``make_dataset(info, "calib", n_calib)``): a second
+    evaluation set, disjoint from the calibration and the evaluation sentences, to check that
+    a change measured on the evaluation set is not its near-ties' luck."""
+    if info.name != "minilm":
+        raise ValueError(f"second_sentence_set is for minilm, not {info.name}")
+    used = set(sentences("calib", n_calib, 0))
+    rest = [s for s in _sentence_pool("calib") if s not in used]
+    rng = np.random.default_rng(seed)
+    picked = [rest[i] for i in rng.choice(len(rest), size=n, replace=False)]
+    samples = _tokenize(minilm_tokenizer(info.extra["seq_len"]), picked)
+    desc = f"{n} other calibration-pool sentences (seed {seed}), padded to {info.extra['seq_len']}"
+    return Dataset(samples, "calib", desc)
+
+
 def save_samples(samples: Sequence[Sample], path: Path) -> None:
     arrays = {f"{i}|{k}": v for i, s in enumerate(samples) for k, v in s.items()}
     np.savez(path, **arrays)
