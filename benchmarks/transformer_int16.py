@@ -22,6 +22,9 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
 * with ``--second n``: every row also on ``n`` other sentences of the calibration topic pool
   (``common.second_sentence_set``: disjoint from the calibration and evaluation sentences),
   columns "NN@1 2nd" / "cos 2nd";
+* ``--more-calib n``: ``n`` more calibration-pool sentences (disjoint from the second set)
+  inserted before the held-out ones, so the search's trial and held-out sentences stay the
+  same while the ranges and GPTQ see more data;
 * with ``--margins``: after each row, its NN@1 failures with their fp32 margins, NN@1 with the
   row's error scaled down, and what an isotropic error of the same size predicts
   (:mod:`nn_margins`: how much of a row's NN@1 is the eval set's near-ties);
@@ -165,6 +168,15 @@ def variants(args, rows) -> list:
     return extra
 
 
+def with_more_calibration(info, calib, args, log) -> list:
+    """``calib`` with ``--more-calib`` sentences inserted before its last ``--holdout``
+    (the search's held-out sentences; its trial sentences are the first ones)."""
+    extra = common.second_sentence_set(info, args.more_calib, args.calib, skip=args.second)
+    head = list(calib)[: len(calib) - args.holdout]
+    log(f"calibration: + {extra.description}")
+    return head + list(extra) + list(calib)[len(calib) - args.holdout :]
+
+
 def table_rows(rows, ref, ref2) -> list[list[str]]:
     """One table row per result; with a second set (``ref2``) its NN@1 and cosine too."""
     table = []
@@ -205,6 +217,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--alphas", default="", help="smooth_quant_alphas grid for extra rows")
     p.add_argument("--second", type=int, default=0, help="second evaluation set (sentences)")
+    p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
     p.add_argument("--only", default="autoq", help="run only rows containing one of these")
@@ -233,6 +246,8 @@ def main(argv=None) -> int:
         second = common.second_sentence_set(info, args.second, args.calib)
         ref2 = common.ort_outputs(common.ort_session(info.path, 2, False), second)
         log(f"second evaluation set: {second.description}")
+    if args.more_calib:
+        calib = with_more_calibration(info, calib, args, log)
     log(f"load average at start: {os.getloadavg()}")
     rows = []
     for label, cfg in configs(args):

@@ -17,7 +17,7 @@ from autoq.metrics import sqnr_db
 from autoq.simulate import simulate
 from autoq.smooth_alpha import group_error, search_alpha
 from autoq.smoothing import smoothing_scales
-from models import TARGET, Runner, ln_block
+from models import TARGET, Runner, ln_block, small_cnn
 from models import ln_block_data as data
 
 ACT = QuantSpec(dtype="int8", symmetric=False, calibrator="max")
@@ -115,3 +115,17 @@ def test_searched_alphas_on_the_ln_block():
 def _float_model(res):
     g = res.matched.graph
     return g.module, g.params
+
+
+def test_a_cnn_is_untouched_by_the_search():
+    """No LayerNorm feeds a dense layer: the very qparams of the default config."""
+    mod, params, make = small_cnn()
+    got = []
+    for grid in ((), GRID):
+        res = autoq.Quantizer(Config(progress=False, smooth_quant_alphas=grid), target=TARGET).run(
+            mod, params, make(4)
+        )
+        assert res.smoothed == () and res.smooth_alphas == {}
+        qp = res.qparams
+        got.append({s: (qp[s].scale.tobytes(), qp[s].zero_point.tobytes()) for s in qp.params})
+    assert got[0] == got[1]
