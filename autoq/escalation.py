@@ -46,6 +46,7 @@ from .build import default_target
 from .calibrate import calibrate, calibration_pipeline, samples_for
 from .calibration_plan import slot_layouts
 from .config import AutoFallback, Config, QuantSpec
+from .escalation_swaps import refine_by_swaps
 from .metrics import ErrorStats, fake_quant, sqnr_db
 from .primitives import quantize_bias
 from .qparams import QParam, QParams
@@ -355,6 +356,13 @@ def escalate_search(
         if kept:
             final = (list(chosen), value)
     chosen, value = final
+    swaps: list[dict] = []
+    if fb.swap_rounds and ranking and not within(value):  # autoq.escalation_swaps
+        chosen, swaps = refine_by_swaps(
+            eg.candidates, chosen, lambda sel: trial(sel, "swap"),
+            _held_score(eg, reference_run, held), fb.swap_rounds,
+        )  # fmt: skip
+        value = swaps[-1]["metric"] if swaps else value
     for r in ranking:
         r["reason"] = (
             f"{name} {r['score']:.4g} with this tensor int8 and the other shortlisted ones "
@@ -372,8 +380,17 @@ def escalate_search(
         f"int16 ({len(eg.already_int16)} already)",
         "ranking": ranking,
         "trials": trials,
+        "swaps": swaps,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _held_score(eg: EscalationGraph, reference_run, held):
+    """``score(selected)``: the output SQNR on the held-out samples (None without them)."""
+    if not held:
+        return None
+    ref = reference_run(held)
+    return lambda sel: sqnr_db(ref, eg.run(sel, held))
 
 
 def _held_gain(eg: EscalationGraph, reference_run, held):

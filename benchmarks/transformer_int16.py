@@ -16,6 +16,8 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
   (statistics over real tokens only, :mod:`autoq.token_mask`);
 * autoq dynamic per token (no data), for reference;
 * ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
+* ``--swap-rounds n``: ``AutoFallback(swap_rounds=n)`` for the escalation rows (swap
+  refinement of the chosen tensors, :mod:`autoq.escalation_swaps`);
 * with ``--alphas a,b,...``: the all-int8 and escalation rows again with
   ``Config(smooth_quant_alphas=(a, b, ...))`` (SmoothQuant's alpha searched per LayerNorm,
   :mod:`autoq.smooth_alpha`; the chosen alphas are logged);
@@ -100,7 +102,7 @@ def escalation(args, fraction: float):
 
     return AutoFallback(
         precision="int16_tensors", max_int16_fraction=fraction, holdout=args.holdout,
-        min_sqnr=args.min_sqnr, trial_samples=args.trial_samples,
+        min_sqnr=args.min_sqnr, trial_samples=args.trial_samples, swap_rounds=args.swap_rounds,
     )  # fmt: skip
 
 
@@ -217,6 +219,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--alphas", default="", help="smooth_quant_alphas grid for extra rows")
     p.add_argument("--second", type=int, default=0, help="second evaluation set (sentences)")
+    p.add_argument("--swap-rounds", type=int, default=0, help="AutoFallback.swap_rounds")
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
