@@ -356,13 +356,8 @@ def escalate_search(
         if kept:
             final = (list(chosen), value)
     chosen, value = final
-    swaps: list[dict] = []
-    if fb.swap_rounds and ranking and not within(value):  # autoq.escalation_swaps
-        chosen, swaps = refine_by_swaps(
-            eg.candidates, chosen, lambda sel: trial(sel, "swap"),
-            _held_score(eg, reference_run, held), fb.swap_rounds,
-        )  # fmt: skip
-        value = swaps[-1]["metric"] if swaps else value
+    skip = not ranking or within(value)
+    chosen, value, swaps = _swapped(eg, fb, trial, (reference_run, held), chosen, value, skip)
     for r in ranking:
         r["reason"] = (
             f"{name} {r['score']:.4g} with this tensor int8 and the other shortlisted ones "
@@ -383,6 +378,19 @@ def escalate_search(
         "swaps": swaps,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _swapped(eg: EscalationGraph, fb: AutoFallback, trial, fp32_held, chosen, value, skip):
+    """``AutoFallback.swap_rounds`` rounds of swaps (:mod:`autoq.escalation_swaps`) unless
+    ``skip``: ``(tensors, metric, accepted swaps)``; ``fp32_held``: (reference run, held)."""
+    if skip or not fb.swap_rounds:
+        return chosen, value, []
+    reference_run, held = fp32_held
+    chosen, swaps = refine_by_swaps(
+        eg.candidates, chosen, lambda sel: trial(sel, "swap"),
+        _held_score(eg, reference_run, held), fb.swap_rounds,
+    )  # fmt: skip
+    return chosen, (swaps[-1]["metric"] if swaps else value), swaps
 
 
 def _held_score(eg: EscalationGraph, reference_run, held):
