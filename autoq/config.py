@@ -14,7 +14,7 @@ from . import primitives as P
 from .errors import InputError
 from .json_document import JsonDocument, check_keys
 from .layer_rules import FALLBACK_TYPES, AutoFallback, Fallback, compile_rule, str_tuple
-from .smoothing import check_alpha
+from .smoothing import check_alpha, check_alphas
 from .token_mask import TokenMask
 
 __all__ = [
@@ -243,6 +243,10 @@ class Config(JsonDocument):
     module then realizes ``QuantizeResult.matched`` (the rewritten model), so simulate or
     compare against that, not the input module. Models without a LayerNorm feeding a dense
     layer (CNNs) are unchanged; not applied with dynamic activations (no data).
+    ``smooth_quant_alphas``: a grid of migration strengths searched per LayerNorm by the
+    output error of the dense layers it feeds (AWQ's per-layer grid search, Lin et al. 2024,
+    arXiv:2306.00978, applied to SmoothQuant's factor; :mod:`autoq.smooth_alpha`); empty
+    (default): every LayerNorm uses ``smooth_quant``.
     ``skip_unbounded``: ``autoq.quantize`` keeps in fp32 the layers whose activations hold
     inf-like sentinels such as attention masks of ``finfo.min`` (see :mod:`autoq.guard`).
     ``check_scales``: layers whose activation scale cannot represent its data go fp32 (:mod:`autoq.scale_health`).
@@ -320,6 +324,7 @@ class Config(JsonDocument):
     equalization: bool = False
     int16_tensors: tuple[str, ...] = ()
     smooth_quant: float | None = 0.5
+    smooth_quant_alphas: tuple[float, ...] = ()
     token_mask: TokenMask | None = None
     lut_input_ranges: bool = False
 
@@ -362,6 +367,7 @@ class Config(JsonDocument):
         _check_holdout(self)
         str_tuple(self, "int16_tensors")
         check_alpha(self.smooth_quant)
+        check_alphas(self.smooth_quant_alphas, self.smooth_quant)
         if self.token_mask is not None and not isinstance(self.token_mask, TokenMask):
             raise InputError(
                 f"Config.token_mask must be a TokenMask('<mask input name>') or None, got "
@@ -423,6 +429,7 @@ class Config(JsonDocument):
             "equalization": self.equalization,
             "int16_tensors": list(self.int16_tensors),
             "smooth_quant": self.smooth_quant,
+            "smooth_quant_alphas": list(self.smooth_quant_alphas),
             "token_mask": None if self.token_mask is None else self.token_mask.to_json(),
             "lut_input_ranges": self.lut_input_ranges,
         }
@@ -444,6 +451,7 @@ class Config(JsonDocument):
         if d.get("patterns") is not None:
             d["patterns"] = tuple(d["patterns"])
         d["int16_tensors"] = tuple(d.get("int16_tensors", ()))
+        d["smooth_quant_alphas"] = tuple(d.get("smooth_quant_alphas", ()))
         if d.get("distributed") is not None:
             d["distributed"] = Distributed.from_json(d["distributed"])
         if d.get("token_mask") is not None:

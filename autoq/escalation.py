@@ -46,6 +46,7 @@ from .build import default_target
 from .calibrate import calibrate, calibration_pipeline, samples_for
 from .calibration_plan import slot_layouts
 from .config import AutoFallback, Config, QuantSpec
+from .escalation_swaps import refine_by_swaps
 from .metrics import ErrorStats, fake_quant, sqnr_db
 from .primitives import quantize_bias
 from .qparams import QParam, QParams
@@ -355,6 +356,8 @@ def escalate_search(
         if kept:
             final = (list(chosen), value)
     chosen, value = final
+    skip = not ranking or within(value)
+    chosen, value, swaps = _swapped(eg, fb, trial, (reference_run, held), chosen, value, skip)
     for r in ranking:
         r["reason"] = (
             f"{name} {r['score']:.4g} with this tensor int8 and the other shortlisted ones "
@@ -372,8 +375,30 @@ def escalate_search(
         f"int16 ({len(eg.already_int16)} already)",
         "ranking": ranking,
         "trials": trials,
+        "swaps": swaps,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _swapped(eg: EscalationGraph, fb: AutoFallback, trial, fp32_held, chosen, value, skip):
+    """``AutoFallback.swap_rounds`` rounds of swaps (:mod:`autoq.escalation_swaps`) unless
+    ``skip``: ``(tensors, metric, accepted swaps)``; ``fp32_held``: (reference run, held)."""
+    if skip or not fb.swap_rounds:
+        return chosen, value, []
+    reference_run, held = fp32_held
+    chosen, swaps = refine_by_swaps(
+        eg.candidates, chosen, lambda sel: trial(sel, "swap"),
+        _held_score(eg, reference_run, held), fb.swap_rounds,
+    )  # fmt: skip
+    return chosen, (swaps[-1]["metric"] if swaps else value), swaps
+
+
+def _held_score(eg: EscalationGraph, reference_run, held):
+    """``score(selected)``: the output SQNR on the held-out samples (None without them)."""
+    if not held:
+        return None
+    ref = reference_run(held)
+    return lambda sel: sqnr_db(ref, eg.run(sel, held))
 
 
 def _held_gain(eg: EscalationGraph, reference_run, held):

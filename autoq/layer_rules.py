@@ -159,6 +159,10 @@ class AutoFallback(Fallback):
     64 evaluation sentences) with 12 instead of 4 swaps one of 23 tensors: cosine 0.99223 ->
     0.99271 but NN@1 60/64 -> 57/64 (near-ties), at 2.3x the search time
     (benchmarks/results/transformer_int16.md, session 6).
+    ``swap_rounds`` (``int16_tensors`` only): after the greedy search, at most this many
+    rounds of one-in-one-out swaps of the chosen tensors, each kept only if it raises the
+    trial metric and the held-out output SQNR (interchange heuristic, Teitz and Bart 1968;
+    :mod:`autoq.escalation_swaps`); 0 (default): off.
     """
 
     metric: Any = "sqnr"
@@ -171,10 +175,11 @@ class AutoFallback(Fallback):
     max_int16_fraction: float = 0.2
     recalibrate: bool = False
     trial_samples: int = 4
+    swap_rounds: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("holdout", "trial_samples"):
+        for name in ("holdout", "trial_samples", "swap_rounds"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"AutoFallback.{name} must be an int >= 0, got {v!r}")
@@ -228,6 +233,7 @@ class AutoFallback(Fallback):
             max_int16_fraction=self.max_int16_fraction,
             recalibrate=self.recalibrate,
             trial_samples=self.trial_samples,
+            swap_rounds=self.swap_rounds,
         )
         return d
 

@@ -112,6 +112,9 @@ class QuantizeResult:
     equalization: EqualizationReport | None = None
     #: the LayerNorms ``Config.smooth_quant`` rewrote (empty: nothing applied)
     smoothed: tuple[str, ...] = ()
+    #: each smoothed LayerNorm's migration strength (``Config.smooth_quant``, or the one
+    #: ``Config.smooth_quant_alphas`` chose for it: :mod:`autoq.smooth_alpha`)
+    smooth_alphas: dict = field(default_factory=dict)
 
 
 class Quantizer:
@@ -209,10 +212,11 @@ class Quantizer:
                 mask_shape(config.token_mask, matched.graph.inputs)
             matched.active(config.fallback)  # fallback rules checked before any data work
             samples = self._data(dataset, matched.graph, client is not None)
-        model, smoothed = (mod, params), ()  # the float model realized (after SmoothQuant)
+        model, smoothed, alphas = (mod, params), (), {}  # the float model realized
         if config.smooth_quant is not None:
             with clock("smooth_quant"):
-                matched, model, smoothed = self._smooth(matched, model, samples, config)
+                matched, model, alphas = self._smooth(matched, model, samples, config)
+                smoothed = tuple(alphas)
         reasons = {x: "fallback rule" for x in matched.kept_float(config.fallback)}
         sim = None
         if config.skip_unbounded:
@@ -264,17 +268,18 @@ class Quantizer:
         return QuantizeResult(
             module, qparams, config, matched, int8, reasons, decision, report, analysis,
             samples=qparams.meta.get("samples") or 0, timings=timings, smoothed=smoothed,
+            smooth_alphas=alphas,
         )  # fmt: skip
 
     def _smooth(self, matched, model, samples, config: Config):
         """SmoothQuant on the float model (:mod:`autoq.smooth_quant`), matched again:
-        ``(matched, (mod, params), smoothed LayerNorm names)`` of the rewritten model (what
+        ``(matched, (mod, params), {smoothed LayerNorm: alpha})`` of the rewritten model (what
         the workers of a cluster and every later stage quantize). Unchanged, silently, when
         no LayerNorm feeds a dense layer (a CNN); unchanged with a
         :class:`autoq.errors.SmoothQuantSkipped` warning when the samples are read only by a
         cluster's workers (the channel maxima are measured in this process)."""
         if not find_smoothable(matched.graph):
-            return matched, model, ()
+            return matched, model, {}
         if is_shard_source(samples):
             warnings.warn(
                 SmoothQuantSkipped(
@@ -284,13 +289,15 @@ class Quantizer:
                 ),
                 stacklevel=4,
             )
-            return matched, model, ()
+            return matched, model, {}
         if isinstance(config.fallback, AutoFallback):  # held-out samples stay unseen
             samples, _ = split_holdout(samples, config.fallback.holdout)
         mod, params, plans = smooth_graph(
-            matched.graph, samples, config.smooth_quant, self.target, config.token_mask
-        )
-        return match(mod, params, config), (mod, params), tuple(p.ln.name for p in plans)
+            matched.graph, samples, config.smooth_quant, self.target, config.token_mask,
+            config.smooth_quant_alphas, (config.activation, config.weight),
+        )  # fmt: skip
+        alphas = {p.ln.name: p.alpha for p in plans}
+        return match(mod, params, config), (mod, params), alphas
 
     def _calibrate_healthy(self, matched, sim, samples, config, client):
         """Calibrate; while some chosen activation scale is unusable on its own data (see

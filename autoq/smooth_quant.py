@@ -34,6 +34,7 @@ from tvm import relax
 
 from .calibrate import calibration_pipeline, fp32_runner
 from .graph import Graph
+from .smooth_alpha import search_alpha
 from .smoothing import channel_absmax, smoothing_scales
 from .token_mask import TokenMask, masked_outputs, token_layouts
 from .toolkit import (
@@ -50,6 +51,7 @@ from .toolkit import (
 __all__ = [
     "SmoothPlan",
     "activation_maxima",
+    "activation_rows",
     "apply_smoothing",
     "find_smoothable",
     "smooth_graph",
@@ -68,6 +70,8 @@ class SmoothPlan:
     readers: list = field(default_factory=list)  # reader vars of ln that go smoothed
     others: list = field(default_factory=list)  # reader vars of ln that keep it
     scale: np.ndarray | None = None
+    alpha: float | None = None  # the migration strength ``scale`` was computed with
+    errors: dict = field(default_factory=dict)  # alpha -> group error (alpha search only)
 
 
 @dataclass(frozen=True)
@@ -175,11 +179,27 @@ def activation_maxima(
 ) -> list[np.ndarray]:
     """``max |y_j|`` per channel of each plan's LayerNorm output over ``samples`` (with
     ``token_mask``, over their real tokens: :mod:`autoq.token_mask`)."""
+    return activation_rows(g, plans, samples, target, token_mask, max_rows=0)[0]
+
+
+#: rows of each LayerNorm output kept for the per-LayerNorm alpha search (a regular subsample
+#: beyond it): ``Config.smooth_quant_alphas``
+SEARCH_ROWS = 4096
+
+
+def activation_rows(
+    g: Graph, plans: list[SmoothPlan], samples, target, token_mask: TokenMask | None = None,
+    max_rows: int = SEARCH_ROWS,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:  # fmt: skip
+    """(channel maxima, rows): per plan ``max |y_j|`` over ``samples`` and up to ``max_rows``
+    rows ``(n, channels)`` of its LayerNorm output (every row, then every k-th when there
+    are more; none with ``max_rows=0``)."""
     outs = [p.ln for p in plans]
     fn = make_function("main", list(g.inputs) + list(g.weight_params), g.bindings, outs)
     vm = compile_vm({"main": fn}, target, g.module, pipeline=calibration_pipeline(target))
     run = fp32_runner(vm, [v.name for v in g.inputs], [g.params[p.name] for p in g.weight_params])
     maxima = [np.zeros(p.channels) for p in plans]
+    rows: list[list[np.ndarray]] = [[] for _ in plans]
     found = token_layouts(
         token_mask, g.inputs, {str(i): shape_of(p.ln) for i, p in enumerate(plans)}
     )
@@ -188,7 +208,14 @@ def activation_maxima(
         for i, y in enumerate(values):
             if np.size(y):
                 maxima[i] = np.maximum(maxima[i], channel_absmax(y))
-    return maxima
+                if max_rows:
+                    rows[i].append(np.asarray(y, np.float32).reshape(-1, plans[i].channels))
+    kept = []
+    for r, p in zip(rows, plans, strict=True):
+        x = np.concatenate(r) if r else np.zeros((0, p.channels), np.float32)
+        step = -(-len(x) // max_rows) if max_rows else 1
+        kept.append(x[::step])
+    return maxima, kept
 
 
 def apply_smoothing(g: Graph, plans: list[SmoothPlan]):
@@ -244,16 +271,28 @@ def _rebuild(g: Graph, plans: list[SmoothPlan], new_values: dict, twins: dict):
     return with_main(g.module, bb.get()["main"])
 
 
-def smooth_graph(g: Graph, samples, alpha: float, target, token_mask: TokenMask | None = None):
+def smooth_graph(
+    g: Graph, samples, alpha: float, target, token_mask: TokenMask | None = None,
+    alphas: tuple = (), specs: tuple | None = None,
+):  # fmt: skip
     """SmoothQuant with migration strength ``alpha``: ``(module, params, plans)`` (the module
     unchanged, as ``g.module``/``g.params``, when nothing applies); ``token_mask``: channel
-    maxima over real tokens only."""
+    maxima over real tokens only. With ``alphas`` (``Config.smooth_quant_alphas``) each
+    LayerNorm takes the alpha of that grid with the smallest output error of the dense
+    layers it feeds, ``specs`` = (activation, weight) :class:`QuantSpec`
+    (:mod:`autoq.smooth_alpha`); each plan's ``alpha`` and ``errors`` record it."""
     plans = find_smoothable(g)
     if not plans:
         return g.module, dict(g.params), []
-    maxima = activation_maxima(g, plans, samples, target, token_mask)
-    for p, amax in zip(plans, maxima, strict=True):
-        wmax = np.max([np.abs(site.array).max(axis=1) for site in p.matmuls.values()], axis=0)
-        p.scale = smoothing_scales(amax, wmax, alpha)
+    maxima, rows = activation_rows(
+        g, plans, samples, target, token_mask, SEARCH_ROWS if alphas else 0
+    )
+    for p, amax, x in zip(plans, maxima, rows, strict=True):
+        weights = [site.array for site in p.matmuls.values()]
+        if alphas:
+            p.alpha, p.scale, p.errors = search_alpha(x, amax, weights, alphas, *specs)
+            continue
+        wmax = np.max([np.abs(w).max(axis=1) for w in weights], axis=0)
+        p.alpha, p.scale = alpha, smoothing_scales(amax, wmax, alpha)
     mod, params = apply_smoothing(g, plans)
     return mod, params, plans

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["channel_absmax", "check_alpha", "smoothing_scales"]
+__all__ = ["channel_absmax", "check_alpha", "check_alphas", "smoothing_scales"]
 
 
 def check_alpha(alpha) -> None:
@@ -32,6 +32,24 @@ def check_alpha(alpha) -> None:
         raise ValueError(
             f"Config.smooth_quant is SmoothQuant's migration strength alpha, a number in "
             f"(0, 1) such as 0.5, or None (off); got {alpha!r}"
+        )
+
+
+def check_alphas(alphas, smooth_quant) -> None:
+    """``Config.smooth_quant_alphas``: a tuple of numbers in (0, 1), each once; empty (off,
+    every LayerNorm uses ``smooth_quant``) or with ``smooth_quant`` set (not None)."""
+    name = "Config.smooth_quant_alphas"
+    if not isinstance(alphas, tuple):
+        raise TypeError(f"{name} must be a tuple of numbers in (0, 1), got {alphas!r}")
+    for a in alphas:
+        if isinstance(a, bool) or not isinstance(a, int | float) or not 0 < a < 1:
+            raise ValueError(f"{name}: every alpha must be a number in (0, 1); got {a!r}")
+    if len(set(alphas)) != len(alphas):
+        raise ValueError(f"{name}: alphas must be distinct; got {alphas!r}")
+    if alphas and smooth_quant is None:
+        raise ValueError(
+            f"{name} searches SmoothQuant's alpha per LayerNorm: it needs "
+            "Config.smooth_quant (not None)"
         )
 
 

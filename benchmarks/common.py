@@ -633,6 +633,29 @@ def make_dataset(
     return Dataset(samples, split, desc)
 
 
+def second_sentence_set(
+    info: ModelInfo, n: int, n_calib: int, seed: int = 2, skip: int = 0
+) -> Dataset:
+    """``n`` MiniLM sentences of the *calibration* topic pool that are not among the
+    ``n_calib`` calibration sentences (``make_dataset(info, "calib", n_calib)``): a second
+    evaluation set, disjoint from the calibration and the evaluation sentences, to check that
+    a change measured on the evaluation set is not its near-ties' luck. The sentences are
+    positions ``skip .. skip + n`` of one fixed permutation (``seed``) of that pool, so sets
+    with different ``skip`` ranges are disjoint (e.g. extra calibration sentences)."""
+    if info.name != "minilm":
+        raise ValueError(f"second_sentence_set is for minilm, not {info.name}")
+    used = set(sentences("calib", n_calib, 0))
+    rest = [s for s in _sentence_pool("calib") if s not in used]
+    order = np.random.default_rng(seed).permutation(len(rest))[skip : skip + n]
+    picked = [rest[i] for i in order]
+    samples = _tokenize(minilm_tokenizer(info.extra["seq_len"]), picked)
+    desc = (
+        f"{n} other calibration-pool sentences (seed {seed}, from {skip}), padded to "
+        f"{info.extra['seq_len']}"
+    )
+    return Dataset(samples, "calib", desc)
+
+
 def save_samples(samples: Sequence[Sample], path: Path) -> None:
     arrays = {f"{i}|{k}": v for i, s in enumerate(samples) for k, v in s.items()}
     np.savez(path, **arrays)

@@ -16,6 +16,17 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
   (statistics over real tokens only, :mod:`autoq.token_mask`);
 * autoq dynamic per token (no data), for reference;
 * ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
+* ``--swap-rounds n``: ``AutoFallback(swap_rounds=n)`` for the escalation rows (swap
+  refinement of the chosen tensors, :mod:`autoq.escalation_swaps`);
+* with ``--alphas a,b,...``: the all-int8 and escalation rows again with
+  ``Config(smooth_quant_alphas=(a, b, ...))`` (SmoothQuant's alpha searched per LayerNorm,
+  :mod:`autoq.smooth_alpha`; the chosen alphas are logged);
+* with ``--second n``: every row also on ``n`` other sentences of the calibration topic pool
+  (``common.second_sentence_set``: disjoint from the calibration and evaluation sentences),
+  columns "NN@1 2nd" / "cos 2nd";
+* ``--more-calib n``: ``n`` more calibration-pool sentences (disjoint from the second set)
+  inserted before the held-out ones, so the search's trial and held-out sentences stay the
+  same while the ranges and GPTQ see more data;
 * with ``--margins``: after each row, its NN@1 failures with their fp32 margins, NN@1 with the
   row's error scaled down, and what an isotropic error of the same size predicts
   (:mod:`nn_margins`: how much of a row's NN@1 is the eval set's near-ties);
@@ -46,20 +57,25 @@ import dynamic_quantization
 import nn_margins
 
 HEADERS = ["runtime", "NN@1", "cos mean", "cos min", "int16 tensors", "fp32 layers", "quantize s"]
+SECOND = ["NN@1 2nd", "cos 2nd"]
 
 
-def autoq_row(info, config, calib, evalset, label, log) -> dict:
+def autoq_row(info, config, calib, evalset, label, log, second=()) -> dict:
     res, quant_s, runner = common.autoq_quantize(info, config, calib)
     outs = [runner.run(s) for s in evalset]
+    outs2 = [runner.run(s) for s in second]
     acts = [s for s, i in res.qparams.slots.items() if i.kind == "activation"]
     wide = [s for s in acts if res.qparams[s].dtype == "int16"]
     log(f"  {label}: {len(res.int8_layers)} quantized layers, {len(res.fp32_layers)} fp32, "
         f"int16 tensors {wide}, {quant_s:.1f} s")  # fmt: skip
     if res.decision is not None:
         log("    " + res.decision.summary().replace("\n", "\n    "))
+    if config.smooth_quant_alphas:
+        log(f"    SmoothQuant alphas chosen: {res.smooth_alphas}")
     return {
         "label": label,
         "outputs": outs,
+        "outputs2": outs2,
         "int16": f"{len(wide)}/{len(acts)} ({100 * len(wide) / max(len(acts), 1):.0f}%)",
         "fp32": str(len(res.fp32_layers)),
         "quant_s": quant_s,
@@ -80,8 +96,18 @@ def ort_rows(info, calib, evalset, log) -> list[dict]:
     return rows
 
 
+def escalation(args, fraction: float):
+    """The escalation rows' ``AutoFallback`` with at most ``fraction`` int16 tensors."""
+    from autoq import AutoFallback
+
+    return AutoFallback(
+        precision="int16_tensors", max_int16_fraction=fraction, holdout=args.holdout,
+        min_sqnr=args.min_sqnr, trial_samples=args.trial_samples, swap_rounds=args.swap_rounds,
+    )  # fmt: skip
+
+
 def configs(args):
-    from autoq import AutoFallback, Config, QuantSpec
+    from autoq import Config, QuantSpec
 
     rows = [
         ("autoq static default", Config(progress=False)),
@@ -89,10 +115,7 @@ def configs(args):
     ]
     for f in args.fractions:
         for rounding in args.rounding:
-            fb = AutoFallback(
-                precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
-                min_sqnr=args.min_sqnr, trial_samples=args.trial_samples,
-            )  # fmt: skip
+            fb = escalation(args, f)
             cfg = Config(progress=False, check_scales=False, fallback=fb, weight_rounding=rounding)
             rows.append((f"autoq int16 escalation (<= {f:.0%}), {rounding}", cfg))
     for alpha in args.smooth:
@@ -100,16 +123,33 @@ def configs(args):
         rows.append((f"autoq static, all layers int8, {sq}",
                      Config(progress=False, check_scales=False, smooth_quant=alpha)))  # fmt: skip
         for f in args.fractions:
-            fb = AutoFallback(
-                precision="int16_tensors", max_int16_fraction=f, holdout=args.holdout,
-                min_sqnr=args.min_sqnr, trial_samples=args.trial_samples,
-            )  # fmt: skip
+            fb = escalation(args, f)
             cfg = Config(progress=False, check_scales=False, fallback=fb, smooth_quant=alpha,
                          weight_rounding=args.rounding[0])  # fmt: skip
             rows.append((f"autoq int16 escalation (<= {f:.0%}), {args.rounding[0]}, {sq}", cfg))
+    rows += alpha_rows(args)
     rows += variants(args, rows)
     dyn = Config(activation=QuantSpec(dynamic=True, granularity="token"), progress=False)
     rows.append(("autoq dynamic (token), no data", dyn))
+    return rows
+
+
+def alpha_rows(args) -> list:
+    """``--alphas``: the all-int8 and escalation rows with SmoothQuant's alpha searched per
+    LayerNorm (``Config.smooth_quant_alphas``)."""
+    from autoq import Config
+
+    if not args.alphas:
+        return []
+    grid = tuple(args.alphas)
+    tag = f"per-LN alpha {','.join(f'{a:g}' for a in grid)}"
+    rows = [(f"autoq static, all layers int8, {tag}",
+             Config(progress=False, check_scales=False, smooth_quant_alphas=grid))]  # fmt: skip
+    for f in args.fractions:
+        fb = escalation(args, f)
+        cfg = Config(progress=False, check_scales=False, fallback=fb, smooth_quant_alphas=grid,
+                     weight_rounding=args.rounding[0])  # fmt: skip
+        rows.append((f"autoq int16 escalation (<= {f:.0%}), {args.rounding[0]}, {tag}", cfg))
     return rows
 
 
@@ -128,6 +168,29 @@ def variants(args, rows) -> list:
         mask = TokenMask(args.token_mask)
         extra += [(f"{label}, token mask", c.replace(token_mask=mask)) for label, c in rows]
     return extra
+
+
+def with_more_calibration(info, calib, args, log) -> list:
+    """``calib`` with ``--more-calib`` sentences inserted before its last ``--holdout``
+    (the search's held-out sentences; its trial sentences are the first ones)."""
+    extra = common.second_sentence_set(info, args.more_calib, args.calib, skip=args.second)
+    head = list(calib)[: len(calib) - args.holdout]
+    log(f"calibration: + {extra.description}")
+    return head + list(extra) + list(calib)[len(calib) - args.holdout :]
+
+
+def table_rows(rows, ref, ref2) -> list[list[str]]:
+    """One table row per result; with a second set (``ref2``) its NN@1 and cosine too."""
+    table = []
+    for r in rows:
+        f = common.fidelity("embedding", ref, r["outputs"])
+        row = [r["label"], f"{f['agree'] * 100:.1f}%", f"{f['cos']:.5f}", f"{f['cos_min']:.5f}",
+               r["int16"], r["fp32"], f"{r['quant_s']:.1f}"]  # fmt: skip
+        if ref2:
+            f2 = common.fidelity("embedding", ref2, r["outputs2"]) if r.get("outputs2") else None
+            row += [f"{f2['agree'] * 100:.1f}%", f"{f2['cos']:.5f}"] if f2 else ["", ""]
+        table.append(row)
+    return table
 
 
 def parse_args(argv=None):
@@ -154,6 +217,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--trial-samples", type=int, default=4, help="AutoFallback.trial_samples (0: all)"
     )
+    p.add_argument("--alphas", default="", help="smooth_quant_alphas grid for extra rows")
+    p.add_argument("--second", type=int, default=0, help="second evaluation set (sentences)")
+    p.add_argument("--swap-rounds", type=int, default=0, help="AutoFallback.swap_rounds")
+    p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
     p.add_argument("--only", default="autoq", help="run only rows containing one of these")
@@ -161,6 +228,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.fractions = [float(v) for v in args.fractions.split(",") if v.strip()]
     args.smooth = [float(v) for v in args.smooth.split(",") if v.strip()]
+    args.alphas = [float(v) for v in args.alphas.split(",") if v.strip()]
     args.rounding = [v for v in args.rounding.split(",") if v.strip()]
     args.only = [v for v in args.only.split(",") if v]
     args.skip = [v for v in args.skip.split(",") if v]
@@ -176,26 +244,31 @@ def main(argv=None) -> int:
         lines.append(msg)
 
     info, calib, evalset, ref = common.embedding_setup("minilm", args.calib, args.eval, log)
+    second, ref2 = [], []
+    if args.second:
+        second = common.second_sentence_set(info, args.second, args.calib)
+        ref2 = common.ort_outputs(common.ort_session(info.path, 2, False), second)
+        log(f"second evaluation set: {second.description}")
+    if args.more_calib:
+        calib = with_more_calibration(info, calib, args, log)
     log(f"load average at start: {os.getloadavg()}")
     rows = []
     for label, cfg in configs(args):
         if any(s in label for s in args.skip) or not any(s in label for s in args.only):
             continue
         data = None if cfg.activation.dynamic else list(calib)
-        rows.append(autoq_row(info, cfg, data, evalset, label, log))
+        rows.append(autoq_row(info, cfg, data, evalset, label, log, second))
         f = common.fidelity("embedding", ref, rows[-1]["outputs"])  # logged now: a later
         log(f"    NN@1 {f['agree']:.1%}, cos {f['cos']:.5f} (min {f['cos_min']:.5f})")  # crash
+        if second:
+            f2 = common.fidelity("embedding", ref2, rows[-1]["outputs2"])
+            log(f"    second set: NN@1 {f2['agree']:.1%}, cos {f2['cos']:.5f}")
         if args.margins:
             for line in nn_margins.summary(ref, rows[-1]["outputs"]):
                 log(line)
     if not any("ORT" in s for s in args.skip):
         rows += ort_rows(info, list(calib), evalset, log)
-    table = []
-    for r in rows:
-        f = common.fidelity("embedding", ref, r["outputs"])
-        table.append([r["label"], f"{f['agree'] * 100:.1f}%", f"{f['cos']:.5f}",
-                      f"{f['cos_min']:.5f}", r["int16"], r["fp32"], f"{r['quant_s']:.1f}"])  # fmt: skip
-    log(common.markdown_table(HEADERS, table))
+    log(common.markdown_table(HEADERS + (SECOND if second else []), table_rows(rows, ref, ref2)))
     log(f"load average at end: {os.getloadavg()}")
     if args.out:
         from autoq.json_document import write_atomic
