@@ -130,6 +130,48 @@ def test_empirical_bias_correction_matches_the_fp32_mean_output():
     assert errors["off"].mean() > 2 * errors["empirical"].mean(), errors
 
 
+def test_bias_correction_skip_leaves_the_named_layer_bias_and_corrects_the_rest():
+    """``Config.bias_correction_skip=("c1",)``: c1 keeps the model's float bias (no
+    corrected integers in ``QParams.values``), c2 is still corrected, and absorbs the mean
+    error c1 now leaves: the realized output's per-channel mean equals fp32's on the
+    calibration samples (numpy) to within half an accumulator step."""
+
+    def shifted(n, seed):
+        return _smooth(n, seed, offset=2.0)
+
+    ebc = PLAIN.replace(empirical_bias_correction=True)
+    qps = {}
+    for name, cfg in (("all", ebc), ("skip", ebc.replace(bias_correction_skip=("c1",)))):
+        mod, params, data, sim, qps[name] = _calibrated(two_convs, cfg, data=shifted)
+    qp = qps["skip"]
+    assert "c1.bias" in qps["all"].values and "c1.bias" not in qp.values
+    assert "c2.bias" in qp.values and qp.meta["weight_tuning"]["bias_corrected"] == 1
+    np.testing.assert_array_equal(sim.value_input("c1.bias", qp), params["c1.bias"])
+    x = data(16, 1)
+    real, ref = Runner(realize(mod, params, qp, cfg)), Runner(mod, params)
+    got = np.concatenate([real(s) for s in x]).astype(np.float64).mean(axis=(0, 2, 3))
+    want = np.concatenate([ref(s) for s in x]).astype(np.float64).mean(axis=(0, 2, 3))
+    acc = np.float32(qp[_input_slot(sim, "c2")].scale) * qp["c2.weight"].scale
+    assert np.all(np.abs(got - want) / acc.astype(np.float64) <= 0.5 + 1e-3)
+
+
+def test_bias_correction_skip_is_validated_and_round_trips():
+    cfg = Config(empirical_bias_correction=True, bias_correction_skip=("conv*", "re:c[12]"))
+    assert Config.from_json(cfg.to_json()) == cfg
+    assert Config(
+        empirical_bias_correction=True, bias_correction_skip="c1"
+    ).bias_correction_skip == ("c1",)
+    with pytest.raises(ValueError, match=r"bias_correction_skip.*is off"):
+        Config(bias_correction_skip=("c1",))
+    with pytest.raises(TypeError, match="bias_correction_skip"):
+        Config(empirical_bias_correction=True, bias_correction_skip=(1,))
+    with pytest.raises(ValueError, match="invalid regular expression"):
+        Config(empirical_bias_correction=True, bias_correction_skip=("re:(",))
+    bad = PLAIN.replace(empirical_bias_correction=True, bias_correction_skip=("c9",))
+    with pytest.raises(ValueError, match="bias_correction_skip rule 'c9' matches no layer"):
+        _calibrated(two_convs, bad)
+
+
 @pytest.mark.parametrize(
     "changes",
     [
