@@ -223,6 +223,40 @@ def test_automatic_fallback_keeps_the_tuned_integers(precision):
     assert rep.exact, rep.table()
 
 
+def test_int16_first_keeps_the_tuned_biases_of_layers_reading_an_int16_slot():
+    """``AutoFallback(precision="int16_first")`` with GPTQ + empirical bias correction: a
+    layer whose input slot goes int16 keeps its corrected float bias (re-quantized at the
+    new accumulator scale, not the int8 integers read at the int16 scale), so the realized
+    module's output SQNR vs fp32 (numpy) is what the search measured, and every corrected
+    bias dequantizes to the calibrated one to within an accumulator step."""
+    from autoq import AutoFallback, Quantizer
+    from autoq.metrics import sqnr_db
+
+    mod, params, data = small_cnn()
+    fb = AutoFallback(min_sqnr=200.0, max_fp32_layers=2, precision="int16_first", trial_samples=0)
+    config = PLAIN.replace(weight_rounding="gptq", empirical_bias_correction=True, fallback=fb)
+    res = Quantizer(config, target=TARGET).run(mod, params, data(8, 1))
+    assert res.decision.int16_layers, res.decision.summary()
+    base_cfg = config.replace(fallback=fb.fixed())
+    base_sim = simulate(mod, params, base_cfg)
+    base = calibrate(base_sim, params, data(8, 1), base_cfg, target=TARGET)
+    sim = simulate(res.matched, None, res.config)
+    moved = 0
+    for layer, (_b, x_sid, w_sid) in sim.plan.biases.items():
+        key = f"{layer}.bias"
+        if key not in base.values:
+            continue
+        acc = np.float32(res.qparams[x_sid].scale) * res.qparams[w_sid].scale
+        got, want = sim.value_input(key, res.qparams), base_sim.value_input(key, base)
+        assert np.all(np.abs(got - want) <= acc + 1e-6), layer
+        moved += res.qparams[x_sid].dtype == "int16"
+    assert moved, "no corrected layer reads an int16 slot: the test checks nothing"
+    x = data(8, 1)
+    f, q = Runner(mod, params), Runner(res.module)
+    realized = sqnr_db([f(s) for s in x], [q(s) for s in x])
+    assert abs(realized - res.decision.metric) < 1.0, (realized, res.decision.metric)
+
+
 def test_layers_with_the_same_patches_share_one_exact_hessian():
     """Two convs of the same geometry reading one slot (a block's first 1x1 conv and its
     projection shortcut) get one Hessian, fed once; a third geometry gets its own. Each
