@@ -129,6 +129,7 @@ def load() -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calib", type=int, default=40)
+    ap.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration crops")
     ap.add_argument("--eval", type=int, default=32)
     ap.add_argument("--gate", type=int, default=8)
     ap.add_argument("--search", type=int, default=16)
@@ -141,7 +142,7 @@ def main(argv=None) -> None:
     print(common.machine_summary(), "; commit", commit(), flush=True)
     info = common.find_model("ppocr_det", det_size=args.det_size)
     mod, params = autoq.from_onnx(str(info.path), dict(info.input_shapes))
-    calib = list(common.make_dataset(info, "calib", args.calib))
+    calib = list(common.make_dataset(info, "calib", args.calib, seed=args.calib_seed))
     evals = list(common.make_dataset(info, "eval", args.eval))
     sess = common.ort_session(info.path, threads=2)
     ref = common.ort_outputs(sess, evals)
