@@ -122,6 +122,9 @@ def commit() -> str:
     return rev.stdout.decode().strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+START_COMMIT = "?"
+
+
 def load() -> str:
     return "/".join(f"{v:.1f}" for v in os.getloadavg())
 
@@ -139,7 +142,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     import autoq
 
-    print(common.machine_summary(), "; commit", commit(), flush=True)
+    global START_COMMIT
+    START_COMMIT = commit()  # the code this process runs (later commits do not change it)
+    print(common.machine_summary(), "; commit", START_COMMIT, flush=True)
     info = common.find_model("ppocr_det", det_size=args.det_size)
     mod, params = autoq.from_onnx(str(info.path), dict(info.input_shapes))
     calib = list(common.make_dataset(info, "calib", args.calib, seed=args.calib_seed))
@@ -184,7 +189,7 @@ def run_row(name, row, model, calib, extra, evaluation, info, i) -> None:
         f"without image {i}: {100 * rest['agree']:.1f}%; image {i}: {one['agree']:.3f}; "
         f"search crops (held-out calibration photos) {100 * searched:.1f}%; "
         f"{len(up)} above int8: {up or '-'}; quantize {secs:.0f} s; load {l0} -> {load()}; "
-        f"commit {commit()}; {len(data)} samples",
+        f"code of commit {START_COMMIT}; {len(data)} samples",
         flush=True,
     )
     if res.decision is not None:
