@@ -281,6 +281,11 @@ class Config(JsonDocument):
     if it lowers the layer's output error against fp32 on them (:mod:`autoq.bias_gate`;
     0, the default: every correction kept; topological calibration only; on a Dask
     cluster the held-out samples are one shard of their own).
+    ``bias_correction_skip``: layer-id rules (exact ids, globs, ``re:<regex>``) of layers
+    whose bias is NOT corrected by ``bias_correction`` / ``empirical_bias_correction`` (their
+    weights are still tuned; a rule that matches no tuned layer is an error when calibration
+    starts). For a layer whose output goes int16 (PP-OCRv4 det's stem conv: its int16 output
+    keeps a low-contrast blob of the fp32 map, its correction erases it again).
     ``scale_search``: per-channel weight scales chosen on a
     grid of clipping ratios by the layer's output MSE (OMSE, Choukroun et al. 2019;
     :mod:`autoq.scale_search`). The integer weights and biases they choose are carried in
@@ -320,6 +325,7 @@ class Config(JsonDocument):
     bias_correction: bool = False
     empirical_bias_correction: bool = False
     bias_correction_holdout: int = 0
+    bias_correction_skip: tuple[str, ...] = ()
     scale_search: bool = False
     equalization: bool = False
     int16_tensors: tuple[str, ...] = ()
@@ -365,6 +371,7 @@ class Config(JsonDocument):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         _check_holdout(self)
+        _check_bias_skip(self)
         str_tuple(self, "int16_tensors")
         check_alpha(self.smooth_quant)
         check_alphas(self.smooth_quant_alphas, self.smooth_quant)
@@ -425,6 +432,7 @@ class Config(JsonDocument):
             "bias_correction": self.bias_correction,
             "empirical_bias_correction": self.empirical_bias_correction,
             "bias_correction_holdout": self.bias_correction_holdout,
+            "bias_correction_skip": list(self.bias_correction_skip),
             "scale_search": self.scale_search,
             "equalization": self.equalization,
             "int16_tensors": list(self.int16_tensors),
@@ -452,6 +460,7 @@ class Config(JsonDocument):
             d["patterns"] = tuple(d["patterns"])
         d["int16_tensors"] = tuple(d.get("int16_tensors", ()))
         d["smooth_quant_alphas"] = tuple(d.get("smooth_quant_alphas", ()))
+        d["bias_correction_skip"] = tuple(d.get("bias_correction_skip", ()))
         if d.get("distributed") is not None:
             d["distributed"] = Distributed.from_json(d["distributed"])
         if d.get("token_mask") is not None:
@@ -469,6 +478,20 @@ def _check_holdout(config: Config) -> None:
         raise ValueError(
             f"Config.bias_correction_holdout={n} gates empirical bias correction, which is off: "
             "set empirical_bias_correction=True or bias_correction_holdout=0"
+        )
+
+
+def _check_bias_skip(config: Config) -> None:
+    str_tuple(config, "bias_correction_skip")
+    for rule in config.bias_correction_skip:
+        compile_rule(rule)
+    if config.bias_correction_skip and not (
+        config.bias_correction or config.empirical_bias_correction
+    ):
+        raise ValueError(
+            f"Config.bias_correction_skip={list(config.bias_correction_skip)} exempts layers "
+            "from a bias correction that is off: set bias_correction or "
+            "empirical_bias_correction, or leave bias_correction_skip empty"
         )
 
 

@@ -59,6 +59,7 @@ __all__ = [
     "escalate",
     "escalate_search",
     "int16_qparam",
+    "requantized_biases",
     "search_setup",
     "trial_set",
 ]
@@ -278,13 +279,21 @@ class EscalationGraph:
             out[sid] = self.qparams16[sid]
         meta = dict(self.qparams.meta)
         meta["specs"] = {s: sp.to_json() for s, sp in dst.plan.specs.items()}
-        values = dict(self.qparams.values)
-        for layer, (_arr, x_sid, w_sid) in dst.plan.biases.items():
-            key = f"{layer}.bias"
-            if key in values and x_sid in selected:  # int32 at the new accumulator scale
-                b = self.sim.value_input(key, self.qparams)
-                values[key] = quantize_bias(b, out[x_sid].scale, out[w_sid].scale).values
+        values = requantized_biases(self.sim, self.qparams, {s: out[s] for s in selected})
         return QParams(out, dict(dst.slots), meta, values)
+
+
+def requantized_biases(sim: SimResult, qparams: QParams, wider: dict[str, QParam]) -> dict:
+    """``qparams.values`` with each calibrated int32 bias (GPTQ / bias correction) of a layer
+    whose input slot gets the ``wider`` (int16) qparams re-quantized at the new accumulator
+    scale: the same float bias (dequantized with the int8 input scale it was quantized for)."""
+    values = dict(qparams.values)
+    for layer, (_arr, x_sid, w_sid) in sim.plan.biases.items():
+        key = f"{layer}.bias"
+        if key in values and x_sid in wider:
+            b = sim.value_input(key, qparams)
+            values[key] = quantize_bias(b, wider[x_sid].scale, qparams[w_sid].scale).values
+    return values
 
 
 def trial_set(eg: EscalationGraph, fb: AutoFallback) -> list:

@@ -36,7 +36,7 @@ from .analysis import layer_feeders
 from .auto_fallback import FallbackDecision, FallbackOutcome, remap_qparams
 from .calibrate import calibrate
 from .config import AutoFallback, Config
-from .escalation import EscalationGraph, search_setup, trial_set
+from .escalation import EscalationGraph, requantized_biases, search_setup, trial_set
 from .metrics import sqnr_db
 from .qparams import QParams
 from .report import fmt_db, json_num, sort_key
@@ -218,7 +218,10 @@ def apply_decision(eg: EscalationGraph, decision: FallbackDecision, model, param
     slots = layer_int16_slots(eg)
     chosen = {s: eg.qparams16[s] for x in decision.int16_layers for s in slots[x]}
     qp = eg.qparams
-    src = QParams({**qp.params, **chosen}, dict(qp.slots), qp.meta, qp.values)
+    # the tuned biases of the layers reading an int16 slot, at their new accumulator scale
+    # (remap_qparams dequantizes them with the qparams it is given: the int16 ones)
+    values = requantized_biases(eg.sim, qp, chosen)
+    src = QParams({**qp.params, **chosen}, dict(qp.slots), qp.meta, values)
     final_qp = remap_qparams(eg.sim, src, simulate(model, params, final_cfg))
     final_qp.meta["fallback"] = decision.to_json()
     return FallbackOutcome(final_cfg, final_qp, decision, None, None)

@@ -59,7 +59,8 @@ import numpy as np
 from . import primitives as P
 from .bias_correction import PatchMean
 from .bias_gate import HeldRows, decide, follower_activation, layer_output
-from .config import Config
+from .config import Config, compile_rule
+from .errors import InputError
 from .gptq import gptq, rtn
 from .hessian import CodeHessian, ConvGeometry, flatten_conv_weight
 from .qparams import QParam
@@ -76,6 +77,7 @@ __all__ = [
     "layer_tasks",
     "quantize_offset",
     "single_threaded_blas",
+    "skipped_layers",
 ]
 
 #: Hessian rows (output pixels) kept per sample, evenly spaced: bounds the cost of early,
@@ -289,6 +291,21 @@ def distinct_values(table: dict) -> list:
     return [v for _, v in _distinct_items(table)]
 
 
+def skipped_layers(config: Config, layers: list[str]) -> frozenset[str]:
+    """The ``layers`` (weight-tuned layer ids) that ``Config.bias_correction_skip`` exempts
+    from bias correction; a rule that matches none of them is an error naming it."""
+    out: set[str] = set()
+    for rule in config.bias_correction_skip:
+        hit = [x for x in layers if compile_rule(rule)(x)]
+        if not hit:
+            raise InputError(
+                f"Config.bias_correction_skip rule {rule!r} matches no layer with weights "
+                f"(e.g. {', '.join(layers[:5])})"
+            )
+        out.update(hit)
+    return frozenset(out)
+
+
 class WeightTuner:
     """The calibration hook (module docstring). ``weight_qp``: the weight slots' qparams,
     updated in place when the scale search changes them."""
@@ -310,6 +327,8 @@ class WeightTuner:
             {m.layer: follower_activation(sim.graph, m) for m in sim.matches} if gated else {}
         )
         self.dropped: list[str] = []
+        #: ``Config.bias_correction_skip``: the layers whose bias stays as it is
+        self.bias_skip = skipped_layers(config, [t.layer for ts in self.tasks.values() for t in ts])
         #: layer -> the gate's relative held-out error without / with its correction
         self.gate_errors: dict[str, list] = {}
 
@@ -415,7 +434,8 @@ class WeightTuner:
         if rounded:
             self.weights[task.weight_slot] = task.unflat(wq)
             out[self.plan.value_keys[task.weight_slot]] = self.weights[task.weight_slot]
-        if task.has_bias and (cfg.bias_correction or task.layer in stats.means):
+        corrects = cfg.bias_correction or task.layer in stats.means
+        if task.has_bias and corrects and task.layer not in self.bias_skip:
             b = self.sim.plan.biases[task.layer][0]
             if task.layer in stats.means:  # empirical: to the fp32 model's mean output
                 m_fp, m_q = self.fp32_means[task.layer].mean(), stats.input_mean(task.layer)

@@ -199,6 +199,19 @@ ROWS = {
         {"extra_images": True, "calibrator": "percentile", "empirical_bias_correction": True},
         "80 calibration crops + percentile + EBC",
     ),
+    "pe": (
+        {"calibrator": "percentile", "empirical_bias_correction": True, "lut_input_ranges": True},
+        "the PP-OCR recipe: percentile + EBC + lookup-input cuts",
+    ),
+    "pe_stem16": (
+        {
+            "calibrator": "percentile",
+            "empirical_bias_correction": True,
+            "lut_input_ranges": True,
+            "int16": ("conv2d_0.w_0",),
+        },
+        "the recipe + the stem conv's output int16",
+    ),
     "three": ({"unfused": True}, "without the activation_affine patterns (old default)"),
     "three+ebc": ({"unfused": True, "empirical_bias_correction": True}, "old default + EBC"),
 }
@@ -231,6 +244,11 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", nargs="*", default=["default"], choices=list(ROWS))
     ap.add_argument("--diagnose", action="store_true", help="per-slot table of --image")
     ap.add_argument("--prefix", action="store_true")
+    ap.add_argument(
+        "--ebc-drop",
+        action="store_true",
+        help="image --image with the first row's bias corrections dropped, by layer prefix",
+    )
     ap.add_argument(
         "--posthoc", help="row whose saved qparams get the lookup-input cuts (no calibration)"
     )
@@ -274,6 +292,8 @@ def main(argv=None) -> None:
             diagnose_image(h, qp, evals, i)
         if args.prefix and name == args.rows[0]:
             bisect_prefix(h, qp, evals[i], ref[i])
+        if args.ebc_drop and name == args.rows[0]:
+            drop_corrections(h, qp, evals, ref, i)
 
 
 def posthoc_cut(name, mod, params, evals, ref, i):
@@ -340,6 +360,38 @@ def diagnose_image(h, qparams, evals, i, others=7):
             f"{np.median(others):.2f}"
         )
     np.save(CACHE / "slot_sqnr.npy", {k: v for k, v in rows.items()}, allow_pickle=True)
+
+
+def drop_corrections(h, qparams, evals, ref, i, singles=8):
+    """Which layer's bias correction changes image ``i``: its IoU (and the whole set's)
+    with the corrections (``QParams.values`` ``<layer>.bias``) of the first k corrected
+    layers dropped (the model's float bias back; the tuned weights stay), then with each
+    of the first ``singles`` corrected layers' dropped alone. Diagnosis only: choosing
+    layers by this would fit the evaluation image."""
+    import autoq
+
+    corrected = [x for x in h.layers if f"{x}.bias" in qparams.values]
+
+    def without(layers):
+        drop = {f"{x}.bias" for x in layers}
+        values = {k: v for k, v in qparams.values.items() if k not in drop}
+        return autoq.QParams(dict(qparams.params), dict(qparams.slots), qparams.meta, values)
+
+    def show(label, layers, everything=False):
+        qp = without(layers)
+        v, _, b = iou(ref[i], h.outputs(qp, [evals[i]])[0])
+        line = f"  {label}: image {i} IoU {v:.3f} ({b} px)"
+        if everything:
+            f = common.fidelity("detector", ref, h.outputs(qp, evals))
+            line += f"; all {100 * f['agree']:.1f}%"
+        print(line, flush=True)
+
+    n = len(corrected)
+    print(f"{n} corrected layers; first: {corrected[:singles]}", flush=True)
+    for k in sorted({0, 1, 2, 3, 4, 6, 8, n // 8, n // 4, n // 2, n}):
+        show(f"corrections of the first {k} dropped", corrected[:k], everything=k in (1, 2, n))
+    for x in corrected[:singles]:
+        show(f"only {x}'s dropped", [x])
 
 
 def bisect_prefix(h, qparams, sample, ref):

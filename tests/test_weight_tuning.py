@@ -130,6 +130,48 @@ def test_empirical_bias_correction_matches_the_fp32_mean_output():
     assert errors["off"].mean() > 2 * errors["empirical"].mean(), errors
 
 
+def test_bias_correction_skip_leaves_the_named_layer_bias_and_corrects_the_rest():
+    """``Config.bias_correction_skip=("c1",)``: c1 keeps the model's float bias (no
+    corrected integers in ``QParams.values``), c2 is still corrected, and absorbs the mean
+    error c1 now leaves: the realized output's per-channel mean equals fp32's on the
+    calibration samples (numpy) to within half an accumulator step."""
+
+    def shifted(n, seed):
+        return _smooth(n, seed, offset=2.0)
+
+    ebc = PLAIN.replace(empirical_bias_correction=True)
+    qps = {}
+    for name, cfg in (("all", ebc), ("skip", ebc.replace(bias_correction_skip=("c1",)))):
+        mod, params, data, sim, qps[name] = _calibrated(two_convs, cfg, data=shifted)
+    qp = qps["skip"]
+    assert "c1.bias" in qps["all"].values and "c1.bias" not in qp.values
+    assert "c2.bias" in qp.values and qp.meta["weight_tuning"]["bias_corrected"] == 1
+    np.testing.assert_array_equal(sim.value_input("c1.bias", qp), params["c1.bias"])
+    x = data(16, 1)
+    real, ref = Runner(realize(mod, params, qp, cfg)), Runner(mod, params)
+    got = np.concatenate([real(s) for s in x]).astype(np.float64).mean(axis=(0, 2, 3))
+    want = np.concatenate([ref(s) for s in x]).astype(np.float64).mean(axis=(0, 2, 3))
+    acc = np.float32(qp[_input_slot(sim, "c2")].scale) * qp["c2.weight"].scale
+    assert np.all(np.abs(got - want) / acc.astype(np.float64) <= 0.5 + 1e-3)
+
+
+def test_bias_correction_skip_is_validated_and_round_trips():
+    cfg = Config(empirical_bias_correction=True, bias_correction_skip=("conv*", "re:c[12]"))
+    assert Config.from_json(cfg.to_json()) == cfg
+    assert Config(
+        empirical_bias_correction=True, bias_correction_skip="c1"
+    ).bias_correction_skip == ("c1",)
+    with pytest.raises(ValueError, match=r"bias_correction_skip.*is off"):
+        Config(bias_correction_skip=("c1",))
+    with pytest.raises(TypeError, match="bias_correction_skip"):
+        Config(empirical_bias_correction=True, bias_correction_skip=(1,))
+    with pytest.raises(ValueError, match="invalid regular expression"):
+        Config(empirical_bias_correction=True, bias_correction_skip=("re:(",))
+    bad = PLAIN.replace(empirical_bias_correction=True, bias_correction_skip=("c9",))
+    with pytest.raises(ValueError, match="bias_correction_skip rule 'c9' matches no layer"):
+        _calibrated(two_convs, bad)
+
+
 @pytest.mark.parametrize(
     "changes",
     [
@@ -179,6 +221,40 @@ def test_automatic_fallback_keeps_the_tuned_integers(precision):
     test = samples_for(data(3, 7), sim.graph.inputs)
     rep = compare(sim, res.module, res.qparams, test, target=TARGET)
     assert rep.exact, rep.table()
+
+
+def test_int16_first_keeps_the_tuned_biases_of_layers_reading_an_int16_slot():
+    """``AutoFallback(precision="int16_first")`` with GPTQ + empirical bias correction: a
+    layer whose input slot goes int16 keeps its corrected float bias (re-quantized at the
+    new accumulator scale, not the int8 integers read at the int16 scale), so the realized
+    module's output SQNR vs fp32 (numpy) is what the search measured, and every corrected
+    bias dequantizes to the calibrated one to within an accumulator step."""
+    from autoq import AutoFallback, Quantizer
+    from autoq.metrics import sqnr_db
+
+    mod, params, data = small_cnn()
+    fb = AutoFallback(min_sqnr=200.0, max_fp32_layers=2, precision="int16_first", trial_samples=0)
+    config = PLAIN.replace(weight_rounding="gptq", empirical_bias_correction=True, fallback=fb)
+    res = Quantizer(config, target=TARGET).run(mod, params, data(8, 1))
+    assert res.decision.int16_layers, res.decision.summary()
+    base_cfg = config.replace(fallback=fb.fixed())
+    base_sim = simulate(mod, params, base_cfg)
+    base = calibrate(base_sim, params, data(8, 1), base_cfg, target=TARGET)
+    sim = simulate(res.matched, None, res.config)
+    moved = 0
+    for layer, (_b, x_sid, w_sid) in sim.plan.biases.items():
+        key = f"{layer}.bias"
+        if key not in base.values:
+            continue
+        acc = np.float32(res.qparams[x_sid].scale) * res.qparams[w_sid].scale
+        got, want = sim.value_input(key, res.qparams), base_sim.value_input(key, base)
+        assert np.all(np.abs(got - want) <= acc + 1e-6), layer
+        moved += res.qparams[x_sid].dtype == "int16"
+    assert moved, "no corrected layer reads an int16 slot: the test checks nothing"
+    x = data(8, 1)
+    f, q = Runner(mod, params), Runner(res.module)
+    realized = sqnr_db([f(s) for s in x], [q(s) for s in x])
+    assert abs(realized - res.decision.metric) < 1.0, (realized, res.decision.metric)
 
 
 def test_layers_with_the_same_patches_share_one_exact_hessian():
