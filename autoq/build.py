@@ -49,7 +49,7 @@ def compile(
     ``cpu_kernels`` (its kernels get their tuned schedules; the others compile as without it).
     ``blocked_layout`` (with ``cpu_kernels``): int8 tensors between packed convs flow in the
     target's blocked NCHW[x]c layout (:mod:`autoq.cpu.blocked`), NCHW only at the edges;
-    None (default): on for AVX-512 VNNI targets, off for AVX2 (measured slower there).
+    None (default): on for AVX-512 VNNI and AVX2 targets (both measured faster).
     ``residual_epilogue`` (with ``cpu_kernels``): a conv's residual add runs in the conv
     kernel's epilogue (:mod:`autoq.cpu.residual`; with the blocked layout the block outputs
     flow blocked too); None (default): on exactly when the blocked layout is.

@@ -235,17 +235,16 @@ def test_shortcut_with_another_user_stays_nchw(target):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_default_follows_the_blocked_layout(target):
-    """residual_epilogue=None: on where the blocked layout is (VNNI by default, AVX2 when
-    forced), off otherwise; it also applies to the NCHW lowering when asked for."""
+    """residual_epilogue=None: on where the blocked layout is (by default on VNNI and AVX2),
+    off otherwise; it also applies to the NCHW lowering when asked for."""
     mod, _ = _module()
     t = tvm.target.Target(target)
-    vnni = tvm.target.codegen.target_has_features("avx512vnni", t)
 
     def residual_kernels(**options):
         lowered = lower_to_cpu_kernels(mod, t, **options)
         return sum("residual" in gv.name_hint for gv in lowered.functions)
 
-    assert residual_kernels() == (3 if vnni else 0)
+    assert residual_kernels() == 3
     assert residual_kernels(blocked_layout=True) == 3
     assert residual_kernels(blocked_layout=False) == 0
     assert residual_kernels(blocked_layout=False, residual_epilogue=True) == 3

@@ -379,7 +379,7 @@ def lower_to_cpu_kernels(
     on AMX tiles when the target has ``amx-int8``, see :func:`autoq.cpu.isa.kernel_isa`).
     ``blocked_layout``: int8 tensors between packed convs flow in the target's blocked
     layout (:mod:`autoq.cpu.blocked`) instead of NCHW; None: the instruction set's default
-    (:attr:`autoq.cpu.isa.Isa.blocked`: on for VNNI, off for AVX2). ``residual_epilogue``:
+    (:attr:`autoq.cpu.isa.Isa.blocked`: on for VNNI and AVX2). ``residual_epilogue``:
     a conv's residual add (and the requantize after it) runs in the conv kernel's epilogue
     (:mod:`autoq.cpu.residual`), the shortcut read blocked when it flows blocked, and (with
     the blocked layout) plain int8 elementwise ops (``qnn.add`` of two blocked tensors, a
