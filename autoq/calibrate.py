@@ -54,6 +54,7 @@ from .toolkit import as_list, compile_vm, make_function
 from .weight_tuning import WeightTuner
 
 __all__ = [
+    "bias_holdout_count",
     "calibrate",
     "calibrate_weights",
     "calibration_pipeline",
@@ -259,11 +260,16 @@ def make_qparams(
     )
 
 
+def bias_holdout_count(config: Config) -> int:
+    """How many samples ``Config.bias_correction_holdout`` holds out: none in fp32 mode (the
+    gate runs inside topological calibration)."""
+    return config.bias_correction_holdout if config.calibration != "fp32" else 0
+
+
 def split_bias_holdout(dataset, config: Config) -> tuple:
     """(calibration samples, held-out samples) for ``Config.bias_correction_holdout``: the
-    last n samples, none in fp32 mode (the gate runs inside topological calibration)."""
-    n = config.bias_correction_holdout if config.calibration != "fp32" else 0
-    return split_holdout(dataset, n, "Config.bias_correction_holdout")
+    last :func:`bias_holdout_count` samples."""
+    return split_holdout(dataset, bias_holdout_count(config), "Config.bias_correction_holdout")
 
 
 def cut_slots(sim: SimResult, config: Config) -> set[str]:

@@ -51,6 +51,7 @@ from dataclasses import fields
 
 from . import calibrators
 from .calibrate import (
+    bias_holdout_count,
     calibrate_weights,
     calibration_pipeline,
     checked_result,
@@ -404,8 +405,8 @@ def report_distributed(analysis, mod, params, dataset, client, shards: int | Non
 
 def _split_held(dataset, config: Config) -> tuple:
     """(calibration samples, held-out samples) for ``Config.bias_correction_holdout``."""
-    n = config.bias_correction_holdout if config.calibration != "fp32" else 0
-    if n and is_shard_source(dataset):  # the rest of the rule: calibrate.split_bias_holdout
+    n = bias_holdout_count(config)
+    if n and is_shard_source(dataset):
         raise ValueError(
             f"Config.bias_correction_holdout={n} needs the samples streamed from this process; "
             f"a worker-side shard source ({dataset.describe()}) cannot be split: set it to 0"

@@ -30,9 +30,9 @@ import numpy as np
 from .calibrate import observe
 from .config import QuantSpec
 from .metrics import fake_quant
-from .smoothing import smoothing_scales
+from .smoothing import smoothing_scales, weight_absmax
 
-__all__ = ["group_error", "search_alpha"]
+__all__ = ["group_error", "reference_outputs", "search_alpha"]
 
 
 def _act_fake_quant(x: np.ndarray, spec: QuantSpec) -> np.ndarray:
@@ -52,20 +52,29 @@ def group_error(
     scale: np.ndarray,
     act_spec: QuantSpec,
     weight_spec: QuantSpec,
+    refs: Sequence[np.ndarray] | None = None,
 ) -> float:
     """``sum_m ||Q_a(x / s) Q_w(W_m * s) - x W_m||^2 / ||x W_m||^2`` (module docstring) for
-    rows ``x`` ``(n, K)``, weights ``(K, N_m)`` and factors ``scale`` ``(K,)``."""
+    rows ``x`` ``(n, K)``, weights ``(K, N_m)`` and factors ``scale`` ``(K,)``; ``refs``:
+    the float64 products ``x W_m`` when already computed (:func:`reference_outputs`)."""
     x = np.asarray(x, np.float32)
     s = np.asarray(scale, np.float64)
     xq = _act_fake_quant((x / s).astype(np.float32), act_spec)
+    refs = reference_outputs(x, weights) if refs is None else refs
     total = 0.0
-    for w in weights:
+    for w, ref in zip(weights, refs, strict=True):
         w = np.asarray(w, np.float32)
-        ref = x.astype(np.float64) @ w.astype(np.float64)
         wq = _weight_fake_quant((w * s[:, None]).astype(np.float32), weight_spec)
         d = xq.astype(np.float64) @ wq.astype(np.float64) - ref
         total += float(np.sum(d * d) / max(np.sum(ref * ref), 1e-30))
     return total
+
+
+def reference_outputs(x: np.ndarray, weights: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The float64 products ``x W_m`` (the reference :func:`group_error` compares with; the
+    same for every alpha)."""
+    x64 = np.asarray(x, np.float32).astype(np.float64)
+    return [x64 @ np.asarray(w, np.float32).astype(np.float64) for w in weights]
 
 
 def search_alpha(
@@ -82,12 +91,13 @@ def search_alpha(
     for all of them, as SmoothQuant rewrites the LayerNorm once)."""
     if not alphas:
         raise ValueError("search_alpha needs at least one alpha")
-    wmax = np.max([np.abs(np.asarray(w)).max(axis=1) for w in weights], axis=0)
+    wmax = weight_absmax(weights)
+    refs = reference_outputs(x, weights)
     errors: dict[float, float] = {}
     best = None
     for a in alphas:
         s = smoothing_scales(act_max, wmax, a)
-        errors[a] = group_error(x, weights, s, act_spec, weight_spec)
+        errors[a] = group_error(x, weights, s, act_spec, weight_spec, refs)
         if best is None or errors[a] < best[1]:
             best = (a, errors[a], s)
     return best[0], best[2], errors

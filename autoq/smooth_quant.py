@@ -35,7 +35,7 @@ from tvm import relax
 from .calibrate import calibration_pipeline, fp32_runner
 from .graph import Graph
 from .smooth_alpha import search_alpha
-from .smoothing import channel_absmax, smoothing_scales
+from .smoothing import channel_absmax, smoothing_scales, weight_absmax
 from .token_mask import TokenMask, masked_outputs, token_layouts
 from .toolkit import (
     compile_vm,
@@ -292,7 +292,6 @@ def smooth_graph(
         if alphas:
             p.alpha, p.scale, p.errors = search_alpha(x, amax, weights, alphas, *specs)
             continue
-        wmax = np.max([np.abs(w).max(axis=1) for w in weights], axis=0)
-        p.alpha, p.scale = alpha, smoothing_scales(amax, wmax, alpha)
+        p.alpha, p.scale = alpha, smoothing_scales(amax, weight_absmax(weights), alpha)
     mod, params = apply_smoothing(g, plans)
     return mod, params, plans

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["channel_absmax", "check_alpha", "check_alphas", "smoothing_scales"]
+__all__ = ["channel_absmax", "check_alpha", "check_alphas", "smoothing_scales", "weight_absmax"]
 
 
 def check_alpha(alpha) -> None:
@@ -61,6 +61,16 @@ def channel_absmax(x) -> np.ndarray:
     """
     x = np.asarray(x)
     return np.abs(x.reshape(-1, x.shape[-1])).max(axis=0)
+
+
+def weight_absmax(weights) -> np.ndarray:
+    """Per input channel, ``max |W|`` over every ``(K, N)`` weight reading the same
+    activation (one smoothing factor per channel serves them all).
+
+    >>> weight_absmax([np.array([[1.0, -3.0], [0.5, 0.0]]), np.array([[2.0], [-1.0]])]).tolist()
+    [3.0, 1.0]
+    """
+    return np.max([np.abs(np.asarray(w)).max(axis=1) for w in weights], axis=0)
 
 
 def smoothing_scales(act_max, weight_max, alpha: float = 0.5) -> np.ndarray:

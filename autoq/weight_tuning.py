@@ -296,7 +296,8 @@ def skipped_layers(config: Config, layers: list[str]) -> frozenset[str]:
     from bias correction; a rule that matches none of them is an error naming it."""
     out: set[str] = set()
     for rule in config.bias_correction_skip:
-        hit = [x for x in layers if compile_rule(rule)(x)]
+        matches = compile_rule(rule)
+        hit = [x for x in layers if matches(x)]
         if not hit:
             raise InputError(
                 f"Config.bias_correction_skip rule {rule!r} matches no layer with weights "
