@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 import warnings
 
 import numpy as np
@@ -33,16 +34,20 @@ UNBOUNDED = 1e30
 
 
 def unbounded_slots(
-    sim: SimResult, dataset, target=None, samples: int = 2
+    sim: SimResult, dataset, target=None, samples: int = 2, stats: dict | None = None
 ) -> dict[str, tuple[float, float]]:
     """Activation slots whose fp32 values reach ``UNBOUNDED`` on the first ``samples``
-    samples, with their observed range."""
+    samples, with their observed range. ``stats`` (a dict) receives ``compile_s``, the
+    one-off compile of the fp32 graph the check runs."""
     from .build import default_target
 
     slots = sim.activation_slots()
     if not slots:
         return {}
+    t0 = time.perf_counter()
     run = fp32_slot_runner(sim, slots, target or default_target())
+    if stats is not None:
+        stats["compile_s"] = time.perf_counter() - t0
     data = itertools.islice(samples_for(dataset, sim.graph.inputs), samples)
     lo = {s: np.inf for s in slots}
     hi = {s: -np.inf for s in slots}
@@ -76,11 +81,12 @@ def layers_using(sim: SimResult, slots) -> list[str]:
 
 
 def keep_unbounded_in_fp32(
-    sim: SimResult, dataset, config: Config, target=None
+    sim: SimResult, dataset, config: Config, target=None, stats: dict | None = None
 ) -> tuple[Config, list[str]]:
     """``config`` with the layers reading or writing unbounded activations of ``sim`` added
-    to its fallback ids (with a warning naming them and their ranges), and those layers."""
-    bad = unbounded_slots(sim, dataset, target)
+    to its fallback ids (with a warning naming them and their ranges), and those layers.
+    ``stats``: see :func:`unbounded_slots`."""
+    bad = unbounded_slots(sim, dataset, target, stats=stats)
     layers = [x for x in layers_using(sim, bad) if x not in config.fallback.ids]
     if not layers:
         return config, []
