@@ -256,6 +256,11 @@ class InputStats:
                 rows = h.rows_of(codes, np.float32)
             h.update_rows(rows.transpose(0, 2, 1))
 
+    def flush(self) -> None:
+        """Sum the rows the Hessians still buffer (:meth:`autoq.hessian.CodeHessian.flush`)."""
+        for h in self.distinct.values():
+            h.flush()
+
     def merge(self, other: InputStats) -> None:
         other = other.resolve()
         for k, h in self.distinct.items():
@@ -392,7 +397,8 @@ class WeightTuner:
         with single_threaded_blas():
             for sid, group in tasks:
                 empirical = self.config.empirical_bias_correction and bool(self.fp32_means)
-                shards = [r.feed(sid, InputStats(group, act_qp[sid], empirical)) for r in runners]
+                sinks = self._sinks(group, act_qp[sid], empirical)
+                shards = [r.feed(sid, *sinks) for r in runners]
                 merged = shards[0].resolve()
                 for other in shards[1:]:
                     merged.merge(other)
@@ -404,6 +410,15 @@ class WeightTuner:
         for r in [*runners, *held]:
             r.update_static(updates)
         self.stats["tune_s"] += time.perf_counter() - t0
+
+    @staticmethod
+    def _sinks(group: list[LayerTask], qp: QParam, empirical: bool) -> tuple:
+        """The statistics a shard feeds for ``group``: two (the second fed from another
+        thread and merged, :meth:`autoq.shard_runner.ShardRunner.feed`) when their sums are
+        exact; one with the mean patches of the empirical correction (float sums in sample
+        order)."""
+        sinks = [InputStats(group, qp, empirical) for _ in range(1 + (not empirical))]
+        return tuple(sinks)
 
     def _tune(
         self, task: LayerTask, h: CodeHessian, stats: InputStats, held: HeldRows
