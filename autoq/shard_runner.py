@@ -28,7 +28,11 @@ from .token_mask import real_tokens
 from .toolkit import as_list
 from .value_cache import ValueCache
 
-__all__ = ["LaterObserver", "ShardRunner", "observe_ahead"]
+__all__ = ["COPIES_IN_FLIGHT", "LaterObserver", "ShardRunner", "observe_ahead"]
+
+#: samples whose segment outputs may wait for their copy into the cache (each keeps the
+#: VM memory they live in) while the VM runs the next sample
+COPIES_IN_FLIGHT = 2
 
 
 class ShardRunner:
@@ -57,6 +61,7 @@ class ShardRunner:
         self.stats = {"run_s": 0.0, "observe_s": 0.0, "observe_later_cpu_s": 0.0}
         self._worker: ThreadPoolExecutor | None = None  # see _pool
         self._produced = threading.Condition()  # notified as run_segment caches values
+        self._copier: ThreadPoolExecutor | None = None  # run_segment's output copies
 
     def load(self, samples: Iterable[dict]) -> int:
         """Cache the shard's samples (``{input name: array}``) after those loaded before;
@@ -221,21 +226,38 @@ class ShardRunner:
             self.static[self.plan.table_keys[layer]] = tvm.runtime.tensor(table)
         f = self.vm[seg.name]
         t0 = time.perf_counter()
-        for i in range(self.n):
-            args = [
-                self.static[k] if k in self.static else self.cache.get((k, i)) for k in seg.inputs
-            ]
-            for k, o in zip(seg.outputs, as_list(f(*args)), strict=True):
-                self.cache.put((k, i), o)
-            if self._worker is not None:  # observe_ahead's observers wait for the values
-                with self._produced:
-                    self._produced.notify_all()
-            if progress is not None:
-                progress()
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="autoq-cache")
+        copies: list = []
+        try:
+            for i in range(self.n):
+                args = [
+                    self.static[k] if k in self.static else self.cache.get((k, i))
+                    for k in seg.inputs
+                ]
+                outs = as_list(f(*args))
+                if len(copies) >= COPIES_IN_FLIGHT:  # (each holds VM memory until copied)
+                    copies.pop(0).result()
+                copies.append(self._copier.submit(self._cache_outputs, seg.outputs, i, outs))
+                if progress is not None:
+                    progress()
+        finally:  # every value is cached (or the copy's error raised) before returning
+            for c in copies:
+                c.result()
         self.stats["run_s"] += time.perf_counter() - t0
         for k in seg.drop:
             for i in range(self.n):
                 self.cache.drop((k, i))
+
+    def _cache_outputs(self, keys: list, i: int, outs: list) -> None:
+        """Copy sample ``i``'s segment outputs into the cache (on the copier thread, while
+        the VM runs the next sample: the copy releases the GIL) and wake the observers
+        waiting for them (:meth:`observe_ahead`)."""
+        for k, o in zip(keys, outs, strict=True):
+            self.cache.put((k, i), o)
+        if self._worker is not None:
+            with self._produced:
+                self._produced.notify_all()
 
     def cache_stats(self) -> dict[str, float]:
         return {
@@ -244,6 +266,9 @@ class ShardRunner:
         }
 
     def close(self) -> None:
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
         worker, self._worker = self._worker, None
         if worker is not None:
             with self._produced:  # (an observer still waiting for a value gives up)
