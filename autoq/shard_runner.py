@@ -9,6 +9,13 @@ holding the whole dataset; a distributed run gives every worker one runner for i
 and merges their observers (exactly: see :mod:`autoq.calibrators`), so the qparams are the
 same bit for bit whatever the number of shards. Everything a runner is given is plain data
 (:class:`autoq.calibration_plan.CalibrationPlan`, numpy arrays) plus the compiled VM.
+
+TVM runs the segments on one thread where it assumes SMT (half of the CPUs on x86: 1 of
+2 vCPUs), so a runner does its numpy work on worker threads while the VM runs (numpy, BLAS
+and VM calls release the GIL): observers asked for ahead or later
+(:meth:`ShardRunner.observe_ahead`, :meth:`ShardRunner.observe_later`), half of a feed
+(:meth:`ShardRunner.feed`) and the copy of each sample's segment outputs into the cache.
+The results are the same bits as on one thread (observers and feeds merge exactly).
 """
 
 from __future__ import annotations
