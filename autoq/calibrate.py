@@ -50,7 +50,7 @@ from .scale_health import HealthCheck, SlotHealth, problem
 from .shard_runner import ShardRunner, observe_ahead
 from .simulate import SimResult
 from .token_mask import check_real_tokens, masked_outputs
-from .toolkit import as_list, compile_vm, make_function
+from .toolkit import as_list, compile_vm, compile_vms, make_function
 from .weight_tuning import WeightTuner
 
 __all__ = [
@@ -471,12 +471,13 @@ def _calibrate_topological(
     samples, held = samples
     plan, functions = build_plan(sim, config.token_mask)
     t0 = time.perf_counter()
-    vm = compile_vm(functions, target, sim.mod, pipeline=calibration_pipeline(target))
+    vm, twin = compile_vms(functions, target, sim.mod, calibration_pipeline(target), 2)
     stats["compile_s"] = time.perf_counter() - t0
     stats["segments"] = len(plan.segments)
     budget = config.memory_budget_mb * 2**20
+    static = static_values(sim, plan, weight_qp)
     runners = [
-        ShardRunner(vm, plan, static_values(sim, plan, weight_qp), budget, config.cache_dir)
+        ShardRunner(vm, plan, static, budget, config.cache_dir, twin)
         for _ in range(1 if held is None else 2)
     ]
     tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None

@@ -47,7 +47,9 @@ class ShardRunner:
 
     ``vm``: the compiled plan (``prologue`` and one function per segment). ``static``:
     key -> array for every weight and weight qparam input. ``budget_bytes``/``cache_dir``:
-    the shard's :class:`ValueCache`."""
+    the shard's :class:`ValueCache`. ``twin``: another VM over the same executable
+    (:func:`autoq.toolkit.compile_vms`): segments then run the odd samples on it, on a
+    thread of their own, while ``vm`` runs the even ones."""
 
     def __init__(
         self,
@@ -56,8 +58,9 @@ class ShardRunner:
         static: dict[int, np.ndarray],
         budget_bytes: float,
         cache_dir: str | None = None,
+        twin=None,
     ):
-        self.vm, self.plan = vm, plan
+        self.vm, self.plan, self.twin = vm, plan, twin
         # (np.ascontiguousarray would turn a 0-d scale into 1-d)
         self.static = {k: tvm.runtime.tensor(np.array(v, order="C")) for k, v in static.items()}
         self.cache = ValueCache(budget_bytes, cache_dir)
@@ -69,6 +72,7 @@ class ShardRunner:
         self._worker: ThreadPoolExecutor | None = None  # see _pool
         self._produced = threading.Condition()  # notified as run_segment caches values
         self._copier: ThreadPoolExecutor | None = None  # run_segment's output copies
+        self._second: ThreadPoolExecutor | None = None  # run_segment's twin samples
 
     def load(self, samples: Iterable[dict]) -> int:
         """Cache the shard's samples (``{input name: array}``) after those loaded before;
@@ -231,30 +235,45 @@ class ShardRunner:
             self.static[z_key] = tvm.runtime.tensor(np.asarray(zp, np.int32))
         for layer, table in (tables or {}).items():
             self.static[self.plan.table_keys[layer]] = tvm.runtime.tensor(table)
-        f = self.vm[seg.name]
         t0 = time.perf_counter()
-        if self._copier is None:
+        if self._copier is None:  # one thread: the only one that writes to the cache
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="autoq-cache")
+            self._second = ThreadPoolExecutor(1, thread_name_prefix="autoq-twin")
+        odd = None
+        if self.twin is not None and self.n > 1:  # the odd samples on the twin, meanwhile
+            odd = self._second.submit(self._run_samples, self.twin, seg, range(1, self.n, 2))
+        try:
+            done = self._run_samples(self.vm, seg, range(0, self.n, 1 + (odd is not None)))
+        finally:  # the twin's samples are done (their error raised) before returning
+            done_odd = 0 if odd is None else odd.result()
+        for _ in range(done + done_odd if progress is not None else 0):
+            progress()
+        self.stats["run_s"] += time.perf_counter() - t0
+        for k in seg.drop:
+            for i in range(self.n):
+                self.cache.drop((k, i))
+
+    def _run_samples(self, vm, seg, samples: range) -> int:
+        """Run ``seg`` on ``vm`` for ``samples``; each sample's outputs are copied into the
+        cache on the copier thread while ``vm`` runs the next sample (at most
+        :data:`COPIES_IN_FLIGHT` waiting, each holding its VM memory); every value is cached
+        (or the copy's error raised) before it returns the number of samples run."""
+        f = vm[seg.name]
         copies: list = []
         try:
-            for i in range(self.n):
+            for i in samples:
                 args = [
                     self.static[k] if k in self.static else self.cache.get((k, i))
                     for k in seg.inputs
                 ]
                 outs = as_list(f(*args))
-                if len(copies) >= COPIES_IN_FLIGHT:  # (each holds VM memory until copied)
+                if len(copies) >= COPIES_IN_FLIGHT:
                     copies.pop(0).result()
                 copies.append(self._copier.submit(self._cache_outputs, seg.outputs, i, outs))
-                if progress is not None:
-                    progress()
-        finally:  # every value is cached (or the copy's error raised) before returning
+        finally:
             for c in copies:
                 c.result()
-        self.stats["run_s"] += time.perf_counter() - t0
-        for k in seg.drop:
-            for i in range(self.n):
-                self.cache.drop((k, i))
+        return len(samples)
 
     def _cache_outputs(self, keys: list, i: int, outs: list) -> None:
         """Copy sample ``i``'s segment outputs into the cache (on the copier thread, while
@@ -274,8 +293,9 @@ class ShardRunner:
 
     def close(self) -> None:
         if self._copier is not None:
+            self._second.shutdown(wait=True)
             self._copier.shutdown(wait=True)
-            self._copier = None
+            self._copier = self._second = None
         worker, self._worker = self._worker, None
         if worker is not None:
             with self._produced:  # (an observer still waiting for a value gives up)

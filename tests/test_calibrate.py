@@ -200,8 +200,9 @@ def test_observers_on_the_runner_thread_match_the_plain_ones(tmp_path, budget):
     runner's worker thread as they are cached) and ``observe_later`` (values taken when
     asked, kept after the segment drops them) give the states of the plain observer of
     every slot, in RAM and spilled to disk, and a feed split over two threads the same
-    Hessians as one; a runner closed while an observer still waits for values raises
-    instead of hanging."""
+    Hessians as one; segments run with a twin VM (odd samples on another thread) cache
+    the same values as on one; a runner closed while an observer still waits for values
+    raises instead of hanging."""
     from autoq.calibrate import (
         build_plan,
         calibrate_weights,
@@ -211,19 +212,21 @@ def test_observers_on_the_runner_thread_match_the_plain_ones(tmp_path, budget):
     )
     from autoq.scale_health import HealthCheck
     from autoq.shard_runner import ShardRunner
-    from autoq.toolkit import compile_vm
+    from autoq.toolkit import compile_vms
     from autoq.weight_tuning import InputStats, layer_tasks
 
     mod, params, make = small_cnn()
     sim = simulate(mod, params, cfg())
     plan, functions = build_plan(sim)
-    vm = compile_vm(functions, TARGET, sim.mod, pipeline=calibration_pipeline(TARGET))
+    vm, twin = compile_vms(functions, TARGET, sim.mod, calibration_pipeline(TARGET), 2)
     static = static_values(sim, plan, calibrate_weights(sim))
-    runner = ShardRunner(vm, plan, static, budget, str(tmp_path))
-    runner.load(samples_for(make(5), sim.graph.inputs))
-    runner.run_prologue()
+    runner = ShardRunner(vm, plan, static, budget, str(tmp_path), twin)
+    single = ShardRunner(vm, plan, static, budget, str(tmp_path / "single"))  # one VM
+    for r in (runner, single):
+        r.load(samples_for(make(5), sim.graph.inputs))
+        r.run_prologue()
     cal = MAX.calibrator
-    tasks, fed = layer_tasks(sim), 0
+    tasks, fed, compared = layer_tasks(sim), 0, 0
     ahead = {s: runner.observe_ahead(s, cal) for s in plan.segments[0].heads}
     for j, seg in enumerate(plan.segments):
         chosen = {}
@@ -250,12 +253,20 @@ def test_observers_on_the_runner_thread_match_the_plain_ones(tmp_path, budget):
         done = {s: v for s, v in ahead.items() if s in seg.heads}
         ahead = {s: runner.observe_ahead(s, cal) for s in nxt}
         runner.run_segment(j, chosen)
+        single.run_segment(j, chosen)
+        for k in seg.outputs:  # the twin's (odd) samples too: the same bits
+            for i in range(5):
+                if (k, i) in single.cache:
+                    got, want = runner.cache.get_numpy((k, i)), single.cache.get_numpy((k, i))
+                    assert got.tobytes() == want.tobytes()
+                    compared += 1
         for later, want in done.values():  # resolved after the segment dropped the values
             assert later.compute() == want
-    assert runner.stats["observe_later_cpu_s"] > 0 and fed == len(tasks)
+    assert runner.stats["observe_later_cpu_s"] > 0 and fed == len(tasks) and compared > 10
     # an observer of values no segment will produce any more: closing the runner ends it
     last = next(s for seg in reversed(plan.segments) for s in seg.heads)
     waiting = runner.observe_ahead(last, cal)
     runner.close()
+    single.close()
     with pytest.raises(RuntimeError, match="closed before"):
         waiting.resolve()
