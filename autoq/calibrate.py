@@ -47,10 +47,10 @@ from .lut_ranges import cut, cut_lut_inputs, lut_input_bounds
 from .qparams import QParam, QParams
 from .registry import slot_id_of
 from .scale_health import HealthCheck, SlotHealth, problem
-from .shard_runner import ShardRunner
+from .shard_runner import ShardRunner, observe_ahead
 from .simulate import SimResult
 from .token_mask import check_real_tokens, masked_outputs
-from .toolkit import as_list, compile_vm, make_function
+from .toolkit import as_list, compile_vm, compile_vms, make_function
 from .weight_tuning import WeightTuner
 
 __all__ = [
@@ -362,15 +362,18 @@ def _merged(observers: list):
     return first
 
 
-def choose_qparams(runners: list, slot: str, spec: QuantSpec) -> QParam:
+def choose_qparams(runners: list, slot: str, spec: QuantSpec, observers=None) -> QParam:
     """``slot``'s qparams from the merged statistics of every shard (a range pass first
-    for histogram calibrators): the only place activation qparams are chosen."""
+    for histogram calibrators): the only place activation qparams are chosen.
+    ``observers``: the shards' observers of the slot filled already
+    (:func:`autoq.shard_runner.observe_ahead`)."""
     cal = spec.calibrator
     data_range = None
     if getattr(cal, "needs_range", False):
         data_range = _merged([r.range_observer(slot) for r in runners]).data_range()
-    qp = _merged([r.observer(slot, cal, data_range) for r in runners]).compute(spec)
-    return checked_result(qp, cal, slot)
+    if observers is None:
+        observers = [r.observer(slot, cal, data_range) for r in runners]
+    return checked_result(_merged(observers).compute(spec), cal, slot)
 
 
 def checked_result(qp, calibrator, slot: str) -> QParam:
@@ -408,22 +411,23 @@ def run_plan(
     n = sum(r.n for r in runners)
     bounds = lut_input_bounds(sim) if config.lut_input_ranges else {}
     bar = _progress(config, len(plan.segments) * n, "calibrating")
+    pending: dict[str, list] = {}  # the previous segment's health observers, still filling
+    ahead: dict[str, list] = {}  # this segment's heads' observers, filled as values came
     try:
         for j, seg in enumerate(plan.segments):
             chosen = {}
             for sid in seg.heads:
                 qp = (fixed or {}).get(sid)
                 if qp is None:
-                    qp = choose_qparams(runners, sid, specs[sid])
+                    qp = choose_qparams(runners, sid, specs[sid], ahead.get(sid))
                     if sid in bounds:  # autoq.lut_ranges
                         qp = cut(qp, bounds[sid], specs[sid])
                 result[sid] = qp
                 chosen[sid] = (qp.scale, qp.zero_point)
-                if health is not None:
-                    check = HealthCheck(qp)
-                    health[sid] = _merged([r.observer(sid, check) for r in runners]).compute(
-                        specs[sid]
-                    )
+            _finish_health(pending, health, specs)
+            if health is not None:  # computed while the segment is tuned and run
+                check = {sid: HealthCheck(result[sid]) for sid in seg.heads}
+                pending = {s: [r.observe_later(s, check[s]) for r in runners] for s in seg.heads}
             tables = {
                 layer: sim.table(layer, result)
                 for layer, (_, out_sid, _) in sim.plan.tables.items()
@@ -432,13 +436,24 @@ def run_plan(
             if tuner is not None:
                 tuner.step(seg.heads, result, runners, held)
             bar.set_postfix_str(",".join(seg.heads)[:40])
+            nxt = plan.segments[j + 1].heads if j + 1 < len(plan.segments) else ()
+            ahead = observe_ahead(runners, nxt, specs, fixed or {})
             for r in runners:
                 r.run_segment(j, chosen, progress=lambda: bar.update(1), tables=tables)
             for r in held:
                 r.run_segment(j, chosen, tables=tables)
+        _finish_health(pending, health, specs)
     finally:
         bar.close()
     return result
+
+
+def _finish_health(pending: dict[str, list], health: dict | None, specs: dict) -> None:
+    """Merge and compute the health observers of ``pending`` (slot -> its shards'
+    observers, emptied) into ``health``."""
+    for sid, observers in pending.items():
+        health[sid] = _merged(observers).compute(specs[sid])
+    pending.clear()
 
 
 def calibration_pipeline(target):
@@ -456,12 +471,13 @@ def _calibrate_topological(
     samples, held = samples
     plan, functions = build_plan(sim, config.token_mask)
     t0 = time.perf_counter()
-    vm = compile_vm(functions, target, sim.mod, pipeline=calibration_pipeline(target))
+    vm, twin = compile_vms(functions, target, sim.mod, calibration_pipeline(target), 2)
     stats["compile_s"] = time.perf_counter() - t0
     stats["segments"] = len(plan.segments)
     budget = config.memory_budget_mb * 2**20
+    static = static_values(sim, plan, weight_qp)
     runners = [
-        ShardRunner(vm, plan, static_values(sim, plan, weight_qp), budget, config.cache_dir)
+        ShardRunner(vm, plan, static, budget, config.cache_dir, twin)
         for _ in range(1 if held is None else 2)
     ]
     tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None

@@ -396,9 +396,12 @@ class CodeHessian(Hessian):
     (2, [0.5, 0.5])
     """
 
-    def __init__(self, *args, scale: float = 1.0, **kw):
-        """:class:`Hessian`'s arguments, and ``scale`` (of the codes, per tensor)."""
+    def __init__(self, *args, scale: float = 1.0, products: bool = True, **kw):
+        """:class:`Hessian`'s arguments, ``scale`` (of the codes, per tensor) and
+        ``products``: False sums only the rows and their count (:meth:`mean`, ``rows``),
+        not ``C^T C`` (:meth:`matrix` then raises): for a layer that will not use it."""
         super().__init__(*args, **kw)
+        self.products = products
         self.sum = self.row_sum = None  # allocated at the first product
         self._pending: list[np.ndarray] = []  # (G, K, rows) code blocks not summed yet
         self._pending_sq: np.ndarray | None = None  # their columns' sums of squares
@@ -452,6 +455,9 @@ class CodeHessian(Hessian):
         """Buffer (or sum) the batch ``cols`` ``(G, K, rows)`` of codes up to ``m``."""
         dtype = cols.dtype
         self.rows += cols.shape[2]
+        if not self.products:  # row sums only: nothing to buffer
+            self._add(cols)
+            return
         if self._pending and self._pending[0].dtype != dtype:
             self.flush()
         limit = _EXACT_INT[dtype]
@@ -482,11 +488,12 @@ class CodeHessian(Hessian):
 
     def _add(self, cols: np.ndarray) -> None:
         """Add the rows of ``cols`` (G, K, rows), whose product is exact, to the sums."""
-        if self.sum is None:
+        if self.row_sum is None:
             g, k = self.shape
-            self.sum = np.zeros((g, k, k), np.int64)
+            self.sum = np.zeros((g, k, k), np.int64) if self.products else None
             self.row_sum = np.zeros((g, k), np.int64)
-        add_gram(cols, self.sum)
+        if self.products:
+            add_gram(cols, self.sum)
         # float64 sums of integers below 2**53: exact
         self.row_sum += cols.sum(axis=2, dtype=np.float64).astype(np.int64)
 
@@ -498,21 +505,25 @@ class CodeHessian(Hessian):
         """Add ``other``'s rows: exactly the Hessian of both batches' rows, in any order."""
         self.flush()
         other.flush()
-        if other.shape != self.shape or other.scale != self.scale:
+        if (other.shape, other.scale, other.products) != (self.shape, self.scale, self.products):
             raise ValueError(
-                f"cannot merge CodeHessians of shapes/scales {other.shape}/{other.scale} and "
-                f"{self.shape}/{self.scale}"
+                f"cannot merge CodeHessians of shapes/scales/products {other.shape}/"
+                f"{other.scale}/{other.products} and {self.shape}/{self.scale}/{self.products}"
             )
-        if other.sum is not None:
-            if self.sum is None:
-                self.sum, self.row_sum = other.sum.copy(), other.row_sum.copy()
+        if other.row_sum is not None:
+            if self.row_sum is None:
+                self.sum = None if other.sum is None else other.sum.copy()
+                self.row_sum = other.row_sum.copy()
             else:
-                self.sum += other.sum
+                if self.products:
+                    self.sum += other.sum
                 self.row_sum += other.row_sum
         self.rows += other.rows
 
     def matrix(self) -> np.ndarray:
         self._check()
+        if not self.products:
+            raise ValueError("this CodeHessian sums no products (products=False): no matrix")
         self.flush()
         return (2.0 * self.scale * self.scale / self.rows) * self.sum
 

@@ -214,8 +214,19 @@ class RemoteShard:
         what = f"the statistics of {slot}"
         return self._ask("observer_state", slot, calibrator, data_range, what=what, make=make)
 
-    def feed(self, slot: str, sink) -> PendingResult:
-        """``sink`` fed ``slot``'s input on the shard's samples, computed in the worker."""
+    def observe_later(self, slot: str, calibrator, data_range=None) -> PendingObserver:
+        """:meth:`observer` (which does not block either)."""
+        return self.observer(slot, calibrator, data_range)
+
+    def observe_ahead(self, slot: str, calibrator) -> None:
+        """None: a remote shard answers statistics requests in order, after the segment
+        runs submitted before them, so statistics of values not produced yet are asked
+        for when the slot's qparams are chosen."""
+        return None
+
+    def feed(self, slot: str, sink, spare=None) -> PendingResult:
+        """``sink`` fed ``slot``'s input on the shard's samples, computed in the worker
+        (``spare`` is not used: the shards already work at the same time)."""
         return self._ask("feed", slot, sink, what=f"the sums of {slot}")
 
     def update_static(self, values: dict) -> None:

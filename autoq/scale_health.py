@@ -150,16 +150,25 @@ class HealthObserver:
         if not x.size:
             return
         lo, hi = float(x.min()), float(x.max())
-        nonzero = int(np.count_nonzero(x))
-        near_zero = int(np.count_nonzero(np.abs(x) <= self.half))  # zeros included
+        zeros = int(np.count_nonzero(x == 0))  # (count_nonzero of floats is 4x slower)
+        near_zero = self._near_zero(x, lo)  # zeros included
         clipped = int(np.count_nonzero(x < self.below)) if lo < self.below else 0
         clipped += int(np.count_nonzero(x > self.above)) if hi > self.above else 0
-        self.counts += (x.size, nonzero, near_zero - (x.size - nonzero), clipped)
+        self.counts += (x.size, x.size - zeros, near_zero - zeros, clipped)
         step = -(-x.size // BAND_SAMPLE)  # bands from a regular sample of a large batch
         self.bands += self._band_counts(x[::step], finite=np.isfinite(lo) and np.isfinite(hi))
         self.batches += (1, max(-lo, hi) >= self.far)
         self.lo = min(self.lo, lo)
         self.hi = max(self.hi, hi)
+
+    def _near_zero(self, x: np.ndarray, lo: float) -> int:
+        """How many values of ``x`` satisfy ``|x| <= half`` (``half`` rounded to ``x``'s
+        dtype, like a comparison with the Python float): those ``<= half`` less those
+        ``< -half``, a count skipped when the minimum ``lo`` is not below it (after a relu:
+        one comparison pass instead of ``abs`` and a comparison)."""
+        half = x.dtype.type(self.half)
+        n = int(np.count_nonzero(x <= half))
+        return n - int(np.count_nonzero(x < -half)) if not lo >= -half else n
 
     def _band_counts(self, x: np.ndarray, finite: bool = True) -> np.ndarray:
         """Values per band, positions computed in ``x``'s dtype in one buffer (an overflow

@@ -32,6 +32,7 @@ __all__ = [
     "bindings",
     "compile_executable",
     "compile_vm",
+    "compile_vms",
     "const",
     "const_array",
     "dtype_of",
@@ -272,7 +273,20 @@ def compile_vm(
     pipeline=None,
 ) -> relax.VirtualMachine:
     """:func:`compile_executable` in a VM on this CPU."""
-    return relax.VirtualMachine(compile_executable(functions, target, base, pipeline), tvm.cpu())
+    return compile_vms(functions, target, base, pipeline)[0]
+
+
+def compile_vms(
+    functions: dict[str, relax.Function],
+    target,
+    base: tvm.IRModule | None = None,
+    pipeline=None,
+    count: int = 1,
+) -> list[relax.VirtualMachine]:
+    """``count`` VMs on this CPU over one :func:`compile_executable`: the same code (loaded
+    once), each with its own state, so two threads can call them at once."""
+    lib = compile_executable(functions, target, base, pipeline).jit()
+    return [relax.VirtualMachine(lib, tvm.cpu()) for _ in range(count)]
 
 
 def as_list(result) -> list:

@@ -134,6 +134,9 @@ class ValueCache:
             self.disk[key] = p
             self.spilled += nb
 
+    def __contains__(self, key) -> bool:
+        return key in self.ram or key in self.disk
+
     def get(self, key):
         """The value as a tvm tensor (sharing the cached array's memory when it is in RAM:
         :func:`as_tensor`)."""

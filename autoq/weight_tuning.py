@@ -66,7 +66,7 @@ from .hessian import CodeHessian, ConvGeometry, flatten_conv_weight
 from .qparams import QParam
 from .registry import slot_id_of
 from .scale_search import search_scales
-from .toolkit import op_name
+from .toolkit import op_name, shape_of
 
 __all__ = [
     "MAX_ROWS",
@@ -100,13 +100,26 @@ class LayerTask:
     geom: ConvGeometry | None
     has_bias: bool
 
-    def hessian(self, scale: float, max_rows: int | None = MAX_ROWS) -> CodeHessian:
-        """The exact Hessian of the layer's input codes quantized with ``scale``."""
+    def hessian(
+        self, scale: float, max_rows: int | None = MAX_ROWS, products: bool = True
+    ) -> CodeHessian:
+        """The exact Hessian of the layer's input codes quantized with ``scale``
+        (``products=False``: their row sums only, see :class:`autoq.hessian.CodeHessian`)."""
+        kw = {"scale": scale, "products": products}
         if self.geom is None:
-            return CodeHessian.dense(self.weight.shape[0], max_rows, scale=scale)
+            return CodeHessian.dense(self.weight.shape[0], max_rows, **kw)
         return CodeHessian.conv2d(
-            self.geom, self.weight.shape[1] * self.geom.groups, max_rows, scale=scale
+            self.geom, self.weight.shape[1] * self.geom.groups, max_rows, **kw
         )
+
+    def rows_bound(self, shape, samples: int) -> int | None:
+        """At most how many rows its Hessian gets from ``samples`` inputs of ``shape``
+        (static; None when unknown): all of each sample's rows (tokens), at most
+        :data:`MAX_ROWS` of them."""
+        if shape is None or not all(isinstance(d, int) for d in shape):
+            return None
+        h = self.hessian(1.0)
+        return h.rows_size(tuple(shape)) // (h.shape[0] * h.shape[1]) * samples
 
     def input_key(self) -> tuple:
         """Equal for layers whose Hessians of the same input are equal (geometry, width)."""
@@ -205,7 +218,15 @@ class InputStats:
     (as integer codes: :class:`autoq.hessian.CodeHessian`, exact whatever the split of the
     samples into shards and the order they merge in)."""
 
-    def __init__(self, tasks: list[LayerTask], qp: QParam, patch_means: bool = False):
+    def __init__(
+        self,
+        tasks: list[LayerTask],
+        qp: QParam,
+        patch_means: bool = False,
+        products: frozenset[str] | None = None,
+    ):
+        """``products``: the layers whose Hessian needs its products (None: every layer);
+        the others sum only their rows (``CodeHessian(products=False)``)."""
         scale = np.asarray(qp.scale).reshape(-1)
         if scale.size != 1:
             raise ValueError(
@@ -215,10 +236,12 @@ class InputStats:
         self.qp = qp
         # layers reading the slot with the same geometry (e.g. a residual block's first 1x1
         # conv and its projection shortcut) see the same patches: one Hessian for them
+        need = {t.input_key() for t in tasks if products is None or t.layer in products}
         shared: dict[tuple, CodeHessian] = {}
-        self.hessians = {
-            t.layer: shared.setdefault(t.input_key(), t.hessian(float(scale[0]))) for t in tasks
-        }
+        for t in tasks:
+            if t.input_key() not in shared:
+                shared[t.input_key()] = t.hessian(float(scale[0]), products=t.input_key() in need)
+        self.hessians = {t.layer: shared[t.input_key()] for t in tasks}
         # one layer per distinct Hessian (layer -> Hessian): what update/merge feed, once
         self.distinct = dict(_distinct_items(self.hessians))
         #: with ``patch_means``: layer -> exact mean patch of the quantized input's integer
@@ -255,6 +278,11 @@ class InputStats:
                 codes = offset(x) if codes is None else codes
                 rows = h.rows_of(codes, np.float32)
             h.update_rows(rows.transpose(0, 2, 1))
+
+    def flush(self) -> None:
+        """Sum the rows the Hessians still buffer (:meth:`autoq.hessian.CodeHessian.flush`)."""
+        for h in self.distinct.values():
+            h.flush()
 
     def merge(self, other: InputStats) -> None:
         other = other.resolve()
@@ -392,7 +420,9 @@ class WeightTuner:
         with single_threaded_blas():
             for sid, group in tasks:
                 empirical = self.config.empirical_bias_correction and bool(self.fp32_means)
-                shards = [r.feed(sid, InputStats(group, act_qp[sid], empirical)) for r in runners]
+                products = self._product_layers(sid, group, sum(r.n for r in runners))
+                sinks = self._sinks(group, act_qp[sid], empirical, products)
+                shards = [r.feed(sid, *sinks) for r in runners]
                 merged = shards[0].resolve()
                 for other in shards[1:]:
                     merged.merge(other)
@@ -405,6 +435,34 @@ class WeightTuner:
             r.update_static(updates)
         self.stats["tune_s"] += time.perf_counter() - t0
 
+    def _product_layers(self, sid: str, group: list[LayerTask], samples: int) -> frozenset[str]:
+        """The layers of ``group`` whose tuning may read ``H`` itself: with the scale
+        search, or GPTQ unless the slot's static shape bounds the rows below its minimum
+        (:data:`MIN_ROWS_PER_COLUMN` per column: such a layer is rounded to nearest, e.g.
+        ResNet-50's last 3x3 convs, 3136 rows of 2304 columns, whose products were the
+        largest part of weight tuning). The others' Hessians sum only their rows."""
+        cfg = self.config
+        shape = shape_of(self.sim.plan.tensors[sid]) if sid in self.sim.plan.tensors else None
+        out = set()
+        for t in group:
+            bound = t.rows_bound(shape, samples)
+            k = t.flat(t.weight).shape[2]
+            gptq_may = cfg.weight_rounding == "gptq" and (
+                bound is None or bound >= MIN_ROWS_PER_COLUMN * k
+            )
+            if cfg.scale_search or gptq_may:
+                out.add(t.layer)
+        return frozenset(out)
+
+    @staticmethod
+    def _sinks(group: list[LayerTask], qp: QParam, empirical: bool, products) -> tuple:
+        """The statistics a shard feeds for ``group``: two (the second fed from another
+        thread and merged, :meth:`autoq.shard_runner.ShardRunner.feed`) when their sums are
+        exact; one with the mean patches of the empirical correction (float sums in sample
+        order)."""
+        sinks = [InputStats(group, qp, empirical, products) for _ in range(1 + (not empirical))]
+        return tuple(sinks)
+
     def _tune(
         self, task: LayerTask, h: CodeHessian, stats: InputStats, held: HeldRows
     ) -> dict[int, np.ndarray]:
@@ -413,10 +471,9 @@ class WeightTuner:
         qp = self.weight_qp[task.weight_slot]
         wf = task.flat(task.weight).astype(np.float64)
         g, o, k = wf.shape
-        hm = h.matrix()
         out: dict[int, np.ndarray] = {}
         if cfg.scale_search and spec.symmetric and qp.per_axis:
-            r = search_scales(wf, hm, qmin, qmax)
+            r = search_scales(wf, h.matrix(), qmin, qmax)
             qp = QParam(r.scale, qp.zero_point, qp.dtype, qp.axis, -r.scale * qmax, r.scale * qmax)
             self.weight_qp[task.weight_slot] = qp
             out.update(
@@ -427,7 +484,7 @@ class WeightTuner:
         zp = np.broadcast_to(qp.zero_point, (g * o,)).reshape(g, o)
         rounded = cfg.weight_rounding == "gptq" and h.rows >= MIN_ROWS_PER_COLUMN * k
         if rounded:
-            q = gptq(wf, hm, scale, zp, qmin, qmax).q
+            q = gptq(wf, h.matrix(), scale, zp, qmin, qmax).q
         else:
             q = rtn(wf, scale, zp, qmin, qmax)
         self.stats["gptq" if rounded else "nearest"] += 1

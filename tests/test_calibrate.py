@@ -192,3 +192,81 @@ def test_dead_channel_with_a_large_bias_keeps_its_bias():
     assert 5.0 / s_acc <= 2**22 * 1.0001
     out = Runner(realize(mod, params, qp, cfg()))(data[0])
     np.testing.assert_allclose(out[0, 0], 5.0, rtol=1e-3)
+
+
+@pytest.mark.parametrize("budget", [2**26, 0])
+def test_observers_on_the_runner_thread_match_the_plain_ones(tmp_path, budget):
+    """``observe_ahead`` (asked before the segments producing the values run, filled on the
+    runner's worker thread as they are cached) and ``observe_later`` (values taken when
+    asked, kept after the segment drops them) give the states of the plain observer of
+    every slot, in RAM and spilled to disk, and a feed split over two threads the same
+    Hessians as one; segments run with a twin VM (odd samples on another thread) cache
+    the same values as on one; a runner closed while an observer still waits for values
+    raises instead of hanging."""
+    from autoq.calibrate import (
+        build_plan,
+        calibrate_weights,
+        calibration_pipeline,
+        samples_for,
+        static_values,
+    )
+    from autoq.scale_health import HealthCheck
+    from autoq.shard_runner import ShardRunner
+    from autoq.toolkit import compile_vms
+    from autoq.weight_tuning import InputStats, layer_tasks
+
+    mod, params, make = small_cnn()
+    sim = simulate(mod, params, cfg())
+    plan, functions = build_plan(sim)
+    vm, twin = compile_vms(functions, TARGET, sim.mod, calibration_pipeline(TARGET), 2)
+    static = static_values(sim, plan, calibrate_weights(sim))
+    runner = ShardRunner(vm, plan, static, budget, str(tmp_path), twin)
+    single = ShardRunner(vm, plan, static, budget, str(tmp_path / "single"))  # one VM
+    for r in (runner, single):
+        r.load(samples_for(make(5), sim.graph.inputs))
+        r.run_prologue()
+    cal = MAX.calibrator
+    tasks, fed, compared = layer_tasks(sim), 0, 0
+    ahead = {s: runner.observe_ahead(s, cal) for s in plan.segments[0].heads}
+    for j, seg in enumerate(plan.segments):
+        chosen = {}
+        for sid in seg.heads:
+            plain = runner.observer(sid, cal)
+            assert ahead[sid].state().keys() == plain.state().keys()
+            for k, v in plain.state().items():
+                np.testing.assert_array_equal(ahead[sid].state()[k], v)
+            qp = plain.compute(MAX)
+            chosen[sid] = (qp.scale, qp.zero_point)
+            later = runner.observe_later(sid, HealthCheck(qp))
+            want = runner.observer(sid, HealthCheck(qp)).compute()
+            ahead[sid] = (later, want)
+            if sid in tasks:  # the Hessians fed from two threads: the same integer sums
+                one = runner.feed(sid, InputStats(tasks[sid], qp))
+                two = runner.feed(sid, InputStats(tasks[sid], qp), InputStats(tasks[sid], qp))
+                for layer, h in one.hessians.items():
+                    other = two.hessians[layer]
+                    assert (h.matrix() == other.matrix()).all() and h.rows == other.rows
+                    np.testing.assert_array_equal(h.sum, other.sum)
+                    np.testing.assert_array_equal(h.row_sum, other.row_sum)
+                fed += 1
+        nxt = plan.segments[j + 1].heads if j + 1 < len(plan.segments) else ()
+        done = {s: v for s, v in ahead.items() if s in seg.heads}
+        ahead = {s: runner.observe_ahead(s, cal) for s in nxt}
+        runner.run_segment(j, chosen)
+        single.run_segment(j, chosen)
+        for k in seg.outputs:  # the twin's (odd) samples too: the same bits
+            for i in range(5):
+                if (k, i) in single.cache:
+                    got, want = runner.cache.get_numpy((k, i)), single.cache.get_numpy((k, i))
+                    assert got.tobytes() == want.tobytes()
+                    compared += 1
+        for later, want in done.values():  # resolved after the segment dropped the values
+            assert later.compute() == want
+    assert runner.stats["observe_later_cpu_s"] > 0 and fed == len(tasks) and compared > 10
+    # an observer of values no segment will produce any more: closing the runner ends it
+    last = next(s for seg in reversed(plan.segments) for s in seg.heads)
+    waiting = runner.observe_ahead(last, cal)
+    runner.close()
+    single.close()
+    with pytest.raises(RuntimeError, match="closed before"):
+        waiting.resolve()

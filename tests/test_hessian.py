@@ -155,6 +155,31 @@ def test_code_hessian_is_exact_for_any_split_and_order(bound):
     np.testing.assert_allclose(one.mean(), ref.mean(), rtol=1e-12)
 
 
+def test_code_hessian_without_products_sums_the_same_rows():
+    """``products=False``: the same row count, int64 row sums and mean as with the products
+    (fed whole batches and gathered rows, merged from shards); no matrix; and it merges
+    only with its own kind."""
+    geom = ConvGeometry(kernel=(3, 3), padding=(1, 1, 1, 1))
+    rng = np.random.default_rng(11)
+    batches = [rng.integers(-128, 128, size=(1, 3, 5, 4)) for _ in range(5)]
+    full = CodeHessian.conv2d(geom, 3, max_rows=7, scale=0.5)
+    sums = [CodeHessian.conv2d(geom, 3, max_rows=7, scale=0.5, products=False) for _ in range(2)]
+    for i, b in enumerate(batches):
+        full.update(b)
+        if i % 2:
+            sums[1].update_rows(sums[1].rows_of(b, np.float32).transpose(0, 2, 1))
+        else:
+            sums[0].update(b)
+    sums[0].merge(sums[1])
+    assert sums[0].rows == full.rows == 35 and sums[0].sum is None
+    np.testing.assert_array_equal(sums[0].row_sum, (full.flush(), full.row_sum)[1])
+    assert sums[0].mean().tobytes() == full.mean().tobytes()
+    with pytest.raises(ValueError, match="products=False"):
+        sums[0].matrix()
+    with pytest.raises(ValueError, match="cannot merge"):
+        full.merge(sums[0])
+
+
 def test_code_hessian_errors():
     h = CodeHessian.dense(3, scale=1.0)
     with pytest.raises(ValueError, match="integer codes"):

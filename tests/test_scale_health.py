@@ -143,6 +143,33 @@ def test_counts_match_the_rounded_grid(values, scale, zero_point):
     assert obs.counts.tolist() == [int(v) for v in want]
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("relu", [False, True])
+def test_counts_on_the_thresholds_match_numpy(dtype, relu):
+    """The value, non-zero and collapsed counts on values placed on and next to every
+    threshold (+-half a step, the grid's ends), signed zeros, and nan/inf, against their
+    definitions in plain numpy (``|x| <= half`` in the data's dtype, ``count_nonzero``),
+    whatever path the observer takes (one comparison when no value is below ``-half``, as
+    after a relu)."""
+    rng = np.random.default_rng(3)
+    scale, zp = 0.37, -7
+    obs = scale_health.HealthObserver(scale, zp, -128, 127)
+    half = dtype(0.5 * scale)
+    edges = [half, -half, dtype(obs.below), dtype(obs.above), dtype(0.0), dtype(-0.0)]
+    near = [np.nextafter(e, t, dtype=dtype) for e in edges for t in (dtype(-np.inf), dtype(np.inf))]
+    want = np.zeros(3, np.int64)
+    for batch in range(4):
+        x = np.concatenate([np.array(edges + near, dtype), rng.normal(0, 30, 500).astype(dtype)])
+        if batch == 3:
+            x = np.append(x, np.array([np.nan, np.inf, -np.inf], dtype))
+        if relu:
+            x = np.maximum(x, dtype(0))  # nan stays nan
+        rng.shuffle(x)
+        obs.update(x)
+        want += [x.size, np.count_nonzero(x), np.count_nonzero((np.abs(x) <= half) & (x != 0))]
+    assert obs.counts[:3].tolist() == want.tolist()
+
+
 def prob_map_model():
     """A text-detector head in miniature: conv 1x1 (1 -> 4) + bias, relu, conv 1x1 (4 -> 1)
     + bias -9, sigmoid: background ~1e-4, blobs ~1, their edges in between."""

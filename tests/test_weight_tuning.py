@@ -4,8 +4,11 @@ the realized int8 module against the simulated graph, bit for bit."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+from tvm import relax
 
 from autoq import Config, calibrate, realize, simulate
 from autoq import primitives as P
@@ -293,6 +296,38 @@ def test_layers_with_the_same_patches_share_one_exact_hessian():
         np.testing.assert_array_equal(
             stats.hessians[t.layer].matrix(), alone.hessians[t.layer].matrix()
         )
+
+
+def test_hessians_sum_products_only_for_layers_that_may_read_them():
+    """GPTQ needs MIN_ROWS_PER_COLUMN rows per weight column: a layer whose rows, bounded by
+    its input's static shape, stay below that is rounded to nearest and its Hessian sums
+    only the rows (no products). With the scale search (which reads H) or an unknown shape,
+    every layer gets its products. The tuned weights are those of the full Hessians."""
+    from autoq.hessian import ConvGeometry
+    from autoq.weight_tuning import MIN_ROWS_PER_COLUMN, LayerTask, WeightTuner
+
+    one, three = ConvGeometry(kernel=(1, 1)), ConvGeometry(kernel=(3, 3), padding=(1, 1, 1, 1))
+    small = LayerTask("a", "a.weight", "x", np.zeros((8, 4, 1, 1), np.float32), one, False)
+    wide = LayerTask("c", "c.weight", "x", np.zeros((8, 64, 3, 3), np.float32), three, False)
+    shape = (1, 64, 6, 6)  # 36 rows per sample; `wide` has 576 columns
+    assert small.rows_bound((1, 4, 6, 6), 10) == 360 and wide.rows_bound(shape, 10) == 360
+    assert wide.rows_bound((1, 64, 40, 40), 10) == 2560  # at most MAX_ROWS per sample
+    assert wide.rows_bound(None, 10) is None
+
+    x = relax.Var("x", relax.TensorType(list(shape), "float32"))
+    sim = SimpleNamespace(plan=SimpleNamespace(tensors={"x": x}))  # what _product_layers reads
+    tuner = WeightTuner.__new__(WeightTuner)
+    tuner.sim, tuner.config = sim, Config(progress=False)
+    enough = MIN_ROWS_PER_COLUMN * 576 // 36  # samples that give `wide` GPTQ's minimum
+    assert tuner._product_layers("x", [small, wide], enough - 1) == {"a"}
+    assert tuner._product_layers("x", [small, wide], enough) == {"a", "c"}
+    sim.plan.tensors = {}
+    assert tuner._product_layers("x", [small, wide], 1) == {"a", "c"}  # shape unknown
+    sim.plan.tensors = {"x": x}
+    tuner.config = Config(progress=False, weight_rounding="nearest")
+    assert tuner._product_layers("x", [small, wide], 10**6) == set()
+    tuner.config = Config(progress=False, weight_rounding="nearest", scale_search=True)
+    assert tuner._product_layers("x", [small, wide], 1) == {"a", "c"}
 
 
 def test_input_stats_hessians_equal_those_of_the_whole_quantized_input():
