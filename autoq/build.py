@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import tvm
@@ -107,7 +108,12 @@ def export_library(
 
 
 def set_threads(n: int) -> None:
-    """Run TVM kernels on ``n`` threads (the default is one per core, or ``TVM_NUM_THREADS``).
+    """Run the calling thread's TVM kernels on ``n`` threads.
+
+    TVM sizes its thread pool once per process from ``TVM_NUM_THREADS`` or, without it,
+    from half the logical CPUs on x86 (it assumes two SMT threads per core: one thread on a
+    2-vCPU machine without SMT). ``n`` above that size is an error naming the fix, not a
+    silent smaller pool.
 
     >>> set_threads(1)
     """
@@ -115,6 +121,14 @@ def set_threads(n: int) -> None:
         raise ValueError(f"set_threads: n must be >= 1 thread, got {n}")
     # mode 1 = the "big" cores, i.e. all cores on a homogeneous CPU
     tvm.get_global_func("runtime.config_threadpool")(1, int(n))
+    got = int(tvm.get_global_func("runtime.NumThreads")())
+    if got != int(n):
+        raise ValueError(
+            f"set_threads({n}): TVM's thread pool in this process has {got} thread(s) (sized "
+            f"when it started, from TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS')!r} or "
+            "half the logical CPUs on x86); set the environment variable "
+            f"TVM_NUM_THREADS={n} before the process runs its first TVM kernel"
+        )
 
 
 def load_library(path: str | Path, device=None) -> relax.VirtualMachine:

@@ -156,6 +156,7 @@ def bench(name: str, args, log) -> None:
 
 
 def main(argv=None) -> int:
+    common.use_all_cores()  # the 2-thread rows really run 2 TVM threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="resnet50,ppocr_det")
     p.add_argument("--calib", type=int, default=8, help="calibration samples")

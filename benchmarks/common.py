@@ -1159,10 +1159,19 @@ class TvmRunner:
 
     @staticmethod
     def set_threads(n: int) -> None:
-        """Resize TVM's CPU thread pool (``runtime.config_threadpool``)."""
-        import tvm
+        """Resize TVM's CPU thread pool (:func:`autoq.set_threads`: an error if the pool
+        cannot hold ``n``; call :func:`use_all_cores` first)."""
+        import autoq
 
-        tvm.get_global_func("runtime.config_threadpool")(0, int(n))
+        autoq.set_threads(n)
+
+
+def use_all_cores() -> None:
+    """Let TVM's thread pool hold one thread per logical CPU, so ``TvmRunner.set_threads(2)``
+    really runs 2 threads: TVM otherwise sizes it to half the logical CPUs on x86 (it
+    assumes SMT), i.e. one thread on a 2-vCPU machine. Call before the first TVM kernel
+    runs; an explicit ``TVM_NUM_THREADS`` wins."""
+    os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
 
 
 # --------------------------------------------------------------------------------------------

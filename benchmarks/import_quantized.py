@@ -233,6 +233,7 @@ def fold_affine(src: Path, dst: Path) -> int:
 
 
 def main(argv=None) -> int:
+    common.use_all_cores()  # the 2-thread rows really run 2 TVM threads
     args = parse_args(argv)
     t_start = time.perf_counter()
 

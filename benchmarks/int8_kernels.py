@@ -334,6 +334,7 @@ def bench_ops(repeats: int) -> None:
 
 
 def main(argv=None) -> int:
+    common.use_all_cores()  # the 2-thread rows really run 2 TVM threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calib", type=int, default=16, help="calibration samples (ResNet-50)")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per row (median)")

@@ -150,6 +150,7 @@ def run(args, log) -> None:
 
 
 def main(argv=None) -> int:
+    common.use_all_cores()  # the 2-thread rows really run 2 TVM threads
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="resnet50")
     p.add_argument("--trials", type=int, default=256, help="autoq.tune budget (all kernels)")

@@ -414,6 +414,7 @@ def bench_model(name: str, args, log) -> tuple[list[list[str]], dict]:
 
 
 def main(argv=None) -> int:
+    common.use_all_cores()  # the 2-thread rows really run 2 TVM threads
     args = parse_args(argv)
     t_start = time.perf_counter()
     load_start = os.getloadavg()
