@@ -15,6 +15,11 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
 * with ``--token-mask attention_mask``: every static row again with ``Config(token_mask=...)``
   (statistics over real tokens only, :mod:`autoq.token_mask`);
 * autoq dynamic per token (no data), for reference;
+* with ``--hybrid``: the static + dynamic hybrid (:mod:`autoq.hybrid`): every dense layer
+  (``--dense-rule``) quantizes its input per token at run time, the attention matmuls and
+  every other layer static int8 (row "rest static"), the same with only the attention
+  matmuls static and the other non-MatMul layers fp32 (row "attention static"), and the
+  first with the int16 escalation (<= each ``--fractions``);
 * ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
 * ``--swap-rounds n``: ``AutoFallback(swap_rounds=n)`` for the escalation rows (swap
   refinement of the chosen tensors, :mod:`autoq.escalation_swaps`);
@@ -68,6 +73,10 @@ def autoq_row(info, config, calib, evalset, label, log, second=()) -> dict:
     wide = [s for s in acts if res.qparams[s].dtype == "int16"]
     log(f"  {label}: {len(res.int8_layers)} quantized layers, {len(res.fp32_layers)} fp32, "
         f"int16 tensors {wide}, {quant_s:.1f} s")  # fmt: skip
+    dyn = [x for x in res.int8_layers if res.config.layer_spec("activation", x).dynamic]
+    if dyn:
+        static = [x for x in res.int8_layers if x not in dyn]
+        log(f"    {len(dyn)} dynamic layers, {len(static)} static integer layers: {static}")
     if res.decision is not None:
         log("    " + res.decision.summary().replace("\n", "\n    "))
     if config.smooth_quant_alphas:
@@ -129,6 +138,7 @@ def configs(args):
             rows.append((f"autoq int16 escalation (<= {f:.0%}), {args.rounding[0]}, {sq}", cfg))
     rows += alpha_rows(args)
     rows += variants(args, rows)
+    rows += hybrid_rows(args)
     dyn = Config(activation=QuantSpec(dynamic=True, granularity="token"), progress=False)
     rows.append(("autoq dynamic (token), no data", dyn))
     return rows
@@ -150,6 +160,31 @@ def alpha_rows(args) -> list:
         cfg = Config(progress=False, check_scales=False, fallback=fb, smooth_quant_alphas=grid,
                      weight_rounding=args.rounding[0])  # fmt: skip
         rows.append((f"autoq int16 escalation (<= {f:.0%}), {args.rounding[0]}, {tag}", cfg))
+    return rows
+
+
+#: the pattern names of MiniLM's layers that are no MatMul (kept fp32 in the "attention
+#: static" hybrid row)
+NOT_MATMUL = ("add", "add_const", "gelu", "multiply", "multiply_const")
+
+
+def hybrid_rows(args) -> list:
+    """``--hybrid``: the dense layers dynamic per token (``Override(args.dense_rule, ...)``),
+    the rest static (:mod:`autoq.hybrid`)."""
+    from autoq import Config, Fallback, Override, QuantSpec
+
+    if not args.hybrid:
+        return []
+    dyn = (Override(args.dense_rule, activation=QuantSpec(dynamic=True, granularity="token")),)
+    base = Config(progress=False, check_scales=False, overrides=dyn)
+    rows = [
+        ("autoq hybrid: dense dynamic (token), rest static int8", base),
+        ("autoq hybrid: dense dynamic (token), attention matmuls static int8, rest fp32",
+         base.replace(fallback=Fallback(op_types=NOT_MATMUL))),
+    ]  # fmt: skip
+    for f in args.fractions:
+        rows.append((f"autoq hybrid: dense dynamic (token), rest static int8, escalation "
+                     f"(<= {f:.0%})", base.replace(fallback=escalation(args, f))))  # fmt: skip
     return rows
 
 
@@ -220,6 +255,10 @@ def parse_args(argv=None):
     p.add_argument("--alphas", default="", help="smooth_quant_alphas grid for extra rows")
     p.add_argument("--second", type=int, default=0, help="second evaluation set (sentences)")
     p.add_argument("--swap-rounds", type=int, default=0, help="AutoFallback.swap_rounds")
+    p.add_argument("--hybrid", action="store_true", help="static + dynamic hybrid rows")
+    p.add_argument(
+        "--dense-rule", default="re:.*MatMul.*", help="the hybrid's dynamic layers (layer ids)"
+    )
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
