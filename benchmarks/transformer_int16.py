@@ -170,21 +170,28 @@ NOT_MATMUL = ("add", "add_const", "gelu", "multiply", "multiply_const")
 
 def hybrid_rows(args) -> list:
     """``--hybrid``: the dense layers dynamic per token (``Override(args.dense_rule, ...)``),
-    the rest static (:mod:`autoq.hybrid`)."""
+    the rest static (:mod:`autoq.hybrid`), for each ``--hybrid-smooth`` alpha."""
     from autoq import Config, Fallback, Override, QuantSpec
 
     if not args.hybrid:
         return []
     dyn = (Override(args.dense_rule, activation=QuantSpec(dynamic=True, granularity="token")),)
-    base = Config(progress=False, check_scales=False, overrides=dyn)
-    rows = [
-        ("autoq hybrid: dense dynamic (token), rest static int8", base),
-        ("autoq hybrid: dense dynamic (token), attention matmuls static int8, rest fp32",
-         base.replace(fallback=Fallback(op_types=NOT_MATMUL))),
-    ]  # fmt: skip
-    for f in args.fractions:
-        rows.append((f"autoq hybrid: dense dynamic (token), rest static int8, escalation "
-                     f"(<= {f:.0%})", base.replace(fallback=escalation(args, f))))  # fmt: skip
+    rows = []
+    for alpha in args.hybrid_smooth:
+        base = Config(progress=False, check_scales=False, overrides=dyn, smooth_quant=alpha)
+        name = "autoq hybrid: dense dynamic (token), " + ("" if alpha == 0.5 else f"SQ {alpha}, ")
+        rows += [
+            (name + "rest static int8", base),
+            (name + "attention matmuls static int8, rest fp32",
+             base.replace(fallback=Fallback(op_types=NOT_MATMUL))),
+        ]  # fmt: skip
+        if args.hybrid_fp32:
+            fb = Fallback(patterns=(args.hybrid_fp32,))
+            rows.append(
+                (name + f"fp32: {args.hybrid_fp32}, rest static int8", base.replace(fallback=fb))
+            )
+        rows += [(name + f"rest static int8, escalation (<= {f:.0%})",
+                  base.replace(fallback=escalation(args, f))) for f in args.fractions]  # fmt: skip
     return rows
 
 
@@ -259,6 +266,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--dense-rule", default="re:.*MatMul.*", help="the hybrid's dynamic layers (layer ids)"
     )
+    p.add_argument("--hybrid-smooth", default="0.5", help="smooth_quant of the hybrid rows (none)")
+    p.add_argument("--hybrid-fp32", default="", help="a hybrid row with this Fallback pattern")
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
@@ -269,6 +278,7 @@ def parse_args(argv=None):
     args.smooth = [float(v) for v in args.smooth.split(",") if v.strip()]
     args.alphas = [float(v) for v in args.alphas.split(",") if v.strip()]
     args.rounding = [v for v in args.rounding.split(",") if v.strip()]
+    args.hybrid_smooth = [None if v == "none" else float(v) for v in args.hybrid_smooth.split(",")]
     args.only = [v for v in args.only.split(",") if v]
     args.skip = [v for v in args.skip.split(",") if v]
     return args
