@@ -29,6 +29,8 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
 * with ``--second n``: every row also on ``n`` other sentences of the calibration topic pool
   (``common.second_sentence_set``: disjoint from the calibration and evaluation sentences),
   columns "NN@1 2nd" / "cos 2nd";
+* ``--second-from k``: the second set starts at position ``k`` of the pool's permutation
+  (``--second 64 --second-from 64``: a third set, disjoint from the default second one);
 * ``--more-calib n``: ``n`` more calibration-pool sentences (disjoint from the second set)
   inserted before the held-out ones, so the search's trial and held-out sentences stay the
   same while the ranges and GPTQ see more data;
@@ -215,7 +217,8 @@ def variants(args, rows) -> list:
 def with_more_calibration(info, calib, args, log) -> list:
     """``calib`` with ``--more-calib`` sentences inserted before its last ``--holdout``
     (the search's held-out sentences; its trial sentences are the first ones)."""
-    extra = common.second_sentence_set(info, args.more_calib, args.calib, skip=args.second)
+    skip = args.second_from + args.second
+    extra = common.second_sentence_set(info, args.more_calib, args.calib, skip=skip)
     head = list(calib)[: len(calib) - args.holdout]
     log(f"calibration: + {extra.description}")
     return head + list(extra) + list(calib)[len(calib) - args.holdout :]
@@ -261,6 +264,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--alphas", default="", help="smooth_quant_alphas grid for extra rows")
     p.add_argument("--second", type=int, default=0, help="second evaluation set (sentences)")
+    p.add_argument("--second-from", type=int, default=0, help="its start (disjoint sets)")
     p.add_argument("--swap-rounds", type=int, default=0, help="AutoFallback.swap_rounds")
     p.add_argument("--hybrid", action="store_true", help="static + dynamic hybrid rows")
     p.add_argument(
@@ -295,7 +299,7 @@ def main(argv=None) -> int:
     info, calib, evalset, ref = common.embedding_setup("minilm", args.calib, args.eval, log)
     second, ref2 = [], []
     if args.second:
-        second = common.second_sentence_set(info, args.second, args.calib)
+        second = common.second_sentence_set(info, args.second, args.calib, skip=args.second_from)
         ref2 = common.ort_outputs(common.ort_session(info.path, 2, False), second)
         log(f"second evaluation set: {second.description}")
     if args.more_calib:
