@@ -153,3 +153,15 @@ def test_a_layer_without_dynamic_form_is_an_error():
                  overrides=(Override("attn.*", activation=TOKEN),))  # fmt: skip
     res = autoq.Quantizer(cfg, target=TARGET).run(mod, params, make(4))
     assert sorted(res.fp32_layers) == ["matmul_3", "matmul_4"]
+
+
+def test_per_layer_report_switches_dynamic_layers(hybrid):
+    """Quantizer(report=True): the analysis graph has a switch per layer, dynamic ones too
+    (switched off, a dynamic layer computes its float result: autoq.hybrid.simulated_input);
+    every layer gets an SQNR, and a dynamic layer alone is closer to fp32 than the model."""
+    mod, params, _ = hybrid
+    res = autoq.Quantizer(HYBRID, target=TARGET, report=True).run(mod, params, data(8, 1))
+    rows = {r.layer: r for r in res.report.layers}
+    assert set(rows) == set(res.int8_layers)
+    assert all(np.isfinite(r.sqnr_alone) for r in rows.values())
+    assert rows["q"].sqnr_alone > res.report.output_sqnr + 6
