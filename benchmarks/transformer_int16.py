@@ -173,6 +173,8 @@ NOT_MATMUL = ("add", "add_const", "gelu", "multiply", "multiply_const")
 def hybrid_rows(args) -> list:
     """``--hybrid``: the dense layers dynamic per token (``Override(args.dense_rule, ...)``),
     the rest static (:mod:`autoq.hybrid`), for each ``--hybrid-smooth`` alpha."""
+    from dataclasses import replace
+
     from autoq import Config, Fallback, Override, QuantSpec
 
     if not args.hybrid:
@@ -188,10 +190,12 @@ def hybrid_rows(args) -> list:
              base.replace(fallback=Fallback(op_types=NOT_MATMUL))),
         ]  # fmt: skip
         if args.hybrid_fp32:
-            fb = Fallback(patterns=(args.hybrid_fp32,))
-            rows.append(
-                (name + f"fp32: {args.hybrid_fp32}, rest static int8", base.replace(fallback=fb))
-            )
+            fp32 = (args.hybrid_fp32,)
+            label = name + f"fp32: {args.hybrid_fp32}, rest static int8"
+            rows.append((label, base.replace(fallback=Fallback(patterns=fp32))))
+            rows += [(f"{label}, escalation (<= {f:.0%})",
+                      base.replace(fallback=replace(escalation(args, f), patterns=fp32)))
+                     for f in args.fractions]  # fmt: skip
         rows += [(name + f"rest static int8, escalation (<= {f:.0%})",
                   base.replace(fallback=escalation(args, f))) for f in args.fractions]  # fmt: skip
     return rows
