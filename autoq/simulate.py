@@ -114,8 +114,8 @@ class SimContext:
         self.g, self.config = g, config
         #: tensor -> producing layer, for the exit slots (see autoq.exits)
         self.exits = dict(exits or {})
-        #: tensors carrying a layer's int32 result -> that layer (switch mode, see below)
         self.plan = SlotPlan(dynamic=hybrid.dynamic_names(config, matches))
+        #: tensors carrying a layer's int32 result -> that layer (switch mode, see below)
         self.carriers = int32_carriers(g, matches, self.plan.dynamic) if switches else {}
         self.switches = switches
         #: layer -> its ``<layer>.enable`` parameter (switch mode only)
