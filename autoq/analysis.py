@@ -84,7 +84,7 @@ class _LayerPlan:
 
 def layer_feeders(sim: SimResult) -> dict[str, list[str]]:
     """Layer -> the layers whose int32 results it reads as activations."""
-    carriers = int32_carriers(sim.graph, sim.matches)
+    carriers = int32_carriers(sim.graph, sim.matches, sim.plan.dynamic)
     out: dict[str, list[str]] = {}
     for m in sim.matches:
         covered = set(m.covered)

@@ -497,21 +497,24 @@ def _check_bias_skip(config: Config) -> None:
 
 def _check_dynamic_config(config: Config) -> None:
     """Dynamic activations are a whole-model mode (see :mod:`autoq.dynamic`): overrides may
-    change the granularity or the weights of a layer but not switch it to static."""
+    change the granularity or the weights of a layer but not switch it to static. A static
+    model may make layers dynamic with an override (the hybrid, :mod:`autoq.hybrid`)."""
     dynamic = config.activation.dynamic
     if config.weight.dynamic or any(o.weight and o.weight.dynamic for o in config.overrides):
         raise ValueError(
             "weights are always quantized statically: set dynamic=True on the activation spec"
         )
     for o in config.overrides:
-        if o.activation is not None and o.activation.dynamic != dynamic:
+        if dynamic and o.activation is not None and not o.activation.dynamic:
             raise ValueError(
-                f"Override({o.match!r}) has dynamic={o.activation.dynamic} but Config.activation "
-                f"has dynamic={dynamic}: dynamic quantization applies to the whole model (set "
-                "Config(activation=QuantSpec(dynamic=True, ...)); keep a layer in fp32 with "
-                "Fallback)"
+                f"Override({o.match!r}) has dynamic=False but Config.activation has "
+                "dynamic=True: a dynamic model has no calibration, so no layer of it can be "
+                "static (make Config.activation static and the chosen layers dynamic with "
+                "Override(..., activation=QuantSpec(dynamic=True)) instead: autoq.hybrid; "
+                "keep a layer in fp32 with Fallback)"
             )
     if not dynamic:
+        _check_hybrid(config)
         return
     if isinstance(config.fallback, AutoFallback):
         raise ValueError(
@@ -521,4 +524,17 @@ def _check_dynamic_config(config: Config) -> None:
     if config.int8_outputs:
         raise ValueError(
             "Config.int8_outputs needs calibrated output qparams; dynamic layers return float32"
+        )
+
+
+def _check_hybrid(config: Config) -> None:
+    """A static model with dynamic layers (:mod:`autoq.hybrid`): the automatic fallback
+    searches other than the int16 escalation are not supported with it."""
+    rules = [o.match for o in config.overrides if o.activation and o.activation.dynamic]
+    fb = config.fallback
+    if rules and isinstance(fb, AutoFallback) and fb.precision != "int16_tensors":
+        raise ValueError(
+            f"AutoFallback(precision={fb.precision!r}) with dynamic layers (Override"
+            f"{tuple(rules)} with QuantSpec(dynamic=True)) is not supported: use "
+            "AutoFallback(precision='int16_tensors') or Fallback(ids=...)"
         )

@@ -20,20 +20,18 @@ needs static qparams and **stays fp32** in this mode: the result lists them in
 ``fp32_layers`` with the reason "no dynamic form". Dynamic quantization is a whole-model
 mode: an ``Override`` may change a layer's granularity or weight spec but not make it
 static, and ``AutoFallback`` / ``int8_outputs`` are refused (see ``Config``); keep a layer
-in fp32 with ``Fallback``. A dataset, if given, is not used.
+in fp32 with ``Fallback``. A dataset, if given, is not used. The opposite, a static
+(calibrated) model with some dense layers dynamic, is :mod:`autoq.hybrid`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import tvm
-from tvm import relax
 
-from . import qnn
 from .calibrate import observe
 from .config import Config
+from .hybrid import DynamicQ
 from .matching import Matched
 from .qparams import QParams
 from .realize import RealizeContext, finish_module
@@ -46,23 +44,13 @@ __all__ = ["DynamicContext", "DynamicQ", "dynamic_layers", "realize_dynamic"]
 NO_DYNAMIC_FORM = "no dynamic form (needs static qparams)"
 
 
-@dataclass(frozen=True)
-class DynamicQ:
-    """A tensor quantized at run time: int values ``q`` and the run-time ``scale_c`` /
-    ``zero_point_c`` (0-d, or per row with a trailing 1) of ``qnn.dynamic_quantize``."""
-
-    q: relax.Expr
-    scale_c: relax.Expr
-    zero_point_c: relax.Expr
-
-
 class DynamicContext(RealizeContext):
-    """:class:`autoq.realize.RealizeContext` for dynamic patterns: weight qparams chosen
-    from the weight arrays on first use, activations quantized by ``qnn.dynamic_quantize``."""
+    """:class:`autoq.realize.RealizeContext` for the whole-model dynamic mode: weight
+    qparams chosen from the weight arrays on first use (no calibration); activations
+    quantized by ``qnn.dynamic_quantize`` (:meth:`RealizeContext.dynamic_activation`)."""
 
     def __init__(self, g, config: Config, matches: list[Match]):
         super().__init__(g, config, QParams(meta={"dynamic": True}), matches)
-        self._dynamic: dict = {}
 
     def weight(self, expr, axis: int, transpose: tuple[int, ...] | None = None):
         sid = f"{self.layer}.weight"
@@ -73,25 +61,6 @@ class DynamicContext(RealizeContext):
             channels = None if ax is None else arr.shape[ax]
             self.qparams.params[sid] = observe(spec, [arr], ax, lambda: [arr], channels)
         return super().weight(expr, axis, transpose)
-
-    def dynamic_activation(self, expr) -> DynamicQ:
-        """``expr`` quantized at run time with the current layer's activation spec."""
-        spec = self.config.layer_spec("activation", self.layer)
-        sid = self.tensor_id(expr)
-        key = (sid, spec.granularity, spec.dtype, spec.symmetric)
-        key += (spec.narrow_range, spec.reduce_range)
-        if key not in self._dynamic:
-            call = qnn.dynamic_quantize(
-                self.value(expr), spec.granularity, spec.dtype, spec.symmetric,
-                spec.narrow_range, spec.reduce_range,
-            )  # fmt: skip
-            t = self.emit(call, f"{sid}.dq")
-            parts = [self.emit(relax.TupleGetItem(t, i), f"{sid}.{n}") for i, n in _FIELDS]
-            self._dynamic[key] = DynamicQ(*parts)
-        return self._dynamic[key]
-
-
-_FIELDS = ((0, "q"), (1, "scale"), (2, "zero_point"))
 
 
 def dynamic_layers(matched: Matched, config: Config) -> tuple[list[Match], dict[str, str]]:

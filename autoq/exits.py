@@ -42,10 +42,15 @@ def _carried_operands(value) -> list:
     return [first]
 
 
-def int32_carriers(g: Graph, matches: list[Match]) -> dict[relax.Var, Match]:
-    """Tensors holding (a commute op of) an int32 layer result -> that layer."""
+def int32_carriers(
+    g: Graph, matches: list[Match], float_results: frozenset[str] = frozenset()
+) -> dict[relax.Var, Match]:
+    """Tensors holding (a commute op of) an int32 layer result -> that layer.
+    ``float_results``: layers whose result is float32 (dynamic layers, :mod:`autoq.hybrid`)."""
     covered = {v for m in matches for v in m.covered}
-    carrier = {m.root: m for m in matches if not m.pattern.int8_output}
+    carrier = {
+        m.root: m for m in matches if not m.pattern.int8_output and m.layer not in float_results
+    }
     for var, value in g.bindings:
         if var in covered or var in carrier:
             continue
@@ -61,11 +66,17 @@ def _returns(g: Graph, var) -> bool:
     return var in set(g.output_vars()) and isinstance(g.value.get(var), relax.Tuple)
 
 
-def exit_tensors(g: Graph, matches: list[Match], outputs: bool = False) -> dict[relax.Var, Match]:
+def exit_tensors(
+    g: Graph,
+    matches: list[Match],
+    outputs: bool = False,
+    float_results: frozenset[str] = frozenset(),
+) -> dict[relax.Var, Match]:
     """Tensor -> the layer whose int32 result it carries, for every such tensor that a float
     consumer (a binding outside every match that is not a commute op carrying it on; with
-    ``outputs``, also the function's output) reads; in topological order."""
-    carrier = int32_carriers(g, matches)
+    ``outputs``, also the function's output) reads; in topological order. A layer of
+    ``float_results`` (dynamic) neither carries one nor counts as a float consumer."""
+    carrier = int32_carriers(g, matches, float_results)
     covered = {v for m in matches for v in m.covered}
     out_vars = set(g.output_vars()) if outputs else set()
     exits: dict[relax.Var, Match] = {}

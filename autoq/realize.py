@@ -26,8 +26,8 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
+from . import hybrid, qnn
 from . import primitives as P
-from . import qnn
 from .allow_list import ALLOW_LIST, AllowRule, Grid, grid_point
 from .config import Config
 from .exits import exit_tensors
@@ -99,6 +99,7 @@ class RealizeContext:
         self._rounded: dict = {}
         #: tensor -> producing layer, for the exit slots (see autoq.exits)
         self.exits = dict(exits or {})
+        self._dynamic: dict[tuple, hybrid.DynamicQ] = {}
 
     def emit(self, expr, name: str | None = None) -> relax.Var:
         return self.writer.emit(expr, name or "")
@@ -170,6 +171,18 @@ class RealizeContext:
             )
             self._acts[sid] = RealQ(self, q, qp)
         return self._acts[sid]
+
+    def dynamic_activation(self, expr) -> hybrid.DynamicQ:
+        """``expr`` quantized at run time with the current layer's activation spec (dynamic
+        layers, :mod:`autoq.dynamic` / :mod:`autoq.hybrid`); layers reading the same tensor
+        with the same spec share one ``qnn.dynamic_quantize``."""
+        spec = self.config.layer_spec("activation", self.layer)
+        sid = self.tensor_id(expr)
+        key = hybrid.dynamic_key(sid, spec)
+        if key not in self._dynamic:
+            dq = hybrid.emit_dynamic_quantize(self.emit, self.value(expr), spec, sid)
+            self._dynamic[key] = dq
+        return self._dynamic[key]
 
     def weight(self, expr, axis: int, transpose: tuple[int, ...] | None = None) -> RealQ:
         """int8 weight constant (quantized here in numpy, or taken as it is from
@@ -415,9 +428,11 @@ def realize(
     matched = as_matched(model, params, config)
     g = matched.graph
     matches = matched.active(config.fallback)
-    exit_map = exit_tensors(g, matches, config.int8_outputs) if exits else None
+    hybrid.check_dynamic_layers(config, matches)
+    dynamic = hybrid.dynamic_names(config, matches)
+    exit_map = exit_tensors(g, matches, config.int8_outputs, dynamic) if exits else None
     ctx = RealizeContext(g, config, qparams, matches, rounding_points, exit_map)
-    func = build_function(g, ctx, matches, "realize")
+    func = build_function(g, ctx, matches, hybrid.callbacks(config, "realize", "dynamic"))
     out = propagate(with_main(g.module, func), config.rounding)
     return finish_module(g, explicit_multipliers(out["main"]))
 

@@ -60,6 +60,10 @@ class Pattern:
     #: (``Config(activation=QuantSpec(dynamic=True))``, :mod:`autoq.dynamic`); None: the
     #: pattern needs static qparams and stays fp32 in that mode
     dynamic: Callable[[Any, Match], relax.Expr] | None = None
+    #: ``simulate_dynamic(ctx, match)``: the simulated form of ``dynamic`` (the same
+    #: run-time quantize, integers as float32), for a layer made dynamic in an otherwise
+    #: static model (:mod:`autoq.hybrid`); set together with ``dynamic``
+    simulate_dynamic: Callable[[Any, Match], relax.Expr] | None = None
 
 
 @dataclass

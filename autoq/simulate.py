@@ -30,7 +30,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from . import qnn
+from . import hybrid, qnn
 from .activations import LUT_DTYPES, lut_table
 from .config import Config, QuantSpec, compile_rule
 from .exits import exit_tensors, int32_carriers
@@ -58,6 +58,8 @@ class SlotPlan:
     tables: dict[str, tuple[str, str, str]] = field(default_factory=dict)
     #: layer -> (flat float bias, input slot, weight slot) of a bias read as an input
     biases: dict[str, tuple[np.ndarray, str, str]] = field(default_factory=dict)
+    #: layers whose input is quantized at run time (no input slot; :mod:`autoq.hybrid`)
+    dynamic: frozenset[str] = frozenset()
 
 
 class _LazyQ:
@@ -112,8 +114,9 @@ class SimContext:
         self.g, self.config = g, config
         #: tensor -> producing layer, for the exit slots (see autoq.exits)
         self.exits = dict(exits or {})
+        self.plan = SlotPlan(dynamic=hybrid.dynamic_names(config, matches))
         #: tensors carrying a layer's int32 result -> that layer (switch mode, see below)
-        self.carriers = int32_carriers(g, matches) if switches else {}
+        self.carriers = int32_carriers(g, matches, self.plan.dynamic) if switches else {}
         self.switches = switches
         #: layer -> its ``<layer>.enable`` parameter (switch mode only)
         self.switch_vars: dict[str, relax.Var] = {}
@@ -121,7 +124,6 @@ class SimContext:
         self.layer_slots: dict[str, list[str]] = {}
         self.writer = BindingWriter()
         self.vmap: dict = {}
-        self.plan = SlotPlan()
         self.qparam_vars: dict[str, tuple[relax.Var, relax.Var]] = {}
         #: layer -> its ``<layer>.table`` input (lookup-table activations)
         self.table_vars: dict[str, relax.Var] = {}
@@ -129,6 +131,7 @@ class SimContext:
         #: ``<layer>.weight`` / ``<layer>.bias`` -> the input holding its (tuned) float value
         self.value_vars: dict[str, relax.Var] = {}
         self._acts: dict[str, _LazyQ] = {}
+        self._dynamic: dict[tuple, hybrid.SimulatedDynamicQ] = {}
         self.match: Match | None = None
         self.tensor_id = slot_id_of(g, matches)
         self._consumer: dict[str, str] = {}
@@ -259,6 +262,20 @@ class SimContext:
         if self.switches:
             self._acts[f"{sid}@{self.layer}"] = handle
         return handle
+
+    def dynamic_activation(self, expr) -> hybrid.SimulatedDynamicQ:
+        """``expr`` quantized at run time with the current layer's (dynamic) activation spec,
+        as the realized ``qnn.dynamic_quantize`` does (:mod:`autoq.hybrid`); no slot. Shared
+        by the layers reading it with the same spec (switch mode: one per layer)."""
+        spec = self.spec("activation", self.layer)
+        sid = self.tensor_id(expr)
+        key = hybrid.dynamic_key(sid, spec) + ((self.layer,) if self.switches else ())
+        if key not in self._dynamic:
+            value = self.value(expr)
+            dq = hybrid.emit_dynamic_quantize(self.writer.emit, value, spec, sid)
+            enable = self._switch() if self.switches else None
+            self._dynamic[key] = hybrid.simulated_input(self.writer.emit, dq, value, enable)
+        return self._dynamic[key]
 
     def weight(self, expr, axis: int | None) -> _LazyQ:
         """The quantized version of the layer's weight; ``axis`` is its output-channel axis
@@ -450,11 +467,13 @@ def validate_overrides(config: Config, matches: list[Match]) -> None:
 
 
 def build_function(
-    g: Graph, ctx: Any, matches: list[Match], callback: str, extra_params=lambda: []
+    g: Graph, ctx: Any, matches: list[Match], callback, extra_params=lambda: []
 ) -> relax.Function:
     """Shared by simulate and realize: walk the bindings in topological order, emit every
-    match through its callback and copy every other binding (``ctx.copy``), then wrap in a
-    function of the graph's inputs, weights and ``extra_params()`` (known after the walk)."""
+    match through its callback (the pattern attribute named ``callback``, or
+    ``callback(match)`` when it is a function) and copy every other binding (``ctx.copy``),
+    then wrap in a function of the graph's inputs, weights and ``extra_params()`` (known
+    after the walk)."""
     by_root = {m.root: m for m in matches}
     interior = {v for m in matches for v in m.covered if not v.same_as(m.root)}
     try:
@@ -464,7 +483,8 @@ def build_function(
             if var in by_root:
                 m = by_root[var]
                 ctx.match = m
-                new = getattr(m.pattern, callback)(ctx, m)
+                name = callback(m) if callable(callback) else callback
+                new = getattr(m.pattern, name)(ctx, m)
                 ctx.match = None
                 nv = new if isinstance(new, relax.Var) else ctx.emit(new, var.name)
             else:
@@ -502,12 +522,14 @@ def simulate(
         raise ValueError("the model has no data inputs (every parameter is in params)")
     matches = matched.active(config.fallback)
     validate_overrides(config, matches)
+    hybrid.check_dynamic_layers(config, matches)
+    dynamic = hybrid.dynamic_names(config, matches)
     ctx = SimContext(
         g,
         config,
         matches,
         switches,
-        exit_tensors(g, matches, config.int8_outputs) if exits else None,
+        exit_tensors(g, matches, config.int8_outputs, dynamic) if exits else None,
     )
 
     def qparam_inputs():
@@ -515,7 +537,8 @@ def simulate(
         qvars += list(ctx.table_vars.values()) + list(ctx.value_vars.values())
         return qvars + [ctx.switch_vars[m.layer] for m in matches if m.layer in ctx.switch_vars]
 
-    func = build_function(g, ctx, matches, "simulate", qparam_inputs)
+    callback = hybrid.callbacks(config, "simulate", "simulate_dynamic")
+    func = build_function(g, ctx, matches, callback, qparam_inputs)
     _check_int16_tensors(config, ctx.plan)
     return SimResult(
         with_main(g.module, func),

@@ -151,13 +151,14 @@ def _geometry(core, weight: np.ndarray) -> ConvGeometry:
 
 
 def layer_tasks(sim) -> dict[str, list[LayerTask]]:
-    """Input slot -> the conv2d/dense layers with a weight slot that read it."""
+    """Input slot -> the conv2d/dense layers with a weight slot that read it (not the
+    dynamic layers: they round their weights to nearest, :mod:`autoq.hybrid`)."""
     tensor_id = slot_id_of(sim.graph, sim.matches)
     out: dict[str, list[LayerTask]] = {}
     for m in sim.matches:
         sid = f"{m.layer}.weight"
-        if sid not in sim.plan.weights or "core" not in m.nodes:
-            continue
+        if sid not in sim.plan.weights or "core" not in m.nodes or m.layer in sim.plan.dynamic:
+            continue  # (a dynamic layer has no input slot: autoq.hybrid)
         core = sim.graph.value.get(m["core"])
         kind = op_name(core) if core is not None else ""
         w = sim.plan.weights[sid][0]

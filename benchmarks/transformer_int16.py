@@ -15,6 +15,11 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
 * with ``--token-mask attention_mask``: every static row again with ``Config(token_mask=...)``
   (statistics over real tokens only, :mod:`autoq.token_mask`);
 * autoq dynamic per token (no data), for reference;
+* with ``--hybrid``: the static + dynamic hybrid (:mod:`autoq.hybrid`): every dense layer
+  (``--dense-rule``) quantizes its input per token at run time, the attention matmuls and
+  every other layer static int8 (row "rest static"), the same with only the attention
+  matmuls static and the other non-MatMul layers fp32 (row "attention static"), and the
+  first with the int16 escalation (<= each ``--fractions``);
 * ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
 * ``--swap-rounds n``: ``AutoFallback(swap_rounds=n)`` for the escalation rows (swap
   refinement of the chosen tensors, :mod:`autoq.escalation_swaps`);
@@ -24,6 +29,8 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
 * with ``--second n``: every row also on ``n`` other sentences of the calibration topic pool
   (``common.second_sentence_set``: disjoint from the calibration and evaluation sentences),
   columns "NN@1 2nd" / "cos 2nd";
+* ``--second-from k``: the second set starts at position ``k`` of the pool's permutation
+  (``--second 64 --second-from 64``: a third set, disjoint from the default second one);
 * ``--more-calib n``: ``n`` more calibration-pool sentences (disjoint from the second set)
   inserted before the held-out ones, so the search's trial and held-out sentences stay the
   same while the ranges and GPTQ see more data;
@@ -68,6 +75,10 @@ def autoq_row(info, config, calib, evalset, label, log, second=()) -> dict:
     wide = [s for s in acts if res.qparams[s].dtype == "int16"]
     log(f"  {label}: {len(res.int8_layers)} quantized layers, {len(res.fp32_layers)} fp32, "
         f"int16 tensors {wide}, {quant_s:.1f} s")  # fmt: skip
+    dyn = [x for x in res.int8_layers if res.config.layer_spec("activation", x).dynamic]
+    if dyn:
+        static = [x for x in res.int8_layers if x not in dyn]
+        log(f"    {len(dyn)} dynamic layers, {len(static)} static integer layers: {static}")
     if res.decision is not None:
         log("    " + res.decision.summary().replace("\n", "\n    "))
     if config.smooth_quant_alphas:
@@ -129,6 +140,7 @@ def configs(args):
             rows.append((f"autoq int16 escalation (<= {f:.0%}), {args.rounding[0]}, {sq}", cfg))
     rows += alpha_rows(args)
     rows += variants(args, rows)
+    rows += hybrid_rows(args)
     dyn = Config(activation=QuantSpec(dynamic=True, granularity="token"), progress=False)
     rows.append(("autoq dynamic (token), no data", dyn))
     return rows
@@ -153,6 +165,42 @@ def alpha_rows(args) -> list:
     return rows
 
 
+#: the pattern names of MiniLM's layers that are no MatMul (kept fp32 in the "attention
+#: static" hybrid row)
+NOT_MATMUL = ("add", "add_const", "gelu", "multiply", "multiply_const")
+
+
+def hybrid_rows(args) -> list:
+    """``--hybrid``: the dense layers dynamic per token (``Override(args.dense_rule, ...)``),
+    the rest static (:mod:`autoq.hybrid`), for each ``--hybrid-smooth`` alpha."""
+    from dataclasses import replace
+
+    from autoq import Config, Fallback, Override, QuantSpec
+
+    if not args.hybrid:
+        return []
+    dyn = (Override(args.dense_rule, activation=QuantSpec(dynamic=True, granularity="token")),)
+    rows = []
+    for alpha in args.hybrid_smooth:
+        base = Config(progress=False, check_scales=False, overrides=dyn, smooth_quant=alpha)
+        name = "autoq hybrid: dense dynamic (token), " + ("" if alpha == 0.5 else f"SQ {alpha}, ")
+        rows += [
+            (name + "rest static int8", base),
+            (name + "attention matmuls static int8, rest fp32",
+             base.replace(fallback=Fallback(op_types=NOT_MATMUL))),
+        ]  # fmt: skip
+        if args.hybrid_fp32:
+            fp32 = (args.hybrid_fp32,)
+            label = name + f"fp32: {args.hybrid_fp32}, rest static int8"
+            rows.append((label, base.replace(fallback=Fallback(patterns=fp32))))
+            rows += [(f"{label}, escalation (<= {f:.0%})",
+                      base.replace(fallback=replace(escalation(args, f), patterns=fp32)))
+                     for f in args.fractions]  # fmt: skip
+        rows += [(name + f"rest static int8, escalation (<= {f:.0%})",
+                  base.replace(fallback=escalation(args, f))) for f in args.fractions]  # fmt: skip
+    return rows
+
+
 def variants(args, rows) -> list:
     """Extra rows: each static row with ``Config.token_mask`` (``--token-mask``), each
     escalation row with ``AutoFallback(recalibrate=True)`` (``--recalibrate``)."""
@@ -173,7 +221,8 @@ def variants(args, rows) -> list:
 def with_more_calibration(info, calib, args, log) -> list:
     """``calib`` with ``--more-calib`` sentences inserted before its last ``--holdout``
     (the search's held-out sentences; its trial sentences are the first ones)."""
-    extra = common.second_sentence_set(info, args.more_calib, args.calib, skip=args.second)
+    skip = args.second_from + args.second
+    extra = common.second_sentence_set(info, args.more_calib, args.calib, skip=skip)
     head = list(calib)[: len(calib) - args.holdout]
     log(f"calibration: + {extra.description}")
     return head + list(extra) + list(calib)[len(calib) - args.holdout :]
@@ -219,7 +268,14 @@ def parse_args(argv=None):
     )
     p.add_argument("--alphas", default="", help="smooth_quant_alphas grid for extra rows")
     p.add_argument("--second", type=int, default=0, help="second evaluation set (sentences)")
+    p.add_argument("--second-from", type=int, default=0, help="its start (disjoint sets)")
     p.add_argument("--swap-rounds", type=int, default=0, help="AutoFallback.swap_rounds")
+    p.add_argument("--hybrid", action="store_true", help="static + dynamic hybrid rows")
+    p.add_argument(
+        "--dense-rule", default="re:.*MatMul.*", help="the hybrid's dynamic layers (layer ids)"
+    )
+    p.add_argument("--hybrid-smooth", default="0.5", help="smooth_quant of the hybrid rows (none)")
+    p.add_argument("--hybrid-fp32", default="", help="a hybrid row with this Fallback pattern")
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
@@ -230,6 +286,7 @@ def parse_args(argv=None):
     args.smooth = [float(v) for v in args.smooth.split(",") if v.strip()]
     args.alphas = [float(v) for v in args.alphas.split(",") if v.strip()]
     args.rounding = [v for v in args.rounding.split(",") if v.strip()]
+    args.hybrid_smooth = [None if v == "none" else float(v) for v in args.hybrid_smooth.split(",")]
     args.only = [v for v in args.only.split(",") if v]
     args.skip = [v for v in args.skip.split(",") if v]
     return args
@@ -246,7 +303,7 @@ def main(argv=None) -> int:
     info, calib, evalset, ref = common.embedding_setup("minilm", args.calib, args.eval, log)
     second, ref2 = [], []
     if args.second:
-        second = common.second_sentence_set(info, args.second, args.calib)
+        second = common.second_sentence_set(info, args.second, args.calib, skip=args.second_from)
         ref2 = common.ort_outputs(common.ort_session(info.path, 2, False), second)
         log(f"second evaluation set: {second.description}")
     if args.more_calib:

@@ -184,6 +184,16 @@ def _realize(kind: Kind):
     return realize
 
 
+def _float_tail(ctx, m, acc, s_acc) -> relax.Expr:
+    """``acc * s_acc`` (float32) plus the float32 bias and residual: how a dynamic layer's
+    result leaves integer space (realized and simulated alike)."""
+    y = relax.op.multiply(acc, s_acc)
+    for part in ("bias", "residual"):
+        if part in m.nodes:
+            y = relax.op.add(ctx.emit(y), ctx.value(m[part]))
+    return y
+
+
 def _dynamic(kind: Kind):
     """Dynamic form: ``float32(acc) * (s_x * s_w)`` with the run-time ``s_x`` of
     ``qnn.dynamic_quantize``, then the bias and the residual added in float32."""
@@ -193,13 +203,24 @@ def _dynamic(kind: Kind):
         acc, w = kind.realize(ctx, m, ctx.g.value[m["core"]], x)
         acc = ctx.emit(acc)
         s_acc = ctx.emit(relax.op.multiply(x.scale_c, w.scale_c))
-        y = relax.op.multiply(relax.op.astype(acc, "float32"), s_acc)
-        for part in ("bias", "residual"):
-            if part in m.nodes:
-                y = relax.op.add(ctx.emit(y), ctx.value(m[part]))
-        return y
+        return _float_tail(ctx, m, relax.op.astype(acc, "float32"), s_acc)
 
     return dynamic
+
+
+def _simulate_dynamic(kind: Kind):
+    """Simulated dynamic form (:mod:`autoq.hybrid`): the core op on the run-time integers
+    (as float32) and the simulated weight integers, then :func:`_float_tail`."""
+
+    def simulate(ctx, m):
+        core = ctx.g.value[m["core"]]
+        x = ctx.dynamic_activation(m["data"])
+        w = ctx.weight(m["weight"], kind.weight_axis)
+        acc = ctx.emit(relax.Call(core.op, [x.centered, w.centered], core.attrs))
+        s_acc = ctx.emit(relax.op.multiply(x.scale, w.scale))
+        return _float_tail(ctx, m, acc, s_acc)
+
+    return simulate
 
 
 def make(
@@ -218,6 +239,7 @@ def make(
         anchor="core",
         doc=doc,
         dynamic=_dynamic(kind) if kind.dynamic else None,
+        simulate_dynamic=_simulate_dynamic(kind) if kind.dynamic else None,
     )
 
 

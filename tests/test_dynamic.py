@@ -191,12 +191,8 @@ CONFIG_ERRORS = [
     (lambda: QuantSpec(dynamic="yes"), "QuantSpec.dynamic must be a bool"),
     (lambda: Config(weight=QuantSpec(dynamic=True)), "weights are always quantized statically"),
     (
-        lambda: Config(overrides=(Override("fc1", activation=DYN),)),
-        "dynamic quantization applies to the whole model",
-    ),
-    (
         lambda: Config(activation=DYN, overrides=(Override("fc1", activation=QuantSpec()),)),
-        "dynamic quantization applies to the whole model",
+        "a dynamic model has no calibration",
     ),
     (lambda: Config(activation=DYN, fallback=AutoFallback()), "AutoFallback needs calibration"),
     (lambda: Config(activation=DYN, int8_outputs=True), "int8_outputs"),
