@@ -1,0 +1,314 @@
+"""Would per-channel activation scales move PP-OCRv4 det's text map? A simulation on the
+ONNX graph, before building any realize support (issue 16).
+
+An independent fake-quantized copy of the fp32 ONNX model run by ONNX Runtime (graph
+optimizations off, so QuantizeLinear -> DequantizeLinear pairs compute in float exactly as
+written): every Conv / ConvTranspose weight rounded to int8 per output channel (symmetric,
+round to nearest; biases float), and an int8 QuantizeLinear/DequantizeLinear pair on the
+tensors autoq quantizes (the model input and every operator output that is not only read by
+an affine with constants, a bias add, a BatchNormalization or a Relu, which autoq fuses into
+the producing layer; the inside of a hardswish, ``Add 3 -> Clip -> Mul -> Div 6``, is one
+table lookup). Activation ranges: the ``--percentile`` (99.99) two-sided percentile of the
+calibration crops' values, per tensor or per channel (axis 1), from histograms.
+
+Arms (the per-channel set; everything else per tensor):
+
+* ``tensor``: none (autoq today, up to GPTQ / bias correction, which both arms lack);
+* ``chain``: the inputs of the hardswish tables whose producer is a conv, and the tensors
+  depthwise convs read (the conv -> hardswish -> depthwise chains: a per-channel table and
+  a per-channel input scale the depthwise weights absorb);
+* ``conv_inputs``: ``chain`` plus every tensor read only by convs (foldable into the weights
+  as in cross-layer equalization, the zero points into the bias);
+* ``all``: every quantized tensor (an upper bound; not realizable with per-tensor adds).
+
+IoU@0.3 of the maps > 0.3 against ONNX Runtime fp32 on the evaluation crops (all, without
+image ``--image``, that image) and on the search crops (16 crops of the calibration photos,
+seed 11). Numbers only.
+
+    python benchmarks/ppocr_perchannel_sim.py --calib 40 --eval 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
+
+TMP = Path("/tmp/ppocr_perchannel_sim")
+FUSED = ("Relu", "BatchNormalization")  # autoq folds these into the producing layer
+ARMS = ("tensor", "chain", "conv_inputs", "all")
+
+
+def hardswish_groups(nodes, inits) -> tuple[set, dict]:
+    """Internal tensors of the ``Add 3 -> Clip -> Mul(x, .) -> Div 6`` hardswish groups and
+    {node index: group input} for the nodes in them."""
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output}
+    internal, member = set(), {}
+    for i, n in enumerate(nodes):
+        if n.op_type != "Clip" or n.input[0] not in producer:
+            continue
+        add = nodes[producer[n.input[0]]]
+        x = [t for t in add.input if t not in inits]
+        if add.op_type != "Add" or len(x) != 1:
+            continue
+        muls = [j for j, m in enumerate(nodes) if m.op_type == "Mul" and n.output[0] in m.input]
+        divs = [
+            j
+            for j, d in enumerate(nodes)
+            if muls and d.op_type == "Div" and nodes[muls[0]].output[0] in d.input
+        ]
+        if len(muls) != 1 or len(divs) != 1 or x[0] not in nodes[muls[0]].input:
+            continue
+        group = [producer[n.input[0]], i, muls[0]]
+        internal.update(nodes[j].output[0] for j in group)
+        member.update({j: x[0] for j in [*group, divs[0]]})
+    return internal, member
+
+
+def quant_points(model) -> tuple[list[str], dict[str, set]]:
+    """The tensors to fake-quantize (graph input first) and the per-channel sets of the arms."""
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    nodes = list(g.node)
+    internal, member = hardswish_groups(nodes, inits)
+    consumers: dict[str, list] = {}
+    for i, n in enumerate(nodes):
+        for t in n.input:
+            consumers.setdefault(t, []).append(i)
+
+    def fused(j: int) -> bool:
+        n = nodes[j]
+        if j in member:
+            return False
+        if n.op_type in FUSED:
+            return True
+        return n.op_type in ("Mul", "Add") and any(t in inits for t in n.input)
+
+    outputs = {o.name for o in g.output}
+    points = [i.name for i in g.input if i.name not in inits]
+    for n in nodes:
+        for t in n.output:
+            readers = consumers.get(t, [])
+            if t in internal or t in outputs or not readers or all(fused(j) for j in readers):
+                continue
+            points.append(t)
+
+    def depthwise(j: int) -> bool:
+        n = nodes[j]
+        grp = [a.i for a in n.attribute if a.name == "group"]
+        return n.op_type == "Conv" and bool(grp) and grp[0] > 1
+
+    hs_inputs = set(member.values())
+    chain = {t for t in points if t in hs_inputs and _from_conv(t, nodes, inits)}
+    chain |= {t for t in points if any(depthwise(j) for j in consumers.get(t, []))}
+    conv_only = {
+        t
+        for t in points
+        if all(nodes[j].op_type in ("Conv", "ConvTranspose") for j in consumers.get(t, []))
+    }
+    sets = {"tensor": set(), "chain": chain, "conv_inputs": chain | conv_only, "all": set(points)}
+    return points, sets
+
+
+def _from_conv(t: str, nodes, inits) -> bool:
+    """``t`` is a conv's output, possibly through affines with constants."""
+    producer = {o: n for n in nodes for o in n.output}
+    while t in producer:
+        n = producer[t]
+        if n.op_type in ("Conv", "ConvTranspose"):
+            return True
+        data = [i for i in n.input if i not in inits]
+        if n.op_type not in ("Mul", "Add") or len(data) != 1:
+            return False
+        t = data[0]
+    return False
+
+
+def with_outputs(model, names):
+    """A copy of ``model`` that also returns the tensors ``names``."""
+    import onnx
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    have = {o.name for o in m.graph.output}
+    for t in names:
+        if t not in have:
+            m.graph.output.append(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None))
+    return m
+
+
+class Ranges:
+    """Streaming two-sided percentiles per channel and per tensor (two passes: min/max,
+    then histograms of ``bins`` bins over it)."""
+
+    def __init__(self, bins: int = 2048):
+        self.bins, self.lo, self.hi, self.hist, self.thist = bins, {}, {}, {}, {}
+
+    def see_range(self, t: str, x: np.ndarray) -> None:
+        c = x.swapaxes(0, 1).reshape(x.shape[1], -1)
+        lo, hi = c.min(1), c.max(1)
+        self.lo[t] = np.minimum(self.lo.get(t, lo), lo)
+        self.hi[t] = np.maximum(self.hi.get(t, hi), hi)
+
+    def see_values(self, t: str, x: np.ndarray) -> None:
+        c = x.swapaxes(0, 1).reshape(x.shape[1], -1).astype(np.float64)
+        lo, hi, b = self.lo[t][:, None], self.hi[t][:, None], self.bins
+        idx = np.clip(((c - lo) / np.maximum(hi - lo, 1e-12) * b).astype(np.int64), 0, b - 1)
+        idx += np.arange(c.shape[0])[:, None] * b
+        h = np.bincount(idx.ravel(), minlength=c.shape[0] * b).reshape(c.shape[0], b)
+        self.hist[t] = self.hist.get(t, 0) + h
+        tlo, thi = self.lo[t].min(), self.hi[t].max()
+        ti = np.clip(((c - tlo) / max(thi - tlo, 1e-12) * b).astype(np.int64), 0, b - 1)
+        self.thist[t] = self.thist.get(t, 0) + np.bincount(ti.ravel(), minlength=b)
+
+    @staticmethod
+    def _cut(h: np.ndarray, lo: float, hi: float, p: float) -> tuple[float, float]:
+        cum = np.cumsum(h) / max(h.sum(), 1)
+        edges = np.linspace(lo, hi, len(h) + 1)
+        a = edges[int(np.searchsorted(cum, 1 - p))]
+        z = edges[min(int(np.searchsorted(cum, p)) + 1, len(h))]
+        return min(a, 0.0), max(z, 0.0)
+
+    def tensor(self, t: str, p: float) -> tuple[float, float]:
+        return self._cut(self.thist[t], self.lo[t].min(), self.hi[t].max(), p)
+
+    def channels(self, t: str, p: float) -> tuple[np.ndarray, np.ndarray]:
+        cuts = [
+            self._cut(h, lo, hi, p)
+            for h, lo, hi in zip(self.hist[t], self.lo[t], self.hi[t], strict=True)
+        ]
+        return np.array([c[0] for c in cuts]), np.array([c[1] for c in cuts])
+
+
+def int8_qparams(lo, hi) -> tuple[np.ndarray, np.ndarray]:
+    """Asymmetric int8 scale and zero point covering [lo, hi] (lo <= 0 <= hi)."""
+    lo, hi = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
+    scale = np.maximum(hi - lo, 1e-8) / 255.0
+    zp = np.clip(np.round(-128 - lo / scale), -128, 127)
+    return scale.astype(np.float32), zp.astype(np.int8)
+
+
+def fake_quant_model(model, points, per_channel: set, ranges: Ranges, p: float):
+    """The QDQ copy of ``model``: int8 weights per output channel, a Q/DQ pair on every
+    point (per channel on axis 1 for the ``per_channel`` ones)."""
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    weights = {}
+    for n in g.node:
+        if n.op_type in ("Conv", "ConvTranspose") and len(n.input) > 1:
+            weights[n.input[1]] = 1 if n.op_type == "ConvTranspose" else 0
+    for init in g.initializer:
+        if init.name in weights:
+            w = numpy_helper.to_array(init).astype(np.float32)
+            ax = weights[init.name]
+            wc = np.moveaxis(w, ax, 0).reshape(w.shape[ax], -1)
+            s = np.maximum(np.abs(wc).max(1), 1e-12) / 127.0
+            q = np.clip(np.round(wc / s[:, None]), -127, 127) * s[:, None]
+            w = np.moveaxis(q.reshape(np.moveaxis(w, ax, 0).shape), 0, ax)
+            init.CopyFrom(numpy_helper.from_array(w.astype(np.float32), init.name))
+    new_nodes = []
+    renamed = {}
+    for t in points:
+        if t in per_channel:
+            s, z = int8_qparams(*ranges.channels(t, p))
+            attrs = {"axis": 1}
+        else:
+            s, z = int8_qparams(*ranges.tensor(t, p))
+            attrs = {}
+        sn, zn, qn, dn = f"{t}.qs", f"{t}.qz", f"{t}.q", f"{t}.dq"
+        g.initializer.extend([numpy_helper.from_array(s, sn), numpy_helper.from_array(z, zn)])
+        new_nodes.append((t, [
+            onnx.helper.make_node("QuantizeLinear", [t, sn, zn], [qn], **attrs),
+            onnx.helper.make_node("DequantizeLinear", [qn, sn, zn], [dn], **attrs),
+        ]))  # fmt: skip
+        renamed[t] = dn
+    for n in g.node:
+        for k, t in enumerate(n.input):
+            if t in renamed:
+                n.input[k] = renamed[t]
+    order = []
+    pending = dict(new_nodes)
+    for t in [i.name for i in g.input]:
+        order += pending.pop(t, [])
+    for n in g.node:
+        order.append(n)
+        for t in n.output:
+            order += pending.pop(t, [])
+    del g.node[:]
+    g.node.extend(order)
+    return m
+
+
+def session(model, name: str):
+    """An ONNX Runtime session (graph optimizations off, 2 threads) of ``model``."""
+    import onnx
+
+    TMP.mkdir(exist_ok=True)
+    path = TMP / f"{name}.onnx"
+    onnx.save(model, str(path))
+    return common.ort_session(path, threads=2)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calib", type=int, default=40)
+    ap.add_argument("--calib-seed", type=int, default=0)
+    ap.add_argument("--eval", type=int, default=32)
+    ap.add_argument("--search", type=int, default=16)
+    ap.add_argument("--det-size", type=int, default=480)
+    ap.add_argument("--image", type=int, default=18)
+    ap.add_argument("--percentile", type=float, default=99.99)
+    ap.add_argument("--arms", nargs="*", default=list(ARMS))
+    args = ap.parse_args(argv)
+    import onnx
+
+    t0 = time.perf_counter()
+    print(common.machine_summary(), flush=True)
+    info = common.find_model("ppocr_det", det_size=args.det_size)
+    model = onnx.load(str(info.path))
+    points, sets = quant_points(model)
+    print(
+        f"{len(points)} quantized tensors; per-channel sets:", {k: len(v) for k, v in sets.items()}
+    )
+    calib = common.make_dataset(info, "calib", args.calib, seed=args.calib_seed)
+    evals = list(common.make_dataset(info, "eval", args.eval))
+    search = list(common.make_dataset(info, "calib", args.search, seed=11))
+    fp32 = common.ort_session(info.path, threads=2)
+    ref, sref = common.ort_outputs(fp32, evals), common.ort_outputs(fp32, search)
+    probe = session(with_outputs(model, points), "probe")
+    ranges = Ranges()
+    for see in (ranges.see_range, ranges.see_values):
+        for s in calib:
+            for t, x in zip(points, probe.run(points, s), strict=True):
+                see(t, x)
+    print(f"ranges of {len(calib)} crops: {time.perf_counter() - t0:.0f} s", flush=True)
+    p, i = args.percentile / 100.0, args.image
+    for arm in args.arms:
+        sess = session(fake_quant_model(model, points, sets[arm], ranges, p), arm)
+        outs, souts = common.ort_outputs(sess, evals), common.ort_outputs(sess, search)
+        f = common.fidelity("detector", ref, outs)
+        rest = common.fidelity("detector", ref[:i] + ref[i + 1 :], outs[:i] + outs[i + 1 :])
+        one = common.fidelity("detector", [ref[i]], [outs[i]])
+        sf = common.fidelity("detector", sref, souts)
+        print(
+            f"ARM {arm} ({len(sets[arm])} tensors per channel): IoU@0.3 {100 * f['agree']:.1f}% "
+            f"cos {f['cos']:.4f}; without image {i} {100 * rest['agree']:.1f}%; image {i} "
+            f"{one['agree']:.3f}; search crops {100 * sf['agree']:.1f}%; "
+            f"{time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
