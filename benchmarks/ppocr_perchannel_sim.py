@@ -140,7 +140,9 @@ def with_outputs(model, names):
     have = {o.name for o in m.graph.output}
     for t in names:
         if t not in have:
-            m.graph.output.append(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None))
+            m.graph.output.append(
+                onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None)
+            )
     return m
 
 
