@@ -20,7 +20,8 @@ and no evaluation crop involved): ``--fp-pool`` crops of the calibration photos 
 with no rendered text; photos that show real print (``page``, ``logo``, ``clock``,
 ``FP_EXCLUDED``) are skipped; a crop qualifies when its ONNX Runtime fp32 map has at least
 ``--fp-min-pixels`` pixels above 0.3 whose median probability is >= 0.9 (a confident blob,
-not a borderline speck); the K with the most such pixels are taken.
+not a borderline speck); the K with the most such pixels are taken. Row ``pe_calfp``
+calibrates on K more such crops, chosen by the same rule from another pool (seed 17).
 
     python benchmarks/ppocr_budget.py --rows pe pe_gate pe_first3
     python benchmarks/ppocr_budget.py --fp 4 --rows pe_first3_fp pe_tensors3_fp
@@ -46,6 +47,8 @@ STEM_OUT = "conv2d_0.w_0"  # the stem conv's output slot (and the stem conv's la
 STEM_READER = "conv2d_394.w_0"  # the layer that reads it
 FP_EXCLUDED = ("page", "logo", "clock")  # calibration photos with real print on them
 FP_SEED = 13  # seed of the candidate text-free crops (calibration 0.., gate 7, search 11)
+FP_CALIB_SEED = 17  # another pool: false-positive crops added to the calibration crops
+EARLY3 = ("conv2d_0.w_0", "conv2d_394.w_0", "autoq.hardswish_0")  # first 3 after the input
 
 
 class MapIoU:
@@ -77,11 +80,13 @@ def recipe(percentile: float = 99.99, **changes):
     return base.replace(**changes)
 
 
-def false_positive_crops(info, sess, pool: int, k: int, min_pixels: int) -> tuple[list, list]:
+def false_positive_crops(
+    info, sess, pool: int, k: int, min_pixels: int, seed: int = FP_SEED
+) -> tuple[list, list]:
     """Up to ``k`` text-free crops of the calibration photos on which the fp32 model
     (``sess``) marks a confident blob: the selection rule of the module docstring. Returns
     (samples, one description line per candidate that qualified, the chosen ones first)."""
-    cands = common.make_dataset(info, "calib", pool, seed=FP_SEED, text=False)
+    cands = common.make_dataset(info, "calib", pool, seed=seed, text=False)
     maps = common.ort_outputs(sess, cands)
     scored = []
     for i, m in enumerate(maps):
@@ -132,6 +137,16 @@ def rows(metrics: dict, n_extra: dict) -> dict:
             auto("int16_tensors", max_int16_fraction=3.5 / 127),
             "search",
             "pe + AutoFallback int16_tensors, <= 3 tensors, MapIoU on search crops",
+        ),
+        "pe_calfp": (
+            recipe(),
+            "calib_fp",
+            "pe calibrated on the calibration crops + false-positive crops of another pool",
+        ),
+        "pe_early3": (
+            recipe(int16_tensors=EARLY3),
+            None,
+            "pe + the first three tensors after the input int16 (stem, depthwise, hardswish)",
         ),
         "pe_first3_fp": (
             auto("int16_first", on="search_fp", ranking="local"),
@@ -208,7 +223,11 @@ def main(argv=None) -> None:
         print("  " + line, flush=True)
     extra["fp"] = fp
     extra["search_fp"] = extra["search"] + fp
-    metrics = {k: MapIoU(extra[k], common.ort_outputs(sess, extra[k])) for k in extra}
+    extra["calib_fp"], lines = false_positive_crops(
+        info, sess, args.fp_pool, args.fp, args.fp_min_pixels, FP_CALIB_SEED
+    )
+    print(f"false-positive calibration crops (seed {FP_CALIB_SEED}): {lines[: args.fp]}")
+    metrics = {k: MapIoU(v, common.ort_outputs(sess, v)) for k, v in extra.items() if v}
     table = rows(metrics, {k: len(v) for k, v in extra.items()})
     unknown = [r for r in args.rows if r not in table]
     if unknown:

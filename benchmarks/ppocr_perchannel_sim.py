@@ -40,6 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
+import ppocr_budget
 
 TMP = Path("/tmp/ppocr_perchannel_sim")
 FUSED = ("Relu", "BatchNormalization")  # autoq folds these into the producing layer
@@ -271,7 +272,9 @@ def main(argv=None) -> None:
     ap.add_argument("--det-size", type=int, default=480)
     ap.add_argument("--image", type=int, default=18)
     ap.add_argument("--percentile", type=float, default=99.99)
-    ap.add_argument("--arms", nargs="*", default=list(ARMS))
+    ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--skip", nargs="*", default=[], help="tensors left in float (diagnosis)")
+    ap.add_argument("--fp", type=int, default=4, help="false-positive crops (ppocr_budget rule)")
     args = ap.parse_args(argv)
     import onnx
 
@@ -280,6 +283,11 @@ def main(argv=None) -> None:
     info = common.find_model("ppocr_det", det_size=args.det_size)
     model = onnx.load(str(info.path))
     points, sets = quant_points(model)
+    unknown = [t for t in args.skip if t not in points]
+    if unknown:
+        raise SystemExit(f"--skip: {unknown} are not quantized tensors; first ones: {points[:8]}")
+    points = [t for t in points if t not in args.skip]
+    sets = {k: v - set(args.skip) for k, v in sets.items()}
     print(
         f"{len(points)} quantized tensors; per-channel sets:", {k: len(v) for k, v in sets.items()}
     )
@@ -287,7 +295,11 @@ def main(argv=None) -> None:
     evals = list(common.make_dataset(info, "eval", args.eval))
     search = list(common.make_dataset(info, "calib", args.search, seed=11))
     fp32 = common.ort_session(info.path, threads=2)
-    ref, sref = common.ort_outputs(fp32, evals), common.ort_outputs(fp32, search)
+    fp, lines = ppocr_budget.false_positive_crops(info, fp32, 80, args.fp, 300)
+    print(f"false-positive crops: {len(fp)} of {len(lines)} qualifying", flush=True)
+    search_sets = {"search crops": search, "false-positive crops": fp}
+    refs = {k: common.ort_outputs(fp32, v) for k, v in search_sets.items() if v}
+    ref = common.ort_outputs(fp32, evals)
     probe = session(with_outputs(model, points), "probe")
     ranges = Ranges()
     for see in (ranges.see_range, ranges.see_values):
@@ -298,16 +310,22 @@ def main(argv=None) -> None:
     p, i = args.percentile / 100.0, args.image
     for arm in args.arms:
         sess = session(fake_quant_model(model, points, sets[arm], ranges, p), arm)
-        outs, souts = common.ort_outputs(sess, evals), common.ort_outputs(sess, search)
+        outs = common.ort_outputs(sess, evals)
         f = common.fidelity("detector", ref, outs)
         rest = common.fidelity("detector", ref[:i] + ref[i + 1 :], outs[:i] + outs[i + 1 :])
         one = common.fidelity("detector", [ref[i]], [outs[i]])
-        sf = common.fidelity("detector", sref, souts)
+        more = []
+        for k, r in refs.items():
+            o = common.ort_outputs(sess, search_sets[k])
+            per = [
+                round(common.fidelity("detector", [a], [b])["agree"], 3)
+                for a, b in zip(r, o, strict=True)
+            ]
+            more.append(f"{k} {100 * common.fidelity('detector', r, o)['agree']:.1f}% {per}")
         print(
             f"ARM {arm} ({len(sets[arm])} tensors per channel): IoU@0.3 {100 * f['agree']:.1f}% "
             f"cos {f['cos']:.4f}; without image {i} {100 * rest['agree']:.1f}%; image {i} "
-            f"{one['agree']:.3f}; search crops {100 * sf['agree']:.1f}%; "
-            f"{time.perf_counter() - t0:.0f} s",
+            f"{one['agree']:.3f}; {'; '.join(more)}; {time.perf_counter() - t0:.0f} s",
             flush=True,
         )
 
