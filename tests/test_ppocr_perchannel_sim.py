@@ -201,3 +201,43 @@ def test_text_free_crops_are_the_plain_photos():
         np.testing.assert_array_equal(s["x"], pre(np.ascontiguousarray(crop[:, :, ::-1])))
     with_text = common.make_dataset(info, "calib", 5, seed=3)
     assert any(not np.array_equal(a["x"], b["x"]) for a, b in zip(got, with_text, strict=True))
+
+
+def test_bias_correction_removes_the_first_conv_mean_error(tmp_path, monkeypatch):
+    from onnx import numpy_helper
+
+    monkeypatch.setattr(pcs, "TMP", tmp_path)
+    model = _tiny()
+    points, sets = pcs.quant_points(model)
+    xs = [{"x": RNG.normal(size=(1, 3, 6, 6)).astype(np.float32)} for _ in range(3)]
+    probe = pcs.session(pcs.with_outputs(model, points), "probe")
+    r = pcs.Ranges()
+    for see in (r.see_range, r.see_values):
+        for x in xs:
+            for t, v in zip(points, probe.run(points, x), strict=True):
+                see(t, v)
+    convs = pcs.conv_outputs(model)
+    assert convs == ["c1", "dw", "y"]
+    fp_means = pcs.channel_means(pcs.session(pcs.with_outputs(model, convs), "fp"), convs, xs)
+    for name in convs[:1]:  # numpy: the mean over samples and positions of the fp32 output
+        want = np.mean(
+            [_conv(x["x"].astype(np.float64), W1, B1).mean(axis=(0, 2, 3)) for x in xs], 0
+        )
+        np.testing.assert_allclose(fp_means[name], want, rtol=1e-5, atol=1e-5)
+    qmodel = pcs.fake_quant_model(model, points, sets["chain"], r, 1.0)
+    fixed = pcs.bias_corrected(qmodel, fp_means, xs, 1, "ebc")
+    q_c1 = np.mean(
+        [
+            _conv(_fq(x["x"].astype(np.float64), *r.tensor("x", 1.0)), _wq(W1), B1).mean(
+                axis=(0, 2, 3)
+            )
+            for x in xs
+        ],
+        0,
+    )
+    bias = {i.name: numpy_helper.to_array(i) for i in fixed.graph.initializer}
+    np.testing.assert_allclose(bias["b1"], B1 - (q_c1 - fp_means["c1"]), rtol=1e-4, atol=1e-5)
+    # convs without a bias got one (zeros minus their mean error)
+    assert "dw.ebc_bias" in bias and "y.ebc_bias" in bias
+    after = pcs.channel_means(pcs.session(pcs.with_outputs(fixed, convs), "after"), convs, xs)
+    np.testing.assert_allclose(after["c1"], fp_means["c1"], atol=1e-4)
