@@ -14,9 +14,11 @@ calibration crops' values, per tensor or per channel (axis 1), from histograms.
 Arms (the per-channel set; everything else per tensor):
 
 * ``tensor``: none (autoq today, up to GPTQ / bias correction, which both arms lack);
-* ``chain``: the inputs of the hardswish tables whose producer is a conv, and the tensors
-  depthwise convs read (the conv -> hardswish -> depthwise chains: a per-channel table and
-  a per-channel input scale the depthwise weights absorb);
+* ``hs_inputs``: the inputs of the hardswish tables whose producer is a conv (a per-channel
+  requantize output scale and one table per channel);
+* ``dw_inputs``: the tensors depthwise convs read (a per-channel input scale the depthwise
+  weights absorb; per-channel table outputs where a hardswish writes them);
+* ``chain``: both (the conv -> hardswish -> depthwise chains);
 * ``conv_inputs``: ``chain`` plus every tensor read only by convs (foldable into the weights
   as in cross-layer equalization, the zero points into the bias);
 * ``all``: every quantized tensor (an upper bound; not realizable with per-tensor adds).
@@ -44,7 +46,7 @@ import ppocr_budget
 
 TMP = Path("/tmp/ppocr_perchannel_sim")
 FUSED = ("Relu", "BatchNormalization")  # autoq folds these into the producing layer
-ARMS = ("tensor", "chain", "conv_inputs", "all")
+ARMS = ("tensor", "hs_inputs", "dw_inputs", "chain", "conv_inputs", "all")
 
 
 def hardswish_groups(nodes, inits) -> tuple[set, dict]:
@@ -107,14 +109,22 @@ def quant_points(model) -> tuple[list[str], dict[str, set]]:
         return n.op_type == "Conv" and bool(grp) and grp[0] > 1
 
     hs_inputs = set(member.values())
-    chain = {t for t in points if t in hs_inputs and _from_conv(t, nodes, inits)}
-    chain |= {t for t in points if any(depthwise(j) for j in consumers.get(t, []))}
+    hs_in = {t for t in points if t in hs_inputs and _from_conv(t, nodes, inits)}
+    dw_in = {t for t in points if any(depthwise(j) for j in consumers.get(t, []))}
+    chain = hs_in | dw_in
     conv_only = {
         t
         for t in points
         if all(nodes[j].op_type in ("Conv", "ConvTranspose") for j in consumers.get(t, []))
     }
-    sets = {"tensor": set(), "chain": chain, "conv_inputs": chain | conv_only, "all": set(points)}
+    sets = {
+        "tensor": set(),
+        "hs_inputs": hs_in,
+        "dw_inputs": dw_in,
+        "chain": chain,
+        "conv_inputs": chain | conv_only,
+        "all": set(points),
+    }
     return points, sets
 
 

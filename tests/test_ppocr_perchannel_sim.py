@@ -97,6 +97,7 @@ def test_points_and_sets_of_a_conv_hardswish_depthwise_chain():
     # the affines, the hardswish inside and the relu are fused; the output stays float
     assert points == ["x", "h_in", "dw_in", "r"]
     assert sets["chain"] == {"h_in", "dw_in"}
+    assert sets["hs_inputs"] == {"h_in"} and sets["dw_inputs"] == {"dw_in"}
     assert sets["conv_inputs"] == {"h_in", "dw_in", "x", "r"}
     assert sets["all"] == set(points) and sets["tensor"] == set()
 
