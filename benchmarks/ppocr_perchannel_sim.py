@@ -335,7 +335,9 @@ def main(argv=None) -> None:
     import onnx
 
     t0 = time.perf_counter()
-    print(common.machine_summary(), flush=True)
+    print(
+        common.machine_summary(), "; commit", ppocr_budget.commit(), "; load", ppocr_budget.load()
+    )
     info = common.find_model("ppocr_det", det_size=args.det_size)
     model = onnx.load(str(info.path))
     points, sets = quant_points(model)
