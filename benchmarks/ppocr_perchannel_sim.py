@@ -276,11 +276,13 @@ def conv_outputs(model) -> list[str]:
     return [n.output[0] for n in model.graph.node if n.op_type == "Conv"]
 
 
-def bias_corrected(qmodel, fp_means: dict, samples, passes: int, name: str):
+def bias_corrected(qmodel, fp_means: dict, samples, per_block: int, name: str):
     """``qmodel`` with every Conv's bias lowered by its output's mean error (fake-quantized
-    minus fp32 ``fp_means``, per channel, over ``samples``): an empirical bias correction.
-    Each of the ``passes`` measures the model the previous pass corrected (a layer sees the
-    corrections of the layers before it from the next pass on)."""
+    minus fp32 ``fp_means``, per channel, over ``samples``): an empirical bias correction,
+    in topological order. The convs are cut into groups of ``per_block`` consecutive ones;
+    one pass per group measures that group's errors with every earlier group already
+    corrected (one pass for all of them at once diverges: each conv would also undo the
+    errors its corrected producers no longer make)."""
     from onnx import numpy_helper
 
     g = qmodel.graph
@@ -296,11 +298,12 @@ def bias_corrected(qmodel, fp_means: dict, samples, passes: int, name: str):
             else:
                 n.input[2] = bname
     inits = {i.name: i for i in g.initializer}
-    for _ in range(passes):
-        names = list(convs)
+    order = list(convs)
+    for k in range(0, len(order), max(1, per_block)):
+        names = order[k : k + max(1, per_block)]
         means = channel_means(session(with_outputs(qmodel, names), name), names, samples)
-        for t, n in convs.items():
-            b = inits[n.input[2]]
+        for t in names:
+            b = inits[convs[t].input[2]]
             arr = numpy_helper.to_array(b).astype(np.float64) - (means[t] - fp_means[t])
             b.CopyFrom(numpy_helper.from_array(arr.astype(np.float32), b.name))
     return qmodel
@@ -328,8 +331,9 @@ def main(argv=None) -> None:
     ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--skip", nargs="*", default=[], help="tensors left in float (diagnosis)")
     ap.add_argument("--fp", type=int, default=4, help="false-positive crops (ppocr_budget rule)")
+    ap.add_argument("--ebc-crops", type=int, default=16, help="first N calibration crops")
     ap.add_argument(
-        "--ebc", type=int, default=0, help="passes of empirical bias correction (0: none)"
+        "--ebc", type=int, default=0, help="empirical bias correction, N convs a pass (0: none)"
     )
     args = ap.parse_args(argv)
     import onnx
@@ -367,13 +371,14 @@ def main(argv=None) -> None:
     print(f"ranges of {len(calib)} crops: {time.perf_counter() - t0:.0f} s", flush=True)
     if args.ebc:
         convs = conv_outputs(model)
-        fp_means = channel_means(session(with_outputs(model, convs), "probe"), convs, calib)
+        ebc_data = list(calib)[: args.ebc_crops]
+        fp_means = channel_means(session(with_outputs(model, convs), "probe"), convs, ebc_data)
     p, i = args.percentile / 100.0, args.image
     for arm in args.arms:
         qmodel = fake_quant_model(model, points, sets[arm], ranges, p)
         if args.ebc:
-            qmodel = bias_corrected(qmodel, fp_means, calib, args.ebc, arm)
-            arm = f"{arm}+ebc{args.ebc}"
+            qmodel = bias_corrected(qmodel, fp_means, ebc_data, args.ebc, arm)
+            arm = f"{arm}+ebc"
         sess = session(qmodel, arm)
         n_pc = len(sets[arm.split("+")[0]])
         outs = common.ort_outputs(sess, evals)
