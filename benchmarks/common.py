@@ -560,10 +560,10 @@ def _draw_text(img: np.ndarray, texts: list[str], rng: np.random.Generator) -> n
 
 
 def _det_preprocess(
-    crops: list[np.ndarray], texts: list[str], size: int, seed: int
+    crops: list[np.ndarray], texts: list[str], size: int, seed: int, text_prob: float = 0.8
 ) -> list[Sample]:
     """rapidocr's DetPreProcess (mean/std from its config.yaml; BGR like cv2.imread) on
-    size x size crops, 80% of them with 1-5 rendered lines of text."""
+    size x size crops, ``text_prob`` (80%) of them with 1-5 rendered lines of text."""
     from rapidocr_onnxruntime.ch_ppocr_det.utils import DetPreProcess
 
     cfg = ppocr_det_config()
@@ -572,7 +572,7 @@ def _det_preprocess(
     out = []
     t = 0
     for crop in crops:
-        if rng.random() < 0.8:
+        if rng.random() < text_prob:
             k = int(rng.integers(1, 6))
             lines = [texts[(t + j) % len(texts)] for j in range(k)]
             t += k
@@ -604,11 +604,17 @@ class Dataset:
 
 
 def make_dataset(
-    info: ModelInfo, split: str, n: int, seed: int | None = None, extra: bool = False
+    info: ModelInfo,
+    split: str,
+    n: int,
+    seed: int | None = None,
+    extra: bool = False,
+    text: bool = True,
 ) -> Dataset:
     """``n`` preprocessed inputs for ``info``; ``split`` is ``calib`` or ``eval`` (disjoint
     source images / pydoc topics; different seeds). ``extra``: calibration crops of
-    ``EXTRA_CALIB_IMAGES`` instead (more calibration data, still disjoint from eval)."""
+    ``EXTRA_CALIB_IMAGES`` instead (more calibration data, still disjoint from eval).
+    ``text=False`` (ppocr_det): no rendered text on any crop (the photos as they are)."""
     if split not in ("calib", "eval") or (extra and split != "calib"):
         raise ValueError(split)
     if seed is None:
@@ -622,8 +628,10 @@ def make_dataset(
         size = info.extra["det_size"]
         crops = random_crops(names, n, seed, out_size=size)
         texts = sentences(split, min(len(_sentence_pool(split)), 4 * n), seed)
-        samples = _det_preprocess(crops, texts, size, seed)
-        desc = f"{n} {size}x{size} crops of {len(names)} skimage images + rendered text"
+        samples = _det_preprocess(crops, texts, size, seed, 0.8 if text else 0.0)
+        desc = f"{n} {size}x{size} crops of {len(names)} skimage images" + (
+            " + rendered text" if text else " (no rendered text)"
+        )
     elif info.name == "minilm":
         tok = minilm_tokenizer(info.extra["seq_len"])
         samples = _tokenize(tok, sentences(split, n, seed))

@@ -12,7 +12,19 @@ against ONNX Runtime's fp32 maps of those crops; the held-out output-SQNR check 
 ``AutoFallback.holdout`` runs on them too). The evaluation crops (other photos) choose
 nothing.
 
+``--fp K`` (rows ``*_fp``): the search crops plus up to K *text-free* crops of the
+calibration photos on which the fp32 model marks text anyway (a false positive like the one
+of evaluation image 18, which the int8 stem tends to erase), so a search can see that
+failure mode. Selection (:func:`false_positive_crops`, fp32 output only, no quantized model
+and no evaluation crop involved): ``--fp-pool`` crops of the calibration photos (seed 13)
+with no rendered text; photos that show real print (``page``, ``logo``, ``clock``,
+``FP_EXCLUDED``) are skipped; a crop qualifies when its ONNX Runtime fp32 map has at least
+``--fp-min-pixels`` pixels above 0.3 whose median probability is >= 0.9 (a confident blob,
+not a borderline speck); the K with the most such pixels are taken. Row ``pe_calfp``
+calibrates on K more such crops, chosen by the same rule from another pool (seed 17).
+
     python benchmarks/ppocr_budget.py --rows pe pe_gate pe_first3
+    python benchmarks/ppocr_budget.py --fp 4 --rows pe_first3_fp pe_tensors3_fp
 """
 
 from __future__ import annotations
@@ -25,12 +37,18 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
 STEM_OUT = "conv2d_0.w_0"  # the stem conv's output slot (and the stem conv's layer id)
 STEM_READER = "conv2d_394.w_0"  # the layer that reads it
+FP_EXCLUDED = ("page", "logo", "clock")  # calibration photos with real print on them
+FP_SEED = 13  # seed of the candidate text-free crops (calibration 0.., gate 7, search 11)
+FP_CALIB_SEED = 17  # another pool: false-positive crops added to the calibration crops
+EARLY3 = ("conv2d_0.w_0", "conv2d_394.w_0", "autoq.hardswish_0")  # first 3 after the input
 
 
 class MapIoU:
@@ -62,13 +80,34 @@ def recipe(percentile: float = 99.99, **changes):
     return base.replace(**changes)
 
 
-def rows(metric, n_search: int) -> dict:
-    """Row name -> (Config, extra data: None / "gate" / "search", what)."""
+def false_positive_crops(
+    info, sess, pool: int, k: int, min_pixels: int, seed: int = FP_SEED
+) -> tuple[list, list]:
+    """Up to ``k`` text-free crops of the calibration photos on which the fp32 model
+    (``sess``) marks a confident blob: the selection rule of the module docstring. Returns
+    (samples, one description line per candidate that qualified, the chosen ones first)."""
+    cands = common.make_dataset(info, "calib", pool, seed=seed, text=False)
+    maps = common.ort_outputs(sess, cands)
+    scored = []
+    for i, m in enumerate(maps):
+        photo = common.CALIB_IMAGES[i % len(common.CALIB_IMAGES)]
+        marked = m[m > 0.3]
+        if photo in FP_EXCLUDED or marked.size < min_pixels or np.median(marked) < 0.9:
+            continue
+        scored.append((marked.size, i, photo, float(np.median(marked))))
+    scored.sort(reverse=True)
+    lines = [f"candidate {i} ({p}): {n} px > 0.3, median {med:.4f}" for n, i, p, med in scored]
+    return [cands[i] for _, i, _, _ in scored[:k]], lines
+
+
+def rows(metrics: dict, n_extra: dict) -> dict:
+    """Row name -> (Config, extra data: None / "gate" / "search" / "search_fp", what).
+    ``metrics``: the MapIoU of the "search" and "search_fp" sets; ``n_extra``: their sizes."""
     import autoq
 
-    def auto(precision, **kw):
+    def auto(precision, on="search", **kw):
         fb = autoq.AutoFallback(
-            metric=metric, max_drop=0.0, max_fp32_layers=3, holdout=n_search,
+            metric=metrics[on], max_drop=0.0, max_fp32_layers=3, holdout=n_extra[on],
             precision=precision, **kw,
         )  # fmt: skip
         return recipe(fallback=fb)
@@ -98,6 +137,26 @@ def rows(metric, n_search: int) -> dict:
             auto("int16_tensors", max_int16_fraction=3.5 / 127),
             "search",
             "pe + AutoFallback int16_tensors, <= 3 tensors, MapIoU on search crops",
+        ),
+        "pe_calfp": (
+            recipe(),
+            "calib_fp",
+            "pe calibrated on the calibration crops + false-positive crops of another pool",
+        ),
+        "pe_early3": (
+            recipe(int16_tensors=EARLY3),
+            None,
+            "pe + the first three tensors after the input int16 (stem, depthwise, hardswish)",
+        ),
+        "pe_first3_fp": (
+            auto("int16_first", on="search_fp", ranking="local"),
+            "search_fp",
+            "pe_first3, searched on the search crops + the false-positive crops",
+        ),
+        "pe_tensors3_fp": (
+            auto("int16_tensors", on="search_fp", max_int16_fraction=3.5 / 127),
+            "search_fp",
+            "pe_tensors3, searched on the search crops + the false-positive crops",
         ),
     }
 
@@ -139,6 +198,9 @@ def main(argv=None) -> None:
     ap.add_argument("--det-size", type=int, default=480)
     ap.add_argument("--image", type=int, default=18)
     ap.add_argument("--rows", nargs="*", default=["pe"])
+    ap.add_argument("--fp", type=int, default=4, help="false-positive crops (rows *_fp)")
+    ap.add_argument("--fp-pool", type=int, default=80, help="text-free candidate crops")
+    ap.add_argument("--fp-min-pixels", type=int, default=300)
     args = ap.parse_args(argv)
     import autoq
 
@@ -155,14 +217,24 @@ def main(argv=None) -> None:
         "gate": list(common.make_dataset(info, "calib", args.gate, seed=7)),
         "search": list(common.make_dataset(info, "calib", args.search, seed=11)),
     }
-    metric = MapIoU(extra["search"], common.ort_outputs(sess, extra["search"]))
-    table = rows(metric, args.search)
+    fp, lines = false_positive_crops(info, sess, args.fp_pool, args.fp, args.fp_min_pixels)
+    print(f"false-positive crops: {len(fp)} of {len(lines)} qualifying", flush=True)
+    for line in lines:
+        print("  " + line, flush=True)
+    extra["fp"] = fp
+    extra["search_fp"] = extra["search"] + fp
+    extra["calib_fp"], lines = false_positive_crops(
+        info, sess, args.fp_pool, args.fp, args.fp_min_pixels, FP_CALIB_SEED
+    )
+    print(f"false-positive calibration crops (seed {FP_CALIB_SEED}): {lines[: args.fp]}")
+    metrics = {k: MapIoU(v, common.ort_outputs(sess, v)) for k, v in extra.items() if v}
+    table = rows(metrics, {k: len(v) for k, v in extra.items()})
     unknown = [r for r in args.rows if r not in table]
     if unknown:
         raise SystemExit(f"unknown rows {unknown}; known: {list(table)}")
     for name in args.rows:
         run_row(
-            name, table[name], (mod, params), calib, extra, (evals, ref, metric), info, args.image
+            name, table[name], (mod, params), calib, extra, (evals, ref, metrics), info, args.image
         )
 
 
@@ -176,10 +248,11 @@ def run_row(name, row, model, calib, extra, evaluation, info, i) -> None:
         warnings.simplefilter("always")
         res = autoq.Quantizer(cfg).run(*model, data)
     secs = time.perf_counter() - t0
-    evals, ref, metric = evaluation
+    evals, ref, metrics = evaluation
     runner = common.TvmRunner(res.module, list(info.input_shapes))
     outs = [runner.run(s) for s in evals]
-    searched = metric(lambda samples: [runner.run(s) for s in samples])
+    searched = metrics["search"](lambda samples: [runner.run(s) for s in samples])
+    fp = metrics["fp"](lambda samples: [runner.run(s) for s in samples]) if extra["fp"] else 0
     f = common.fidelity("detector", ref, outs)
     rest = common.fidelity("detector", ref[:i] + ref[i + 1 :], outs[:i] + outs[i + 1 :])
     one = common.fidelity("detector", [ref[i]], [outs[i]])
@@ -188,6 +261,7 @@ def run_row(name, row, model, calib, extra, evaluation, info, i) -> None:
         f"ROW {name} ({what}): realized IoU@0.3 {100 * f['agree']:.1f}% cos {f['cos']:.4f}; "
         f"without image {i}: {100 * rest['agree']:.1f}%; image {i}: {one['agree']:.3f}; "
         f"search crops (held-out calibration photos) {100 * searched:.1f}%; "
+        f"false-positive crops {100 * fp:.1f}%; "
         f"{len(up)} above int8: {up or '-'}; quantize {secs:.0f} s; load {l0} -> {load()}; "
         f"code of commit {START_COMMIT}; {len(data)} samples",
         flush=True,
