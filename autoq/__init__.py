@@ -15,7 +15,7 @@ quiet_startup()  # the ``autoq`` command: a Ctrl-C while importing prints one li
 from . import primitives, qnn  # noqa: F401  (importing qnn registers the qnn.* ops)
 from .analysis import Analysis, analyze
 from .auto_fallback import FallbackDecision
-from .build import compile, default_target, export_library, load_library, set_threads
+from .build import compile, default_target, export_library, load_library
 from .calibrate import calibrate
 from .config import (
     AutoFallback,
@@ -34,7 +34,10 @@ from .qparams import QParam, QParams, load_qparams
 from .realize import realize
 from .report import Report
 from .simulate import SimResult, simulate
+from .threads import set_threads, use_machine_cores
 from .tune import tune
+
+use_machine_cores()  # TVM's pools on every physical core (TVM alone takes half on x86)
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import tvm
@@ -14,7 +13,7 @@ from .cpu.lowering import lower_to_cpu_kernels
 from .errors import LibraryError
 from .library_file import check_library, write_stamp
 
-__all__ = ["compile", "default_target", "export_library", "load_library", "set_threads"]
+__all__ = ["compile", "default_target", "export_library", "load_library"]
 
 
 def default_target() -> tvm.target.Target:
@@ -105,30 +104,6 @@ def export_library(
     compile(mod, target, cpu_kernels=cpu_kernels, database=database).export_library(str(path))
     write_stamp(path)
     return path
-
-
-def set_threads(n: int) -> None:
-    """Run the calling thread's TVM kernels on ``n`` threads.
-
-    TVM sizes its thread pool once per process from ``TVM_NUM_THREADS`` or, without it,
-    from half the logical CPUs on x86 (it assumes two SMT threads per core: one thread on a
-    2-vCPU machine without SMT). ``n`` above that size is an error naming the fix, not a
-    silent smaller pool.
-
-    >>> set_threads(1)
-    """
-    if int(n) < 1:
-        raise ValueError(f"set_threads: n must be >= 1 thread, got {n}")
-    # mode 1 = the "big" cores, i.e. all cores on a homogeneous CPU
-    tvm.get_global_func("runtime.config_threadpool")(1, int(n))
-    got = int(tvm.get_global_func("runtime.NumThreads")())
-    if got != int(n):
-        raise ValueError(
-            f"set_threads({n}): TVM's thread pool in this process has {got} thread(s) (sized "
-            f"when it started, from TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS')!r} or "
-            "half the logical CPUs on x86); set the environment variable "
-            f"TVM_NUM_THREADS={n} before the process runs its first TVM kernel"
-        )
 
 
 def load_library(path: str | Path, device=None) -> relax.VirtualMachine:

@@ -32,6 +32,7 @@ import tvm
 from . import calibrators
 from .calibration_plan import CalibrationPlan
 from .remote_shards import PendingObserver
+from .threads import one_thread
 from .token_mask import real_tokens
 from .toolkit import as_list
 from .value_cache import ValueCache
@@ -242,9 +243,10 @@ class ShardRunner:
             self._second = ThreadPoolExecutor(1, thread_name_prefix="autoq-twin")
         odd = None
         if self.twin is not None and self.n > 1:  # the odd samples on the twin, meanwhile
-            odd = self._second.submit(self._run_samples, self.twin, seg, range(1, self.n, 2))
-        try:
-            done = self._run_samples(self.vm, seg, range(0, self.n, 1 + (odd is not None)))
+            odd = self._second.submit(self._run_twin, seg, range(1, self.n, 2))
+        try:  # two VMs at once: one TVM thread each, not a pool of all cores each
+            with one_thread(odd is not None):
+                done = self._run_samples(self.vm, seg, range(0, self.n, 1 + (odd is not None)))
         finally:  # the twin's samples are done (their error raised) before returning
             done_odd = 0 if odd is None else odd.result()
         for _ in range(done + done_odd if progress is not None else 0):
@@ -253,6 +255,11 @@ class ShardRunner:
         for k in seg.drop:
             for i in range(self.n):
                 self.cache.drop((k, i))
+
+    def _run_twin(self, seg, samples: range) -> int:
+        """:meth:`_run_samples` on the twin VM, on one TVM thread (its own thread's pool)."""
+        with one_thread():
+            return self._run_samples(self.twin, seg, samples)
 
     def _run_samples(self, vm, seg, samples: range) -> int:
         """Run ``seg`` on ``vm`` for ``samples``; each sample's outputs are copied into the

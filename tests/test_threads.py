@@ -1,4 +1,4 @@
-"""autoq.set_threads: TVM sizes its thread pool once per process (TVM_NUM_THREADS, or half
+"""autoq.threads. set_threads: TVM sizes its thread pool once per process (TVM_NUM_THREADS, or half
 the logical CPUs on x86), so a request above the pool is an error naming the fix instead
 of a silently smaller pool (on a 2-vCPU machine TVM's default pool holds one thread, and
 "2 threads" used to run on one)."""
@@ -13,6 +13,7 @@ import pytest
 import tvm
 
 import autoq
+from autoq.threads import one_thread, physical_cores, use_machine_cores
 
 
 def _used() -> int:
@@ -41,3 +42,38 @@ def test_set_threads_takes_effect_within_the_pool():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["3", "1"]
+
+
+def _topology(root, pairs):
+    for cpu, (package, core) in enumerate(pairs):
+        d = root / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "physical_package_id").write_text(f"{package}\n")
+        (d / "core_id").write_text(f"{core}\n")
+
+
+def test_physical_cores_counts_distinct_package_core_pairs(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    _topology(tmp_path / "smt", [(0, 0), (0, 0), (0, 1), (0, 1)])  # 2 cores x 2 SMT threads
+    assert physical_cores(tmp_path / "smt") == 2
+    _topology(tmp_path / "vm", [(0, 0), (0, 1), (0, 2), (0, 3)])  # 4 vCPUs, no SMT
+    assert physical_cores(tmp_path / "vm") == 4
+    _topology(tmp_path / "two", [(0, 0), (1, 0), (0, 1), (1, 1)])  # same core ids, 2 packages
+    assert physical_cores(tmp_path / "two") == 4
+    assert physical_cores(tmp_path / "missing") == 4  # unreadable: the usable CPUs
+
+
+def test_an_explicit_tvm_num_threads_wins(monkeypatch):
+    monkeypatch.setenv("TVM_NUM_THREADS", "7")
+    use_machine_cores()
+    assert os.environ["TVM_NUM_THREADS"] == "7"
+    monkeypatch.delenv("TVM_NUM_THREADS")
+    use_machine_cores()
+    assert os.environ["TVM_NUM_THREADS"] == str(physical_cores())
+
+
+def test_one_thread_restores_the_pool():
+    before = _used()
+    with one_thread():
+        assert _used() == 1
+    assert _used() == before

@@ -1,0 +1,82 @@
+"""TVM's CPU thread pools: how many threads autoq's kernels run on.
+
+TVM gives every calling thread its own pool, sized once from ``TVM_NUM_THREADS`` or, without
+it, from half the logical CPUs on x86 (it assumes two SMT threads per core). On machines
+without SMT that halves the cores a model runs on (one thread on a 2-vCPU machine), so
+``import autoq`` sets ``TVM_NUM_THREADS`` to the machine's physical cores when the user has
+not set it (:func:`use_machine_cores`); it takes effect for every pool TVM creates after
+the import. :func:`set_threads` resizes the calling thread's pool within that size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import tvm
+
+__all__ = ["one_thread", "physical_cores", "set_threads", "use_machine_cores"]
+
+
+def physical_cores(sys_cpu: Path = Path("/sys/devices/system/cpu")) -> int:
+    """Physical cores among the CPUs this process may run on: distinct (package, core)
+    pairs of Linux's CPU topology; the number of usable CPUs where it is unreadable.
+
+    >>> physical_cores() >= 1
+    True
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores = set()
+    try:
+        for c in cpus:
+            topo = sys_cpu / f"cpu{c}" / "topology"
+            cores.add(((topo / "physical_package_id").read_text(), (topo / "core_id").read_text()))
+    except OSError:
+        cores = set()
+    return len(cores) or len(cpus) or os.cpu_count() or 1
+
+
+def use_machine_cores() -> None:
+    """``TVM_NUM_THREADS`` = the physical cores, unless the environment sets it already."""
+    os.environ.setdefault("TVM_NUM_THREADS", str(physical_cores()))
+
+
+def _used() -> int:
+    return int(tvm.get_global_func("runtime.NumThreads")())
+
+
+def set_threads(n: int) -> None:
+    """Run the calling thread's TVM kernels on ``n`` threads; ``n`` above the pool's size
+    (``TVM_NUM_THREADS`` when the pool started) is an error naming the fix, not a silently
+    smaller pool.
+
+    >>> set_threads(1)
+    """
+    if int(n) < 1:
+        raise ValueError(f"set_threads: n must be >= 1 thread, got {n}")
+    # mode 1 = the "big" cores, i.e. all cores on a homogeneous CPU
+    tvm.get_global_func("runtime.config_threadpool")(1, int(n))
+    got = _used()
+    if got != int(n):
+        raise ValueError(
+            f"set_threads({n}): TVM's thread pool in this process has {got} thread(s) (sized "
+            f"when it started, from TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS')!r} or "
+            "half the logical CPUs on x86); set the environment variable "
+            f"TVM_NUM_THREADS={n} before the process runs its first TVM kernel"
+        )
+
+
+@contextlib.contextmanager
+def one_thread(active: bool = True):
+    """The calling thread's TVM kernels on one thread inside the block (callers that run
+    VMs on several threads of their own), its previous size restored after."""
+    if not active:
+        yield
+        return
+    before = _used()
+    set_threads(1)
+    try:
+        yield
+    finally:
+        tvm.get_global_func("runtime.config_threadpool")(1, before)
