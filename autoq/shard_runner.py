@@ -10,9 +10,10 @@ and merges their observers (exactly: see :mod:`autoq.calibrators`), so the qpara
 same bit for bit whatever the number of shards. Everything a runner is given is plain data
 (:class:`autoq.calibration_plan.CalibrationPlan`, numpy arrays) plus the compiled VM.
 
-TVM runs the segments on one thread where it assumes SMT (half of the CPUs on x86: 1 of
-2 vCPUs), so a runner uses more threads (numpy, BLAS and VM calls release the GIL): with a
-``twin`` VM the odd samples of each segment run on it at the same time, and worker threads
+A runner uses more threads than the VM's (numpy, BLAS and VM calls release the GIL): with
+a ``twin`` VM the odd samples of each segment run on it at the same time, each VM on one TVM
+thread (:func:`autoq.threads.one_thread`; a pool of every core per VM oversubscribes them),
+and worker threads
 take the observers asked for ahead or later (:meth:`ShardRunner.observe_ahead`,
 :meth:`ShardRunner.observe_later`), half of a feed (:meth:`ShardRunner.feed`) and the copy
 of each sample's segment outputs into the cache. The results are the same bits as on one

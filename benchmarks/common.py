@@ -1175,11 +1175,12 @@ class TvmRunner:
 
 
 def use_all_cores() -> None:
-    """Let TVM's thread pool hold one thread per logical CPU, so ``TvmRunner.set_threads(2)``
-    really runs 2 threads: TVM otherwise sizes it to half the logical CPUs on x86 (it
-    assumes SMT), i.e. one thread on a 2-vCPU machine. Call before the first TVM kernel
-    runs; an explicit ``TVM_NUM_THREADS`` wins."""
-    os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
+    """TVM's thread pool on every physical core (:func:`autoq.threads.use_machine_cores`,
+    which ``import autoq`` also calls), so ``TvmRunner.set_threads(2)`` really runs 2
+    threads; call before the first TVM kernel runs. An explicit ``TVM_NUM_THREADS`` wins."""
+    from autoq.threads import use_machine_cores
+
+    use_machine_cores()
 
 
 # --------------------------------------------------------------------------------------------
