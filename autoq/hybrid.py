@@ -101,12 +101,12 @@ def check_dynamic_layers(config: Config, matches: list[Match]) -> None:
         )
 
 
-def callbacks(config: Config, static: str, dynamic: str) -> Callable[[Match], str]:
-    """The pattern callback name for each match: ``dynamic`` for layers with a dynamic
-    activation spec, else ``static`` (see :func:`autoq.simulate.build_function`)."""
+def callbacks(layers: frozenset[str], static: str, dynamic: str) -> Callable[[Match], str]:
+    """The pattern callback name for each match: ``dynamic`` for the dynamic ``layers``
+    (:func:`dynamic_names`), else ``static`` (see :func:`autoq.simulate.build_function`)."""
 
     def name(m: Match) -> str:
-        return dynamic if is_dynamic(config, m.layer) else static
+        return dynamic if m.layer in layers else static
 
     return name
 

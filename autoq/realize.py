@@ -432,7 +432,7 @@ def realize(
     dynamic = hybrid.dynamic_names(config, matches)
     exit_map = exit_tensors(g, matches, config.int8_outputs, dynamic) if exits else None
     ctx = RealizeContext(g, config, qparams, matches, rounding_points, exit_map)
-    func = build_function(g, ctx, matches, hybrid.callbacks(config, "realize", "dynamic"))
+    func = build_function(g, ctx, matches, hybrid.callbacks(dynamic, "realize", "dynamic"))
     out = propagate(with_main(g.module, func), config.rounding)
     return finish_module(g, explicit_multipliers(out["main"]))
 

@@ -537,7 +537,7 @@ def simulate(
         qvars += list(ctx.table_vars.values()) + list(ctx.value_vars.values())
         return qvars + [ctx.switch_vars[m.layer] for m in matches if m.layer in ctx.switch_vars]
 
-    callback = hybrid.callbacks(config, "simulate", "simulate_dynamic")
+    callback = hybrid.callbacks(dynamic, "simulate", "simulate_dynamic")
     func = build_function(g, ctx, matches, callback, qparam_inputs)
     _check_int16_tensors(config, ctx.plan)
     return SimResult(
