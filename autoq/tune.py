@@ -15,7 +15,8 @@ space; :mod:`autoq.x86_intrinsics` makes that intrinsic compile with this TVM's 
 
 Pitfalls this module handles (measured on TVM 0.27, see the notes in docs):
 
-- the stock builder imports ``tvm.s_tir.tensor_intrin`` in each worker (20-90 s) and
+- the stock builder imports ``tvm.s_tir.tensor_intrin`` in each worker (20-90 s, see
+  :mod:`autoq.tensor_intrinsics`; the tuning process imports it the fast way) and
   kills it after 30 s: every trial fails and "tuning" silently returns an untuned
   module. :func:`build_candidate` builds directly (candidates arrive already tensorized),
   and a tuning run whose every trial failed raises :class:`TuningError` with the first
@@ -44,6 +45,7 @@ from .cpu.injective import KERNEL_ATTR
 from .cpu.lowering import lower_to_cpu_kernels
 from .cpu_pipeline import fused
 from .json_document import JsonDocument
+from .tensor_intrinsics import import_tensor_intrinsics
 from .tuning_database import apply_database, default_schedule, open_database, workload_key
 from .tuning_defaults import DefaultSchedules, KernelChoice
 from .x86_intrinsics import register_vnni, target_has_vnni
@@ -404,6 +406,7 @@ def tune(
     _check_args(trials, database, cost_model)
     t0 = time.perf_counter()
     target = tuning_target(target)
+    import_tensor_intrinsics()  # before MetaSchedule's TuneContext imports them slowly
     if target_has_vnni(target):
         register_vnni()
     folder = Path(database)

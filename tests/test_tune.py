@@ -4,8 +4,8 @@ tracker with two servers on 127.0.0.1, and the VNNI intrinsic fix.
 
 The tuning tests use one tiny int8 conv (two kernels: quantize+pad, conv+requantize) and
 one trial per kernel with the random cost model: they check the plumbing (records written,
-found, applied, outputs unchanged), not the speed (benchmarks/ measure that). Each pays
-MetaSchedule's one-off import of TVM's tensor intrinsics (20-90 s on 2 busy cores).
+found, applied, outputs unchanged), not the speed (benchmarks/ measure that). Most of
+their time is MetaSchedule's builder and runner worker processes starting.
 """
 
 from __future__ import annotations
