@@ -13,7 +13,14 @@ from typing import Any
 from . import primitives as P
 from .errors import InputError
 from .json_document import JsonDocument, check_keys
-from .layer_rules import FALLBACK_TYPES, AutoFallback, Fallback, compile_rule, str_tuple
+from .layer_rules import (
+    FALLBACK_TYPES,
+    AutoFallback,
+    Fallback,
+    compile_layer_rule,
+    compile_rule,
+    str_tuple,
+)
 from .smoothing import check_alpha, check_alphas
 from .token_mask import TokenMask
 
@@ -128,7 +135,9 @@ def _check_dynamic(spec: QuantSpec) -> None:
 @dataclass(frozen=True)
 class Override:
     """Per-layer override of the activation and/or weight spec; ``match`` is an exact id, a
-    glob or ``re:<regex>`` over layer ids (an override that matches nothing is an error)."""
+    glob or ``re:<regex>`` over layer ids, or ``pattern:<glob>`` over the layers' pattern
+    names (``"pattern:dense*"``: every dense layer, whatever the model calls it); an
+    override that matches nothing is an error."""
 
     match: str
     activation: QuantSpec | None = None
@@ -137,7 +146,7 @@ class Override:
     def __post_init__(self) -> None:
         if not isinstance(self.match, str) or not self.match:
             raise TypeError(f"Override.match must be a non-empty string, got {self.match!r}")
-        compile_rule(self.match)
+        compile_layer_rule(self.match)
         if self.activation is None and self.weight is None:
             raise ValueError(
                 f"Override({self.match!r}) changes nothing: give activation and/or weight"
@@ -403,12 +412,13 @@ class Config(JsonDocument):
         """Any data-aware weight step is on (:mod:`autoq.weight_tuning`)."""
         return self.tunes_weights or self.scale_search
 
-    def layer_spec(self, kind: str, layer: str) -> QuantSpec:
-        """The ``"activation"`` or ``"weight"`` spec of ``layer``: the default, changed by
-        every override whose rule matches the layer id (the last one wins)."""
+    def layer_spec(self, kind: str, layer: str, pattern: str | None = None) -> QuantSpec:
+        """The ``"activation"`` or ``"weight"`` spec of ``layer`` (its pattern's name
+        ``pattern``, needed by ``pattern:`` rules): the default, changed by every override
+        whose rule matches the layer (the last one wins)."""
         spec = self.activation if kind == "activation" else self.weight
         for o in self.overrides:
-            if compile_rule(o.match)(layer):
+            if compile_layer_rule(o.match)(layer, pattern):
                 spec = (o.activation if kind == "activation" else o.weight) or spec
         return spec
 

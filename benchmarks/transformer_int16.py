@@ -20,6 +20,12 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
   every other layer static int8 (row "rest static"), the same with only the attention
   matmuls static and the other non-MatMul layers fp32 (row "attention static"), and the
   first with the int16 escalation (<= each ``--fractions``);
+* with ``--hybrid --hybrid-int16 RULE`` (layer ids) and/or ``--int16-slots a,b,...`` (slot
+  ids): the hybrid with those layers' tensors / those tensors int16 (all integer: no fp32
+  layer), the rest static int8, ``--rounding-mode`` (``Config.rounding``: ``half_even``
+  makes the elementwise ops and requantizes integer-only), alone and with the escalation
+  (its budget counts them); with ``--hybrid-fp32`` too, the fp32 escalation row with that
+  rounding in the same run;
 * ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
 * ``--swap-rounds n``: ``AutoFallback(swap_rounds=n)`` for the escalation rows (swap
   refinement of the chosen tensors, :mod:`autoq.escalation_swaps`);
@@ -75,7 +81,9 @@ def autoq_row(info, config, calib, evalset, label, log, second=()) -> dict:
     wide = [s for s in acts if res.qparams[s].dtype == "int16"]
     log(f"  {label}: {len(res.int8_layers)} quantized layers, {len(res.fp32_layers)} fp32, "
         f"int16 tensors {wide}, {quant_s:.1f} s")  # fmt: skip
-    dyn = [x for x in res.int8_layers if res.config.layer_spec("activation", x).dynamic]
+    pattern = {m.layer: m.pattern.name for m in res.matched.matches}
+    dyn = [x for x in res.int8_layers
+           if res.config.layer_spec("activation", x, pattern.get(x)).dynamic]  # fmt: skip
     if dyn:
         static = [x for x in res.int8_layers if x not in dyn]
         log(f"    {len(dyn)} dynamic layers, {len(static)} static integer layers: {static}")
@@ -189,6 +197,8 @@ def hybrid_rows(args) -> list:
             (name + "attention matmuls static int8, rest fp32",
              base.replace(fallback=Fallback(op_types=NOT_MATMUL))),
         ]  # fmt: skip
+        if args.hybrid_int16 or args.int16_slots:
+            rows += int16_rows(args, base, name)
         if args.hybrid_fp32:
             fp32 = (args.hybrid_fp32,)
             label = name + f"fp32: {args.hybrid_fp32}, rest static int8"
@@ -198,6 +208,36 @@ def hybrid_rows(args) -> list:
                      for f in args.fractions]  # fmt: skip
         rows += [(name + f"rest static int8, escalation (<= {f:.0%})",
                   base.replace(fallback=escalation(args, f))) for f in args.fractions]  # fmt: skip
+    return rows
+
+
+def int16_rows(args, base, name: str) -> list:
+    """``--hybrid-int16 RULE`` / ``--int16-slots``: the hybrid with the layers ``RULE`` names
+    int16 (``Override(RULE, activation=QuantSpec(dtype="int16"))``: their input and output
+    slots) and the ``--int16-slots`` tensors int16 (``Config.int16_tensors``), the rest static
+    int8, with ``--rounding-mode`` (``Config.rounding``); then the same with the escalation,
+    whose budget counts those tensors (at most each ``--fractions`` of all activation tensors)."""
+    from dataclasses import replace
+
+    from autoq import Override
+
+    wide = base.activation.as_int16()
+    rules = (Override(args.hybrid_int16, activation=wide),) if args.hybrid_int16 else ()
+    cfg = base.replace(overrides=base.overrides + rules, int16_tensors=tuple(args.int16_slots),
+                       rounding=args.rounding_mode)  # fmt: skip
+    what = [f"layers {args.hybrid_int16}"] if args.hybrid_int16 else []
+    what += [f"{len(args.int16_slots)} tensors"] if args.int16_slots else []
+    label = name + f"int16: {' + '.join(what)}, rest static int8, rounding {args.rounding_mode}"
+    rows = [(label, cfg)]
+    rows += [(f"{label}, escalation (<= {f:.0%})", cfg.replace(fallback=escalation(args, f)))
+             for f in args.fractions]  # fmt: skip
+    if args.hybrid_fp32:  # the same escalation with that rule fp32 instead (same run)
+        fp32 = (args.hybrid_fp32,)
+        rows += [(name + f"fp32: {args.hybrid_fp32}, rest static int8, rounding "
+                  f"{args.rounding_mode}, escalation (<= {f:.0%})",
+                  base.replace(rounding=args.rounding_mode,
+                               fallback=replace(escalation(args, f), patterns=fp32)))
+                 for f in args.fractions]  # fmt: skip
     return rows
 
 
@@ -272,10 +312,13 @@ def parse_args(argv=None):
     p.add_argument("--swap-rounds", type=int, default=0, help="AutoFallback.swap_rounds")
     p.add_argument("--hybrid", action="store_true", help="static + dynamic hybrid rows")
     p.add_argument(
-        "--dense-rule", default="re:.*MatMul.*", help="the hybrid's dynamic layers (layer ids)"
+        "--dense-rule", default="re:.*MatMul.*", help="the hybrid's dynamic layers (Override.match)"
     )
     p.add_argument("--hybrid-smooth", default="0.5", help="smooth_quant of the hybrid rows (none)")
     p.add_argument("--hybrid-fp32", default="", help="a hybrid row with this Fallback pattern")
+    p.add_argument("--hybrid-int16", default="", help="hybrid rows with these layers int16")
+    p.add_argument("--int16-slots", default="", help="hybrid rows with these tensors int16")
+    p.add_argument("--rounding-mode", default="float", help="Config.rounding of those rows")
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
@@ -287,6 +330,7 @@ def parse_args(argv=None):
     args.alphas = [float(v) for v in args.alphas.split(",") if v.strip()]
     args.rounding = [v for v in args.rounding.split(",") if v.strip()]
     args.hybrid_smooth = [None if v == "none" else float(v) for v in args.hybrid_smooth.split(",")]
+    args.int16_slots = [v for v in args.int16_slots.split(",") if v]
     args.only = [v for v in args.only.split(",") if v]
     args.skip = [v for v in args.skip.split(",") if v]
     return args
