@@ -301,6 +301,11 @@ class Config(JsonDocument):
     ``QParams.values`` (realized as they are; simulated exactly). EfficientNet-Lite0 top-1
     agreement (benchmarks/results/accuracy.md): nearest 0.806, GPTQ 0.919 (so the default).
 
+    ``dynamic_gptq``: the hybrid's dynamic dense layers (:mod:`autoq.hybrid`, which have
+    no input slot for the weight tuner) get GPTQ-rounded weights too, on the Hessian of
+    their fp32 inputs (:mod:`autoq.dynamic_gptq`; needs ``weight_rounding="gptq"`` and
+    topological calibration). Default off: their weights round to nearest.
+
     ``lut_input_ranges``: the range of a slot read only by 8-bit table-lookup activations
     is cut where the activation is flat (hardswish below -3, sigmoid beyond +-17, ...;
     :mod:`autoq.lut_ranges`): the same table outputs on a finer input grid. Default off:
@@ -342,6 +347,7 @@ class Config(JsonDocument):
     smooth_quant_alphas: tuple[float, ...] = ()
     token_mask: TokenMask | None = None
     lut_input_ranges: bool = False
+    dynamic_gptq: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -376,9 +382,17 @@ class Config(JsonDocument):
             )
         for name in ("progress", "skip_unbounded", "check_scales", "int8_outputs",
                      "bias_correction", "empirical_bias_correction", "scale_search",
-                     "equalization", "lut_input_ranges"):  # fmt: skip
+                     "equalization", "lut_input_ranges", "dynamic_gptq"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.dynamic_gptq and (self.weight_rounding, self.calibration) != (
+            "gptq",
+            "topological",
+        ):
+            raise ValueError(
+                "Config.dynamic_gptq needs weight_rounding='gptq' and calibration='topological', "
+                f"got {self.weight_rounding!r} and {self.calibration!r}"
+            )
         _check_holdout(self)
         _check_bias_skip(self)
         str_tuple(self, "int16_tensors")
@@ -450,6 +464,7 @@ class Config(JsonDocument):
             "smooth_quant_alphas": list(self.smooth_quant_alphas),
             "token_mask": None if self.token_mask is None else self.token_mask.to_json(),
             "lut_input_ranges": self.lut_input_ranges,
+            "dynamic_gptq": self.dynamic_gptq,
         }
 
     @classmethod

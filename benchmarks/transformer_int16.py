@@ -26,6 +26,8 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
   makes the elementwise ops and requantizes integer-only), alone and with the escalation
   (its budget counts them); with ``--hybrid-fp32`` too, the fp32 escalation row with that
   rounding in the same run;
+* ``--dynamic-gptq``: the hybrid rows with ``Config.dynamic_gptq`` (the dynamic dense
+  layers' weights rounded by GPTQ on their fp32 inputs, :mod:`autoq.dynamic_gptq`);
 * ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
 * ``--swap-rounds n``: ``AutoFallback(swap_rounds=n)`` for the escalation rows (swap
   refinement of the chosen tensors, :mod:`autoq.escalation_swaps`);
@@ -190,8 +192,10 @@ def hybrid_rows(args) -> list:
     dyn = (Override(args.dense_rule, activation=QuantSpec(dynamic=True, granularity="token")),)
     rows = []
     for alpha in args.hybrid_smooth:
-        base = Config(progress=False, check_scales=False, overrides=dyn, smooth_quant=alpha)
+        base = Config(progress=False, check_scales=False, overrides=dyn, smooth_quant=alpha,
+                      dynamic_gptq=args.dynamic_gptq)  # fmt: skip
         name = "autoq hybrid: dense dynamic (token), " + ("" if alpha == 0.5 else f"SQ {alpha}, ")
+        name += "GPTQ, " if args.dynamic_gptq else ""
         rows += [
             (name + "rest static int8", base),
             (name + "attention matmuls static int8, rest fp32",
@@ -319,6 +323,7 @@ def parse_args(argv=None):
     p.add_argument("--hybrid-int16", default="", help="hybrid rows with these layers int16")
     p.add_argument("--int16-slots", default="", help="hybrid rows with these tensors int16")
     p.add_argument("--rounding-mode", default="float", help="Config.rounding of those rows")
+    p.add_argument("--dynamic-gptq", action="store_true", help="Config.dynamic_gptq (hybrid)")
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
