@@ -22,7 +22,8 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
   first with the int16 escalation (<= each ``--fractions``);
 * with ``--hybrid --hybrid-int16 RULE`` (layer ids) and/or ``--int16-slots a,b,...`` (slot
   ids): the hybrid with those layers' tensors / those tensors int16 (all integer: no fp32
-  layer), the rest static int8, ``--rounding-mode`` (``Config.rounding``: ``half_even``
+  layer; ``--int16-headroom``: the layers' int16 ranges widened like the escalation's), the
+  rest static int8, ``--rounding-mode`` (``Config.rounding``: ``half_even``
   makes the elementwise ops and requantizes integer-only), alone and with the escalation
   (its budget counts them); with ``--hybrid-fp32`` too, the fp32 escalation row with that
   rounding in the same run;
@@ -63,6 +64,8 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -226,6 +229,8 @@ def int16_rows(args, base, name: str) -> list:
     from autoq import Override
 
     wide = base.activation.as_int16()
+    if args.int16_headroom:
+        wide = replace(wide, calibrator=int16_range)
     rules = (Override(args.hybrid_int16, activation=wide),) if args.hybrid_int16 else ()
     cfg = base.replace(overrides=base.overrides + rules, int16_tensors=tuple(args.int16_slots),
                        rounding=args.rounding_mode)  # fmt: skip
@@ -243,6 +248,16 @@ def int16_rows(args, base, name: str) -> list:
                                fallback=replace(escalation(args, f), patterns=fp32)))
                  for f in args.fractions]  # fmt: skip
     return rows
+
+
+def int16_range(batch) -> tuple[float, float]:
+    """``--int16-headroom``: a batch's range widened around 0 by the escalation's
+    ``INT16_HEADROOM`` (what its searched int16 tensors get), for the ``--hybrid-int16``
+    layers (calibrator function: the batches' ranges merge by min / max)."""
+    from autoq.escalation import INT16_HEADROOM
+
+    lo, hi = float(np.min(batch)), float(np.max(batch))
+    return min(lo, 0.0) * INT16_HEADROOM, max(hi, 0.0) * INT16_HEADROOM
 
 
 def variants(args, rows) -> list:
@@ -324,6 +339,7 @@ def parse_args(argv=None):
     p.add_argument("--int16-slots", default="", help="hybrid rows with these tensors int16")
     p.add_argument("--rounding-mode", default="float", help="Config.rounding of those rows")
     p.add_argument("--dynamic-gptq", action="store_true", help="Config.dynamic_gptq (hybrid)")
+    p.add_argument("--int16-headroom", action="store_true", help="--hybrid-int16 range x4")
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
