@@ -23,10 +23,10 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
 * with ``--hybrid --hybrid-int16 RULE`` (layer ids) and/or ``--int16-slots a,b,...`` (slot
   ids): the hybrid with those layers' tensors / those tensors int16 (all integer: no fp32
   layer; ``--int16-headroom``: the layers' int16 ranges widened like the escalation's), the
-  rest static int8, ``--rounding-mode`` (``Config.rounding``: ``half_even``
-  makes the elementwise ops and requantizes integer-only), alone and with the escalation
-  (its budget counts them); with ``--hybrid-fp32`` too, the fp32 escalation row with that
-  rounding in the same run;
+  rest static int8, alone and with the escalation (its budget counts them); with
+  ``--hybrid-fp32`` too, the fp32 escalation row in the same run;
+* ``--rounding-mode m``: ``Config.rounding`` of every hybrid row (``half_even``: the
+  elementwise ops and requantizes integer-only instead of float inside their kernels);
 * ``--dynamic-gptq``: the hybrid rows with ``Config.dynamic_gptq`` (the dynamic dense
   layers' weights rounded by GPTQ on their fp32 inputs, :mod:`autoq.dynamic_gptq`);
 * ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
@@ -196,9 +196,10 @@ def hybrid_rows(args) -> list:
     rows = []
     for alpha in args.hybrid_smooth:
         base = Config(progress=False, check_scales=False, overrides=dyn, smooth_quant=alpha,
-                      dynamic_gptq=args.dynamic_gptq)  # fmt: skip
+                      dynamic_gptq=args.dynamic_gptq, rounding=args.rounding_mode)  # fmt: skip
         name = "autoq hybrid: dense dynamic (token), " + ("" if alpha == 0.5 else f"SQ {alpha}, ")
         name += "GPTQ, " if args.dynamic_gptq else ""
+        name += f"rounding {args.rounding_mode}, " if args.rounding_mode != "float" else ""
         rows += [
             (name + "rest static int8", base),
             (name + "attention matmuls static int8, rest fp32",
@@ -222,8 +223,8 @@ def int16_rows(args, base, name: str) -> list:
     """``--hybrid-int16 RULE`` / ``--int16-slots``: the hybrid with the layers ``RULE`` names
     int16 (``Override(RULE, activation=QuantSpec(dtype="int16"))``: their input and output
     slots) and the ``--int16-slots`` tensors int16 (``Config.int16_tensors``), the rest static
-    int8, with ``--rounding-mode`` (``Config.rounding``); then the same with the escalation,
-    whose budget counts those tensors (at most each ``--fractions`` of all activation tensors)."""
+    int8; then the same with the escalation, whose budget counts those tensors (at most each
+    ``--fractions`` of all activation tensors)."""
     from dataclasses import replace
 
     from autoq import Override
@@ -232,20 +233,17 @@ def int16_rows(args, base, name: str) -> list:
     if args.int16_headroom:
         wide = replace(wide, calibrator=int16_range)
     rules = (Override(args.hybrid_int16, activation=wide),) if args.hybrid_int16 else ()
-    cfg = base.replace(overrides=base.overrides + rules, int16_tensors=tuple(args.int16_slots),
-                       rounding=args.rounding_mode)  # fmt: skip
+    cfg = base.replace(overrides=base.overrides + rules, int16_tensors=tuple(args.int16_slots))
     what = [f"layers {args.hybrid_int16}"] if args.hybrid_int16 else []
     what += [f"{len(args.int16_slots)} tensors"] if args.int16_slots else []
-    label = name + f"int16: {' + '.join(what)}, rest static int8, rounding {args.rounding_mode}"
+    label = name + f"int16: {' + '.join(what)}, rest static int8"
     rows = [(label, cfg)]
     rows += [(f"{label}, escalation (<= {f:.0%})", cfg.replace(fallback=escalation(args, f)))
              for f in args.fractions]  # fmt: skip
     if args.hybrid_fp32:  # the same escalation with that rule fp32 instead (same run)
         fp32 = (args.hybrid_fp32,)
-        rows += [(name + f"fp32: {args.hybrid_fp32}, rest static int8, rounding "
-                  f"{args.rounding_mode}, escalation (<= {f:.0%})",
-                  base.replace(rounding=args.rounding_mode,
-                               fallback=replace(escalation(args, f), patterns=fp32)))
+        rows += [(name + f"fp32: {args.hybrid_fp32}, rest static int8, escalation (<= {f:.0%})",
+                  base.replace(fallback=replace(escalation(args, f), patterns=fp32)))
                  for f in args.fractions]  # fmt: skip
     return rows
 
@@ -337,7 +335,7 @@ def parse_args(argv=None):
     p.add_argument("--hybrid-fp32", default="", help="a hybrid row with this Fallback pattern")
     p.add_argument("--hybrid-int16", default="", help="hybrid rows with these layers int16")
     p.add_argument("--int16-slots", default="", help="hybrid rows with these tensors int16")
-    p.add_argument("--rounding-mode", default="float", help="Config.rounding of those rows")
+    p.add_argument("--rounding-mode", default="float", help="Config.rounding (hybrid rows)")
     p.add_argument("--dynamic-gptq", action="store_true", help="Config.dynamic_gptq (hybrid)")
     p.add_argument("--int16-headroom", action="store_true", help="--hybrid-int16 range x4")
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
