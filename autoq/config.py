@@ -393,6 +393,10 @@ class Config(JsonDocument):
                 "Config.dynamic_gptq needs weight_rounding='gptq' and calibration='topological', "
                 f"got {self.weight_rounding!r} and {self.calibration!r}"
             )
+        if self.dynamic_gptq and self.distributed is not None:
+            raise ValueError(
+                "Config.dynamic_gptq runs in this process: not with Config.distributed"
+            )
         _check_holdout(self)
         _check_bias_skip(self)
         str_tuple(self, "int16_tensors")

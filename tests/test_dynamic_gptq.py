@@ -13,7 +13,7 @@ import pytest
 from test_escalation import data, tiny_transformer
 
 import autoq
-from autoq import Config, Override, QuantSpec
+from autoq import Config, Distributed, Override, QuantSpec
 from autoq.calibrate import samples_for
 from autoq.fidelity import compare
 from autoq.simulate import simulate
@@ -92,3 +92,5 @@ def test_json_and_option_error():
         HYBRID.replace(dynamic_gptq=True, weight_rounding="nearest")
     with pytest.raises(TypeError, match=r"Config\.dynamic_gptq must be True or False"):
         HYBRID.replace(dynamic_gptq=1)
+    with pytest.raises(ValueError, match=r"Config\.dynamic_gptq runs in this process"):
+        HYBRID.replace(dynamic_gptq=True, distributed=Distributed(workers=1))
