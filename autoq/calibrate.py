@@ -35,7 +35,7 @@ from collections.abc import Iterable
 import numpy as np
 import tvm
 
-from . import calibrators
+from . import calibrators, dynamic_gptq
 from .build import default_target
 from .calibration_plan import CalibrationPlan, build_plan, slot_layouts
 from .config import Config, QuantSpec
@@ -475,12 +475,14 @@ def _calibrate_topological(
     stats["compile_s"] = time.perf_counter() - t0
     stats["segments"] = len(plan.segments)
     budget = config.memory_budget_mb * 2**20
+    tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None
+    tuned = dynamic_gptq.tune(sim, samples, weight_qp, tuner, stats, fp32_tensor_runner, target)
     static = static_values(sim, plan, weight_qp)
+    static.update({plan.value_keys[sid]: w for sid, w in tuned.items()})  # Config.dynamic_gptq
     runners = [
         ShardRunner(vm, plan, static, budget, config.cache_dir, twin)
         for _ in range(1 if held is None else 2)
     ]
-    tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None
     if tuner is not None and tuner.fp32_slots():  # empirical bias correction's fp32 means
         t0 = time.perf_counter()
         slots = tuner.fp32_slots()
@@ -514,10 +516,8 @@ def _calibrate_topological(
 def fp32_slot_functions(sim: SimResult, slots: list[str]) -> dict:
     """``{"main": f}``: the float graph ``f(*inputs, *weights)`` returning the tensors that
     the activation ``slots`` quantize."""
-    g = sim.graph
-    tensors = [sim.plan.tensors[s] for s in slots]
-    params = list(g.inputs) + list(g.weight_params)
-    return {"main": make_function("main", params, g.bindings, tensors)}
+    g, tensors = sim.graph, [sim.plan.tensors[s] for s in slots]
+    return {"main": make_function("main", [*g.inputs, *g.weight_params], g.bindings, tensors)}
 
 
 def fp32_runner(vm, input_names: list[str], weights: list[np.ndarray]):
@@ -536,10 +536,15 @@ def fp32_runner(vm, input_names: list[str], weights: list[np.ndarray]):
 def fp32_slot_runner(sim: SimResult, slots: list[str], target):
     """``run(samples)``: for each sample, the fp32 values of the tensors that the
     activation ``slots`` quantize (one compiled float graph with those tensors as outputs)."""
+    return fp32_tensor_runner(sim, [sim.plan.tensors[s] for s in slots], target)
+
+
+def fp32_tensor_runner(sim: SimResult, tensors: list, target):
+    """``run(samples)``: for each sample, the fp32 values of ``tensors`` (Vars of
+    ``sim.graph``), from one compiled float graph with them as outputs."""
     g = sim.graph
-    vm = compile_vm(
-        fp32_slot_functions(sim, slots), target, g.module, pipeline=calibration_pipeline(target)
-    )
+    main = make_function("main", [*g.inputs, *g.weight_params], g.bindings, tensors)
+    vm = compile_vm({"main": main}, target, g.module, pipeline=calibration_pipeline(target))
     weights = [g.params[p.name] for p in g.weight_params]
     return fp32_runner(vm, [v.name for v in g.inputs], weights)
 

@@ -13,7 +13,14 @@ from typing import Any
 from . import primitives as P
 from .errors import InputError
 from .json_document import JsonDocument, check_keys
-from .layer_rules import FALLBACK_TYPES, AutoFallback, Fallback, compile_rule, str_tuple
+from .layer_rules import (
+    FALLBACK_TYPES,
+    AutoFallback,
+    Fallback,
+    compile_layer_rule,
+    compile_rule,
+    str_tuple,
+)
 from .smoothing import check_alpha, check_alphas
 from .token_mask import TokenMask
 
@@ -128,7 +135,9 @@ def _check_dynamic(spec: QuantSpec) -> None:
 @dataclass(frozen=True)
 class Override:
     """Per-layer override of the activation and/or weight spec; ``match`` is an exact id, a
-    glob or ``re:<regex>`` over layer ids (an override that matches nothing is an error)."""
+    glob or ``re:<regex>`` over layer ids, or ``pattern:<glob>`` over the layers' pattern
+    names (``"pattern:dense*"``: every dense layer, whatever the model calls it); an
+    override that matches nothing is an error."""
 
     match: str
     activation: QuantSpec | None = None
@@ -137,7 +146,7 @@ class Override:
     def __post_init__(self) -> None:
         if not isinstance(self.match, str) or not self.match:
             raise TypeError(f"Override.match must be a non-empty string, got {self.match!r}")
-        compile_rule(self.match)
+        compile_layer_rule(self.match)
         if self.activation is None and self.weight is None:
             raise ValueError(
                 f"Override({self.match!r}) changes nothing: give activation and/or weight"
@@ -292,6 +301,11 @@ class Config(JsonDocument):
     ``QParams.values`` (realized as they are; simulated exactly). EfficientNet-Lite0 top-1
     agreement (benchmarks/results/accuracy.md): nearest 0.806, GPTQ 0.919 (so the default).
 
+    ``dynamic_gptq``: the hybrid's dynamic dense layers (:mod:`autoq.hybrid`, which have
+    no input slot for the weight tuner) get GPTQ-rounded weights too, on the Hessian of
+    their fp32 inputs (:mod:`autoq.dynamic_gptq`; needs ``weight_rounding="gptq"`` and
+    topological calibration). Default off: their weights round to nearest.
+
     ``lut_input_ranges``: the range of a slot read only by 8-bit table-lookup activations
     is cut where the activation is flat (hardswish below -3, sigmoid beyond +-17, ...;
     :mod:`autoq.lut_ranges`): the same table outputs on a finer input grid. Default off:
@@ -333,6 +347,7 @@ class Config(JsonDocument):
     smooth_quant_alphas: tuple[float, ...] = ()
     token_mask: TokenMask | None = None
     lut_input_ranges: bool = False
+    dynamic_gptq: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -367,9 +382,21 @@ class Config(JsonDocument):
             )
         for name in ("progress", "skip_unbounded", "check_scales", "int8_outputs",
                      "bias_correction", "empirical_bias_correction", "scale_search",
-                     "equalization", "lut_input_ranges"):  # fmt: skip
+                     "equalization", "lut_input_ranges", "dynamic_gptq"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.dynamic_gptq and (self.weight_rounding, self.calibration) != (
+            "gptq",
+            "topological",
+        ):
+            raise ValueError(
+                "Config.dynamic_gptq needs weight_rounding='gptq' and calibration='topological', "
+                f"got {self.weight_rounding!r} and {self.calibration!r}"
+            )
+        if self.dynamic_gptq and self.distributed is not None:
+            raise ValueError(
+                "Config.dynamic_gptq runs in this process: not with Config.distributed"
+            )
         _check_holdout(self)
         _check_bias_skip(self)
         str_tuple(self, "int16_tensors")
@@ -403,12 +430,13 @@ class Config(JsonDocument):
         """Any data-aware weight step is on (:mod:`autoq.weight_tuning`)."""
         return self.tunes_weights or self.scale_search
 
-    def layer_spec(self, kind: str, layer: str) -> QuantSpec:
-        """The ``"activation"`` or ``"weight"`` spec of ``layer``: the default, changed by
-        every override whose rule matches the layer id (the last one wins)."""
+    def layer_spec(self, kind: str, layer: str, pattern: str | None = None) -> QuantSpec:
+        """The ``"activation"`` or ``"weight"`` spec of ``layer`` (its pattern's name
+        ``pattern``, needed by ``pattern:`` rules): the default, changed by every override
+        whose rule matches the layer (the last one wins)."""
         spec = self.activation if kind == "activation" else self.weight
         for o in self.overrides:
-            if compile_rule(o.match)(layer):
+            if compile_layer_rule(o.match)(layer, pattern):
                 spec = (o.activation if kind == "activation" else o.weight) or spec
         return spec
 
@@ -440,6 +468,7 @@ class Config(JsonDocument):
             "smooth_quant_alphas": list(self.smooth_quant_alphas),
             "token_mask": None if self.token_mask is None else self.token_mask.to_json(),
             "lut_input_ranges": self.lut_input_ranges,
+            "dynamic_gptq": self.dynamic_gptq,
         }
 
     @classmethod

@@ -55,7 +55,7 @@ class DynamicContext(RealizeContext):
     def weight(self, expr, axis: int, transpose: tuple[int, ...] | None = None):
         sid = f"{self.layer}.weight"
         if sid not in self.qparams:
-            spec = self.config.layer_spec("weight", self.layer)
+            spec = self.config.layer_spec("weight", self.layer, self.match.pattern.name)
             arr = np.asarray(self.g.weight_of(expr).array, np.float32)
             ax = axis % arr.ndim if spec.per_channel else None
             channels = None if ax is None else arr.shape[ax]

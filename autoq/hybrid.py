@@ -75,21 +75,21 @@ class SimulatedDynamicQ:
     scale: relax.Expr
 
 
-def is_dynamic(config: Config, layer: str) -> bool:
-    """``layer``'s activation spec (after the overrides) is dynamic."""
-    return config.layer_spec("activation", layer).dynamic
+def is_dynamic(config: Config, m: Match) -> bool:
+    """The activation spec of ``m``'s layer (after the overrides) is dynamic."""
+    return config.layer_spec("activation", m.layer, m.pattern.name).dynamic
 
 
 def dynamic_names(config: Config, matches: list[Match]) -> frozenset[str]:
     """The layers of ``matches`` quantized with run-time activation qparams."""
-    return frozenset(m.layer for m in matches if is_dynamic(config, m.layer))
+    return frozenset(m.layer for m in matches if is_dynamic(config, m))
 
 
 def check_dynamic_layers(config: Config, matches: list[Match]) -> None:
     """Every layer with a dynamic activation spec must have a dynamic form: else an error
     naming the layer, its pattern and the rule that made it dynamic."""
     for m in matches:
-        if not is_dynamic(config, m.layer) or m.pattern.dynamic is not None:
+        if not is_dynamic(config, m) or m.pattern.dynamic is not None:
             continue
         rules = [o.match for o in config.overrides if o.activation and o.activation.dynamic]
         source = f"Override{tuple(rules)}" if rules else "Config.activation"
@@ -97,7 +97,8 @@ def check_dynamic_layers(config: Config, matches: list[Match]) -> None:
             f"layer {m.layer!r} (pattern {m.pattern.name!r}) has a dynamic activation spec "
             f"(from {source}) but no dynamic form: only layers with a constant weight "
             "(dense) quantize their input at run time; narrow the override's match to the "
-            "dense layers, or keep the layer in fp32 with Fallback"
+            "dense layers (e.g. Override('pattern:dense*', ...)), or keep the layer in fp32 "
+            "with Fallback"
         )
 
 

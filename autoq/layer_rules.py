@@ -20,8 +20,10 @@ __all__ = [
     "AUTO_PRECISIONS",
     "AUTO_RANKINGS",
     "FALLBACK_TYPES",
+    "PATTERN_RULE",
     "AutoFallback",
     "Fallback",
+    "compile_layer_rule",
     "compile_rule",
     "str_tuple",
 ]
@@ -54,6 +56,41 @@ def compile_rule(rule: str):
     if any(c in rule for c in "*?["):
         return lambda s: fnmatch.fnmatchcase(s, rule)
     return lambda s: s == rule
+
+
+#: prefix of an ``Override.match`` that selects layers by their pattern's name (a glob):
+#: ``"pattern:dense*"`` is every dense layer (``dense``, ``dense_bias``, ``dense_bias_add``)
+PATTERN_RULE = "pattern:"
+
+
+def compile_layer_rule(rule: str):
+    """An ``Override.match`` as a predicate ``(layer id, pattern name) -> bool``:
+    ``pattern:<glob>`` matches the layer's pattern name, any other rule its id
+    (:func:`compile_rule`). A pattern rule asked about a layer without its pattern name
+    (None) is an error naming the rule and the layer.
+
+    >>> rule = compile_layer_rule("pattern:dense*")
+    >>> rule("fc1", "dense_bias"), rule("matmul_3", "matmul")
+    (True, False)
+    """
+    import fnmatch
+
+    if not rule.startswith(PATTERN_RULE):
+        by_id = compile_rule(rule)
+        return lambda layer, pattern=None: by_id(layer)
+    glob = rule[len(PATTERN_RULE) :]
+    if not glob:
+        raise ValueError(f"rule {rule!r} names no pattern: write e.g. 'pattern:dense*'")
+
+    def by_pattern(layer: str, pattern: str | None = None) -> bool:
+        if pattern is None:
+            raise ValueError(
+                f"rule {rule!r} selects layers by pattern name, but layer {layer!r} was "
+                "looked up without its pattern"
+            )
+        return fnmatch.fnmatchcase(pattern, glob)
+
+    return by_pattern
 
 
 @dataclass(frozen=True)

@@ -176,7 +176,7 @@ class RealizeContext:
         """``expr`` quantized at run time with the current layer's activation spec (dynamic
         layers, :mod:`autoq.dynamic` / :mod:`autoq.hybrid`); layers reading the same tensor
         with the same spec share one ``qnn.dynamic_quantize``."""
-        spec = self.config.layer_spec("activation", self.layer)
+        spec = self.config.layer_spec("activation", self.layer, self.match.pattern.name)
         sid = self.tensor_id(expr)
         key = hybrid.dynamic_key(sid, spec)
         if key not in self._dynamic:

@@ -32,9 +32,10 @@ from tvm import relax
 
 from . import hybrid, qnn
 from .activations import LUT_DTYPES, lut_table
-from .config import Config, QuantSpec, compile_rule
+from .config import Config, QuantSpec
 from .exits import exit_tensors, int32_carriers
 from .graph import Graph, WeightRef
+from .layer_rules import PATTERN_RULE, compile_layer_rule
 from .matching import Matched, as_matched, closest
 from .primitives import dequantize, qrange
 from .qparams import QParams, SlotInfo
@@ -190,7 +191,8 @@ class SimContext:
         return self.match.layer if self.match is not None else ""
 
     def spec(self, kind: str, layer: str) -> QuantSpec:
-        return self.config.layer_spec(kind, layer)
+        m = self.match
+        return self.config.layer_spec(kind, layer, m.pattern.name if m is not None else None)
 
     def act_spec(self, sid: str, layer: str) -> QuantSpec:
         """The spec of activation slot ``sid`` created by ``layer``: the layer's, in int16
@@ -458,12 +460,19 @@ def validate_overrides(config: Config, matches: list[Match]) -> None:
     the closest layer ids."""
     layers = [m.layer for m in matches]
     for o in config.overrides:
-        rule = compile_rule(o.match)
-        if not any(rule(x) for x in layers):
+        rule = compile_layer_rule(o.match)
+        if any(rule(m.layer, m.pattern.name) for m in matches):
+            continue
+        if o.match.startswith(PATTERN_RULE):
+            names = sorted({m.pattern.name for m in matches})
             raise ValueError(
-                f"override {o.match!r} matches no quantized layer; closest layer ids: "
-                f"{closest(o.match.removeprefix('re:'), layers)}"
+                f"override {o.match!r} matches no quantized layer; patterns of the quantized "
+                f"layers: {', '.join(names)}"
             )
+        raise ValueError(
+            f"override {o.match!r} matches no quantized layer; closest layer ids: "
+            f"{closest(o.match.removeprefix('re:'), layers)}"
+        )
 
 
 def build_function(

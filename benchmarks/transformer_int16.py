@@ -20,6 +20,15 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
   every other layer static int8 (row "rest static"), the same with only the attention
   matmuls static and the other non-MatMul layers fp32 (row "attention static"), and the
   first with the int16 escalation (<= each ``--fractions``);
+* with ``--hybrid --hybrid-int16 RULE`` (layer ids) and/or ``--int16-slots a,b,...`` (slot
+  ids): the hybrid with those layers' tensors / those tensors int16 (all integer: no fp32
+  layer; ``--int16-headroom``: the layers' int16 ranges widened like the escalation's), the
+  rest static int8, alone and with the escalation (its budget counts them); with
+  ``--hybrid-fp32`` too, the fp32 escalation row in the same run;
+* ``--rounding-mode m``: ``Config.rounding`` of every hybrid row (``half_even``: the
+  elementwise ops and requantizes integer-only instead of float inside their kernels);
+* ``--dynamic-gptq``: the hybrid rows with ``Config.dynamic_gptq`` (the dynamic dense
+  layers' weights rounded by GPTQ on their fp32 inputs, :mod:`autoq.dynamic_gptq`);
 * ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
 * ``--swap-rounds n``: ``AutoFallback(swap_rounds=n)`` for the escalation rows (swap
   refinement of the chosen tensors, :mod:`autoq.escalation_swaps`);
@@ -56,6 +65,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -75,7 +86,9 @@ def autoq_row(info, config, calib, evalset, label, log, second=()) -> dict:
     wide = [s for s in acts if res.qparams[s].dtype == "int16"]
     log(f"  {label}: {len(res.int8_layers)} quantized layers, {len(res.fp32_layers)} fp32, "
         f"int16 tensors {wide}, {quant_s:.1f} s")  # fmt: skip
-    dyn = [x for x in res.int8_layers if res.config.layer_spec("activation", x).dynamic]
+    pattern = {m.layer: m.pattern.name for m in res.matched.matches}
+    dyn = [x for x in res.int8_layers
+           if res.config.layer_spec("activation", x, pattern.get(x)).dynamic]  # fmt: skip
     if dyn:
         static = [x for x in res.int8_layers if x not in dyn]
         log(f"    {len(dyn)} dynamic layers, {len(static)} static integer layers: {static}")
@@ -182,13 +195,18 @@ def hybrid_rows(args) -> list:
     dyn = (Override(args.dense_rule, activation=QuantSpec(dynamic=True, granularity="token")),)
     rows = []
     for alpha in args.hybrid_smooth:
-        base = Config(progress=False, check_scales=False, overrides=dyn, smooth_quant=alpha)
+        base = Config(progress=False, check_scales=False, overrides=dyn, smooth_quant=alpha,
+                      dynamic_gptq=args.dynamic_gptq, rounding=args.rounding_mode)  # fmt: skip
         name = "autoq hybrid: dense dynamic (token), " + ("" if alpha == 0.5 else f"SQ {alpha}, ")
+        name += "GPTQ, " if args.dynamic_gptq else ""
+        name += f"rounding {args.rounding_mode}, " if args.rounding_mode != "float" else ""
         rows += [
             (name + "rest static int8", base),
             (name + "attention matmuls static int8, rest fp32",
              base.replace(fallback=Fallback(op_types=NOT_MATMUL))),
         ]  # fmt: skip
+        if args.hybrid_int16 or args.int16_slots:
+            rows += int16_rows(args, base, name)
         if args.hybrid_fp32:
             fp32 = (args.hybrid_fp32,)
             label = name + f"fp32: {args.hybrid_fp32}, rest static int8"
@@ -199,6 +217,45 @@ def hybrid_rows(args) -> list:
         rows += [(name + f"rest static int8, escalation (<= {f:.0%})",
                   base.replace(fallback=escalation(args, f))) for f in args.fractions]  # fmt: skip
     return rows
+
+
+def int16_rows(args, base, name: str) -> list:
+    """``--hybrid-int16 RULE`` / ``--int16-slots``: the hybrid with the layers ``RULE`` names
+    int16 (``Override(RULE, activation=QuantSpec(dtype="int16"))``: their input and output
+    slots) and the ``--int16-slots`` tensors int16 (``Config.int16_tensors``), the rest static
+    int8; then the same with the escalation, whose budget counts those tensors (at most each
+    ``--fractions`` of all activation tensors)."""
+    from dataclasses import replace
+
+    from autoq import Override
+
+    wide = base.activation.as_int16()
+    if args.int16_headroom:
+        wide = replace(wide, calibrator=int16_range)
+    rules = (Override(args.hybrid_int16, activation=wide),) if args.hybrid_int16 else ()
+    cfg = base.replace(overrides=base.overrides + rules, int16_tensors=tuple(args.int16_slots))
+    what = [f"layers {args.hybrid_int16}"] if args.hybrid_int16 else []
+    what += [f"{len(args.int16_slots)} tensors"] if args.int16_slots else []
+    label = name + f"int16: {' + '.join(what)}, rest static int8"
+    rows = [(label, cfg)]
+    rows += [(f"{label}, escalation (<= {f:.0%})", cfg.replace(fallback=escalation(args, f)))
+             for f in args.fractions]  # fmt: skip
+    if args.hybrid_fp32:  # the same escalation with that rule fp32 instead (same run)
+        fp32 = (args.hybrid_fp32,)
+        rows += [(name + f"fp32: {args.hybrid_fp32}, rest static int8, escalation (<= {f:.0%})",
+                  base.replace(fallback=replace(escalation(args, f), patterns=fp32)))
+                 for f in args.fractions]  # fmt: skip
+    return rows
+
+
+def int16_range(batch) -> tuple[float, float]:
+    """``--int16-headroom``: a batch's range widened around 0 by the escalation's
+    ``INT16_HEADROOM`` (what its searched int16 tensors get), for the ``--hybrid-int16``
+    layers (calibrator function: the batches' ranges merge by min / max)."""
+    from autoq.escalation import INT16_HEADROOM
+
+    lo, hi = float(np.min(batch)), float(np.max(batch))
+    return min(lo, 0.0) * INT16_HEADROOM, max(hi, 0.0) * INT16_HEADROOM
 
 
 def variants(args, rows) -> list:
@@ -272,10 +329,15 @@ def parse_args(argv=None):
     p.add_argument("--swap-rounds", type=int, default=0, help="AutoFallback.swap_rounds")
     p.add_argument("--hybrid", action="store_true", help="static + dynamic hybrid rows")
     p.add_argument(
-        "--dense-rule", default="re:.*MatMul.*", help="the hybrid's dynamic layers (layer ids)"
+        "--dense-rule", default="re:.*MatMul.*", help="the hybrid's dynamic layers (Override.match)"
     )
     p.add_argument("--hybrid-smooth", default="0.5", help="smooth_quant of the hybrid rows (none)")
     p.add_argument("--hybrid-fp32", default="", help="a hybrid row with this Fallback pattern")
+    p.add_argument("--hybrid-int16", default="", help="hybrid rows with these layers int16")
+    p.add_argument("--int16-slots", default="", help="hybrid rows with these tensors int16")
+    p.add_argument("--rounding-mode", default="float", help="Config.rounding (hybrid rows)")
+    p.add_argument("--dynamic-gptq", action="store_true", help="Config.dynamic_gptq (hybrid)")
+    p.add_argument("--int16-headroom", action="store_true", help="--hybrid-int16 range x4")
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
@@ -287,6 +349,7 @@ def parse_args(argv=None):
     args.alphas = [float(v) for v in args.alphas.split(",") if v.strip()]
     args.rounding = [v for v in args.rounding.split(",") if v.strip()]
     args.hybrid_smooth = [None if v == "none" else float(v) for v in args.hybrid_smooth.split(",")]
+    args.int16_slots = [v for v in args.int16_slots.split(",") if v]
     args.only = [v for v in args.only.split(",") if v]
     args.skip = [v for v in args.skip.split(",") if v]
     return args

@@ -603,6 +603,40 @@ def test_elementwise(op, scales):
     assert_bit_exact(next(got), ref, "runtime scales")
 
 
+@pytest.mark.parametrize("op", ["add", "multiply"])
+def test_elementwise_int16_operands(op):
+    """int16 x int16 -> int16 (an int16 residual stream: MiniLM's FFN residual adds and
+    pooling multiply): every mode bit for bit against numpy, with zero points at the range
+    ends so that ``|q - zp|`` reaches 65535 (the integer modes' int64 accumulator at its
+    widest: 65535**2 * a 31-bit multiplier < 2**63); the integer modes within one step of
+    the exact real result (float64)."""
+    rng = np.random.default_rng(11)
+    a, b = int_data(rng, "int16", (4, 33)), int_data(rng, "int16", (4, 33))
+    b.flat[-1] = -32768  # with a's last 32767: both operands 65535 from their zero points
+    za, zb, zo = -32768, 32767, 5
+    sa, sb, so = (0.0173, 0.0291, 0.0417) if op == "add" else (0.0173, 0.0291, 39.7)
+    modes = ("float", "half_even", "half_away", "half_up", "tflite_single")
+    got = run(
+        {"a": a, "b": b},
+        lambda a, b: [
+            getattr(qnn, op)(a, b, f32(sa), i32(za), f32(sb), i32(zb), f32(so), i32(zo), "int16", m)
+            for m in modes
+        ],
+    )
+    da = a.astype(np.float64) - za
+    db = b.astype(np.float64) - zb
+    f = [float(np.float32(v)) for v in (sa, sb, so)]
+    real = (da * f[0] + db * f[1]) / f[2] if op == "add" else da * db * f[0] * f[1] / f[2]
+    exact = np.clip(np.rint(real) + zo, -32768, 32767)
+    assert np.abs(da * db).max() == 65535**2
+    for g, mode in zip(got, modes, strict=True):
+        ref = P.elementwise(op, a, sa, za, b, sb, zb, so, zo, "int16", mode)
+        assert_bit_exact(g, ref, mode)
+        if mode != "float":
+            assert np.abs(g.astype(np.float64) - exact).max() <= 1, mode
+    assert (np.abs(exact - zo) < 32000).mean() > 0.5  # mostly inside the range, not clipped
+
+
 # -------------------------------------------------------- simulated quantize / dequantize
 
 
