@@ -115,6 +115,11 @@ def rows(metrics: dict, n_extra: dict) -> dict:
     return {
         "default": (autoq.Config(progress=False), None, "autoq defaults"),
         "pe": (recipe(), None, "percentile + EBC + lookup-input cuts"),
+        "pe_pclut": (
+            recipe(lut_input_per_channel=True),
+            None,
+            "pe + per-channel lookup inputs (Config.lut_input_per_channel)",
+        ),
         "pe_p99.9": (recipe(99.9), None, "pe with percentile 99.9"),
         "pe_p99.999": (recipe(99.999), None, "pe with percentile 99.999"),
         "pe_gate": (

@@ -117,10 +117,18 @@ def test_realized_conv_and_tables_match_numpy_on_both_lowerings():
         np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x)).numpy(), w)
 
 
-@pytest.mark.parametrize("rounding", ["float", "half_away"])
-def test_realized_equals_simulated(rounding):
+@pytest.mark.parametrize(
+    ("rounding", "ebc"), [("float", False), ("float", True), ("half_away", False)]
+)
+def test_realized_equals_simulated(rounding, ebc):
+    """Also with GPTQ and empirical bias correction (the PP-OCR recipe's weight tuning)."""
     mod, params, data = conv_hswish()
-    config = cfg(lut_input_ranges=True, rounding=rounding, weight_rounding="gptq")
+    config = cfg(
+        lut_input_ranges=True,
+        rounding=rounding,
+        weight_rounding="gptq",
+        empirical_bias_correction=ebc,
+    )
     sim, qp, real = quantize(mod, params, data, config)
     rep = compare(sim, real, qp, samples_for(data, sim.graph.inputs), target=TARGET)
     if rounding == "float":
