@@ -136,6 +136,9 @@ def test_realized_equals_simulated(rounding, ebc):
     else:  # integer requantize: within one step of the simulated (float) rounding
         assert max(rep.max_lsb.values()) <= 1, rep.table()
     assert set(rep.elements) == set(sim.activation_slots())
+    if ebc:  # per-channel qparams realized without the option: a clear error
+        with pytest.raises(ValueError, match=r"c1.*per-axis.*lut_input_per_channel"):
+            realize(mod, params, qp, cfg(on=False))
 
 
 def test_per_channel_calibration_matches_numpy():
