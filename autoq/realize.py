@@ -290,9 +290,10 @@ def _per_axis_requantize(value, src, rounding: str):
     """A per-axis ``qnn.quantize`` of a ``qnn.dequantize`` (per tensor, or per axis on the
     same axis) as one ``qnn.requantize`` (a conv's per-channel output grid for its lookup,
     :mod:`autoq.lut_channels`); None otherwise."""
-    if not is_call(src, "qnn.dequantize"):
-        return None
-    axis, w, s1, z1 = int(value.attrs["axis"]), *src.args
+    axis = int(value.attrs["axis"])
+    if not is_call(src, "qnn.dequantize") or axis != lut_channels.AXIS:
+        return None  # (only RealizeContext.activation emits per-axis quantizes on axis 1)
+    w, s1, z1 = src.args
     if not (_per_tensor(s1) or int(src.attrs["axis"]) == axis):
         return None
     _, s2, z2 = value.args
