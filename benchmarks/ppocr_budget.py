@@ -124,6 +124,16 @@ def rows(metrics: dict, n_extra: dict) -> dict:
             None,
             "pe + per-channel lookup inputs (Config.lut_input_per_channel)",
         ),
+        "p_lut": (
+            recipe(empirical_bias_correction=False),
+            None,
+            "percentile + lookup-input cuts (pe without bias correction)",
+        ),
+        "p_lut_pclut": (
+            recipe(empirical_bias_correction=False, lut_input_per_channel=True),
+            None,
+            "p_lut + per-channel lookup inputs",
+        ),
         "pe_p99.9": (recipe(99.9), None, "pe with percentile 99.9"),
         "pe_p99.999": (recipe(99.999), None, "pe with percentile 99.999"),
         "pe_gate": (
