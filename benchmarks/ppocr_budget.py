@@ -134,6 +134,11 @@ def rows(metrics: dict, n_extra: dict) -> dict:
             None,
             "p_lut + per-channel lookup inputs",
         ),
+        "pe_gate_pclut": (
+            recipe(bias_correction_holdout=8, lut_input_per_channel=True),
+            "gate",
+            "pe_gate + per-channel lookup inputs",
+        ),
         "pe_p99.9": (recipe(99.9), None, "pe with percentile 99.9"),
         "pe_p99.999": (recipe(99.999), None, "pe with percentile 99.999"),
         "pe_gate": (
