@@ -69,6 +69,14 @@ class MapIoU:
         return common.fidelity("detector", self.reference, outs, self.thresh)["agree"]
 
 
+#: the 24 convs of PP-OCRv4 det whose output only a hardswish table reads (the slots
+#: Config.lut_input_per_channel makes per channel; printed by autoq.simulate at 480x480)
+PCLUT_CONVS = tuple(
+    f"conv2d_{k}.w_0"
+    for k in (394, 395, 397, 398, 399, 401, 402, 403, *range(405, 414), *range(415, 422))
+)
+
+
 def recipe(percentile: float = 99.99, **changes):
     """The PP-OCRv4 det recipe (a per-model Config, not autoq's default): percentile
     (99.99) activation ranges, empirical bias correction, lookup-input range cuts."""
@@ -138,6 +146,11 @@ def rows(metrics: dict, n_extra: dict) -> dict:
             recipe(bias_correction_holdout=8, lut_input_per_channel=True),
             "gate",
             "pe_gate + per-channel lookup inputs",
+        ),
+        "pe_pclut_skip": (
+            recipe(lut_input_per_channel=True, bias_correction_skip=PCLUT_CONVS),
+            None,
+            "pe_pclut, no bias correction on the 24 convs writing a per-channel lookup input",
         ),
         "pe_p99.9": (recipe(99.9), None, "pe with percentile 99.9"),
         "pe_p99.999": (recipe(99.999), None, "pe with percentile 99.999"),
