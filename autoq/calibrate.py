@@ -549,16 +549,16 @@ def fp32_tensor_runner(sim: SimResult, tensors: list, target):
     return fp32_runner(vm, [v.name for v in g.inputs], weights)
 
 
-def fp32_observers(specs: list[QuantSpec], ranges: list | None) -> list:
-    """The observers of one fp32-mode pass, one per slot: with ``ranges`` None the range
-    pass (a range observer for each histogram calibrator, None for the others), else each
-    slot's calibrator observer with its data range."""
+def fp32_observers(specs: list[QuantSpec], ranges: list | None, axes=None) -> list:
+    """The observers of one fp32-mode pass, one per slot (channel ``axes``, None: per tensor):
+    with ``ranges`` None the range pass (a range observer for each histogram calibrator, None
+    for the others), else each slot's calibrator observer with its data range."""
+    pairs = zip(specs, axes or [None] * len(specs), strict=True)
     if ranges is None:
-        needs = [getattr(sp.calibrator, "needs_range", False) for sp in specs]
-        return [calibrators.range_observer(None) if nd else None for nd in needs]
-    return [
-        sp.calibrator.observer(axis=None, data_range=r) for sp, r in zip(specs, ranges, strict=True)
-    ]
+        needs = [(getattr(sp.calibrator, "needs_range", False), a) for sp, a in pairs]
+        return [calibrators.range_observer(a) if nd else None for nd, a in needs]
+    pairs = zip(pairs, ranges, strict=True)
+    return [sp.calibrator.observer(axis=a, data_range=r) for (sp, a), r in pairs]
 
 
 def feed_observers(observers: list, outputs: Iterable[list]) -> list:
@@ -583,11 +583,12 @@ def _calibrate_fp32(sim, samples, config, target, stats, health) -> dict[str, QP
     stats["compile_s"] = time.perf_counter() - t0
     specs = [sim.plan.specs[s] for s in slots]
     ranges: list = [None] * len(slots)
-    first = fp32_observers(specs, None)
+    axes = [sim.plan.slots[s].axis for s in slots]
+    first = fp32_observers(specs, None, axes)
     if any(o is not None for o in first):  # the exact ranges the histogram bins are fixed on
         feed_observers(first, run(samples))
         ranges = [None if obs is None else obs.data_range() for obs in first]
-    observers = feed_observers(fp32_observers(specs, ranges), run(samples))
+    observers = feed_observers(fp32_observers(specs, ranges, axes), run(samples))
     result = {
         s: checked_result(obs.compute(sp), sp.calibrator, s)
         for s, obs, sp in zip(slots, observers, specs, strict=True)

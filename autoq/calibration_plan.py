@@ -64,6 +64,8 @@ class CalibrationPlan:
     #: (:func:`autoq.token_mask.token_layout`)
     mask_input: str | None = None
     token_layouts: dict[str, str] = field(default_factory=dict)
+    #: per-channel activation slots -> their channel axis (:mod:`autoq.lut_channels`)
+    axes: dict[str, int] = field(default_factory=dict)
 
 
 def _keys(func: relax.Function) -> tuple[dict, list]:
@@ -183,6 +185,11 @@ def build_plan(
         value_keys={k: key[names[v.name]] for k, v in sim.value_vars.items()},
         mask_input=None if token_mask is None else token_mask.input,
         token_layouts=slot_layouts(sim, token_mask),
+        axes={
+            sid: info.axis
+            for sid, info in sim.plan.slots.items()
+            if info.kind == "activation" and info.axis is not None
+        },
     )
     return plan, functions
 

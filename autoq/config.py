@@ -313,6 +313,12 @@ class Config(JsonDocument):
     all-MiniLM-L6-v2 (all int8 75.0% -> 71.9%, cos 0.93975 -> 0.93720; with the int16
     escalation 93.8% -> 90.6%, cos 0.99223 -> 0.99167; README).
 
+    ``lut_input_per_channel``: a conv output read only by one 8-bit table-lookup
+    activation (hardswish, ...) gets per-channel scales and zero points (channel axis 1):
+    the conv's requantize writes each channel on its own grid and the lookup uses one
+    256-entry table per channel (:mod:`autoq.lut_channels`); the table's output stays per
+    tensor. Default off (README, PP-OCR section).
+
     ``equalization``: cross-layer equalization of the float model before calibration (Nagel
     et al. 2019, "Data-Free Quantization", sec. 4.1; :mod:`autoq.cross_layer_equalization`):
     the weights of ``conv -> [bias] -> [relu] -> conv`` chains rescaled per channel so both
@@ -348,6 +354,7 @@ class Config(JsonDocument):
     token_mask: TokenMask | None = None
     lut_input_ranges: bool = False
     dynamic_gptq: bool = False
+    lut_input_per_channel: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -382,7 +389,8 @@ class Config(JsonDocument):
             )
         for name in ("progress", "skip_unbounded", "check_scales", "int8_outputs",
                      "bias_correction", "empirical_bias_correction", "scale_search",
-                     "equalization", "lut_input_ranges", "dynamic_gptq"):  # fmt: skip
+                     "equalization", "lut_input_ranges", "dynamic_gptq",
+                     "lut_input_per_channel"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         if self.dynamic_gptq and (self.weight_rounding, self.calibration) != (
@@ -410,6 +418,11 @@ class Config(JsonDocument):
         if self.distributed is not None and not isinstance(self.distributed, Distributed):
             raise TypeError(
                 f"Config.distributed must be a Distributed or None, got {self.distributed!r}"
+            )
+        if self.lut_input_per_channel and self.distributed is not None:
+            raise InputError(
+                "Config.lut_input_per_channel is not supported with Config.distributed (the "
+                "workers' statistics are per tensor): calibrate in-process or turn it off"
             )
 
     def replace(self, **changes: Any) -> Config:
@@ -469,6 +482,7 @@ class Config(JsonDocument):
             "token_mask": None if self.token_mask is None else self.token_mask.to_json(),
             "lut_input_ranges": self.lut_input_ranges,
             "dynamic_gptq": self.dynamic_gptq,
+            "lut_input_per_channel": self.lut_input_per_channel,
         }
 
     @classmethod

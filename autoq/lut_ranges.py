@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import lut_channels
 from .activations import LUT_DTYPES, Activation
 from .qparams import QParam
 
@@ -82,7 +83,10 @@ def lut_input_bounds(sim) -> dict[str, tuple[float | None, float | None]]:
 
 def cut(qp: QParam, bounds: tuple[float | None, float | None], spec) -> QParam:
     """``qp`` (per tensor) with its range cut to ``bounds`` (unchanged when it lies inside);
-    the range keeps 0, as every activation range does."""
+    the range keeps 0, as every activation range does. Per channel: each channel's range
+    (:func:`autoq.lut_channels.cut`)."""
+    if qp.per_axis:
+        return lut_channels.cut(qp, bounds, spec)
     s, z = float(np.asarray(qp.scale).reshape(-1)[0]), int(np.asarray(qp.zero_point).reshape(-1)[0])
     rmin, rmax = (qp.qmin - z) * s, (qp.qmax - z) * s
     lo, hi = bounds

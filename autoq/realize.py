@@ -26,7 +26,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
-from . import hybrid, qnn
+from . import hybrid, lut_channels, qnn
 from . import primitives as P
 from .allow_list import ALLOW_LIST, AllowRule, Grid, grid_point
 from .config import Config
@@ -100,6 +100,8 @@ class RealizeContext:
         #: tensor -> producing layer, for the exit slots (see autoq.exits)
         self.exits = dict(exits or {})
         self._dynamic: dict[tuple, hybrid.DynamicQ] = {}
+        #: conv outputs quantized per channel for their lookup (autoq.lut_channels)
+        self.per_channel = lut_channels.per_channel_inputs(g, matches, config)
 
     def emit(self, expr, name: str | None = None) -> relax.Var:
         return self.writer.emit(expr, name or "")
@@ -156,15 +158,17 @@ class RealizeContext:
         sid = self.tensor_id(expr)
         if sid not in self._acts:
             qp = self._qparam(sid)
-            if qp.per_axis:
+            if qp.per_axis and (expr not in self.per_channel or qp.axis != lut_channels.AXIS):
                 raise ValueError(
-                    f"activation slot {sid!r} has per-axis qparams; activations are per-tensor"
+                    f"activation slot {sid!r} has per-axis qparams; activations are per-tensor "
+                    "(except lookup inputs with Config.lut_input_per_channel)"
                 )
             q = self.emit(
                 qnn.quantize(
                     self.value(expr),
                     const(qp.scale, "float32"),
                     const(qp.zero_point, "int32"),
+                    axis=-1 if qp.axis is None else qp.axis,
                     out_dtype=qp.dtype,
                 ),
                 f"{sid}.q",
@@ -282,6 +286,21 @@ class _Quantize:
         )  # fmt: skip
 
 
+def _per_axis_requantize(value, src, rounding: str):
+    """A per-axis ``qnn.quantize`` of a ``qnn.dequantize`` (per tensor, or per axis on the
+    same axis) as one ``qnn.requantize`` (a conv's per-channel output grid for its lookup,
+    :mod:`autoq.lut_channels`); None otherwise."""
+    axis = int(value.attrs["axis"])
+    if not is_call(src, "qnn.dequantize") or axis != lut_channels.AXIS:
+        return None  # (only RealizeContext.activation emits per-axis quantizes on axis 1)
+    w, s1, z1 = src.args
+    if not (_per_tensor(s1) or int(src.attrs["axis"]) == axis):
+        return None
+    _, s2, z2 = value.args
+    out_dtype = str(value.attrs["out_dtype"])
+    return qnn.requantize(w, s1, z1, s2, z2, axis=axis, out_dtype=out_dtype, rounding=rounding)
+
+
 def propagate(mod: tvm.IRModule, rounding: str = "float", max_rounds: int = 1000) -> tvm.IRModule:
     """Push quantize up and dequantize down through the allow-list and merge them (module
     doc), to a fixed point."""
@@ -327,6 +346,8 @@ class _Round:
         """The replacement of one binding's value, or None to keep it."""
         if is_call(value, "qnn.quantize") and _per_tensor(value.args[1]):
             return self.quantize(value)
+        if is_call(value, "qnn.quantize"):
+            return _per_axis_requantize(value, self.val(value.args[0]), self.rounding)
         if self.phase == "down" and is_call(value) and value.args:
             return self.dequantize_below(value)
         return None

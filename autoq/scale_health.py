@@ -217,8 +217,16 @@ class HealthCheck:
     needs_range = False
 
     def observer(self, axis=None, data_range=None) -> HealthObserver:
+        """A per-axis qparam (a lookup input, :mod:`autoq.lut_channels`) is checked against
+        the one grid of its dtype spanning every channel's grid: a per-tensor summary."""
         qp = self.qparam
-        return HealthObserver(qp.scale, qp.zero_point, qp.qmin, qp.qmax)
+        scale, zp = qp.scale, qp.zero_point
+        if np.ndim(scale) == 1 and np.size(scale) > 1:
+            s, z = scale.astype(np.float64), zp.astype(np.float64)
+            lo, hi = float(np.min((qp.qmin - z) * s)), float(np.max((qp.qmax - z) * s))
+            scale = np.float32(max(hi - lo, 1e-30) / (qp.qmax - qp.qmin))
+            zp = int(np.clip(np.rint(qp.qmin - lo / scale), qp.qmin, qp.qmax))
+        return HealthObserver(scale, zp, qp.qmin, qp.qmax)
 
 
 def problem(h: SlotHealth, scale: float) -> str | None:

@@ -180,10 +180,11 @@ class ShardRunner:
         return LaterObserver(self._pool().submit(work))
 
     def _observe(self, inputs: list, slot: str, calibrator, data_range):
+        axis = self.plan.axes.get(slot)  # per-channel lookup inputs (autoq.lut_channels)
         if calibrator is None:
-            obs = calibrators.range_observer(None)
+            obs = calibrators.range_observer(axis)
         else:
-            obs = calibrator.observer(axis=None, data_range=data_range)
+            obs = calibrator.observer(axis=axis, data_range=data_range)
         for x in self._batches(slot, inputs):
             obs.update(np.asarray(x))
         return obs

@@ -30,8 +30,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from . import hybrid, qnn
-from .activations import LUT_DTYPES, lut_table
+from . import hybrid, lut_channels, qnn
+from .activations import LUT_DTYPES
 from .config import Config, QuantSpec
 from .exits import exit_tensors, int32_carriers
 from .graph import Graph, WeightRef
@@ -136,6 +136,8 @@ class SimContext:
         self.match: Match | None = None
         self.tensor_id = slot_id_of(g, matches)
         self._consumer: dict[str, str] = {}
+        #: conv outputs quantized per channel for their lookup (autoq.lut_channels)
+        self.per_channel = lut_channels.per_channel_inputs(g, matches, config)
 
     # ---- generic
     def emit(self, expr, name: str | None = None, switch=None) -> relax.Var:
@@ -238,28 +240,30 @@ class SimContext:
             key = f"{sid}@{self.layer}"
             if key not in self._acts:
                 s, z = self.qparam_vars[sid]
-                dtype = self.plan.specs[sid].dtype
+                dtype, ax = self.plan.specs[sid].dtype, self.plan.slots[sid].axis
                 q = self.emit(
-                    qnn.simulated_quantize(self.value(expr), s, z, dtype=dtype),
+                    qnn.simulated_quantize(self.value(expr), s, z, axis=ax or -1, dtype=dtype),
                     f"{sid}.q_{self.layer}",
                     switch=self._input_switch(expr),
                 )
-                self._acts[key] = _LazyQ(self, q, s, z)
+                self._acts[key] = _LazyQ(self, q, s, z, ax)
             return self._acts[key]
         if sid in self._acts:
             return self._acts[sid]
         spec = self.act_spec(sid, self.layer)
+        channels = self.per_channel.get(expr, (None,))[0]
+        ax = None if channels is None else lut_channels.AXIS
         s, z = self._new_slot(
-            sid, "activation", spec, None, None, None, shape_of(expr), self.match.pattern.name
+            sid, "activation", spec, None, ax, channels, shape_of(expr), self.match.pattern.name
         )
         q = self.emit(
-            qnn.simulated_quantize(self.value(expr), s, z, dtype=spec.dtype),
+            qnn.simulated_quantize(self.value(expr), s, z, axis=ax or -1, dtype=spec.dtype),
             f"{sid}.q",
             switch=self._input_switch(expr) if self.switches else None,
         )
         self.plan.tensors[sid] = expr
         self.sq_vars[sid] = q
-        handle = _LazyQ(self, q, s, z)
+        handle = _LazyQ(self, q, s, z, ax)
         self._acts[sid] = handle
         if self.switches:
             self._acts[f"{sid}@{self.layer}"] = handle
@@ -344,11 +348,17 @@ class SimContext:
         )
         pre = self.emit(real, f"{sid}.pre")
         observed = self.emit(qnn.simulated_quantize(pre, s, z, dtype=spec.dtype), f"{sid}.sq")
-        table = relax.Var(f"{m.layer}.table", relax.TensorType([256], "float32"))
+        rows = self.per_channel[m["data"]][0] if x.axis is not None else None
+        tshape = [256] if rows is None else [rows, 256]
+        table = relax.Var(f"{m.layer}.table", relax.TensorType(tshape, "float32"))
         self.table_vars[m.layer] = table
         self.plan.tables[m.layer] = (in_sid, sid, activation)
-        qmin = qrange(in_dtype)[0]
-        idx = self.emit(relax.op.astype(relax.op.subtract(x.q, const(qmin, "float32")), "int32"))
+        idx = relax.op.subtract(x.q, const(qrange(in_dtype)[0], "float32"))
+        if rows is not None:  # one table per channel: row c starts at c * 256
+            offsets = np.arange(rows, dtype=np.float32).reshape(1, rows, 1, 1) * 256
+            idx = relax.op.add(self.emit(idx), const(offsets))
+            table = self.emit(relax.op.reshape(table, [rows * 256]))
+        idx = self.emit(relax.op.astype(idx, "int32"))
         q = relax.op.take(table, idx, axis=0, mode="clip")
         if self.switches:  # switched off: the float activation, unrounded
             on = relax.op.greater(self._switch(), const(0.0, "float32"))
@@ -436,9 +446,7 @@ class SimResult:
     def table(self, layer: str, qparams) -> np.ndarray:
         """``layer``'s lookup table (float32 integers) for ``qparams``."""
         in_sid, out_sid, act = self.plan.tables[layer]
-        a, b = qparams[in_sid], qparams[out_sid]
-        t = lut_table(act, a.scale, a.zero_point, a.dtype, b.scale, b.zero_point, b.dtype)
-        return t.astype(np.float32)
+        return lut_channels.table(act, qparams[in_sid], qparams[out_sid]).astype(np.float32)
 
     @property
     def slots(self) -> dict[str, SlotInfo]:

@@ -23,7 +23,11 @@ with no rendered text; photos that show real print (``page``, ``logo``, ``clock`
 not a borderline speck); the K with the most such pixels are taken. Row ``pe_calfp``
 calibrates on K more such crops, chosen by the same rule from another pool (seed 17).
 
+``--latency N``: after the rows, each row's module compiled with the CPU kernels and timed
+N times, the rows in turn (ratios against the first row).
+
     python benchmarks/ppocr_budget.py --rows pe pe_gate pe_first3
+    python benchmarks/ppocr_budget.py --rows pe pe_pclut --latency 20
     python benchmarks/ppocr_budget.py --fp 4 --rows pe_first3_fp pe_tensors3_fp
 """
 
@@ -63,6 +67,14 @@ class MapIoU:
     def __call__(self, run) -> float:
         outs = [o[0] if isinstance(o, list | tuple) else o for o in run(self.samples)]
         return common.fidelity("detector", self.reference, outs, self.thresh)["agree"]
+
+
+#: the 24 convs of PP-OCRv4 det whose output only a hardswish table reads (the slots
+#: Config.lut_input_per_channel makes per channel; printed by autoq.simulate at 480x480)
+PCLUT_CONVS = tuple(
+    f"conv2d_{k}.w_0"
+    for k in (394, 395, 397, 398, 399, 401, 402, 403, *range(405, 414), *range(415, 422))
+)
 
 
 def recipe(percentile: float = 99.99, **changes):
@@ -115,6 +127,31 @@ def rows(metrics: dict, n_extra: dict) -> dict:
     return {
         "default": (autoq.Config(progress=False), None, "autoq defaults"),
         "pe": (recipe(), None, "percentile + EBC + lookup-input cuts"),
+        "pe_pclut": (
+            recipe(lut_input_per_channel=True),
+            None,
+            "pe + per-channel lookup inputs (Config.lut_input_per_channel)",
+        ),
+        "p_lut": (
+            recipe(empirical_bias_correction=False),
+            None,
+            "percentile + lookup-input cuts (pe without bias correction)",
+        ),
+        "p_lut_pclut": (
+            recipe(empirical_bias_correction=False, lut_input_per_channel=True),
+            None,
+            "p_lut + per-channel lookup inputs",
+        ),
+        "pe_gate_pclut": (
+            recipe(bias_correction_holdout=8, lut_input_per_channel=True),
+            "gate",
+            "pe_gate + per-channel lookup inputs",
+        ),
+        "pe_pclut_skip": (
+            recipe(lut_input_per_channel=True, bias_correction_skip=PCLUT_CONVS),
+            None,
+            "pe_pclut, no bias correction on the 24 convs writing a per-channel lookup input",
+        ),
         "pe_p99.9": (recipe(99.9), None, "pe with percentile 99.9"),
         "pe_p99.999": (recipe(99.999), None, "pe with percentile 99.999"),
         "pe_gate": (
@@ -201,6 +238,12 @@ def main(argv=None) -> None:
     ap.add_argument("--fp", type=int, default=4, help="false-positive crops (rows *_fp)")
     ap.add_argument("--fp-pool", type=int, default=80, help="text-free candidate crops")
     ap.add_argument("--fp-min-pixels", type=int, default=300)
+    ap.add_argument(
+        "--latency",
+        type=int,
+        default=0,
+        help="timed runs per row (autoq.compile with the CPU kernels, rows interleaved)",
+    )
     args = ap.parse_args(argv)
     import autoq
 
@@ -232,9 +275,45 @@ def main(argv=None) -> None:
     unknown = [r for r in args.rows if r not in table]
     if unknown:
         raise SystemExit(f"unknown rows {unknown}; known: {list(table)}")
+    modules = {}
     for name in args.rows:
-        run_row(
+        modules[name] = run_row(
             name, table[name], (mod, params), calib, extra, (evals, ref, metrics), info, args.image
+        )
+    if args.latency:
+        interleaved_latency(modules, evals[0], args.latency)
+
+
+def interleaved_latency(modules: dict, sample: dict, runs: int) -> None:
+    """Median ms of each row's int8 module (``autoq.compile``, CPU kernels, all cores),
+    the rows run in turn ``runs`` times (load shifts hit every row alike); ratios against
+    the first row."""
+    import tvm
+    from tvm import relax
+
+    import autoq
+
+    vms = {}
+    for name, mod in modules.items():
+        vm = relax.VirtualMachine(autoq.compile(mod, autoq.build.default_target()), tvm.cpu())
+        args = [tvm.runtime.tensor(np.ascontiguousarray(v)) for v in sample.values()]
+        vm["main"](*args)  # warm-up
+        vms[name] = (vm, args)
+    times: dict = {name: [] for name in vms}
+    l0 = load()
+    for _ in range(runs):
+        for name, (vm, args) in vms.items():
+            t0 = time.perf_counter()
+            vm["main"](*args)
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    first = float(np.median(next(iter(times.values()))))
+    for name, ts in times.items():
+        med = float(np.median(ts))
+        print(
+            f"LATENCY {name}: median {med:.2f} ms, min {min(ts):.2f} ms, "
+            f"{med / first:.3f}x of {next(iter(times))}; {runs} interleaved runs; "
+            f"load {l0} -> {load()}; code of commit {START_COMMIT}",
+            flush=True,
         )
 
 
@@ -277,6 +356,7 @@ def run_row(name, row, model, calib, extra, evaluation, info, i) -> None:
     print(f"  per image IoU: {per}", flush=True)
     for w in caught:
         print(f"  warning: {str(w.message)[:300]}")
+    return res.module
 
 
 if __name__ == "__main__":

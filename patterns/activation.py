@@ -15,8 +15,8 @@ from __future__ import annotations
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
-from autoq import qnn
-from autoq.activations import ACTIVATIONS, LUT_DTYPES, Activation, lut_table
+from autoq import lut_channels, qnn
+from autoq.activations import ACTIVATIONS, LUT_DTYPES, Activation
 from autoq.registry import Pattern, register
 from autoq.toolkit import const
 
@@ -42,8 +42,8 @@ def _make(op: str, act: Activation) -> Pattern:
         x = ctx.activation(m["data"])
         out = ctx.output_qparam()
         if x.dtype in LUT_DTYPES and out.dtype in LUT_DTYPES:
-            t = lut_table(act, x.scale, x.zero_point, x.dtype, out.scale, out.zero_point, out.dtype)
-            return ctx.output(qnn.lut(x.q, const(t)))
+            t = lut_channels.table(act, x.qparam, out.qparam)
+            return ctx.output(qnn.lut(x.q, const(t), x.qparam.axis))
         call = ctx.g.value[m.root]
         y = relax.Call(call.op, [x.real], call.attrs)
         return ctx.output(qnn.quantize(y, out.scale_c, out.zero_point_c, out_dtype=out.dtype))

@@ -19,8 +19,8 @@ import numpy as np
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
-from autoq import qnn
-from autoq.activations import ACTIVATIONS, LUT_DTYPES, affine, lut_table
+from autoq import lut_channels, qnn
+from autoq.activations import ACTIVATIONS, LUT_DTYPES, affine
 from autoq.registry import Pattern, register
 from autoq.toolkit import const, shape_of
 
@@ -68,9 +68,8 @@ def _make(op: str, name: str) -> Pattern:
         x = ctx.activation(m["data"])
         out = ctx.output_qparam()
         if x.dtype in LUT_DTYPES and out.dtype in LUT_DTYPES:
-            row = _row(ctx.g, m)
-            t = lut_table(row, x.scale, x.zero_point, x.dtype, out.scale, out.zero_point, out.dtype)
-            return ctx.output(qnn.lut(x.q, const(t)))
+            t = lut_channels.table(_row(ctx.g, m), x.qparam, out.qparam)
+            return ctx.output(qnn.lut(x.q, const(t), x.qparam.axis))
         y = float_value(ctx, m, x.real)
         return ctx.output(qnn.quantize(y, out.scale_c, out.zero_point_c, out_dtype=out.dtype))
 

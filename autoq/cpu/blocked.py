@@ -185,6 +185,7 @@ def blocked_edges(
     cand |= set(flexible)
     for var, e in pairs:
         lut = is_call(e, "qnn.lut") and const_array(e.args[1]) is not None
+        lut = lut and const_array(e.args[1]).ndim == 1  # (per-channel tables: NCHW only)
         if lut and isinstance(e.args[0], relax.Var) and lut_layout(dtype_of(e.args[0])):
             cand.add(var)
     layouts: dict = {}

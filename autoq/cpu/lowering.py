@@ -42,7 +42,13 @@ from .depthwise import blocked, depthwise_kernel, depthwise_weight
 from .epilogue import Epilogue
 from .fuse_epilogue import fuse_epilogues
 from .isa import VNNI, Isa, kernel_isa
-from .lut import VBMI_TABLE_DTYPES, lut_kernel, vbmi_lut_kernel
+from .lut import (
+    VBMI_TABLE_DTYPES,
+    channel_lut_kernel,
+    lut_kernel,
+    vbmi_channel_lut_kernel,
+    vbmi_lut_kernel,
+)
 from .packing import compensation, pack_conv_weight, pack_dense_weight, round_up
 from .softmax import softmax_kernel, softmax_table
 
@@ -348,12 +354,15 @@ def _lut(_isa: Isa, fallback, bb, call):
     shape = shape_of(data)
     if shape is None:
         return fallback(bb, call)
-    kernel = lut_kernel
     target = tvm.target.Target.current(allow_none=True)
-    if dtype_of(table) in VBMI_TABLE_DTYPES and target is not None:
-        if tvm.target.codegen.target_has_features("avx512vbmi", target):
-            kernel = vbmi_lut_kernel
-    func = kernel(shape, dtype_of(data), dtype_of(table))
+    vbmi = dtype_of(table) in VBMI_TABLE_DTYPES and target is not None
+    vbmi = vbmi and tvm.target.codegen.target_has_features("avx512vbmi", target)
+    dtypes = (dtype_of(data), dtype_of(table))
+    if call.attrs is not None and "axis" in call.attrs:  # one table per channel
+        kernel = vbmi_channel_lut_kernel if vbmi else channel_lut_kernel
+        func = kernel(shape, int(call.attrs["axis"]), *dtypes)
+    else:
+        func = (vbmi_lut_kernel if vbmi else lut_kernel)(shape, *dtypes)
     gv = bb.add_func(func.without_attr("global_symbol"), "autoq_lut")
     return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, dtype_of(table)))
 

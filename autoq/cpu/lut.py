@@ -7,6 +7,10 @@ stops LLVM from vectorizing the requantize and float ops around it (measured 5% 
 PP-OCRv4 det). Same values: every int8/uint8 input is a valid table index.
 
 * :func:`lut_kernel`: a scalar gather, parallel over the leading axes (any target).
+* :func:`channel_lut_kernel` / :func:`vbmi_channel_lut_kernel`: the same with one table per
+  channel (``[C, 256]``, ``qnn.lut`` with ``axis``; :mod:`autoq.lut_channels`): the VBMI one
+  runs plane by plane (the elements after ``axis`` are contiguous and share a table), the
+  four table registers loaded per plane.
 * :func:`vbmi_lut_kernel` (targets with AVX-512 VBMI, 8-bit tables): the 256-byte table
   lives in four 64-byte registers; 64 inputs at a time go through two ``vpermi2b`` (each
   picks from 128 table bytes by the input's low 7 bits) and the input's top bit chooses
@@ -34,7 +38,13 @@ from tvm.script import tirx as T
 from .injective import KERNEL_ATTR, schedule_fused
 from .tiling import i64
 
-__all__ = ["VBMI_TABLE_DTYPES", "lut_kernel", "vbmi_lut_kernel"]
+__all__ = [
+    "VBMI_TABLE_DTYPES",
+    "channel_lut_kernel",
+    "lut_kernel",
+    "vbmi_channel_lut_kernel",
+    "vbmi_lut_kernel",
+]
 
 VBMI_TABLE_DTYPES = ("int8", "uint8")
 _W = 64  # bytes per AVX-512 register
@@ -98,3 +108,66 @@ def vbmi_lut_kernel(shape, data_dtype: str, table_dtype: str) -> tirx.PrimFunc:
             out[nv * _W + k] = table[T.Cast("int32", x[nv * _W + k]) - qmin]
 
     return vbmi_lut.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
+
+
+def channel_lut_kernel(shape, axis: int, data_dtype: str, table_dtype: str) -> tirx.PrimFunc:
+    """PrimFunc ``(data[shape], table[C, 256], out[shape])``, ``C = shape[axis]``: the
+    table of each element's channel."""
+    qmin, axis = _qmin(data_dtype), axis % len(shape)
+    data = te.placeholder(i64(*shape), data_dtype, name="data")
+    table = te.placeholder(i64(int(shape[axis]), 256), table_dtype, name="table")
+    out = te.compute(
+        data.shape,
+        lambda *i: table[i[axis], data[i].astype("int32") - qmin],
+        name="autoq_lut",
+    )
+    func = schedule_fused(te.create_prim_func([data, table, out]))
+    return func.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
+
+
+def vbmi_channel_lut_kernel(shape, axis: int, data_dtype: str, table_dtype: str) -> tirx.PrimFunc:
+    """PrimFunc ``(data[shape], table[C, 256], out[shape])`` with ``vpermi2b``, one plane
+    (the elements sharing the index up to ``axis``) per task; each plane's last
+    ``size % 64`` elements by a scalar gather."""
+    shape = tuple(int(d) for d in shape)
+    axis = axis % len(shape)
+    channels, plane = shape[axis], math.prod(shape[axis + 1 :])
+    planes, n = math.prod(shape[: axis + 1]), math.prod(shape)
+    nv, qmin, vec = plane // _W, _qmin(data_dtype), f"{table_dtype}x{_W}"
+    first_half_if_negative = data_dtype == "int8"
+
+    def permute(table, first, v):
+        return T.call_llvm_pure_intrin(
+            vec, _PERMUTE, table[T.Ramp(first, 1, _W)], v, table[T.Ramp(first + _W, 1, _W)]
+        )
+
+    @T.prim_func
+    def vbmi_channel_lut(
+        x_in: T.Buffer(shape, data_dtype),
+        table_in: T.Buffer((channels, 256), table_dtype),
+        out_: T.Buffer(shape, table_dtype),
+    ):
+        T.func_attr({"tirx.noalias": True})
+        x = T.decl_buffer((n,), data_dtype, data=x_in.data)
+        signed = T.decl_buffer((n,), "int8", data=x_in.data)
+        table = T.decl_buffer((channels * 256,), table_dtype, data=table_in.data)
+        out = T.decl_buffer((n,), table_dtype, data=out_.data)
+        for p in T.parallel(planes):
+            row = (p % channels) * 256
+            for j in range(nv):
+                base = p * plane + j * _W
+                v = signed[T.Ramp(base, 1, _W)]
+                negative = v < T.Broadcast(T.int8(0), _W)
+                if first_half_if_negative:
+                    out[T.Ramp(base, 1, _W)] = T.Select(
+                        negative, permute(table, row, v), permute(table, row + 128, v)
+                    )
+                else:
+                    out[T.Ramp(base, 1, _W)] = T.Select(
+                        negative, permute(table, row + 128, v), permute(table, row, v)
+                    )
+            for k in range(plane - nv * _W):
+                i = p * plane + nv * _W + k
+                out[i] = table[row + T.Cast("int32", x[i]) - qmin]
+
+    return vbmi_channel_lut.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})

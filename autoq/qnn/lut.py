@@ -6,39 +6,64 @@ a 1-D tensor of 256 int8 or uint8 values (the output dtype), usually a constant 
 hardswish, gelu, silu ... run with no float arithmetic at all. The qparams are not arguments:
 they are folded into the table (the slot qparams of the input and output tensors are those of
 the neighbouring ``qnn`` ops).
+
+Per channel (``axis`` given, :mod:`autoq.lut_channels`): ``table`` is ``[C, 256]`` with ``C``
+the size of ``data``'s dimension ``axis``, and ``lut(data, table)[i] = table[i[axis], data[i]
+- qmin]``: one table per channel (each channel's input grid its own, the output grid shared).
 """
 
 from __future__ import annotations
 
+import numpy as np
 from tvm import relax
 
 from ..activations import LUT_DTYPES
-from .checks import check_dtype, dims, fail, static_int, tensor_type
+from .checks import attr, check_dtype, dims, fail, static_int, tensor_type
 from .registration import make_call, register
 
 __all__ = ["lut"]
 
 
-def lut(data: relax.Expr, table: relax.Expr) -> relax.Call:
-    """``table[data - qmin]``: an 8-bit tensor through a 256-entry lookup table."""
-    return make_call("qnn.lut", [data, table], {})
+def lut(data: relax.Expr, table: relax.Expr, axis: int | None = None) -> relax.Call:
+    """``table[data - qmin]``: an 8-bit tensor through a 256-entry lookup table (with
+    ``axis``: one ``[C, 256]`` table row per channel of that dimension)."""
+    return make_call("qnn.lut", [data, table], {} if axis is None else {"axis": int(axis)})
 
 
 def _infer(op, call):
     data, table = call.args
     check_dtype(op, "data", data, LUT_DTYPES)
     out = check_dtype(op, "table", table, LUT_DTYPES)
-    tdims = dims(table)
-    if tdims is None or len(tdims) != 1 or static_int(tdims[0]) != 256:
-        fail(op, "table", "a 1-D tensor of 256 entries", tdims)
-    return tensor_type(dims(data), out)
+    tdims, ddims, axis = dims(table), dims(data), attr(call, "axis")
+    if axis is None:
+        if tdims is None or len(tdims) != 1 or static_int(tdims[0]) != 256:
+            fail(op, "table", "a 1-D tensor of 256 entries", tdims)
+        return tensor_type(ddims, out)
+    if ddims is None or not -len(ddims) <= axis < len(ddims):
+        fail(op, "axis", "a dimension of data", axis)
+    channels = static_int(ddims[axis])
+    if tdims is None or len(tdims) != 2 or [static_int(d) for d in tdims] != [channels, 256]:
+        fail(
+            op, "table", f"a [{channels}, 256] tensor (one table per channel of axis {axis})", tdims
+        )
+    return tensor_type(ddims, out)
 
 
 def _legalize(bb, call):
     data, table = call.args
     qmin = -128 if str(data.ty.dtype) == "int8" else 0
     idx = relax.op.subtract(relax.op.astype(data, "int32"), relax.const(qmin, "int32"))
-    return bb.normalize(relax.op.take(table, idx, axis=0, mode="clip"))
+    axis = attr(call, "axis")
+    if axis is None:
+        return bb.normalize(relax.op.take(table, idx, axis=0, mode="clip"))
+    rank = len(dims(data))
+    channels = static_int(dims(table)[0])
+    shape = [1] * rank
+    shape[axis % rank] = channels
+    rows = np.arange(channels, dtype=np.int32).reshape(shape) * 256
+    flat = relax.op.reshape(table, [channels * 256])
+    idx = relax.op.add(idx, relax.const(rows))
+    return bb.normalize(relax.op.take(flat, idx, axis=0, mode="clip"))
 
 
 register(lut, _infer, _legalize)
