@@ -68,10 +68,10 @@ def per_channel_inputs(g, matches, config) -> dict:
             continue
         if any(u not in m.covered for u in users):
             continue
-        spec_in = config.layer_spec("activation", m.layer)
+        spec_in = config.layer_spec("activation", m.layer, m.pattern.name)
         if prod.layer in config.int16_tensors:
             spec_in = spec_in.as_int16()
-        spec_out = config.layer_spec("activation", m.layer)
+        spec_out = config.layer_spec("activation", m.layer, m.pattern.name)
         if m.layer in config.int16_tensors:
             spec_out = spec_out.as_int16()
         if spec_in.dtype in LUT_DTYPES and spec_out.dtype in LUT_DTYPES:

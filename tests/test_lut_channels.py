@@ -79,6 +79,19 @@ def test_slots_go_per_channel_only_for_a_conv_read_by_one_lookup():
     assert list(per_channel_inputs(m.graph, m.active(cfg().fallback), cfg(on=False))) == []
 
 
+def test_pattern_overrides_decide_the_slot_like_id_overrides():
+    """An Override selecting the lookup by pattern name (``pattern:``) reaches the
+    per-channel choice as an id rule does: int16 there keeps the slot per tensor."""
+    from autoq.config import Override
+
+    mod, params, _ = conv_hswish()
+    for rule in ("pattern:hardswish*", "autoq.hardswish_0"):
+        over = (Override(rule, activation=QuantSpec(dtype="int16")),)
+        assert simulate(mod, params, cfg(overrides=over)).slots["c1"].axis is None, rule
+        over = (Override(rule, activation=QuantSpec(calibrator=Percentile(percentile=99.9))),)
+        assert simulate(mod, params, cfg(overrides=over)).slots["c1"].axis == 1, rule
+
+
 def _hardswish64(x):
     return x * np.clip(x + 3.0, 0.0, 6.0) / 6.0
 
