@@ -23,6 +23,10 @@ with no rendered text; photos that show real print (``page``, ``logo``, ``clock`
 not a borderline speck); the K with the most such pixels are taken. Row ``pe_calfp``
 calibrates on K more such crops, chosen by the same rule from another pool (seed 17).
 
+``--int16 T..`` / ``--fp32 L..`` (rows ``pe_int16`` / ``pe_fp32``, and ``pe_pclut_int16``):
+the recipe with those activation tensors int16 / layers fp32, for the sets
+``benchmarks/ppocr_img18.py`` finds on evaluation image 18: a diagnosis, never a recipe.
+
 ``--latency N``: after the rows, each row's module compiled with the CPU kernels and timed
 N times, the rows in turn (ratios against the first row).
 
@@ -112,10 +116,13 @@ def false_positive_crops(
     return [cands[i] for _, i, _, _ in scored[:k]], lines
 
 
-def rows(metrics: dict, n_extra: dict) -> dict:
+def rows(metrics: dict, n_extra: dict, int16=(), fp32=()) -> dict:
     """Row name -> (Config, extra data: None / "gate" / "search" / "search_fp", what).
-    ``metrics``: the MapIoU of the "search" and "search_fp" sets; ``n_extra``: their sizes."""
+    ``metrics``: the MapIoU of the "search" and "search_fp" sets; ``n_extra``: their sizes;
+    ``int16`` / ``fp32``: the tensors / layers of the diagnosis rows (``--int16``, ``--fp32``)."""
     import autoq
+
+    fixed = autoq.Fallback(ids=tuple(fp32))
 
     def auto(precision, on="search", **kw):
         fb = autoq.AutoFallback(
@@ -151,6 +158,21 @@ def rows(metrics: dict, n_extra: dict) -> dict:
             recipe(lut_input_per_channel=True, bias_correction_skip=PCLUT_CONVS),
             None,
             "pe_pclut, no bias correction on the 24 convs writing a per-channel lookup input",
+        ),
+        "pe_int16": (
+            recipe(int16_tensors=tuple(int16)),
+            None,
+            "pe + the --int16 tensors int16 (diagnosis of evaluation image 18)",
+        ),
+        "pe_pclut_int16": (
+            recipe(int16_tensors=tuple(int16), lut_input_per_channel=True),
+            None,
+            "pe_pclut + the --int16 tensors int16 (diagnosis of evaluation image 18)",
+        ),
+        "pe_fp32": (
+            recipe(fallback=fixed),
+            None,
+            "pe + the --fp32 layers fp32 (diagnosis of evaluation image 18)",
         ),
         "pe_p99.9": (recipe(99.9), None, "pe with percentile 99.9"),
         "pe_p99.999": (recipe(99.999), None, "pe with percentile 99.999"),
@@ -238,6 +260,8 @@ def main(argv=None) -> None:
     ap.add_argument("--fp", type=int, default=4, help="false-positive crops (rows *_fp)")
     ap.add_argument("--fp-pool", type=int, default=80, help="text-free candidate crops")
     ap.add_argument("--fp-min-pixels", type=int, default=300)
+    ap.add_argument("--int16", nargs="*", default=[], help="tensors int16 in row pe_int16")
+    ap.add_argument("--fp32", nargs="*", default=[], help="layers fp32 in row pe_fp32")
     ap.add_argument(
         "--latency",
         type=int,
@@ -271,7 +295,7 @@ def main(argv=None) -> None:
     )
     print(f"false-positive calibration crops (seed {FP_CALIB_SEED}): {lines[: args.fp]}")
     metrics = {k: MapIoU(v, common.ort_outputs(sess, v)) for k, v in extra.items() if v}
-    table = rows(metrics, {k: len(v) for k, v in extra.items()})
+    table = rows(metrics, {k: len(v) for k, v in extra.items()}, args.int16, args.fp32)
     unknown = [r for r in args.rows if r not in table]
     if unknown:
         raise SystemExit(f"unknown rows {unknown}; known: {list(table)}")
