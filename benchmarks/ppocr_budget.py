@@ -23,7 +23,8 @@ with no rendered text; photos that show real print (``page``, ``logo``, ``clock`
 not a borderline speck); the K with the most such pixels are taken. Row ``pe_calfp``
 calibrates on K more such crops, chosen by the same rule from another pool (seed 17).
 
-``--int16 T..`` / ``--fp32 L..`` (rows ``pe_int16`` / ``pe_fp32``, and ``pe_pclut_int16``):
+``--int16 T..`` / ``--fp32 L..`` (rows ``pe_int16`` / ``pe_fp32``, and ``pe_pclut_int16``,
+``p_lut_int16``, ``p_lut_pclut_int16``):
 the recipe with those activation tensors int16 / layers fp32, for the sets
 ``benchmarks/ppocr_img18.py`` finds on evaluation image 18: a diagnosis, never a recipe.
 
@@ -168,6 +169,20 @@ def rows(metrics: dict, n_extra: dict, int16=(), fp32=()) -> dict:
             recipe(int16_tensors=tuple(int16), lut_input_per_channel=True),
             None,
             "pe_pclut + the --int16 tensors int16 (diagnosis of evaluation image 18)",
+        ),
+        "p_lut_int16": (
+            recipe(int16_tensors=tuple(int16), empirical_bias_correction=False),
+            None,
+            "p_lut + the --int16 tensors int16 (diagnosis of evaluation image 18)",
+        ),
+        "p_lut_pclut_int16": (
+            recipe(
+                int16_tensors=tuple(int16),
+                empirical_bias_correction=False,
+                lut_input_per_channel=True,
+            ),
+            None,
+            "p_lut_pclut + the --int16 tensors int16 (diagnosis of evaluation image 18)",
         ),
         "pe_fp32": (
             recipe(fallback=fixed),

@@ -4,11 +4,14 @@ evaluation image (issue 16): nothing here chooses a default or a recipe.
 Every int8 row erases the confident fp32 false-positive blob of evaluation image 18 (a
 text-free crop; see benchmarks/results/ppocr_budget.md), which alone keeps issue 16's 97%
 out of reach. This script calibrates the PP-OCR recipe (``ppocr_budget.recipe()``, row
-``pe``; ``--pclut``: with ``Config.lut_input_per_channel``, row ``pe_pclut``) on the
+``pe``; ``--pclut``: with ``Config.lut_input_per_channel``, row ``pe_pclut``; ``--no-ebc``:
+without the empirical bias correction, rows ``p_lut*``) on the
 calibration crops of ``--calib-seed``, builds one :class:`autoq.escalation.EscalationGraph`
 on the graph simulated *with layer switches* (one compile: any set of activation tensors
 int16 and any set of layers fp32 is one run, the calibrated qparams and bias corrections
-unchanged; the int16 qparams are the escalation's, observed range x ``INT16_HEADROOM``),
+unchanged, so an int16 tensor's readers keep the correction calibrated for its int8 error,
+while a layer switched to fp32 reads the model's own weight and bias; the int16 qparams are
+the escalation's, observed range x ``INT16_HEADROOM``),
 and searches, in topological order:
 
 * the smallest set of activation tensors whose int16 makes image 18's IoU@0.3 reach
@@ -177,13 +180,16 @@ def main(argv=None) -> None:
     ap.add_argument("--image", type=int, default=18)
     ap.add_argument("--good", type=float, default=0.5, help="image IoU that counts as recovered")
     ap.add_argument("--pclut", action="store_true", help="recipe + lut_input_per_channel")
+    ap.add_argument("--no-ebc", action="store_true", help="recipe without bias correction")
     ap.add_argument("--kinds", nargs="*", default=["int16", "fp32"], choices=["int16", "fp32"])
     args = ap.parse_args(argv)
     global COMMIT
     COMMIT = ppocr_budget.commit()
     print(common.machine_summary(), "; commit", COMMIT, "; args", vars(args), flush=True)
     mod, params, sets, refs = setup(args)
-    cfg = ppocr_budget.recipe(lut_input_per_channel=args.pclut)
+    cfg = ppocr_budget.recipe(
+        lut_input_per_channel=args.pclut, empirical_bias_correction=not args.no_ebc
+    )
     eg = graph(mod, params, sets["calib"], cfg)
     sc = Scores(eg, sets, refs, args.image)
     sc.report("none (recipe, all int8)")
