@@ -125,12 +125,12 @@ def rows(metrics: dict, n_extra: dict, int16=(), fp32=()) -> dict:
 
     fixed = autoq.Fallback(ids=tuple(fp32))
 
-    def auto(precision, on="search", **kw):
+    def auto(precision, on="search", ebc=True, **kw):
         fb = autoq.AutoFallback(
             metric=metrics[on], max_drop=0.0, max_fp32_layers=3, holdout=n_extra[on],
             precision=precision, **kw,
         )  # fmt: skip
-        return recipe(fallback=fb)
+        return recipe(fallback=fb, empirical_bias_correction=ebc)
 
     return {
         "default": (autoq.Config(progress=False), None, "autoq defaults"),
@@ -221,6 +221,11 @@ def rows(metrics: dict, n_extra: dict, int16=(), fp32=()) -> dict:
             recipe(int16_tensors=EARLY3),
             None,
             "pe + the first three tensors after the input int16 (stem, depthwise, hardswish)",
+        ),
+        "p_lut_tensors3_fp": (
+            auto("int16_tensors", on="search_fp", ebc=False, max_int16_fraction=3.5 / 127),
+            "search_fp",
+            "p_lut + AutoFallback int16_tensors, <= 3 tensors, on search + false-positive crops",
         ),
         "pe_first3_fp": (
             auto("int16_first", on="search_fp", ranking="local"),
