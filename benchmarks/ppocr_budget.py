@@ -23,6 +23,11 @@ with no rendered text; photos that show real print (``page``, ``logo``, ``clock`
 not a borderline speck); the K with the most such pixels are taken. Row ``pe_calfp``
 calibrates on K more such crops, chosen by the same rule from another pool (seed 17).
 
+``--int16 T..`` / ``--fp32 L..`` (rows ``pe_int16`` / ``pe_fp32``, and ``pe_pclut_int16``,
+``p_lut_int16``, ``p_lut_pclut_int16``):
+the recipe with those activation tensors int16 / layers fp32, for the sets
+``benchmarks/ppocr_img18.py`` finds on evaluation image 18: a diagnosis, never a recipe.
+
 ``--latency N``: after the rows, each row's module compiled with the CPU kernels and timed
 N times, the rows in turn (ratios against the first row).
 
@@ -112,17 +117,20 @@ def false_positive_crops(
     return [cands[i] for _, i, _, _ in scored[:k]], lines
 
 
-def rows(metrics: dict, n_extra: dict) -> dict:
+def rows(metrics: dict, n_extra: dict, int16=(), fp32=()) -> dict:
     """Row name -> (Config, extra data: None / "gate" / "search" / "search_fp", what).
-    ``metrics``: the MapIoU of the "search" and "search_fp" sets; ``n_extra``: their sizes."""
+    ``metrics``: the MapIoU of the "search" and "search_fp" sets; ``n_extra``: their sizes;
+    ``int16`` / ``fp32``: the tensors / layers of the diagnosis rows (``--int16``, ``--fp32``)."""
     import autoq
 
-    def auto(precision, on="search", **kw):
+    fixed = autoq.Fallback(ids=tuple(fp32))
+
+    def auto(precision, on="search", ebc=True, **kw):
         fb = autoq.AutoFallback(
             metric=metrics[on], max_drop=0.0, max_fp32_layers=3, holdout=n_extra[on],
             precision=precision, **kw,
         )  # fmt: skip
-        return recipe(fallback=fb)
+        return recipe(fallback=fb, empirical_bias_correction=ebc)
 
     return {
         "default": (autoq.Config(progress=False), None, "autoq defaults"),
@@ -151,6 +159,35 @@ def rows(metrics: dict, n_extra: dict) -> dict:
             recipe(lut_input_per_channel=True, bias_correction_skip=PCLUT_CONVS),
             None,
             "pe_pclut, no bias correction on the 24 convs writing a per-channel lookup input",
+        ),
+        "pe_int16": (
+            recipe(int16_tensors=tuple(int16)),
+            None,
+            "pe + the --int16 tensors int16 (diagnosis of evaluation image 18)",
+        ),
+        "pe_pclut_int16": (
+            recipe(int16_tensors=tuple(int16), lut_input_per_channel=True),
+            None,
+            "pe_pclut + the --int16 tensors int16 (diagnosis of evaluation image 18)",
+        ),
+        "p_lut_int16": (
+            recipe(int16_tensors=tuple(int16), empirical_bias_correction=False),
+            None,
+            "p_lut + the --int16 tensors int16 (diagnosis of evaluation image 18)",
+        ),
+        "p_lut_pclut_int16": (
+            recipe(
+                int16_tensors=tuple(int16),
+                empirical_bias_correction=False,
+                lut_input_per_channel=True,
+            ),
+            None,
+            "p_lut_pclut + the --int16 tensors int16 (diagnosis of evaluation image 18)",
+        ),
+        "pe_fp32": (
+            recipe(fallback=fixed),
+            None,
+            "pe + the --fp32 layers fp32 (diagnosis of evaluation image 18)",
         ),
         "pe_p99.9": (recipe(99.9), None, "pe with percentile 99.9"),
         "pe_p99.999": (recipe(99.999), None, "pe with percentile 99.999"),
@@ -184,6 +221,11 @@ def rows(metrics: dict, n_extra: dict) -> dict:
             recipe(int16_tensors=EARLY3),
             None,
             "pe + the first three tensors after the input int16 (stem, depthwise, hardswish)",
+        ),
+        "p_lut_tensors3_fp": (
+            auto("int16_tensors", on="search_fp", ebc=False, max_int16_fraction=3.5 / 127),
+            "search_fp",
+            "p_lut + AutoFallback int16_tensors, <= 3 tensors, on search + false-positive crops",
         ),
         "pe_first3_fp": (
             auto("int16_first", on="search_fp", ranking="local"),
@@ -238,6 +280,8 @@ def main(argv=None) -> None:
     ap.add_argument("--fp", type=int, default=4, help="false-positive crops (rows *_fp)")
     ap.add_argument("--fp-pool", type=int, default=80, help="text-free candidate crops")
     ap.add_argument("--fp-min-pixels", type=int, default=300)
+    ap.add_argument("--int16", nargs="*", default=[], help="tensors int16 in row pe_int16")
+    ap.add_argument("--fp32", nargs="*", default=[], help="layers fp32 in row pe_fp32")
     ap.add_argument(
         "--latency",
         type=int,
@@ -271,7 +315,7 @@ def main(argv=None) -> None:
     )
     print(f"false-positive calibration crops (seed {FP_CALIB_SEED}): {lines[: args.fp]}")
     metrics = {k: MapIoU(v, common.ort_outputs(sess, v)) for k, v in extra.items() if v}
-    table = rows(metrics, {k: len(v) for k, v in extra.items()})
+    table = rows(metrics, {k: len(v) for k, v in extra.items()}, args.int16, args.fp32)
     unknown = [r for r in args.rows if r not in table]
     if unknown:
         raise SystemExit(f"unknown rows {unknown}; known: {list(table)}")
