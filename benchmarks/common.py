@@ -107,6 +107,18 @@ def _sha256_prefix(path: Path, n: int = 16) -> str:
     return h.hexdigest()[:n]
 
 
+def ppocr_data_args(ap) -> None:
+    """The PP-OCRv4 det benchmarks' data options on argparse parser ``ap``: calibration
+    crops and their seed, evaluation and search crops, the detector's input size, and the
+    evaluation image the diagnoses follow (image 18: the crop every int8 model loses)."""
+    ap.add_argument("--calib", type=int, default=40)
+    ap.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration crops")
+    ap.add_argument("--eval", type=int, default=32)
+    ap.add_argument("--search", type=int, default=16)
+    ap.add_argument("--det-size", type=int, default=480)
+    ap.add_argument("--image", type=int, default=18)
+
+
 def ppocr_det_config() -> dict:
     """The ``Det`` section of rapidocr-onnxruntime's config.yaml (model path, mean/std, thresh)."""
     import yaml

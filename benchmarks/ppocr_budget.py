@@ -269,13 +269,8 @@ def load() -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calib", type=int, default=40)
-    ap.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration crops")
-    ap.add_argument("--eval", type=int, default=32)
+    common.ppocr_data_args(ap)
     ap.add_argument("--gate", type=int, default=8)
-    ap.add_argument("--search", type=int, default=16)
-    ap.add_argument("--det-size", type=int, default=480)
-    ap.add_argument("--image", type=int, default=18)
     ap.add_argument("--rows", nargs="*", default=["pe"])
     ap.add_argument("--fp", type=int, default=4, help="false-positive crops (rows *_fp)")
     ap.add_argument("--fp-pool", type=int, default=80, help="text-free candidate crops")

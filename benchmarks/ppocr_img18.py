@@ -170,14 +170,9 @@ def search(sc: Scores, kind: str, items: list, good: float):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calib", type=int, default=40)
-    ap.add_argument("--calib-seed", type=int, default=0)
-    ap.add_argument("--eval", type=int, default=32)
-    ap.add_argument("--search", type=int, default=16)
+    common.ppocr_data_args(ap)
     ap.add_argument("--fp", type=int, default=4)
     ap.add_argument("--fp-pool", type=int, default=80)
-    ap.add_argument("--det-size", type=int, default=480)
-    ap.add_argument("--image", type=int, default=18)
     ap.add_argument("--good", type=float, default=0.5, help="image IoU that counts as recovered")
     ap.add_argument("--pclut", action="store_true", help="recipe + lut_input_per_channel")
     ap.add_argument("--no-ebc", action="store_true", help="recipe without bias correction")

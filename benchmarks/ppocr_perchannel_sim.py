@@ -321,12 +321,7 @@ def session(model, name: str):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calib", type=int, default=40)
-    ap.add_argument("--calib-seed", type=int, default=0)
-    ap.add_argument("--eval", type=int, default=32)
-    ap.add_argument("--search", type=int, default=16)
-    ap.add_argument("--det-size", type=int, default=480)
-    ap.add_argument("--image", type=int, default=18)
+    common.ppocr_data_args(ap)
     ap.add_argument("--percentile", type=float, default=99.99)
     ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--skip", nargs="*", default=[], help="tensors left in float (diagnosis)")
