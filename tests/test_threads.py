@@ -24,6 +24,16 @@ def test_more_threads_than_the_pool_is_an_error_naming_the_variable():
         autoq.set_threads(0)
 
 
+def python_prints(code: str, tvm_threads: int) -> list[str]:
+    """The words ``code`` prints in a fresh Python with ``TVM_NUM_THREADS=tvm_threads``."""
+    env = {**os.environ, "TVM_NUM_THREADS": str(tvm_threads)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
 def test_set_threads_takes_effect_within_the_pool():
     code = (
         "import tvm, autoq\n"
@@ -32,12 +42,7 @@ def test_set_threads_takes_effect_within_the_pool():
         "autoq.set_threads(1); b = n()\n"
         "print(a, b)\n"
     )
-    env = {**os.environ, "TVM_NUM_THREADS": "2"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["2", "1"]
+    assert python_prints(code, tvm_threads=2) == ["2", "1"]
 
 
 def _topology(root, pairs):
@@ -101,9 +106,4 @@ def test_a_one_thread_pool_leaves_the_threads_on_every_cpu():
         "t = threading.Thread(target=segment); t.start(); t.join()\n"
         "print(*seen)\n"
     )
-    env = {**os.environ, "TVM_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "False", "True", "True"], out.stdout
+    assert python_prints(code, tvm_threads=1) == ["True", "False", "True", "True"]
