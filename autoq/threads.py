@@ -6,6 +6,11 @@ without SMT that halves the cores a model runs on (one thread on a 2-vCPU machin
 ``import autoq`` sets ``TVM_NUM_THREADS`` to the machine's physical cores when the user has
 not set it (:func:`use_machine_cores`); it takes effect for every pool TVM creates after
 the import. :func:`set_threads` resizes the calling thread's pool within that size.
+
+Resizing a pool to one thread makes TVM pin the calling thread to the first CPU
+(measured, TVM 0.27: with ``TVM_NUM_THREADS=1``, ``set_threads(1)`` left the thread on CPU 0
+only, and every thread it started after inherited that; two test processes then shared one
+core). autoq keeps the thread's CPU affinity across every resize (:func:`keep_affinity`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,15 @@ from pathlib import Path
 
 import tvm
 
-__all__ = ["one_thread", "physical_cores", "set_threads", "use_machine_cores"]
+__all__ = [
+    "configure_pool",
+    "keep_affinity",
+    "one_thread",
+    "physical_cores",
+    "pool_threads",
+    "set_threads",
+    "use_machine_cores",
+]
 
 
 def physical_cores(sys_cpu: Path = Path("/sys/devices/system/cpu")) -> int:
@@ -42,8 +55,41 @@ def use_machine_cores() -> None:
     os.environ.setdefault("TVM_NUM_THREADS", str(physical_cores()))
 
 
-def _used() -> int:
-    return int(tvm.get_global_func("runtime.NumThreads")())
+@contextlib.contextmanager
+def keep_affinity():
+    """The calling thread's CPU affinity as it was before the block (TVM calls that create
+    or resize a one-thread pool pin the thread to the first CPU).
+
+    >>> with keep_affinity():
+    ...     pass
+    """
+    keep = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        yield
+    finally:
+        if keep is not None and os.sched_getaffinity(0) != keep:
+            os.sched_setaffinity(0, keep)
+
+
+def configure_pool(n: int) -> None:
+    """Resize the calling thread's TVM pool to ``n`` threads (mode 1, the "big" cores: all
+    cores on a homogeneous CPU), keeping the thread's CPU affinity.
+
+    >>> keep, size = os.sched_getaffinity(0), pool_threads()
+    >>> configure_pool(1)
+    >>> os.sched_getaffinity(0) == keep
+    True
+    >>> configure_pool(size)
+    """
+    with keep_affinity():
+        tvm.get_global_func("runtime.config_threadpool")(1, int(n))
+
+
+def pool_threads() -> int:
+    """The threads of the calling thread's TVM pool (the first call in a thread creates
+    its pool: the thread's CPU affinity is kept)."""
+    with keep_affinity():
+        return int(tvm.get_global_func("runtime.NumThreads")())
 
 
 def set_threads(n: int) -> None:
@@ -55,9 +101,8 @@ def set_threads(n: int) -> None:
     """
     if int(n) < 1:
         raise ValueError(f"set_threads: n must be >= 1 thread, got {n}")
-    # mode 1 = the "big" cores, i.e. all cores on a homogeneous CPU
-    tvm.get_global_func("runtime.config_threadpool")(1, int(n))
-    got = _used()
+    configure_pool(n)
+    got = pool_threads()
     if got != int(n):
         raise ValueError(
             f"set_threads({n}): TVM's thread pool in this process has {got} thread(s) (sized "
@@ -74,9 +119,9 @@ def one_thread(active: bool = True):
     if not active:
         yield
         return
-    before = _used()
+    before = pool_threads()
     set_threads(1)
     try:
         yield
     finally:
-        tvm.get_global_func("runtime.config_threadpool")(1, before)
+        configure_pool(before)

@@ -10,23 +10,28 @@ import subprocess
 import sys
 
 import pytest
-import tvm
 
 import autoq
-from autoq.threads import one_thread, physical_cores, use_machine_cores
-
-
-def _used() -> int:
-    return int(tvm.get_global_func("runtime.NumThreads")())
+from autoq.threads import one_thread, physical_cores, pool_threads, use_machine_cores
 
 
 def test_more_threads_than_the_pool_is_an_error_naming_the_variable():
     with pytest.raises(ValueError, match=r"TVM_NUM_THREADS=4096 before"):
         autoq.set_threads(4096)
     # the failed request left the whole pool in use (sized from the variable conftest set)
-    assert _used() == int(os.environ["TVM_NUM_THREADS"])
+    assert pool_threads() == int(os.environ["TVM_NUM_THREADS"])
     with pytest.raises(ValueError, match="n must be >= 1"):
         autoq.set_threads(0)
+
+
+def python_prints(code: str, tvm_threads: int) -> list[str]:
+    """The words ``code`` prints in a fresh Python with ``TVM_NUM_THREADS=tvm_threads``."""
+    env = {**os.environ, "TVM_NUM_THREADS": str(tvm_threads)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
 
 
 def test_set_threads_takes_effect_within_the_pool():
@@ -37,12 +42,7 @@ def test_set_threads_takes_effect_within_the_pool():
         "autoq.set_threads(1); b = n()\n"
         "print(a, b)\n"
     )
-    env = {**os.environ, "TVM_NUM_THREADS": "2"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["2", "1"]
+    assert python_prints(code, tvm_threads=2) == ["2", "1"]
 
 
 def _topology(root, pairs):
@@ -74,7 +74,36 @@ def test_an_explicit_tvm_num_threads_wins(monkeypatch):
 
 
 def test_one_thread_restores_the_pool():
-    before = _used()
+    before = pool_threads()
     with one_thread():
-        assert _used() == 1
-    assert _used() == before
+        assert pool_threads() == 1
+    assert pool_threads() == before
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs a process allowed on 2+ CPUs (TVM pins a one-thread pool's caller to one)",
+)
+def test_a_one_thread_pool_leaves_the_threads_on_every_cpu():
+    """With a pool of one thread, TVM's resize pins the calling thread to the first CPU
+    (and every thread it starts inherits that): the suite's two test processes, each with
+    TVM_NUM_THREADS=1, ran on one core. set_threads and one_thread (also in a thread of its
+    own, as the calibration's segment VMs run) keep each thread's CPU affinity."""
+    code = (
+        "import os, threading\n"
+        "import tvm, autoq\n"
+        "from autoq.threads import one_thread\n"
+        "every = os.sched_getaffinity(0)\n"
+        "autoq.set_threads(1)\n"
+        "seen = [os.sched_getaffinity(0) == every]\n"
+        "tvm.get_global_func('runtime.config_threadpool')(1, 1)\n"
+        "seen.append(os.sched_getaffinity(0) == every)\n"  # TVM alone: pinned
+        "os.sched_setaffinity(0, every)\n"
+        "def segment():\n"
+        "    with one_thread():\n"
+        "        seen.append(os.sched_getaffinity(0) == every)\n"
+        "    seen.append(os.sched_getaffinity(0) == every)\n"
+        "t = threading.Thread(target=segment); t.start(); t.join()\n"
+        "print(*seen)\n"
+    )
+    assert python_prints(code, tvm_threads=1) == ["True", "False", "True", "True"]
