@@ -513,10 +513,10 @@ def _calibrate_topological(
     return result, tuner
 
 
-def fp32_slot_functions(sim: SimResult, slots: list[str]) -> dict:
+def fp32_slot_functions(sim: SimResult, slots: list[str], tensors=()) -> dict:
     """``{"main": f}``: the float graph ``f(*inputs, *weights)`` returning the tensors that
-    the activation ``slots`` quantize."""
-    g, tensors = sim.graph, [sim.plan.tensors[s] for s in slots]
+    the activation ``slots`` quantize, then ``tensors`` (Vars of ``sim.graph``)."""
+    g, tensors = sim.graph, [*(sim.plan.tensors[s] for s in slots), *tensors]
     return {"main": make_function("main", [*g.inputs, *g.weight_params], g.bindings, tensors)}
 
 
@@ -542,9 +542,8 @@ def fp32_slot_runner(sim: SimResult, slots: list[str], target):
 def fp32_tensor_runner(sim: SimResult, tensors: list, target):
     """``run(samples)``: for each sample, the fp32 values of ``tensors`` (Vars of
     ``sim.graph``), from one compiled float graph with them as outputs."""
-    g = sim.graph
-    main = make_function("main", [*g.inputs, *g.weight_params], g.bindings, tensors)
-    vm = compile_vm({"main": main}, target, g.module, pipeline=calibration_pipeline(target))
+    g, funcs = sim.graph, fp32_slot_functions(sim, [], tensors)
+    vm = compile_vm(funcs, target, g.module, pipeline=calibration_pipeline(target))
     weights = [g.params[p.name] for p in g.weight_params]
     return fp32_runner(vm, [v.name for v in g.inputs], weights)
 

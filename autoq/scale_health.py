@@ -224,8 +224,8 @@ class HealthCheck:
         if np.ndim(scale) == 1 and np.size(scale) > 1:
             s, z = scale.astype(np.float64), zp.astype(np.float64)
             lo, hi = float(np.min((qp.qmin - z) * s)), float(np.max((qp.qmax - z) * s))
-            scale = np.float32(max(hi - lo, 1e-30) / (qp.qmax - qp.qmin))
-            zp = int(np.clip(np.rint(qp.qmin - lo / scale), qp.qmin, qp.qmax))
+            covering = type(qp).from_range(lo, hi, qp.dtype)
+            scale, zp = covering.scale, int(covering.zero_point)
         return HealthObserver(scale, zp, qp.qmin, qp.qmax)
 
 
