@@ -9,7 +9,8 @@ the dynamic layers' inputs as its outputs (:func:`dynamic_inputs`); each distinc
 (tokens), and each layer's weight is rounded by GPTQ (:func:`autoq.gptq.gptq`) on it with
 the layer's calibrated per-channel weight scales, or to nearest when there are fewer than
 :data:`autoq.weight_tuning.MIN_ROWS_PER_COLUMN` rows per weight column (as for the static
-layers).
+layers). With ``Config.token_mask`` the rows are the real tokens only (padding positions,
+which the model never uses, stay out of the Hessian as out of every calibration statistic).
 
 The Hessian is the fp32 input's, not that of the run-time quantized one: a dynamic layer's
 integers differ from its float input by one per-token rounding (1/255 of each row's range),
@@ -35,6 +36,8 @@ from .gptq import gptq, rtn
 from .hessian import Hessian
 from .qparams import QParam
 from .simulate import SimResult
+from .token_mask import masked_outputs, token_layouts
+from .toolkit import shape_of
 from .weight_tuning import MIN_ROWS_PER_COLUMN
 
 __all__ = ["dynamic_inputs", "tune", "tune_dynamic_weights"]
@@ -96,8 +99,14 @@ def tune(sim: SimResult, samples, weight_qp, tuner, stats: dict, runner, target)
     if tuner is None or not tuner.config.dynamic_gptq or not sim.plan.dynamic:
         return {}
     t0 = time.perf_counter()
-    run = runner(sim, dynamic_inputs(sim), target)
-    tuned, counts = tune_dynamic_weights(sim, weight_qp, run(samples))
+    tensors, mask = dynamic_inputs(sim), tuner.config.token_mask
+    run = runner(sim, tensors, target)
+    # Config.token_mask: the Hessians over real tokens only, as every calibration statistic
+    shapes = token_layouts(mask, sim.graph.inputs, dict(enumerate(map(shape_of, tensors))))
+    values = masked_outputs(
+        run(samples), samples, mask, [shapes.get(i) for i in range(len(tensors))]
+    )
+    tuned, counts = tune_dynamic_weights(sim, weight_qp, values)
     tuner.weights.update(tuned)
     stats.update(counts, dynamic_gptq_s=time.perf_counter() - t0)
     return tuned

@@ -249,3 +249,33 @@ def test_bad_options_name_the_option():
     empty = [dict(s, mask=np.zeros_like(s["mask"])) for s in data()]
     with pytest.raises(DatasetError, match="no real token"):
         autoq.quantize(mod, params, empty, CFG.replace(token_mask=MASK))
+
+
+def test_dynamic_gptq_hessian_over_real_tokens(model):
+    """Config.dynamic_gptq with a token mask: the dynamic dense layer's GPTQ Hessian is
+    2 X^T X / n over the real rows of its input (the LayerNorm output) only; the padded
+    rows (one channel at 100) would dominate it. The weights equal a numpy GPTQ on the
+    real-token Hessian and differ from one on every row's."""
+    from test_dynamic_gptq import _numpy_gptq
+
+    from autoq import Override
+
+    mod, params, _ = model
+    samples = data(12)  # 66 real rows for fc's 16 columns (>= 4 per column)
+    token = QuantSpec(dynamic=True, granularity="token")
+    cfg = CFG.replace(weight_rounding="gptq", dynamic_gptq=True, token_mask=MASK,
+                      overrides=(Override("pattern:dense*", activation=token),))  # fmt: skip
+    res = autoq.Quantizer(cfg, target=TARGET).run(mod, params, samples)
+    assert res.qparams.meta["stats"]["dynamic_gptq"] == 1
+    got = res.qparams.values["fc.weight"].T.astype(np.int64)  # (in, out) -> (out, in)
+    scale = np.asarray(res.qparams["fc.weight"].scale, np.float64)
+
+    def gptq_on(rows):
+        x = np.concatenate(rows)
+        return _numpy_gptq(params["fc.weight"].astype(np.float64), 2.0 * x.T @ x / len(x), scale)
+
+    lns = [(s, numpy_model(params, s)[0]) for s in samples]
+    want = gptq_on([real(s, ln) for s, ln in lns])
+    every = gptq_on([ln for _, ln in lns])
+    assert (got != want).mean() < 0.02 and np.abs(got - want).max() <= 1
+    assert (got != every).mean() > 0.1, (got != every).mean()
