@@ -150,6 +150,20 @@ def rows(metrics: dict, n_extra: dict, int16=(), fp32=()) -> dict:
             None,
             "p_lut + per-channel lookup inputs",
         ),
+        "p_lut_pcdw": (
+            recipe(
+                empirical_bias_correction=False,
+                lut_input_per_channel=True,
+                lut_output_per_channel=True,
+            ),
+            None,
+            "p_lut_pclut + per-channel depthwise inputs (Config.lut_output_per_channel)",
+        ),
+        "pe_pcdw": (
+            recipe(lut_input_per_channel=True, lut_output_per_channel=True),
+            None,
+            "pe_pclut + per-channel depthwise inputs (Config.lut_output_per_channel)",
+        ),
         "pe_gate_pclut": (
             recipe(bias_correction_holdout=8, lut_input_per_channel=True),
             "gate",
