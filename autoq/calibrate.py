@@ -333,8 +333,7 @@ def fit_bias_scales(sim: SimResult, result: dict[str, QParam]) -> list[str]:
             continue
         wq = result[wsid]
         bias = np.abs(np.asarray(sim.graph.weight_of(m["bias"]).array, np.float64).reshape(-1))
-        # (a per-channel input scale: a depthwise conv's, one per output channel)
-        s_x = np.asarray(xq.scale, np.float64).reshape(-1)
+        s_x = np.asarray(xq.scale, np.float64).reshape(-1)  # (per channel: depthwise)
         need = (bias / (s_x * BIAS_LIMIT)).astype(np.float32)
         if np.all(need <= wq.scale):
             continue
