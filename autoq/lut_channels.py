@@ -80,9 +80,9 @@ def per_channel_inputs(g, matches, config) -> dict:
 
 
 def tables(activation, a: QParam, b: QParam) -> np.ndarray:
-    """The ``[C, 256]`` tables of ``activation`` from the per-channel input grid ``a`` to
-    the per-tensor output grid ``b`` (row ``c``: :func:`autoq.activations.lut_table` of
-    channel ``c``)."""
+    """The ``[C, 256]`` tables of ``activation`` from the input grid ``a`` to the output
+    grid ``b``, either or both per channel (row ``c``: :func:`autoq.activations.lut_table`
+    of channel ``c``)."""
     s, z = np.asarray(a.scale).reshape(-1), np.asarray(a.zero_point).reshape(-1)
     # a per-channel output grid (autoq.depthwise_channels): row c writes channel c's grid
     n = max(s.size, np.size(b.scale))

@@ -138,9 +138,8 @@ class SimContext:
         self._consumer: dict[str, str] = {}
         #: conv outputs quantized per channel for their lookup (autoq.lut_channels)
         self.per_channel = lut_channels.per_channel_inputs(g, matches, config)
-        #: lookup outputs quantized per channel for their depthwise conv
-        #: (autoq.depthwise_channels)
-        self.per_channel_out = depthwise_channels.per_channel_outputs(g, matches, config)
+        #: depthwise inputs quantized per channel (autoq.depthwise_channels)
+        self.per_channel_dw = depthwise_channels.depthwise_inputs(g, matches, config)
 
     # ---- generic
     def emit(self, expr, name: str | None = None, switch=None) -> relax.Var:
@@ -254,7 +253,7 @@ class SimContext:
         if sid in self._acts:
             return self._acts[sid]
         spec = self.act_spec(sid, self.layer)
-        channels = self.per_channel.get(expr, (None,))[0]
+        channels = (self.per_channel.get(expr) or self.per_channel_dw.get(expr) or (None,))[0]
         ax = None if channels is None else lut_channels.AXIS
         s, z = self._new_slot(
             sid, "activation", spec, None, ax, channels, shape_of(expr), self.match.pattern.name
@@ -346,7 +345,7 @@ class SimContext:
             return self.output(real)
         sid = m.layer
         self._uses(sid)
-        out_rows = self.per_channel_out.get(m.root, (None,))[0]
+        out_rows = self.per_channel_dw.get(m.root, (None,))[0]
         out_ax = None if out_rows is None else depthwise_channels.AXIS
         s, z = self._new_slot(
             sid, "activation", spec, None, out_ax, out_rows, shape_of(m.root), m.pattern.name

@@ -154,15 +154,15 @@ def rows(metrics: dict, n_extra: dict, int16=(), fp32=()) -> dict:
             recipe(
                 empirical_bias_correction=False,
                 lut_input_per_channel=True,
-                lut_output_per_channel=True,
+                depthwise_input_per_channel=True,
             ),
             None,
-            "p_lut_pclut + per-channel depthwise inputs (Config.lut_output_per_channel)",
+            "p_lut_pclut + per-channel depthwise inputs (Config.depthwise_input_per_channel)",
         ),
         "pe_pcdw": (
-            recipe(lut_input_per_channel=True, lut_output_per_channel=True),
+            recipe(lut_input_per_channel=True, depthwise_input_per_channel=True),
             None,
-            "pe_pclut + per-channel depthwise inputs (Config.lut_output_per_channel)",
+            "pe_pclut + per-channel depthwise inputs (Config.depthwise_input_per_channel)",
         ),
         "pe_gate_pclut": (
             recipe(bias_correction_holdout=8, lut_input_per_channel=True),

@@ -1,5 +1,5 @@
 """Per-channel depthwise inputs written by a lookup (``autoq/depthwise_channels.py``,
-``Config.lut_output_per_channel``): which slots go per channel, ``qnn.conv2d`` with a
+``Config.depthwise_input_per_channel``): which slots go per channel, ``qnn.conv2d`` with a
 per-channel input zero point against numpy (generic lowering and the packed depthwise
 kernels, padding included), realized == simulated on conv -> hardswish -> depthwise ->
 conv (both lowerings, with and without per-channel lookup inputs, GPTQ, bias
@@ -28,10 +28,11 @@ from models import TARGET, Builder, Runner, small_cnn
 SCALES = np.array([0.1, 0.5, 1.0, 2.0, 4.0, 8.0])  # very different channel ranges
 
 
-def chain(width=10, kernel=3, stride=1, second_reader=False):
+def chain(width=10, kernel=3, stride=1, second_reader=False, lookup=True):
     """conv 3x3 + bias (channel c x SCALES[c]) -> hardswish -> depthwise ``kernel`` (pad
     kernel // 2, + bias) -> conv 1x1; ``second_reader``: the hardswish output is also added
-    to the depthwise output (a second reader)."""
+    to the depthwise output (a second reader); ``lookup=False``: no hardswish (the conv
+    writes the depthwise input)."""
     b = Builder(21)
     x = b.input("x", (1, 3, 6, width))
     w1 = b.rng.normal(size=(6, 3, 3, 3)) * SCALES.reshape(6, 1, 1, 1)
@@ -40,7 +41,7 @@ def chain(width=10, kernel=3, stride=1, second_reader=False):
         y = b.emit(relax.op.nn.conv2d(x, b.weight("c1.weight", w1), padding=1))
         bias = b.weight("c1.bias", b.rng.normal(size=6))
         y = b.emit(relax.op.add(y, relax.op.reshape(bias, [1, 6, 1, 1])))
-        h = b.emit(hardswish(y))
+        h = b.emit(hardswish(y)) if lookup else y
         wd = b.randw("dw.weight", (6, 1, kernel, kernel))
         d = b.emit(relax.op.nn.conv2d(h, wd, strides=stride, padding=kernel // 2, groups=6))
         db = b.weight("dw.bias", b.rng.normal(size=6) * 0.1)
@@ -57,7 +58,7 @@ def chain(width=10, kernel=3, stride=1, second_reader=False):
 def cfg(on=True, **kw):
     spec = QuantSpec(calibrator=Percentile(percentile=99.9))
     kw.setdefault("weight_rounding", "nearest")
-    return Config(progress=False, activation=spec, lut_output_per_channel=on, **kw)
+    return Config(progress=False, activation=spec, depthwise_input_per_channel=on, **kw)
 
 
 HS = "autoq.hardswish_0"
@@ -87,6 +88,10 @@ def test_slots_go_per_channel_only_for_a_lookup_read_by_one_depthwise_conv():
     assert simulate(mod2, params2, cfg()).slots[HS].axis is None
     # the lookup computed in float (16-bit output): per tensor
     assert simulate(mod, params, cfg(int16_tensors=(HS,))).slots[HS].axis is None
+    # a conv writing the depthwise input: its requantize goes per channel
+    mod3, params3, _ = chain(lookup=False)
+    assert simulate(mod3, params3, cfg()).slots["c1"].axis == 1
+    assert simulate(mod3, params3, cfg(int16_tensors=("c1",))).slots["c1"].axis is None
 
 
 def numpy_depthwise(q, zx, w, pad, stride):
@@ -150,20 +155,26 @@ def _kernels(real):
 
 
 @pytest.mark.parametrize(
-    ("width", "kernel", "stride", "extra"),
+    ("width", "kernel", "stride", "lookup", "extra"),
     [
-        (40, 3, 1, {}),  # row kernel
-        (10, 3, 1, {"lut_input_per_channel": True}),  # blocked kernel, both halves
-        (12, 5, 2, {"weight_rounding": "gptq", "empirical_bias_correction": True}),
-        (10, 3, 1, {"weight_rounding": "gptq", "bias_correction": True}),
+        (40, 3, 1, True, {}),  # row kernel
+        (10, 3, 1, True, {"lut_input_per_channel": True}),  # blocked kernel, both halves
+        (12, 5, 2, True, {"weight_rounding": "gptq", "empirical_bias_correction": True}),
+        (10, 3, 1, True, {"weight_rounding": "gptq", "bias_correction": True}),
+        (40, 3, 1, False, {"weight_rounding": "gptq"}),  # conv -> per-channel requantize
+        (10, 3, 1, False, {"rounding": "half_away"}),  # integer requantize
     ],
 )
-def test_realized_equals_simulated_on_both_lowerings(width, kernel, stride, extra):
-    mod, params, data = chain(width, kernel, stride)
+def test_realized_equals_simulated_on_both_lowerings(width, kernel, stride, lookup, extra):
+    mod, params, data = chain(width, kernel, stride, lookup=lookup)
     sim, qp, real = quantize(mod, params, data, cfg(**extra))
-    assert qp[HS].axis == 1 and len(set(qp[HS].zero_point.tolist())) > 1
+    sid = HS if lookup else "c1"
+    assert qp[sid].axis == 1 and len(set(qp[sid].zero_point.tolist())) > 1
     rep = compare(sim, real, qp, samples_for(data, sim.graph.inputs), target=TARGET)
-    assert rep.exact, rep.table()
+    if extra.get("rounding", "float") == "float":
+        assert rep.exact, rep.table()
+    else:  # integer requantize: within one step of the simulated (float) rounding
+        assert max(rep.max_lsb.values()) <= 1, rep.table()
     assert set(rep.elements) == set(sim.activation_slots())
     generic, kernels = Runner(real), _kernels(real)
     for x in data[:3]:
@@ -193,14 +204,14 @@ def test_realized_depthwise_stage_matches_numpy():
 
 def test_option_json_errors_and_unchanged_models():
     c = cfg(lut_input_per_channel=True)
-    assert Config.from_json(c.to_json()) == c and c.to_json()["lut_output_per_channel"]
-    with pytest.raises(TypeError, match=r"Config.lut_output_per_channel"):
+    assert Config.from_json(c.to_json()) == c and c.to_json()["depthwise_input_per_channel"]
+    with pytest.raises(TypeError, match=r"Config.depthwise_input_per_channel"):
         cfg(on=1)
-    with pytest.raises(InputError, match=r"Config.lut_output_per_channel.*distributed"):
-        Config(lut_output_per_channel=True, distributed=Distributed(workers=2))
+    with pytest.raises(InputError, match=r"Config.depthwise_input_per_channel.*distributed"):
+        Config(depthwise_input_per_channel=True, distributed=Distributed(workers=2))
     mod, params, data = chain()
     _, qp, _ = quantize(mod, params, data, cfg())
-    with pytest.raises(ValueError, match=r"hardswish.*per-axis.*lut_output_per_channel"):
+    with pytest.raises(ValueError, match=r"hardswish.*per-axis.*depthwise_input_per_channel"):
         realize(mod, params, qp, cfg(on=False))
     cnn, cparams = small_cnn()[:2]
     on, off = simulate(cnn, cparams, cfg()), simulate(cnn, cparams, cfg(on=False))
