@@ -33,6 +33,7 @@ N times, the rows in turn (ratios against the first row).
 
     python benchmarks/ppocr_budget.py --rows pe pe_gate pe_first3
     python benchmarks/ppocr_budget.py --rows pe pe_pclut --latency 20
+    python benchmarks/ppocr_budget.py --rows p_lut_pclut p_lut_pcdw --latency 20
     python benchmarks/ppocr_budget.py --fp 4 --rows pe_first3_fp pe_tensors3_fp
 """
 
