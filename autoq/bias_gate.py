@@ -110,8 +110,9 @@ class HeldRows:
     def update(self, x) -> None:
         if self.qp is not None:
             qp = self.qp
+            ax = qp.axis if qp.per_axis else None  # (a depthwise input: autoq.depthwise_channels)
             x = P.dequantize(
-                P.quantize(x, qp.scale, qp.zero_point, qp.dtype), qp.scale, qp.zero_point
+                P.quantize(x, qp.scale, qp.zero_point, qp.dtype, ax), qp.scale, qp.zero_point, ax
             )
         for geom, parts in self.parts.items():
             parts.append(sample_rows(x, geom))

@@ -333,7 +333,8 @@ def fit_bias_scales(sim: SimResult, result: dict[str, QParam]) -> list[str]:
             continue
         wq = result[wsid]
         bias = np.abs(np.asarray(sim.graph.weight_of(m["bias"]).array, np.float64).reshape(-1))
-        need = (bias / (float(xq.scale) * BIAS_LIMIT)).astype(np.float32)
+        s_x = np.asarray(xq.scale, np.float64).reshape(-1)  # (per channel: depthwise)
+        need = (bias / (s_x * BIAS_LIMIT)).astype(np.float32)
         if np.all(need <= wq.scale):
             continue
         # per-tensor weights: one scale that fits every channel's bias

@@ -317,7 +317,15 @@ class Config(JsonDocument):
     activation (hardswish, ...) gets per-channel scales and zero points (channel axis 1):
     the conv's requantize writes each channel on its own grid and the lookup uses one
     256-entry table per channel (:mod:`autoq.lut_channels`); the table's output stays per
-    tensor. Default off (README, PP-OCR section).
+    tensor (unless ``depthwise_input_per_channel`` makes it per channel). Default off (README, PP-OCR section).
+
+    ``depthwise_input_per_channel``: an 8-bit tensor read only by one depthwise conv (groups
+    == channels, one filter per channel) and written by a table lookup or a conv gets
+    per-channel scales and zero points (channel axis 1): the lookup's ``[C, 256]`` table or
+    the conv's requantize writes each channel on its own grid and the depthwise
+    ``qnn.conv2d`` takes a per-channel input scale and zero point (exact: output channel
+    ``c`` reads only input channel ``c``; :mod:`autoq.depthwise_channels`). Independent of
+    ``lut_input_per_channel``. Default off.
 
     ``equalization``: cross-layer equalization of the float model before calibration (Nagel
     et al. 2019, "Data-Free Quantization", sec. 4.1; :mod:`autoq.cross_layer_equalization`):
@@ -355,6 +363,7 @@ class Config(JsonDocument):
     lut_input_ranges: bool = False
     dynamic_gptq: bool = False
     lut_input_per_channel: bool = False
+    depthwise_input_per_channel: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -390,7 +399,7 @@ class Config(JsonDocument):
         for name in ("progress", "skip_unbounded", "check_scales", "int8_outputs",
                      "bias_correction", "empirical_bias_correction", "scale_search",
                      "equalization", "lut_input_ranges", "dynamic_gptq",
-                     "lut_input_per_channel"):  # fmt: skip
+                     "lut_input_per_channel", "depthwise_input_per_channel"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         if self.dynamic_gptq and (self.weight_rounding, self.calibration) != (
@@ -419,11 +428,12 @@ class Config(JsonDocument):
             raise TypeError(
                 f"Config.distributed must be a Distributed or None, got {self.distributed!r}"
             )
-        if self.lut_input_per_channel and self.distributed is not None:
-            raise InputError(
-                "Config.lut_input_per_channel is not supported with Config.distributed (the "
-                "workers' statistics are per tensor): calibrate in-process or turn it off"
-            )
+        for name in ("lut_input_per_channel", "depthwise_input_per_channel"):
+            if getattr(self, name) and self.distributed is not None:
+                raise InputError(
+                    f"Config.{name} is not supported with Config.distributed (the "
+                    "workers' statistics are per tensor): calibrate in-process or turn it off"
+                )
 
     def replace(self, **changes: Any) -> Config:
         return replace(self, **changes)
@@ -483,6 +493,7 @@ class Config(JsonDocument):
             "lut_input_ranges": self.lut_input_ranges,
             "dynamic_gptq": self.dynamic_gptq,
             "lut_input_per_channel": self.lut_input_per_channel,
+            "depthwise_input_per_channel": self.depthwise_input_per_channel,
         }
 
     @classmethod

@@ -80,14 +80,19 @@ def per_channel_inputs(g, matches, config) -> dict:
 
 
 def tables(activation, a: QParam, b: QParam) -> np.ndarray:
-    """The ``[C, 256]`` tables of ``activation`` from the per-channel input grid ``a`` to
-    the per-tensor output grid ``b`` (row ``c``: :func:`autoq.activations.lut_table` of
-    channel ``c``)."""
+    """The ``[C, 256]`` tables of ``activation`` from the input grid ``a`` to the output
+    grid ``b``, either or both per channel (row ``c``: :func:`autoq.activations.lut_table`
+    of channel ``c``)."""
     s, z = np.asarray(a.scale).reshape(-1), np.asarray(a.zero_point).reshape(-1)
+    # a per-channel output grid (autoq.depthwise_channels): row c writes channel c's grid
+    n = max(s.size, np.size(b.scale))
+    s, z = np.broadcast_to(s, (n,)), np.broadcast_to(z, (n,))
+    bs = np.broadcast_to(np.asarray(b.scale).reshape(-1), (n,))
+    bz = np.broadcast_to(np.asarray(b.zero_point).reshape(-1), (n,))
     return np.stack(
         [
-            lut_table(activation, sc, zc, a.dtype, b.scale, b.zero_point, b.dtype)
-            for sc, zc in zip(s, z, strict=True)
+            lut_table(activation, sc, zc, a.dtype, bsc, bzc, b.dtype)
+            for sc, zc, bsc, bzc in zip(s, z, bs, bz, strict=True)
         ]
     )
 
@@ -95,7 +100,7 @@ def tables(activation, a: QParam, b: QParam) -> np.ndarray:
 def table(activation, a: QParam, b: QParam) -> np.ndarray:
     """The table of a lookup from input grid ``a`` (per tensor: 256 entries; per channel:
     ``[C, 256]``) to output grid ``b``."""
-    if a.per_axis:
+    if a.per_axis or b.per_axis:
         return tables(activation, a, b)
     return lut_table(activation, a.scale, a.zero_point, a.dtype, b.scale, b.zero_point, b.dtype)
 

@@ -26,7 +26,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
-from . import hybrid, lut_channels, qnn
+from . import depthwise_channels, hybrid, lut_channels, qnn
 from . import primitives as P
 from .allow_list import ALLOW_LIST, AllowRule, Grid, grid_point
 from .config import Config
@@ -102,6 +102,8 @@ class RealizeContext:
         self._dynamic: dict[tuple, hybrid.DynamicQ] = {}
         #: conv outputs quantized per channel for their lookup (autoq.lut_channels)
         self.per_channel = lut_channels.per_channel_inputs(g, matches, config)
+        #: depthwise inputs quantized per channel (autoq.depthwise_channels)
+        self.per_channel_dw = depthwise_channels.depthwise_inputs(g, matches, config)
 
     def emit(self, expr, name: str | None = None) -> relax.Var:
         return self.writer.emit(expr, name or "")
@@ -158,10 +160,12 @@ class RealizeContext:
         sid = self.tensor_id(expr)
         if sid not in self._acts:
             qp = self._qparam(sid)
-            if qp.per_axis and (expr not in self.per_channel or qp.axis != lut_channels.AXIS):
+            chosen = expr in self.per_channel or expr in self.per_channel_dw
+            if qp.per_axis and (not chosen or qp.axis != lut_channels.AXIS):
                 raise ValueError(
                     f"activation slot {sid!r} has per-axis qparams; activations are per-tensor "
-                    "(except lookup inputs with Config.lut_input_per_channel)"
+                    "(except lookup inputs with Config.lut_input_per_channel and depthwise "
+                    "inputs with Config.depthwise_input_per_channel)"
                 )
             q = self.emit(
                 qnn.quantize(
@@ -244,9 +248,18 @@ class RealizeContext:
         value and return its dequantized (float) form for the other consumers."""
         sid = self.match.layer
         qp = self._qparam(sid)
+        if qp.per_axis and self.match.root not in self.per_channel_dw:
+            raise ValueError(
+                f"activation slot {sid!r} has per-axis qparams; layer outputs are per-tensor "
+                "(except lookup outputs read by a depthwise conv with "
+                "Config.depthwise_input_per_channel)"
+            )
         yv = self.emit(y, f"{sid}.q")
         self._acts[sid] = RealQ(self, yv, qp)
-        return qnn.dequantize(yv, const(qp.scale, "float32"), const(qp.zero_point, "int32"))
+        ax = -1 if qp.axis is None else qp.axis
+        return qnn.dequantize(
+            yv, const(qp.scale, "float32"), const(qp.zero_point, "int32"), axis=ax
+        )
 
 
 # --------------------------------------------------------------------------- propagation

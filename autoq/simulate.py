@@ -30,7 +30,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from . import hybrid, lut_channels, qnn
+from . import depthwise_channels, hybrid, lut_channels, qnn
 from .activations import LUT_DTYPES
 from .config import Config, QuantSpec
 from .exits import exit_tensors, int32_carriers
@@ -138,6 +138,8 @@ class SimContext:
         self._consumer: dict[str, str] = {}
         #: conv outputs quantized per channel for their lookup (autoq.lut_channels)
         self.per_channel = lut_channels.per_channel_inputs(g, matches, config)
+        #: depthwise inputs quantized per channel (autoq.depthwise_channels)
+        self.per_channel_dw = depthwise_channels.depthwise_inputs(g, matches, config)
 
     # ---- generic
     def emit(self, expr, name: str | None = None, switch=None) -> relax.Var:
@@ -251,7 +253,7 @@ class SimContext:
         if sid in self._acts:
             return self._acts[sid]
         spec = self.act_spec(sid, self.layer)
-        channels = self.per_channel.get(expr, (None,))[0]
+        channels = (self.per_channel.get(expr) or self.per_channel_dw.get(expr) or (None,))[0]
         ax = None if channels is None else lut_channels.AXIS
         s, z = self._new_slot(
             sid, "activation", spec, None, ax, channels, shape_of(expr), self.match.pattern.name
@@ -343,12 +345,16 @@ class SimContext:
             return self.output(real)
         sid = m.layer
         self._uses(sid)
+        out_rows = self.per_channel_dw.get(m.root, (None,))[0]
+        out_ax = None if out_rows is None else depthwise_channels.AXIS
         s, z = self._new_slot(
-            sid, "activation", spec, None, None, None, shape_of(m.root), m.pattern.name
+            sid, "activation", spec, None, out_ax, out_rows, shape_of(m.root), m.pattern.name
         )
         pre = self.emit(real, f"{sid}.pre")
-        observed = self.emit(qnn.simulated_quantize(pre, s, z, dtype=spec.dtype), f"{sid}.sq")
-        rows = self.per_channel[m["data"]][0] if x.axis is not None else None
+        observed = self.emit(
+            qnn.simulated_quantize(pre, s, z, axis=out_ax or -1, dtype=spec.dtype), f"{sid}.sq"
+        )
+        rows = self.per_channel[m["data"]][0] if x.axis is not None else out_rows
         tshape = [256] if rows is None else [rows, 256]
         table = relax.Var(f"{m.layer}.table", relax.TensorType(tshape, "float32"))
         self.table_vars[m.layer] = table
@@ -366,7 +372,7 @@ class SimContext:
         q = self.emit(q, f"{sid}.q")
         self.plan.tensors[sid] = m.root
         self.sq_vars[sid] = observed
-        handle = _LazyQ(self, q, s, z)
+        handle = _LazyQ(self, q, s, z, out_ax)
         self._acts[sid] = handle
         return handle.real
 

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import depthwise_channels
 from . import primitives as P
 from .bias_correction import PatchMean
 from .bias_gate import HeldRows, decide, follower_activation, layer_output
@@ -229,12 +230,19 @@ class InputStats:
         """``products``: the layers whose Hessian needs its products (None: every layer);
         the others sum only their rows (``CodeHessian(products=False)``)."""
         scale = np.asarray(qp.scale).reshape(-1)
-        if scale.size != 1:
+        if scale.size != 1 and not all(t.geom is not None for t in tasks):
             raise ValueError(
                 f"weight tuning needs a per-tensor input scale for {[t.layer for t in tasks]}, "
                 f"got {scale.size} scales"
             )
         self.qp = qp
+        #: codes -> reals of each group: the scale, or [G, 1] per channel (a depthwise input,
+        #: whose Hessians stay in codes: GPTQ and the scale search ignore a factor per group)
+        self.group_scale = float(np.float32(scale[0]))
+        if scale.size != 1:
+            for t in tasks:
+                self.group_scale = depthwise_channels.group_scales(qp.scale, t.geom.groups)
+            scale = np.ones(1)
         # layers reading the slot with the same geometry (e.g. a residual block's first 1x1
         # conv and its projection shortcut) see the same patches: one Hessian for them
         need = {t.input_key() for t in tasks if products is None or t.layer in products}
@@ -258,6 +266,14 @@ class InputStats:
         same integers (:func:`quantize_offset`); the mean patches take
         the whole batch's codes."""
         qp = self.qp
+        if qp.per_axis:  # per channel (axis 1, autoq.depthwise_channels)
+            q = P.quantize(x, qp.scale, qp.zero_point, qp.dtype, qp.axis).astype(np.int32)
+            codes = q - np.asarray(qp.zero_point, np.int32).reshape(1, -1, 1, 1)
+            for h in self.distinct.values():
+                h.update(codes)
+            for m in self.distinct_means.values():
+                m.update(codes)
+            return
         if self.distinct_means or P.qrange(qp.dtype)[1] > 2**16:
             q = P.quantize(x, qp.scale, qp.zero_point, qp.dtype).astype(np.int32)
             codes = q - np.asarray(qp.zero_point, np.int32)
@@ -294,7 +310,11 @@ class InputStats:
 
     def input_mean(self, layer: str) -> np.ndarray:
         """The exact mean patch of ``layer``'s quantized input (codes x scale)."""
-        return self.means[layer].mean() * float(np.asarray(self.qp.scale).reshape(-1)[0])
+        return self.means[layer].mean() * self.group_scale
+
+    def code_mean(self, h) -> np.ndarray:
+        """Hessian ``h``'s mean patch as reals (a per-channel input's Hessian is in codes)."""
+        return h.mean() * (self.group_scale if self.qp.per_axis else 1.0)
 
     def resolve(self) -> InputStats:
         """Itself (a shard's statistics computed elsewhere resolve to one of these)."""
@@ -502,7 +522,7 @@ class WeightTuner:
                 if not self._gate(task, wq, b, shift.reshape(-1), held):
                     return out
             else:
-                shift = np.einsum("gok,gk->go", wf - wq, h.mean())
+                shift = np.einsum("gok,gk->go", wf - wq, stats.code_mean(h))
             self.biases[task.layer] = (b + shift.reshape(-1)).astype(np.float32)
             out[self.plan.value_keys[f"{task.layer}.bias"]] = self.biases[task.layer]
             self.stats["bias_corrected"] += 1

@@ -33,6 +33,7 @@ N times, the rows in turn (ratios against the first row).
 
     python benchmarks/ppocr_budget.py --rows pe pe_gate pe_first3
     python benchmarks/ppocr_budget.py --rows pe pe_pclut --latency 20
+    python benchmarks/ppocr_budget.py --rows p_lut_pclut p_lut_pcdw --latency 20
     python benchmarks/ppocr_budget.py --fp 4 --rows pe_first3_fp pe_tensors3_fp
 """
 
@@ -149,6 +150,20 @@ def rows(metrics: dict, n_extra: dict, int16=(), fp32=()) -> dict:
             recipe(empirical_bias_correction=False, lut_input_per_channel=True),
             None,
             "p_lut + per-channel lookup inputs",
+        ),
+        "p_lut_pcdw": (
+            recipe(
+                empirical_bias_correction=False,
+                lut_input_per_channel=True,
+                depthwise_input_per_channel=True,
+            ),
+            None,
+            "p_lut_pclut + per-channel depthwise inputs (Config.depthwise_input_per_channel)",
+        ),
+        "pe_pcdw": (
+            recipe(lut_input_per_channel=True, depthwise_input_per_channel=True),
+            None,
+            "pe_pclut + per-channel depthwise inputs (Config.depthwise_input_per_channel)",
         ),
         "pe_gate_pclut": (
             recipe(bias_correction_holdout=8, lut_input_per_channel=True),

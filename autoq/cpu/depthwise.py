@@ -12,6 +12,12 @@ accumulates ``KH x KW`` int16 x int16 products in an int32 vector of ``lanes`` c
 Parallel over (batch, channel block, output row); weights packed by
 :func:`autoq.cpu.packing.pack_depthwise_weight`. Same inputs/outputs otherwise as
 ``qnn.conv2d`` with ``groups = channels``: NCHW int8/uint8 data, int32 NCHW result.
+
+Per-channel input zero points (``zero_point`` a ``[C]`` array, :mod:`autoq.depthwise_channels`):
+both kernels then take them as an int32 input after the weight (the blocked one padded to
+whole channel blocks) and center channel ``c`` by ``zero_point[c]``; padding stays the
+centered 0 (the real 0). The input is then read in NCHW (no blocked input layout: its shift
+depends on one zero point).
 """
 
 from __future__ import annotations
@@ -27,10 +33,10 @@ from .injective import KERNEL_ATTR
 from .packing import pack_depthwise_weight, round_up
 from .tiling import int32, pick_tile
 
-__all__ = ["blocked", "depthwise_kernel", "depthwise_weight"]
+__all__ = ["blocked", "depthwise_kernel", "depthwise_weight", "zero_point_input"]
 
 
-def _compute_blocked(s: ConvShape, data_dtype: str, zero_point: int, lanes: int, tile: int, epi,
+def _compute_blocked(s: ConvShape, data_dtype: str, zero_point: int | np.ndarray, lanes: int, tile: int, epi,
                      layouts=(None, None)):  # fmt: skip
     (kh, kw), (sh, sw), (dh, dw) = s.kernel, s.strides, s.dilation
     pt, pl = s.padding[0], s.padding[1]
@@ -45,12 +51,13 @@ def _compute_blocked(s: ConvShape, data_dtype: str, zero_point: int, lanes: int,
         dims = in_layout.shape(s.batch, s.in_channels, s.height, s.width)
         x = te.placeholder(dims, in_layout.dtype, name="data")
     w = te.placeholder((cb, kh, kw, lanes), "int16", name="weight")
+    zp, zp_at = _zero_points(zero_point, cb * lanes)
 
     def pad(n, c, h, x_, ci):
         ch, hh, ww = c * lanes + ci, h - pt, x_ - pl
         inside = tirx.all(ch < s.in_channels, hh >= 0, hh < s.height, ww >= 0, ww < s.width)
         if in_layout is None:
-            value = (int32(x[n, ch, hh, ww]) - zero_point).astype("int16")
+            value = (int32(x[n, ch, hh, ww]) - zp_at(ch)).astype("int16")
         else:  # stored x + shift
             value = (int32(x[n, c, hh, ww, ci]) - (zero_point + in_layout.shift)).astype("int16")
         return tirx.if_then_else(inside, value, tirx.const(0, "int16"))
@@ -65,7 +72,7 @@ def _compute_blocked(s: ConvShape, data_dtype: str, zero_point: int, lanes: int,
         ),
         name="autoq_acc",
     )
-    inputs = [x, w]
+    inputs = [x, w, *zp]
     dims = (s.batch, s.in_channels, oh, ow)
 
     def value(n, c, y, x_):
@@ -78,8 +85,32 @@ def _compute_blocked(s: ConvShape, data_dtype: str, zero_point: int, lanes: int,
     return [*inputs, out]
 
 
+def _zero_points(zero_point, length: int):
+    """(extra placeholders, ``f(channel) -> int32 zero point``): none and the constant for
+    a per-tensor ``zero_point``; a ``[length]`` int32 input for a per-channel one."""
+    if np.ndim(zero_point) == 0:
+        return [], lambda _ch: int(zero_point)
+    zp = te.placeholder((length,), "int32", name="zero_points")
+    return [zp], lambda ch: zp[ch]
+
+
+def zero_point_input(zero_point, shape: ConvShape, lanes: int) -> np.ndarray | None:
+    """The ``[C]`` (row kernel) or channel-block-padded (blocked kernel) int32 zero points
+    :func:`depthwise_kernel` takes for a per-channel ``zero_point``; None per tensor."""
+    if np.ndim(zero_point) == 0:
+        return None
+    z = np.asarray(zero_point, np.int32).reshape(-1)
+    n = round_up(z.size, lanes) if blocked(shape) else z.size
+    return np.concatenate([z, np.zeros(n - z.size, np.int32)])
+
+
 def _blocked_kernel(
-    shape: ConvShape, data_dtype: str, zero_point: int, lanes: int, epi, layouts=(None, None)
+    shape: ConvShape,
+    data_dtype: str,
+    zero_point: int | np.ndarray,
+    lanes: int,
+    epi,
+    layouts=(None, None),
 ):
     tile = pick_tile(shape.out_hw[1], 8)
     tensors = _compute_blocked(shape, data_dtype, zero_point, lanes, tile, epi, layouts)
@@ -103,18 +134,19 @@ def _blocked_kernel(
     return sch.mod["main"]
 
 
-def _compute_rows(s: ConvShape, data_dtype: str, zero_point: int, epi):
+def _compute_rows(s: ConvShape, data_dtype: str, zero_point: int | np.ndarray, epi):
     (kh, kw), (sh, sw), (dh, dw) = s.kernel, s.strides, s.dilation
     pt, pl = s.padding[0], s.padding[1]
     oh, ow = s.out_hw
     hp, wp = (oh - 1) * sh + (kh - 1) * dh + 1, (ow - 1) * sw + (kw - 1) * dw + 1
     x = te.placeholder((s.batch, s.in_channels, s.height, s.width), data_dtype, name="data")
     w = te.placeholder((s.in_channels, 1, kh, kw), "int8", name="weight")
+    zp, zp_at = _zero_points(zero_point, s.in_channels)
 
     def pad(n, c, h, x_):
         hh, ww = h - pt, x_ - pl
         inside = tirx.all(hh >= 0, hh < s.height, ww >= 0, ww < s.width)
-        value = (int32(x[n, c, hh, ww]) - zero_point).astype("int16")
+        value = (int32(x[n, c, hh, ww]) - zp_at(c)).astype("int16")
         return tirx.if_then_else(inside, value, tirx.const(0, "int16"))
 
     padded = te.compute((s.batch, s.in_channels, hp, wp), pad, name="pad")
@@ -128,13 +160,13 @@ def _compute_rows(s: ConvShape, data_dtype: str, zero_point: int, epi):
         name="depthwise",
     )
     if epi is None:
-        return [x, w, out]
-    inputs = [x, w]
+        return [x, w, *zp, out]
+    inputs = [x, w, *zp]
     tail = epilogue_compute(out.shape, lambda *i: out[i], 1, epi, inputs)
     return [*inputs, tail]
 
 
-def _row_kernel(shape: ConvShape, data_dtype: str, zero_point: int, epi):
+def _row_kernel(shape: ConvShape, data_dtype: str, zero_point: int | np.ndarray, epi):
     sch = Schedule(te.create_prim_func(_compute_rows(shape, data_dtype, zero_point, epi)))
     block = sch.get_sblock("depthwise")
     n, c, y, x_, rh, rw = sch.get_loops(block)
@@ -165,19 +197,22 @@ def depthwise_weight(shape: ConvShape, w: np.ndarray, lanes: int) -> np.ndarray:
 def depthwise_kernel(
     shape: ConvShape,
     data_dtype: str,
-    zero_point: int,
+    zero_point: int | np.ndarray,
     lanes: int = 16,
     epilogue: Epilogue | None = None,
     in_layout: BlockedLayout | None = None,
     out_layout: BlockedLayout | None = None,
 ) -> tirx.PrimFunc:
-    """The scheduled PrimFunc ``(data, depthwise_weight(shape, w, lanes)[, table], out)`` for
+    """The scheduled PrimFunc ``(data, depthwise_weight(shape, w, lanes)[, zero points][,
+    table], out)`` (zero points: :func:`zero_point_input`, per-channel ``zero_point`` only) for
     ``shape`` with ``out_channels == in_channels`` (channel multiplier 1); with an
     ``epilogue``, ``out`` is its requantized int8/uint8 output (the table its input).
     ``in_layout`` / ``out_layout`` (channel-blocked kernel only, blocks of ``lanes``; the
     output one needs an epilogue): ``data`` / ``out`` in that layout of
     :mod:`autoq.cpu.blocked`."""
     layouts = (in_layout, out_layout)
+    if in_layout is not None and np.ndim(zero_point) != 0:
+        raise ValueError("depthwise_kernel: per-channel zero points read NCHW data only")
     if any(lay is not None and lay.block != lanes for lay in layouts):
         raise ValueError(f"depthwise_kernel: blocked layouts must have blocks of {lanes}")
     if (in_layout or out_layout) and not blocked(shape):

@@ -38,7 +38,7 @@ from .blocked import BlockedLayout, layout_for, lut_layout
 from .conv2d import ConvShape, conv2d_kernel
 from .conv_transpose import conv2d_transpose_kernel
 from .dense import dense_kernel
-from .depthwise import blocked, depthwise_kernel, depthwise_weight
+from .depthwise import blocked, depthwise_kernel, depthwise_weight, zero_point_input
 from .epilogue import Epilogue
 from .fuse_epilogue import fuse_epilogues
 from .isa import VNNI, Isa, kernel_isa
@@ -72,10 +72,21 @@ def _zero(expr) -> bool:
     return v is not None and not np.any(v)
 
 
+def _input_zero_point(z_x) -> int | np.ndarray | None:
+    """The activation zero point: an int, a ``[C]`` int32 array of distinct per-channel ones
+    (a depthwise input, :mod:`autoq.depthwise_channels`), or None (not a constant)."""
+    v = const_array(z_x)
+    if v is None or v.ndim > 1:
+        return None
+    if v.size == 1 or np.all(v == v.reshape(-1)[0]):
+        return int(v.reshape(-1)[0])
+    return v.astype(np.int32)
+
+
 def _operands(data, weight, z_x, z_w):
     """(data dtype, activation zero point, weight array) when the kernels apply, else None."""
     w = const_array(weight)
-    zx = _scalar(z_x)
+    zx = _input_zero_point(z_x)
     dt = dtype_of(data)
     if w is None or zx is None or not _zero(z_w) or dt not in _ACT_DTYPES:
         return None
@@ -121,7 +132,7 @@ def _conv_plan(isa: Isa, call):
     dt, zx, w = ops
     n, c, h, wd = shape_of(data)
     depthwise = groups == c == w.shape[0] and w.shape[1] == 1
-    if groups != 1 and not depthwise:
+    if (groups != 1 and not depthwise) or (np.ndim(zx) != 0 and not depthwise):
         return None
     shape = ConvShape(
         n, c, h, wd, w.shape[0], tuple(w.shape[2:]),
@@ -143,6 +154,8 @@ def _layout_of(isa: Isa, call) -> BlockedLayout | None:
         return None
     plan = _conv_plan(isa, call)
     if plan is None or plan[4] == "amx" or (plan[4] == "depthwise" and not blocked(plan[3])):
+        return None
+    if np.ndim(plan[1]) != 0:  # per-channel zero points: NCHW input (cpu.depthwise)
         return None
     return layout_for(isa, plan[0], plan[1])
 
@@ -173,7 +186,9 @@ def _conv2d_call(
         func = depthwise_kernel(shape, dt, zx, isa.lanes, epilogue, in_layout, out_layout)
         name = "autoq_depthwise" + ("_blocked" if in_layout or out_layout else "")
         gv = bb.add_func(func.without_attr("global_symbol"), name)
-        args = _tail([data, relax.const(depthwise_weight(shape, w, isa.lanes))], epilogue)
+        args = [data, relax.const(depthwise_weight(shape, w, isa.lanes))]
+        zps = zero_point_input(zx, shape, isa.lanes)
+        args = _tail(args if zps is None else [*args, relax.const(zps)], epilogue)
         return relax.call_tir(gv, args, out_ty=ty)
     if kind == "amx":
         return _amx_conv2d(bb, shape, data, w, dt, zx, out, epilogue)
@@ -249,6 +264,8 @@ def _dense_operands(call):
     if ops is None:
         return None
     dt, za, w = ops
+    if np.ndim(za) != 0:  # (per-channel zero points: depthwise convs only)
+        return None
     if is_call(call, "qnn.matmul"):
         if w.ndim != 2:
             return None

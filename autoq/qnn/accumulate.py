@@ -171,13 +171,18 @@ def _infer_conv2d(op, call):
         fail(op, "data", "a 4-D NCHW tensor", f"{len(xd)}-D")
     if wd is not None and len(wd) != 4:
         fail(op, "weight", "a 4-D OIHW tensor", f"{len(wd)}-D")
-    check_qparams(op, s_x, z_x, xdt, None, None, _INPUT)
+    groups = attr(call, "groups")
     check_qparams(op, s_w, z_w, wdt, wd, 0, _WEIGHT)
-    for name, e in zip(_INPUT, (s_x, z_x), strict=True):
-        check_scalar(op, name, e, "activations are quantized per tensor")
+    if _depthwise(xd, wd, groups):  # per-channel input (autoq.depthwise_channels)
+        check_qparams(op, s_x, z_x, xdt, xd, 1, _INPUT)
+    else:
+        check_qparams(op, s_x, z_x, xdt, None, None, _INPUT)
+        for name, e in zip(_INPUT, (s_x, z_x), strict=True):
+            check_scalar(
+                op, name, e, "activations are quantized per tensor except a depthwise input"
+            )
     if xd is None or wd is None:
         return relax.TensorType(dtype=ACC_DTYPE, ndim=4)
-    groups = attr(call, "groups")
     cin, ci_w = static_int(xd[1]), static_int(wd[1])
     if cin is not None and ci_w is not None and cin != ci_w * groups:
         fail(op, "weight", f"of shape [O, {cin}/groups={cin // max(groups, 1)}, kH, kW]", wd)
@@ -185,6 +190,15 @@ def _infer_conv2d(op, call):
     oh = (xd[2] + pad[0] + pad[2] - dil[0] * (wd[2] - 1) - 1) // st[0] + 1
     ow = (xd[3] + pad[1] + pad[3] - dil[1] * (wd[3] - 1) - 1) // st[1] + 1
     return relax.TensorType([xd[0], wd[0], oh, ow], ACC_DTYPE)
+
+
+def _depthwise(xd, wd, groups) -> bool:
+    """A depthwise conv of static shapes (``groups`` == input channels == output channels,
+    channel multiplier 1): input qparams may then be per channel (axis 1)."""
+    if xd is None or wd is None or len(xd) != 4 or len(wd) != 4:
+        return False
+    c, o, ci = static_int(xd[1]), static_int(wd[0]), static_int(wd[1])
+    return c is not None and groups == c == o and ci == 1
 
 
 def _relax_conv2d(call, x, w, padding, out_dtype=ACC_DTYPE):
@@ -209,12 +223,14 @@ def _legalize_conv2d(bb, call):
     data, weight, _s_x, z_x, _s_w, z_w = call.args
     zx = _scalar_zp(z_x)
     if zx is None or not _int8_direct(data, weight, z_w):
+        # (per-channel input zero points of a depthwise conv: x - zx[c], padded with 0)
         zw = relax.op.reshape(z_w, [-1, 1, 1, 1]) if type_of(z_w).ndim == 1 else z_w
+        zxc = relax.op.reshape(z_x, [1, -1, 1, 1]) if type_of(z_x).ndim == 1 else z_x
         wd = dims(weight)
         k = None if wd is None else _static_product(wd[1:])
 
         def accumulate(dt):
-            x, w = _centered(data, z_x, dt), _centered(weight, zw, dt)
+            x, w = _centered(data, zxc, dt), _centered(weight, zw, dt)
             return _relax_conv2d(call, x, w, attr(call, "padding"), dt)
 
         return _saturating(accumulate, _fits_int32(data, z_x, weight, z_w, k))

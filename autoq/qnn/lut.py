@@ -9,7 +9,8 @@ the neighbouring ``qnn`` ops).
 
 Per channel (``axis`` given, :mod:`autoq.lut_channels`): ``table`` is ``[C, 256]`` with ``C``
 the size of ``data``'s dimension ``axis``, and ``lut(data, table)[i] = table[i[axis], data[i]
-- qmin]``: one table per channel (each channel's input grid its own, the output grid shared).
+- qmin]``: one table per channel (each channel's input grid, or output grid, or both its own:
+:mod:`autoq.depthwise_channels`).
 """
 
 from __future__ import annotations
