@@ -31,9 +31,16 @@ the recipe with those activation tensors int16 / layers fp32, for the sets
 ``--latency N``: after the rows, each row's module compiled with the CPU kernels and timed
 N times, the rows in turn (ratios against the first row).
 
+``--ort minmax percentile ...``: ONNX Runtime ``quantize_static`` rows in the same run (the
+peer: QDQ, per-channel int8 weights, uint8 activations, on the same calibration crops),
+scored on the same evaluation crops with ORT's integer kernels (graph optimizations on, 2
+threads); with ``--latency`` they are timed in turn with the autoq rows (idle ORT threads
+sleep, so they take no core from the row timed next).
+
     python benchmarks/ppocr_budget.py --rows pe pe_gate pe_first3
     python benchmarks/ppocr_budget.py --rows pe pe_pclut --latency 20
     python benchmarks/ppocr_budget.py --rows p_lut_pclut p_lut_pcdw --latency 20
+    python benchmarks/ppocr_budget.py --rows p_lut_pcdw --ort minmax percentile --latency 20
     python benchmarks/ppocr_budget.py --fp 4 --rows pe_first3_fp pe_tensors3_fp
 """
 
@@ -43,6 +50,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -298,6 +306,14 @@ def main(argv=None) -> None:
         default=0,
         help="timed runs per row (autoq.compile with the CPU kernels, rows interleaved)",
     )
+    ap.add_argument(
+        "--ort",
+        nargs="*",
+        default=[],
+        choices=common.ORT_METHODS,
+        help="ONNX Runtime quantize_static rows (QDQ, per-channel int8 weights, uint8 "
+        "activations) on the same calibration crops, scored on the same evaluation crops",
+    )
     args = ap.parse_args(argv)
     import autoq
 
@@ -334,8 +350,12 @@ def main(argv=None) -> None:
         modules[name] = run_row(
             name, table[name], (mod, params), calib, extra, (evals, ref, metrics), info, args.image
         )
-    if args.latency:
-        interleaved_latency(modules, evals[0], args.latency)
+    with tempfile.TemporaryDirectory(prefix="ppocr-ort-") as tmp:
+        for method in args.ort:
+            path = Path(tmp) / f"ort_{method}.onnx"
+            modules[f"ORT {method}"] = ort_row(method, info, calib, path, (evals, ref), args.image)
+        if args.latency:
+            interleaved_latency(modules, evals[0], args.latency)
 
 
 def interleaved_latency(modules: dict, sample: dict, runs: int) -> None:
@@ -347,18 +367,22 @@ def interleaved_latency(modules: dict, sample: dict, runs: int) -> None:
 
     import autoq
 
-    vms = {}
+    calls = {}
     for name, mod in modules.items():
-        vm = relax.VirtualMachine(autoq.compile(mod, autoq.build.default_target()), tvm.cpu())
-        args = [tvm.runtime.tensor(np.ascontiguousarray(v)) for v in sample.values()]
-        vm["main"](*args)  # warm-up
-        vms[name] = (vm, args)
-    times: dict = {name: [] for name in vms}
+        if isinstance(mod, Path):  # an ORT int8 model: 2 threads, fused, idle threads sleep
+            sess = common.ort_session(mod, threads=2, optimize=True, spinning=False)
+            calls[name] = lambda sess=sess: sess.run(None, sample)
+        else:
+            vm = relax.VirtualMachine(autoq.compile(mod, autoq.build.default_target()), tvm.cpu())
+            args = [tvm.runtime.tensor(np.ascontiguousarray(v)) for v in sample.values()]
+            calls[name] = lambda vm=vm, args=args: vm["main"](*args)
+        calls[name]()  # warm-up
+    times: dict = {name: [] for name in calls}
     l0 = load()
     for _ in range(runs):
-        for name, (vm, args) in vms.items():
+        for name, call in calls.items():
             t0 = time.perf_counter()
-            vm["main"](*args)
+            call()
             times[name].append(1e3 * (time.perf_counter() - t0))
     first = float(np.median(next(iter(times.values()))))
     for name, ts in times.items():
@@ -369,6 +393,26 @@ def interleaved_latency(modules: dict, sample: dict, runs: int) -> None:
             f"load {l0} -> {load()}; code of commit {START_COMMIT}",
             flush=True,
         )
+
+
+def ort_row(method: str, info, calib, path: Path, evaluation, i: int) -> Path:
+    """ONNX Runtime's ``quantize_static`` (``method``) on the calibration crops, its int8
+    model (graph optimizations on: ORT's integer kernels, 2 threads) scored like a row."""
+    l0 = load()
+    res = common.ort_quantize(info, calib, method, path)
+    evals, ref = evaluation
+    outs = common.ort_outputs(common.ort_session(path, threads=2, optimize=True), evals)
+    f = common.fidelity("detector", ref, outs)
+    rest = common.fidelity("detector", ref[:i] + ref[i + 1 :], outs[:i] + outs[i + 1 :])
+    one = common.fidelity("detector", [ref[i]], [outs[i]])
+    print(
+        f"ROW ORT {method} (quantize_static QDQ, per-channel int8 weights, uint8 activations, "
+        f"graph optimizations on): IoU@0.3 {100 * f['agree']:.1f}% cos {f['cos']:.4f}; "
+        f"without image {i}: {100 * rest['agree']:.1f}%; image {i}: {one['agree']:.3f}; "
+        f"quantize {res['calib_s']:.0f} s; load {l0} -> {load()}; {len(calib)} samples",
+        flush=True,
+    )
+    return path
 
 
 def run_row(name, row, model, calib, extra, evaluation, info, i) -> None:
