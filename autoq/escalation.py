@@ -3,8 +3,9 @@
 ``Config(fallback=AutoFallback(precision="int16_tensors", max_int16_fraction=0.2))``: after
 calibration, :func:`escalate` measures, for each candidate activation tensor (slot), how much
 the model's metric drops when that tensor goes back to int8 while the other candidates are
-int16 (candidates: the ``SHORTLIST`` x budget tensors whose own int8 SQNR is lowest, plus
-the first ``AutoFallback.first_tensors`` in topological order: :func:`shortlist`). With
+int16 (candidates: the ``SHORTLIST`` x budget tensors whose own int8 SQNR is lowest, or
+with ``AutoFallback.shortlist="effect"`` that raise the metric most alone int16, plus the
+first ``AutoFallback.first_tensors`` in topological order: :func:`shortlist`). With
 the others int16 each tensor's own cost shows; ranked by "only this one int16" it hides under
 the error of all the rest (MiniLM, 32 held-out sentences: cosine 0.985 that way vs 0.991
 for this ranking, budget 22 tensors). It then adds the tensors in that order until the
@@ -326,11 +327,18 @@ def trial_set(eg: EscalationGraph, fb: AutoFallback) -> list:
 SHORTLIST = 3
 
 
-def shortlist(eg: EscalationGraph, fb: AutoFallback, limit: int) -> tuple[list, list]:
+def shortlist(eg: EscalationGraph, fb: AutoFallback, limit: int, trial=None) -> tuple[list, list]:
     """The tensors the search measures: the ``SHORTLIST * limit`` with the lowest own int8
-    SQNR, then the first ``fb.first_tensors`` in topological order that are not among them.
-    Returns (shortlist, the ones only the first-tensors rule added)."""
-    low = sorted(eg.candidates, key=lambda sid: eg.local_sqnr[sid])[: SHORTLIST * limit]
+    SQNR (``fb.shortlist == "effect"``: with the best ``trial([tensor], "screen")``, each
+    candidate alone int16, ties in topological order), then the first ``fb.first_tensors``
+    in topological order that are not among them. Returns (shortlist, the ones only the
+    first-tensors rule added)."""
+    if fb.shortlist == "effect":
+        score = {sid: trial([sid], "screen") for sid in eg.topological}
+        low = sorted(eg.topological, key=lambda sid: -score[sid])
+    else:
+        low = sorted(eg.candidates, key=lambda sid: eg.local_sqnr[sid])
+    low = low[: SHORTLIST * limit]
     first = [s for s in eg.topological[: fb.first_tensors] if s not in low]
     return low + first, first
 
@@ -373,7 +381,7 @@ def escalate_search(
     base = trial([], "base")
     ranking, top, first = [], base, []
     if not within(base) and limit > 0:
-        short, first = shortlist(eg, fb, limit)
+        short, first = shortlist(eg, fb, limit, trial)
         top = trial(short, "all")
         for sid in short:  # what each costs back in int8 while the others are int16
             ranking.append({"layer": sid, "score": trial([x for x in short if x != sid], "revert")})

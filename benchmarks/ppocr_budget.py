@@ -245,6 +245,13 @@ def rows(metrics: dict, n_extra: dict, int16=(), fp32=()) -> dict:
             "search_fp",
             "p_lut_first3_fp + per-channel lookup inputs (their slots escalable too)",
         ),
+        "p_lut_pclut_tensors3_fp": (
+            auto(
+                "int16_tensors", on="search_fp", ebc=False, pclut=True, max_int16_fraction=3.5 / 127
+            ),
+            "search_fp",
+            "p_lut_pclut_first3_fp without first_tensors (control)",
+        ),
         "pe_first3_fp": (
             auto("int16_first", on="search_fp", ranking="local"),
             "search_fp",

@@ -263,9 +263,10 @@ def stem_data(n, seed):
     return out
 
 
-def test_first_tensors_reach_the_stem_the_sqnr_shortlist_misses():
-    """AutoFallback.first_tensors: the stem output (own SQNR above three others, so outside
-    the 3-tensor SQNR shortlist of a 1-tensor budget) joins the shortlist and is chosen; a
+def test_first_tensors_and_effect_shortlist_reach_the_stem_the_sqnr_shortlist_misses():
+    """AutoFallback.first_tensors / shortlist="effect": the stem output (own SQNR above three
+    others, so outside the 3-tensor SQNR shortlist of a 1-tensor budget) is shortlisted and
+    chosen either way; a
     brute force over every single tensor int16, on realized modules against the fp32 model
     on held-out samples, says it is the one that helps (and the SQNR-only choice does not)."""
     cfg = Config(progress=False, check_scales=False, activation=QuantSpec(calibrator="max"))
@@ -278,12 +279,23 @@ def test_first_tensors_reach_the_stem_the_sqnr_shortlist_misses():
     held = samples_for(stem_data(3, 7), sim.graph.inputs)
     frac = 1.01 / len(eg.candidates)  # budget: one tensor -> SQNR shortlist of 3
     found = {}
-    for k in (0, 2):
+    for k, how in ((0, "sqnr"), (2, "sqnr"), (0, "effect")):
         fb = AutoFallback(
-            precision="int16_tensors", min_sqnr=99.0, max_int16_fraction=frac, first_tensors=k
-        )
+            precision="int16_tensors", min_sqnr=99.0, max_int16_fraction=frac, first_tensors=k,
+            shortlist=how,
+        )  # fmt: skip
         assert AutoFallback.from_json(fb.to_json()) == fb
-        found[k] = escalate_search(eg, fb, eg.run_fp32, held)
+        found[k if how == "sqnr" else how] = escalate_search(eg, fb, eg.run_fp32, held)
+    # shortlist="effect": one screening trial per tensor alone int16 (trial samples' SQNR),
+    # the 3 best shortlisted; it reaches the stem without the first-tensors rule
+    screens = [t for t in found["effect"]["trials"] if t["kind"] == "screen"]
+    assert [t["layers"] for t in screens] == [[s] for s in eg.topological]
+    some = list(eg.samples)[:4]  # trial_samples=4
+    for t in screens:
+        assert t["metric"] == pytest.approx(sqnr_db(eg.run_fp32(some), eg.run(t["layers"], some)))
+    best3 = sorted(screens, key=lambda t: -t["metric"])[:3]
+    assert {r["layer"] for r in found["effect"]["ranking"]} == {t["layers"][0] for t in best3}
+    assert found["effect"]["tensors"] == ["stem"]
     assert "stem" not in [r["layer"] for r in found[0]["ranking"]]
     stem = next(r for r in found[2]["ranking"] if r["layer"] == "stem")
     assert "first tensors" in stem["reason"]
@@ -309,5 +321,11 @@ def test_first_tensors_option_errors_name_it():
             AutoFallback(precision="int16_tensors", first_tensors=bad)
     with pytest.raises(ValueError, match=r"first_tensors.*int16_tensors"):
         AutoFallback(precision="fp32", first_tensors=2)
-    cfg = Config(fallback=AutoFallback(precision="int16_tensors", first_tensors=3))
+    with pytest.raises(ValueError, match=r"shortlist.*int16_tensors"):
+        AutoFallback(precision="int16_first", shortlist="effect")
+    with pytest.raises(ValueError, match=r"AutoFallback\.shortlist must be one of sqnr, effect"):
+        AutoFallback(precision="int16_tensors", shortlist="alone")
+    cfg = Config(
+        fallback=AutoFallback(precision="int16_tensors", first_tensors=3, shortlist="effect")
+    )
     assert Config.loads(cfg.dumps()) == cfg
