@@ -26,7 +26,10 @@ calibrates on K more such crops, chosen by the same rule from another pool (seed
 Rows ``p_lut_first3_fp`` / ``p_lut_pclut_first3_fp``: bias correction off, the int16
 escalation on the search + false-positive crops with ``AutoFallback.first_tensors=3`` (the
 model input, the stem output and the next tensor join the lowest-own-SQNR shortlist; a
-rule fixed before any run, no evaluation crop involved), at most 3 tensors int16.
+rule fixed before any run, no evaluation crop involved), at most 3 tensors int16. Rows
+``p_lut_effect_fp`` / ``p_lut_pclut_effect_fp``: the same with
+``AutoFallback.shortlist="effect"`` instead (every tensor screened alone int16 by the
+search metric; 127 more trials).
 
 ``--int16 T..`` / ``--fp32 L..`` (rows ``pe_int16`` / ``pe_fp32``, and ``pe_pclut_int16``,
 ``p_lut_int16``, ``p_lut_pclut_int16``):
@@ -137,7 +140,8 @@ def rows(metrics: dict, n_extra: dict, int16=(), fp32=()) -> dict:
         )  # fmt: skip
         return recipe(fallback=fb, empirical_bias_correction=ebc, lut_input_per_channel=pclut)
 
-    first3 = {"max_int16_fraction": 3.5 / 127, "first_tensors": 3}
+    budget3 = {"max_int16_fraction": 3.5 / 127}  # 3 of PP-OCR det's 127 activation tensors
+    first3 = {**budget3, "first_tensors": 3}
 
     return {
         "default": (autoq.Config(progress=False), None, "autoq defaults"),
@@ -244,6 +248,24 @@ def rows(metrics: dict, n_extra: dict, int16=(), fp32=()) -> dict:
             auto("int16_tensors", on="search_fp", ebc=False, pclut=True, **first3),
             "search_fp",
             "p_lut_first3_fp + per-channel lookup inputs (their slots escalable too)",
+        ),
+        "p_lut_effect_fp": (
+            auto("int16_tensors", on="search_fp", ebc=False, shortlist="effect", **budget3),
+            "search_fp",
+            "p_lut_tensors3_fp with AutoFallback.shortlist='effect' (every tensor screened "
+            "alone int16 on the search + false-positive crops)",
+        ),
+        "p_lut_pclut_effect_fp": (
+            auto(
+                "int16_tensors",
+                on="search_fp",
+                ebc=False,
+                pclut=True,
+                shortlist="effect",
+                **budget3,
+            ),
+            "search_fp",
+            "p_lut_effect_fp + per-channel lookup inputs",
         ),
         "p_lut_pclut_tensors3_fp": (
             auto(
