@@ -3,7 +3,9 @@
 ``Config(fallback=AutoFallback(precision="int16_tensors", max_int16_fraction=0.2))``: after
 calibration, :func:`escalate` measures, for each candidate activation tensor (slot), how much
 the model's metric drops when that tensor goes back to int8 while the other candidates are
-int16 (candidates: the ``SHORTLIST`` x budget tensors whose own int8 SQNR is lowest). With
+int16 (candidates: the ``SHORTLIST`` x budget tensors whose own int8 SQNR is lowest, or
+with ``AutoFallback.shortlist="effect"`` that raise the metric most alone int16, plus the
+first ``AutoFallback.first_tensors`` in topological order: :func:`shortlist`). With
 the others int16 each tensor's own cost shows; ranked by "only this one int16" it hides under
 the error of all the rest (MiniLM, 32 held-out sentences: cosine 0.985 that way vs 0.991
 for this ranking, budget 22 tensors). It then adds the tensors in that order until the
@@ -61,6 +63,7 @@ __all__ = [
     "int16_qparam",
     "requantized_biases",
     "search_setup",
+    "shortlist",
     "trial_set",
 ]
 
@@ -105,13 +108,14 @@ class EscalationGraph:
         self.token_mask = token_mask
         g = sim.graph
         self.samples = samples_for(samples, g.inputs)
-        #: per-tensor 8-bit activation slots with a quantize of their own
+        #: 8-bit activation slots with a quantize of their own (per tensor, or per channel
+        #: along the slot's axis: ``Config.lut_input_per_channel``; int16 is per tensor)
         self.candidates = [
             sid
             for sid in sim.activation_slots()
             if sid in sim.sq_vars
             and qparams[sid].dtype in WIDE
-            and np.ndim(qparams[sid].scale) == 0
+            and (np.ndim(qparams[sid].scale) == 0 or sim.plan.slots[sid].axis is not None)
         ]
         self.n_activation_slots = len(sim.activation_slots())
         #: activation slots int16 before the search (``Config.int16_tensors``, overrides)
@@ -156,9 +160,12 @@ class EscalationGraph:
         # a LUT layer's table input -> (its input slot, its output slot)
         lut_of = {sim.table_vars[layer]: t[:2] for layer, t in sim.plan.tables.items()}
         out, pre = [], []
+        #: the candidates in the order their quantize is bound (topological order)
+        self.topological = []
         for var, value in bindings(func):
             sid = sq_of.get(var)
             if sid is not None:
+                self.topological.append(sid)
                 sel, s16, z16 = self._vars[sid]
                 data, s, z = value.args[:3]
                 # a switched graph's layer switch (autoq.analysis): off -> unrounded, both ways
@@ -168,6 +175,7 @@ class EscalationGraph:
                 out.append((q8, value))
                 q16_value = qnn.simulated_quantize(data, s16, z16, dtype="int16", enable=enable)
                 out.append((q16, q16_value))
+                s, z = self._along_axis(sid, s), self._along_axis(sid, z)
                 on8 = relax.op.add(
                     relax.op.multiply(relax.op.subtract(q16, _f32(z16)), relax.op.divide(s16, s)),
                     _f32(z),
@@ -176,6 +184,8 @@ class EscalationGraph:
                 out.append((var, relax.op.where(on, on8, q8)))
                 pre.append(data)
                 continue
+            if is_call(value, "relax.reshape") and value.args[0] in lut_of:
+                lut_of[var] = lut_of[value.args[0]]  # a per-channel table, flattened
             key = lut_of.get(value.args[0]) if is_call(value, "relax.take") else None
             if key is not None:
                 sels = [self._vars[s][0] for s in key if s in self._vars]
@@ -189,6 +199,16 @@ class EscalationGraph:
                     continue
             out.append((var, value))
         return out, pre
+
+    def _along_axis(self, sid: str, v: relax.Expr) -> relax.Expr:
+        """A per-channel slot's [C] scale / zero point shaped to broadcast along its axis
+        (a per-tensor one as it is)."""
+        info = self.sim.plan.slots[sid]
+        if info.axis is None:
+            return v
+        shape = [1] * len(info.shape)
+        shape[info.axis] = int(info.shape[info.axis])
+        return relax.op.reshape(v, shape)
 
     def _args(self, sample: dict, selected: set, qp16: dict, disabled=frozenset()) -> list:
         inputs = {v.name for v in self.sim.graph.inputs}
@@ -307,6 +327,22 @@ def trial_set(eg: EscalationGraph, fb: AutoFallback) -> list:
 SHORTLIST = 3
 
 
+def shortlist(eg: EscalationGraph, fb: AutoFallback, limit: int, trial=None) -> tuple[list, list]:
+    """The tensors the search measures: the ``SHORTLIST * limit`` with the lowest own int8
+    SQNR (``fb.shortlist == "effect"``: with the best ``trial([tensor], "screen")``, each
+    candidate alone int16, ties in topological order), then the first ``fb.first_tensors``
+    in topological order that are not among them. Returns (shortlist, the ones only the
+    first-tensors rule added)."""
+    if fb.shortlist == "effect":
+        score = {sid: trial([sid], "screen") for sid in eg.topological}
+        low = sorted(eg.topological, key=lambda sid: -score[sid])
+    else:
+        low = sorted(eg.candidates, key=lambda sid: eg.local_sqnr[sid])
+    low = low[: SHORTLIST * limit]
+    first = [s for s in eg.topological[: fb.first_tensors] if s not in low]
+    return low + first, first
+
+
 def escalate_search(
     eg: EscalationGraph, fb: AutoFallback, reference_run: Callable, held=()
 ) -> dict:
@@ -343,15 +379,12 @@ def escalate_search(
         return v
 
     base = trial([], "base")
-    ranking, top = [], base
+    ranking, top, first = [], base, []
     if not within(base) and limit > 0:
-        shortlist = sorted(eg.candidates, key=lambda sid: eg.local_sqnr[sid])
-        shortlist = shortlist[: SHORTLIST * limit]
-        top = trial(shortlist, "all")
-        for sid in shortlist:  # what each costs back in int8 while the others are int16
-            ranking.append(
-                {"layer": sid, "score": trial([x for x in shortlist if x != sid], "revert")}
-            )
+        short, first = shortlist(eg, fb, limit, trial)
+        top = trial(short, "all")
+        for sid in short:  # what each costs back in int8 while the others are int16
+            ranking.append({"layer": sid, "score": trial([x for x in short if x != sid], "revert")})
         ranking.sort(key=lambda r: r["score"])
     gain = _held_gain(eg, reference_run, held)
     chosen, value, final = [], base, ([], base)
@@ -372,6 +405,7 @@ def escalate_search(
             f"{name} {r['score']:.4g} with this tensor int8 and the other shortlisted ones "
             f"int16 (all int16: {top:.4g}, all int8: {base:.4g}); its own int8 SQNR "
             f"{eg.local_sqnr[r['layer']]:.1f} dB"
+            + (" (shortlisted as one of the first tensors)" if r["layer"] in first else "")
         )
     return {
         "tensors": chosen,

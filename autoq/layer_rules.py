@@ -133,6 +133,7 @@ class Fallback:
 
 AUTO_RANKINGS = ("local", "revert")
 AUTO_PRECISIONS = ("fp32", "int16", "int16_tensors", "int16_first")
+AUTO_SHORTLISTS = ("sqnr", "effect")
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,17 @@ class AutoFallback(Fallback):
     rounds of one-in-one-out swaps of the chosen tensors, each kept only if it raises the
     trial metric and the held-out output SQNR (interchange heuristic, Teitz and Bart 1968;
     :mod:`autoq.escalation_swaps`); 0 (default): off.
+    ``first_tensors`` (``int16_tensors`` only): the first n escalable activation tensors in
+    topological order (the model input's quantize first, then the first layers' outputs)
+    join the search's shortlist whatever their own int8 SQNR (the "first layer in higher
+    precision" rule: an error at the stem reaches every later layer, while a wide, smooth
+    tensor can score a high own SQNR; PP-OCRv4 det's stem output: 34 dB, not among the 9
+    lowest). Each is then ranked and kept by its measured effect like any candidate; 0
+    (default): the shortlist is the lowest own SQNRs only.
+    ``shortlist`` (``int16_tensors`` only): how the search picks the tensors it measures:
+    ``"sqnr"`` (default): the 3 x budget with the lowest own int8 SQNR (free);
+    ``"effect"``: every escalable tensor tried alone int16 with the search's metric (one
+    trial each: as many trials as activation tensors), the 3 x budget that raise it most.
     """
 
     metric: Any = "sqnr"
@@ -213,10 +225,12 @@ class AutoFallback(Fallback):
     recalibrate: bool = False
     trial_samples: int = 4
     swap_rounds: int = 0
+    first_tensors: int = 0
+    shortlist: str = "sqnr"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("holdout", "trial_samples", "swap_rounds"):
+        for name in ("holdout", "trial_samples", "swap_rounds", "first_tensors"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"AutoFallback.{name} must be an int >= 0, got {v!r}")
@@ -250,6 +264,16 @@ class AutoFallback(Fallback):
             raise ValueError(
                 f"AutoFallback.precision must be one of {', '.join(AUTO_PRECISIONS)}, got {self.precision!r}"
             )
+        if self.shortlist not in AUTO_SHORTLISTS:
+            raise ValueError(
+                f"AutoFallback.shortlist must be one of {', '.join(AUTO_SHORTLISTS)}, got {self.shortlist!r}"
+            )
+        for name, off in (("first_tensors", 0), ("shortlist", "sqnr")):
+            if getattr(self, name) != off and self.precision != "int16_tensors":
+                raise ValueError(
+                    f"AutoFallback.{name} shortlists activation tensors of the int16 "
+                    f"escalation: it needs precision='int16_tensors', got {self.precision!r}"
+                )
 
     def fixed(self) -> Fallback:
         """The user's fixed rules as a plain :class:`Fallback`."""
@@ -271,6 +295,8 @@ class AutoFallback(Fallback):
             recalibrate=self.recalibrate,
             trial_samples=self.trial_samples,
             swap_rounds=self.swap_rounds,
+            first_tensors=self.first_tensors,
+            shortlist=self.shortlist,
         )
         return d
 

@@ -23,6 +23,14 @@ with no rendered text; photos that show real print (``page``, ``logo``, ``clock`
 not a borderline speck); the K with the most such pixels are taken. Row ``pe_calfp``
 calibrates on K more such crops, chosen by the same rule from another pool (seed 17).
 
+Rows ``p_lut_first3_fp`` / ``p_lut_pclut_first3_fp``: bias correction off, the int16
+escalation on the search + false-positive crops with ``AutoFallback.first_tensors=3`` (the
+model input, the stem output and the next tensor join the lowest-own-SQNR shortlist; a
+rule fixed before any run, no evaluation crop involved), at most 3 tensors int16. Rows
+``p_lut_effect_fp`` / ``p_lut_pclut_effect_fp``: the same with
+``AutoFallback.shortlist="effect"`` instead (every tensor screened alone int16 by the
+search metric; 127 more trials).
+
 ``--int16 T..`` / ``--fp32 L..`` (rows ``pe_int16`` / ``pe_fp32``, and ``pe_pclut_int16``,
 ``p_lut_int16``, ``p_lut_pclut_int16``):
 the recipe with those activation tensors int16 / layers fp32, for the sets
@@ -134,12 +142,15 @@ def rows(metrics: dict, n_extra: dict, int16=(), fp32=()) -> dict:
 
     fixed = autoq.Fallback(ids=tuple(fp32))
 
-    def auto(precision, on="search", ebc=True, **kw):
+    def auto(precision, on="search", ebc=True, pclut=False, **kw):
         fb = autoq.AutoFallback(
             metric=metrics[on], max_drop=0.0, max_fp32_layers=3, holdout=n_extra[on],
             precision=precision, **kw,
         )  # fmt: skip
-        return recipe(fallback=fb, empirical_bias_correction=ebc)
+        return recipe(fallback=fb, empirical_bias_correction=ebc, lut_input_per_channel=pclut)
+
+    budget3 = {"max_int16_fraction": 3.5 / 127}  # 3 of PP-OCR det's 127 activation tensors
+    first3 = {**budget3, "first_tensors": 3}
 
     return {
         "default": (autoq.Config(progress=False), None, "autoq defaults"),
@@ -249,6 +260,42 @@ def rows(metrics: dict, n_extra: dict, int16=(), fp32=()) -> dict:
             auto("int16_tensors", on="search_fp", ebc=False, max_int16_fraction=3.5 / 127),
             "search_fp",
             "p_lut + AutoFallback int16_tensors, <= 3 tensors, on search + false-positive crops",
+        ),
+        "p_lut_first3_fp": (
+            auto("int16_tensors", on="search_fp", ebc=False, **first3),
+            "search_fp",
+            "p_lut_tensors3_fp + AutoFallback.first_tensors=3 (the first three tensors join "
+            "the shortlist)",
+        ),
+        "p_lut_pclut_first3_fp": (
+            auto("int16_tensors", on="search_fp", ebc=False, pclut=True, **first3),
+            "search_fp",
+            "p_lut_first3_fp + per-channel lookup inputs (their slots escalable too)",
+        ),
+        "p_lut_effect_fp": (
+            auto("int16_tensors", on="search_fp", ebc=False, shortlist="effect", **budget3),
+            "search_fp",
+            "p_lut_tensors3_fp with AutoFallback.shortlist='effect' (every tensor screened "
+            "alone int16 on the search + false-positive crops)",
+        ),
+        "p_lut_pclut_effect_fp": (
+            auto(
+                "int16_tensors",
+                on="search_fp",
+                ebc=False,
+                pclut=True,
+                shortlist="effect",
+                **budget3,
+            ),
+            "search_fp",
+            "p_lut_effect_fp + per-channel lookup inputs",
+        ),
+        "p_lut_pclut_tensors3_fp": (
+            auto(
+                "int16_tensors", on="search_fp", ebc=False, pclut=True, max_int16_fraction=3.5 / 127
+            ),
+            "search_fp",
+            "p_lut_pclut_first3_fp without first_tensors (control)",
         ),
         "pe_first3_fp": (
             auto("int16_first", on="search_fp", ranking="local"),

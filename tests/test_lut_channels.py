@@ -235,3 +235,29 @@ def test_models_without_a_lookup_are_unchanged():
     tvm.ir.assert_structural_equal(s0.mod, s1.mod)
     assert {s: q0[s] for s in s0.slots} == {s: q1[s] for s in s1.slots}
     tvm.ir.assert_structural_equal(r0, r1)
+
+
+def test_escalation_switches_a_per_channel_slot_to_int16():
+    """autoq.escalation on a per-channel lookup input: all switches off = the calibrated
+    realized module exactly; that slot switched on ~ the module realized with
+    Config.int16_tensors=(slot,) (a per-tensor int16 slot, its lookup in float)."""
+    from autoq.escalation import EscalationGraph
+    from autoq.metrics import sqnr_db
+
+    mod, params, data = conv_hswish()
+    c = cfg()
+    sim, qp, real8 = quantize(mod, params, data, c)
+    eg = EscalationGraph(sim, qp, data, TARGET)
+    assert sim.slots["c1"].axis == 1 and "c1" in eg.candidates
+    test = [np.random.default_rng(40 + i).normal(size=(1, 3, 8, 8)).astype(np.float32)
+            for i in range(3)]  # fmt: skip
+    run8 = Runner(real8)
+    for got, x in zip(eg.run([], test), test, strict=True):
+        np.testing.assert_array_equal(got, run8(x))
+    c16 = cfg(int16_tensors=("c1",))
+    sim16 = simulate(mod, params, c16)
+    assert sim16.slots["c1"].axis is None and sim16.plan.specs["c1"].dtype == "int16"
+    run16 = Runner(realize(mod, params, eg.qparams_with(["c1"], sim16), c16))
+    ref16, got16 = [run16(x) for x in test], eg.run(["c1"], test)
+    assert sqnr_db(ref16, got16) > 40.0
+    assert sqnr_db(ref16, got16) > sqnr_db(ref16, eg.run([], test)) + 10.0
