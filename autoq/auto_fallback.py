@@ -24,6 +24,8 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
+import numpy as np
+
 from . import primitives as P
 from .analysis import Analysis
 from .build import default_target
@@ -299,24 +301,28 @@ def remap_qparams(src: SimResult, qparams: QParams, dst: SimResult) -> QParams:
             old = by_tensor.get(dst.graph.ids[dst.plan.tensors[sid]])
         if old is None or old not in qparams:
             raise KeyError(f"no calibrated qparams for slot {sid!r}")
-        q = qparams[old]
-        spec = dst.plan.specs[sid]
-        if spec.dtype != q.dtype:
-            lo = q.rmin if q.rmin is not None else P.dequantize(q.qmin, q.scale, q.zero_point)
-            hi = q.rmax if q.rmax is not None else P.dequantize(q.qmax, q.scale, q.zero_point)
-            q = QParam.from_range(
-                lo,
-                hi,
-                spec.dtype,
-                spec.symmetric,
-                spec.narrow_range,
-                spec.reduce_range,
-                axis=q.axis,
-            )
-        out[sid] = q
+        out[sid] = _as_slot(qparams[old], dst.plan.specs[sid], info.axis)
     meta = dict(qparams.meta)
     meta["specs"] = {s: sp.to_json() for s, sp in dst.plan.specs.items()}
     return QParams(out, dict(dst.slots), meta, _remap_values(src, qparams, dst, out))
+
+
+def _as_slot(q: QParam, spec, axis: int | None) -> QParam:
+    """``q`` for a slot of ``spec``'s dtype and channel ``axis`` (None: per tensor): the
+    same calibrated range on the new dtype, a per-channel range's covering range when the
+    slot is per tensor (its per-channel reader fell back: lookup inputs and depthwise inputs,
+    :mod:`autoq.lut_channels`, :mod:`autoq.depthwise_channels`)."""
+    per_tensor = axis is None and q.per_axis
+    if spec.dtype == q.dtype and not per_tensor:
+        return q
+    lo = q.rmin if q.rmin is not None else P.dequantize(q.qmin, q.scale, q.zero_point)
+    hi = q.rmax if q.rmax is not None else P.dequantize(q.qmax, q.scale, q.zero_point)
+    if per_tensor:
+        lo, hi = float(np.min(lo)), float(np.max(hi))
+    return QParam.from_range(
+        lo, hi, spec.dtype, spec.symmetric, spec.narrow_range, spec.reduce_range,
+        axis=None if per_tensor else q.axis,
+    )  # fmt: skip
 
 
 def _remap_values(src: SimResult, qparams: QParams, dst: SimResult, out: dict) -> dict:

@@ -14,7 +14,7 @@ import tvm
 from tvm import relax
 
 import autoq
-from autoq import Config, QuantSpec, calibrate, realize, simulate
+from autoq import Config, QParam, QuantSpec, calibrate, realize, simulate
 from autoq import primitives as P
 from autoq.calibrate import samples_for
 from autoq.calibrators.percentile import Percentile
@@ -216,3 +216,25 @@ def test_option_json_errors_and_unchanged_models():
     cnn, cparams = small_cnn()[:2]
     on, off = simulate(cnn, cparams, cfg()), simulate(cnn, cparams, cfg(on=False))
     tvm.ir.assert_structural_equal(on.mod, off.mod)
+
+
+def test_fallback_of_the_depthwise_conv_remaps_to_the_covering_grid():
+    """AutoFallback realizes its choice with the qparams calibrated on the whole model
+    (``remap_qparams``): a per-channel slot whose depthwise reader falls back to fp32 gets
+    the per-tensor grid covering every channel's calibrated range (was: realize refused
+    the per-axis qparams)."""
+    from autoq.auto_fallback import remap_qparams
+
+    mod, params, data = chain()
+    src, qp, _ = quantize(mod, params, data, cfg(lut_input_per_channel=True))
+    dst_cfg = cfg(lut_input_per_channel=True, fallback=autoq.Fallback(ids=(_dw_layer(src),)))
+    dst = simulate(mod, params, dst_cfg)
+    assert dst.slots[HS].axis is None and dst.slots["c1"].axis == 1
+    remapped = remap_qparams(src, qp, dst)
+    q, old = remapped[HS], qp[HS]
+    want = QParam.from_range(float(np.min(old.rmin)), float(np.max(old.rmax)), "int8")
+    assert not q.per_axis and q.scale == want.scale and q.zero_point == want.zero_point
+    assert remapped["c1"] is qp["c1"]
+    real = realize(mod, params, remapped, dst_cfg)
+    rep = compare(dst, real, remapped, samples_for(data, dst.graph.inputs), target=TARGET)
+    assert rep.exact, rep.table()
