@@ -319,6 +319,13 @@ class Config(JsonDocument):
     256-entry table per channel (:mod:`autoq.lut_channels`); the table's output stays per
     tensor. Default off (README, PP-OCR section).
 
+    ``residual_per_channel``: a tensor of the residual stream (written by a float op, a
+    dynamic layer or an 8-bit ``add``; read only by float ops, dynamic layers and 8-bit
+    ``add`` operands) gets per-channel scales and zero points on its last axis (the
+    hidden dimension, where a transformer's outliers sit): the ``qnn.add`` requantizes
+    each channel on its own grid, LayerNorm dequantizes per channel
+    (:mod:`autoq.residual_channels`). Default off.
+
     ``equalization``: cross-layer equalization of the float model before calibration (Nagel
     et al. 2019, "Data-Free Quantization", sec. 4.1; :mod:`autoq.cross_layer_equalization`):
     the weights of ``conv -> [bias] -> [relu] -> conv`` chains rescaled per channel so both
@@ -355,6 +362,7 @@ class Config(JsonDocument):
     lut_input_ranges: bool = False
     dynamic_gptq: bool = False
     lut_input_per_channel: bool = False
+    residual_per_channel: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -390,7 +398,7 @@ class Config(JsonDocument):
         for name in ("progress", "skip_unbounded", "check_scales", "int8_outputs",
                      "bias_correction", "empirical_bias_correction", "scale_search",
                      "equalization", "lut_input_ranges", "dynamic_gptq",
-                     "lut_input_per_channel"):  # fmt: skip
+                     "lut_input_per_channel", "residual_per_channel"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         if self.dynamic_gptq and (self.weight_rounding, self.calibration) != (
@@ -422,6 +430,11 @@ class Config(JsonDocument):
         if self.lut_input_per_channel and self.distributed is not None:
             raise InputError(
                 "Config.lut_input_per_channel is not supported with Config.distributed (the "
+                "workers' statistics are per tensor): calibrate in-process or turn it off"
+            )
+        if self.residual_per_channel and self.distributed is not None:
+            raise InputError(
+                "Config.residual_per_channel is not supported with Config.distributed (the "
                 "workers' statistics are per tensor): calibrate in-process or turn it off"
             )
 
@@ -483,6 +496,7 @@ class Config(JsonDocument):
             "lut_input_ranges": self.lut_input_ranges,
             "dynamic_gptq": self.dynamic_gptq,
             "lut_input_per_channel": self.lut_input_per_channel,
+            "residual_per_channel": self.residual_per_channel,
         }
 
     @classmethod

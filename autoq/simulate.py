@@ -30,7 +30,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from . import hybrid, lut_channels, qnn
+from . import hybrid, lut_channels, qnn, residual_channels
 from .activations import LUT_DTYPES
 from .config import Config, QuantSpec
 from .exits import exit_tensors, int32_carriers
@@ -138,6 +138,16 @@ class SimContext:
         self._consumer: dict[str, str] = {}
         #: conv outputs quantized per channel for their lookup (autoq.lut_channels)
         self.per_channel = lut_channels.per_channel_inputs(g, matches, config)
+        #: residual-stream tensors quantized per channel on their last axis
+        self.channels = residual_channels.per_channel_slots(
+            g, matches, config, self.plan.dynamic, self.tensor_id
+        )
+
+    def channel_slot(self, expr) -> tuple[int | None, int | None]:
+        """(channels, axis) of ``expr``'s per-channel slot, (None, None) per tensor."""
+        if expr in self.per_channel:
+            return self.per_channel[expr][0], lut_channels.AXIS
+        return self.channels.get(expr, (None, None))
 
     # ---- generic
     def emit(self, expr, name: str | None = None, switch=None) -> relax.Var:
@@ -251,8 +261,7 @@ class SimContext:
         if sid in self._acts:
             return self._acts[sid]
         spec = self.act_spec(sid, self.layer)
-        channels = self.per_channel.get(expr, (None,))[0]
-        ax = None if channels is None else lut_channels.AXIS
+        channels, ax = self.channel_slot(expr)
         s, z = self._new_slot(
             sid, "activation", spec, None, ax, channels, shape_of(expr), self.match.pattern.name
         )
@@ -377,14 +386,18 @@ class SimContext:
         sid = m.layer
         self._uses(sid)
         spec = self.act_spec(sid, sid)
+        channels, ax = self.channels.get(m.root, (None, None))
         s, z = self._new_slot(
-            sid, "activation", spec, None, None, None, shape_of(m.root), m.pattern.name
+            sid, "activation", spec, None, ax, channels, shape_of(m.root), m.pattern.name
         )
         pre = self.emit(real, f"{sid}.pre")
-        q = self.emit(qnn.simulated_quantize(pre, s, z, dtype=spec.dtype), f"{sid}.q")
+        q = self.emit(
+            qnn.simulated_quantize(pre, s, z, axis=-1 if ax is None else ax, dtype=spec.dtype),
+            f"{sid}.q",
+        )
         self.plan.tensors[sid] = m.root
         self.sq_vars[sid] = q
-        handle = _LazyQ(self, q, s, z)
+        handle = _LazyQ(self, q, s, z, ax)
         self._acts[sid] = handle
         return handle.real
 
