@@ -7,6 +7,8 @@ the *simulated* graph of the final config and qparams (:class:`autoq.escalation.
 with nothing switched: the calibrated simulation realize is checked against) instead of the
 realized module. Rows: all int8 (no escalation) and the escalation, for each arm, on the eval
 set and two disjoint 64-sentence sets (``common.second_sentence_set``, from 0 and from 64).
+Arms ``tensor-max`` / ``channel-max``: the add layers' slots (the residual stream's)
+calibrated by min / max instead of the default MSE search.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/residual_channels_proxy.py
 """
@@ -70,7 +72,11 @@ def simulated_row(info, config, calib, sets, log) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--arms", default="tensor,channel", help="per-tensor / per-channel residual")
+    p.add_argument(
+        "--arms", default="tensor,channel",
+        help="tensor, channel (residual_per_channel), tensor-max / channel-max (the add "
+        "layers' slots calibrated by max instead of MSE)",
+    )  # fmt: skip
     p.add_argument("--rows", default="int8,escalation", help="all int8 / escalation <= 20%")
     p.add_argument("--sets", type=int, default=3, help="evaluation sets (1-3)")
     args = p.parse_args(argv)
@@ -87,9 +93,12 @@ def main(argv=None) -> int:
     base = Config(progress=False, check_scales=False, overrides=dyn, dynamic_gptq=True,
                   rounding="half_even")  # fmt: skip
     print(f"load average at start: {os.getloadavg()}", flush=True)
+    maxed = Override("pattern:add*", activation=QuantSpec(calibrator="max"))
     for arm in args.arms.split(","):
         for row in args.rows.split(","):
-            cfg = base.replace(residual_per_channel=arm == "channel")
+            cfg = base.replace(residual_per_channel=arm.startswith("channel"))
+            if arm.endswith("-max"):  # the adds' slots calibrated by min / max, not MSE
+                cfg = cfg.replace(overrides=(*cfg.overrides, maxed))
             if row == "escalation":
                 cfg = cfg.replace(fallback=transformer_int16.escalation(targs, 0.2))
             print(f"{arm} / {row}:", flush=True)
