@@ -7,8 +7,9 @@ the *simulated* graph of the final config and qparams (:class:`autoq.escalation.
 with nothing switched: the calibrated simulation realize is checked against) instead of the
 realized module. Rows: all int8 (no escalation) and the escalation, for each arm, on the eval
 set and two disjoint 64-sentence sets (``common.second_sentence_set``, from 0 and from 64).
-Arms ``tensor-max`` / ``channel-max``: the add layers' slots (the residual stream's)
-calibrated by min / max instead of the default MSE search.
+Arms ``tensor-max`` / ``channel-max``: the residual adds' slots (``RESIDUAL_ADDS``: their
+inputs and outputs, the residual stream's) calibrated by min / max instead of the default
+MSE search.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/residual_channels_proxy.py
 """
@@ -27,6 +28,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import common
 import transformer_int16
+
+#: MiniLM's residual-stream add layers (the embedding sums, the 6 FFN residual adds; the
+#: attention residual adds are inside the dynamic dense layers), as in session 9's int16 rule
+RESIDUAL_ADDS = "re:^(add_(2|12|21|30|39|48|57)|/bert/.*)$"
 
 
 def simulated_row(info, config, calib, sets, log) -> list[dict]:
@@ -93,7 +98,7 @@ def main(argv=None) -> int:
     base = Config(progress=False, check_scales=False, overrides=dyn, dynamic_gptq=True,
                   rounding="half_even")  # fmt: skip
     print(f"load average at start: {os.getloadavg()}", flush=True)
-    maxed = Override("pattern:add*", activation=QuantSpec(calibrator="max"))
+    maxed = Override(RESIDUAL_ADDS, activation=QuantSpec(calibrator="max"))
     for arm in args.arms.split(","):
         for row in args.rows.split(","):
             cfg = base.replace(residual_per_channel=arm.startswith("channel"))
