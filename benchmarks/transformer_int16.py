@@ -31,7 +31,8 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
   layers' weights rounded by GPTQ on their fp32 inputs, :mod:`autoq.dynamic_gptq`);
 * ``--residual-per-channel``: the hybrid rows with ``Config.residual_per_channel`` (the
   residual stream's slots per channel on the hidden axis, :mod:`autoq.residual_channels`);
-  the per-channel slot count is logged;
+  the per-channel slot count is logged; ``--max-calibrator RULE``: the hybrid's layers
+  ``RULE`` names calibrated by min / max instead of the default MSE search;
 * ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
 * ``--swap-rounds n``: ``AutoFallback(swap_rounds=n)`` for the escalation rows (swap
   refinement of the chosen tensors, :mod:`autoq.escalation_swaps`);
@@ -199,6 +200,8 @@ def hybrid_rows(args) -> list:
     if not args.hybrid:
         return []
     dyn = (Override(args.dense_rule, activation=QuantSpec(dynamic=True, granularity="token")),)
+    if args.max_calibrator:  # those layers' slots calibrated by min / max (default: MSE)
+        dyn += (Override(args.max_calibrator, activation=QuantSpec(calibrator="max")),)
     rows = []
     for alpha in args.hybrid_smooth:
         base = Config(progress=False, check_scales=False, overrides=dyn, smooth_quant=alpha,
@@ -207,6 +210,7 @@ def hybrid_rows(args) -> list:
         name = "autoq hybrid: dense dynamic (token), " + ("" if alpha == 0.5 else f"SQ {alpha}, ")
         name += "GPTQ, " if args.dynamic_gptq else ""
         name += "residual per channel, " if args.residual_per_channel else ""
+        name += f"max calibrator: {args.max_calibrator}, " if args.max_calibrator else ""
         name += f"rounding {args.rounding_mode}, " if args.rounding_mode != "float" else ""
         rows += [
             (name + "rest static int8", base),
@@ -348,6 +352,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--residual-per-channel", action="store_true", help="Config.residual_per_channel (hybrid)"
     )
+    p.add_argument("--max-calibrator", default="", help="hybrid: these layers calibrated by max")
     p.add_argument("--int16-headroom", action="store_true", help="--hybrid-int16 range x4")
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
