@@ -31,7 +31,8 @@ and every reader form a listed pair. Anything else stays per tensor, without err
 reader that contracts the hidden axis with integers (a static dense / matmul), a table
 lookup, a multiply, an operand that broadcasts, a 16-bit slot (``Config.int16_tensors``,
 an int16 override: the escalation's int16 candidates are per-tensor slots only), a
-model output.
+model output, a 4-D tensor (NCHW: its last axis is a spatial one; a CNN's residual adds
+stay as they are).
 
 Calibration runs each such slot's calibrator per channel (``observer(axis)``, as for
 weights); the scale-health check sees a per-tensor summary
@@ -111,7 +112,9 @@ def per_channel_slots(g, matches, config, dynamic=frozenset(), slot_id=None) -> 
     for var in g.users:
         shape = shape_of(var)
         users = g.users.get(var, [])
-        if not users or var in outputs or not shape or not g.is_data_dependent(var):
+        if not users or var in outputs or not shape or len(shape) == 4:
+            continue  # (4-D: NCHW, whose last axis is spatial)
+        if not g.is_data_dependent(var):
             continue
         if shape[-1] < 2 or dtype_of(var) != "float32":
             continue

@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     )  # fmt: skip
     p.add_argument("--rows", default="int8,escalation", help="all int8 / escalation <= 20%")
     p.add_argument("--sets", type=int, default=3, help="evaluation sets (1-3)")
+    p.add_argument("--int16", default="", help="Config.int16_tensors of every row (slot ids)")
     args = p.parse_args(argv)
     from autoq import Config, Override, QuantSpec
 
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
     targs = transformer_int16.parse_args([])
     dyn = (Override("pattern:dense*", activation=QuantSpec(dynamic=True, granularity="token")),)
     base = Config(progress=False, check_scales=False, overrides=dyn, dynamic_gptq=True,
-                  rounding="half_even")  # fmt: skip
+                  rounding="half_even", int16_tensors=tuple(x for x in args.int16.split(",") if x))  # fmt: skip
     print(f"load average at start: {os.getloadavg()}", flush=True)
     maxed = Override(RESIDUAL_ADDS, activation=QuantSpec(calibrator="max"))
     for arm in args.arms.split(","):

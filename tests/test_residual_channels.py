@@ -240,9 +240,22 @@ def test_per_axis_qparams_without_the_option_are_refused(block):
         autoq.realize(mod, params, res.qparams, HYBRID)
 
 
+def _nchw_add():
+    """x (NCHW) + a constant -> reshape: a servable writer / reader pair on a 4-D tensor."""
+    b = Builder(0)
+    x = b.input("x", (1, 2, 4, 4))
+    c = b.weight("c", b.rng.normal(size=(1, 2, 4, 4)))
+    return b.build(lambda b: b.emit(relax.op.reshape(b.emit(relax.op.add(x, c)), [1, 32])))
+
+
 def test_cnn_unchanged():
     """A CNN (a conv's residual add, convs read the sums): nothing servable; simulated and
-    realized modules identical with the option on and off."""
+    realized modules identical with the option on and off. A 4-D (NCHW) tensor stays per
+    tensor even where writer and readers could serve it (its last axis is spatial).
+    (ResNet-50 and PP-OCRv4 det, checked outside the suite: simulated modules and slots
+    identical with the option on and off.)"""
+    nchw, nchw_params = _nchw_add()
+    assert _per_channel(simulate(nchw, nchw_params, Config(residual_per_channel=True))) == {}
     mod, params, make_data = small_cnn()
     base = Config(progress=False, check_scales=False)
     a = autoq.quantize(mod, params, make_data(2, 0), base)
