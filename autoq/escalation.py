@@ -50,6 +50,7 @@ from .escalation_swaps import refine_by_swaps
 from .metrics import ErrorStats, fake_quant, sqnr_db
 from .primitives import quantize_bias
 from .qparams import QParam, QParams
+from .residual_channels import is_residual_slot
 from .simulate import SimResult, simulate
 from .token_mask import TokenMask, keep_of, real_tokens
 from .toolkit import as_list, bindings, compile_vm, const, is_call, make_function, output_fields
@@ -105,13 +106,14 @@ class EscalationGraph:
         self.token_mask = token_mask
         g = sim.graph
         self.samples = samples_for(samples, g.inputs)
-        #: per-tensor 8-bit activation slots with a quantize of their own
+        #: 8-bit activation slots with a quantize of their own, per tensor or per channel on
+        #: the residual stream (:mod:`autoq.residual_channels`; int16 makes it per tensor)
         self.candidates = [
             sid
             for sid in sim.activation_slots()
             if sid in sim.sq_vars
             and qparams[sid].dtype in WIDE
-            and np.ndim(qparams[sid].scale) == 0
+            and (np.ndim(qparams[sid].scale) == 0 or is_residual_slot(sim.slots[sid]))
         ]
         self.n_activation_slots = len(sim.activation_slots())
         #: activation slots int16 before the search (``Config.int16_tensors``, overrides)

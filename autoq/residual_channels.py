@@ -34,6 +34,9 @@ an int16 override: the escalation's int16 candidates are per-tensor slots only),
 model output, a 4-D tensor (NCHW: its last axis is a spatial one; a CNN's residual adds
 stay as they are).
 
+The int16 escalation (:mod:`autoq.escalation`) counts these slots among its candidates
+(:func:`is_residual_slot`): one it picks becomes int16 per tensor.
+
 Calibration runs each such slot's calibrator per channel (``observer(axis)``, as for
 weights); the scale-health check sees a per-tensor summary
 (:class:`autoq.scale_health.HealthCheck`).
@@ -47,7 +50,9 @@ from __future__ import annotations
 from .activations import LUT_DTYPES
 from .toolkit import dtype_of, shape_of
 
-__all__ = ["ADD_PATTERNS", "CONSUMERS", "PRODUCERS", "SERVABLE", "per_channel_slots"]
+__all__ = [
+    "ADD_PATTERNS", "CONSUMERS", "PRODUCERS", "SERVABLE", "is_residual_slot", "per_channel_slots",
+]  # fmt: skip
 
 #: the patterns whose ``qnn.add`` serves per-channel operands and output
 ADD_PATTERNS = frozenset({"add", "add_const"})
@@ -129,3 +134,11 @@ def per_channel_slots(g, matches, config, dynamic=frozenset(), slot_id=None) -> 
             continue  # read only by float ops and dynamic layers: it has no slot
         out[var] = (int(shape[-1]), len(shape) - 1)
     return out
+
+
+def is_residual_slot(info) -> bool:
+    """Whether a slot (:class:`autoq.qparams.SlotInfo`) is one of this module's per-channel
+    slots (per axis on the last axis of a tensor that is not 4-D): the int16 escalation
+    may make it int16 per tensor (``Config.int16_tensors`` then keeps it per tensor)."""
+    shape = tuple(info.shape or ())
+    return info.axis is not None and len(shape) not in (0, 4) and info.axis == len(shape) - 1
