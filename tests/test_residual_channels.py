@@ -14,7 +14,7 @@ from test_hybrid import TOKEN
 from tvm import relax
 
 import autoq
-from autoq import Config, Override, QuantSpec
+from autoq import AutoFallback, Config, Override, QuantSpec
 from autoq import primitives as P
 from autoq.calibrate import samples_for
 from autoq.config import Distributed
@@ -263,3 +263,22 @@ def test_cnn_unchanged():
     # (the module attributes differ: they record the config)
     tvm.ir.assert_structural_equal(a["main"].body, b["main"].body, map_free_vars=True)
     assert _per_channel(simulate(mod, params, base.replace(residual_per_channel=True))) == {}
+
+
+def test_escalation_may_widen_a_per_channel_slot():
+    """The int16 escalation counts the per-channel slots among its candidates; one it picks
+    becomes int16 per tensor (``int16_tensors``), the others stay per channel, and the
+    realized module equals its simulation."""
+    mod, params = residual_block()
+    fb = AutoFallback(precision="int16_tensors", max_int16_fraction=0.4, holdout=2, min_sqnr=80.0)
+    res = autoq.Quantizer(ON.replace(fallback=fb), target=TARGET).run(mod, params, CALIB[:12])
+    wide = res.config.int16_tensors
+    assert 1 <= len(wide) <= 2 and set(wide) <= {"x", "pos", "layer_norm_0", "reshape_1", "add_2"}
+    sim = simulate(res.matched, None, res.config)
+    assert set(_per_channel(sim)) == {"x", "pos", "layer_norm_0", "reshape_1", "add_2"} - set(wide)
+    for s in wide:
+        assert res.qparams[s].dtype == "int16" and res.qparams[s].axis is None
+    rep = compare(
+        sim, res.module, res.qparams, samples_for(block_data(3, 4), sim.graph.inputs), TARGET
+    )
+    assert rep.exact, rep.table()
