@@ -21,7 +21,10 @@ the switch on, the slot's integers are the int16 ones re-expressed on the int8 g
 ``(q16 - z16) * s16 / s + z``, so every consumer (which dequantizes with ``s``, ``z``)
 computes with the int16 value (up to float32 rounding). A lookup-table activation whose
 input or output slot is switched computes its float activation and quantizes it, as the
-realized graph does for a 16-bit slot. Each trial is then one run over the first
+realized graph does for a 16-bit slot. A per-channel residual-stream slot
+(:mod:`autoq.residual_channels`) is a candidate too: ``s``, ``z`` are then its per-channel
+vectors on the last axis (the formula broadcasts), and once picked it is int16 per tensor
+(``Config.int16_tensors`` keeps it per tensor). Each trial is then one run over the first
 ``AutoFallback.trial_samples`` calibration samples (SQNR metric; a callable metric picks its
 own).
 
