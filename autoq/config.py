@@ -313,19 +313,19 @@ class Config(JsonDocument):
     all-MiniLM-L6-v2 (all int8 75.0% -> 71.9%, cos 0.93975 -> 0.93720; with the int16
     escalation 93.8% -> 90.6%, cos 0.99223 -> 0.99167; README).
 
-    ``lut_input_per_channel``: a conv output read only by one 8-bit table-lookup
-    activation (hardswish, ...) gets per-channel scales and zero points (channel axis 1):
-    the conv's requantize writes each channel on its own grid and the lookup uses one
-    256-entry table per channel (:mod:`autoq.lut_channels`); the table's output stays per
-    tensor (unless ``depthwise_input_per_channel`` makes it per channel). Default off (README, PP-OCR section).
-
-    ``depthwise_input_per_channel``: an 8-bit tensor read only by one depthwise conv (groups
-    == channels, one filter per channel) and written by a table lookup or a conv gets
-    per-channel scales and zero points (channel axis 1): the lookup's ``[C, 256]`` table or
-    the conv's requantize writes each channel on its own grid and the depthwise
-    ``qnn.conv2d`` takes a per-channel input scale and zero point (exact: output channel
-    ``c`` reads only input channel ``c``; :mod:`autoq.depthwise_channels`). Independent of
-    ``lut_input_per_channel``. Default off.
+    Per-channel activation scales and zero points (channel axis 1 of NCHW tensors, the last
+    axis of the residual stream), each opt-in (README, PP-OCR and MiniLM sections).
+    ``lut_input_per_channel``: a conv output read only by one 8-bit table lookup (hardswish,
+    ...): the conv's requantize writes each channel on its own grid, the lookup has one
+    256-entry table per channel (:mod:`autoq.lut_channels`). ``depthwise_input_per_channel``:
+    an 8-bit tensor read only by one depthwise conv and written by a lookup or a conv: the
+    ``[C, 256]`` table or the conv's requantize writes each channel's grid, the depthwise
+    ``qnn.conv2d`` takes a per-channel input scale and zero point (exact: output channel ``c``
+    reads only input channel ``c``; :mod:`autoq.depthwise_channels`). ``residual_per_channel``:
+    a residual-stream tensor (written by a float op, a dynamic layer or an 8-bit ``add``; read
+    only by such), per channel of the hidden dimension where a transformer's outliers sit:
+    ``qnn.add`` requantizes each channel on its own grid, LayerNorm dequantizes per channel
+    (:mod:`autoq.residual_channels`).
 
     ``equalization``: cross-layer equalization of the float model before calibration (Nagel
     et al. 2019, "Data-Free Quantization", sec. 4.1; :mod:`autoq.cross_layer_equalization`):
@@ -364,6 +364,7 @@ class Config(JsonDocument):
     dynamic_gptq: bool = False
     lut_input_per_channel: bool = False
     depthwise_input_per_channel: bool = False
+    residual_per_channel: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -399,7 +400,8 @@ class Config(JsonDocument):
         for name in ("progress", "skip_unbounded", "check_scales", "int8_outputs",
                      "bias_correction", "empirical_bias_correction", "scale_search",
                      "equalization", "lut_input_ranges", "dynamic_gptq",
-                     "lut_input_per_channel", "depthwise_input_per_channel"):  # fmt: skip
+                     "lut_input_per_channel", "depthwise_input_per_channel",
+                     "residual_per_channel"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         if self.dynamic_gptq and (self.weight_rounding, self.calibration) != (
@@ -428,7 +430,8 @@ class Config(JsonDocument):
             raise TypeError(
                 f"Config.distributed must be a Distributed or None, got {self.distributed!r}"
             )
-        for name in ("lut_input_per_channel", "depthwise_input_per_channel"):
+        for name in ("lut_input_per_channel", "depthwise_input_per_channel",
+                     "residual_per_channel"):  # fmt: skip
             if getattr(self, name) and self.distributed is not None:
                 raise InputError(
                     f"Config.{name} is not supported with Config.distributed (the "
@@ -494,6 +497,7 @@ class Config(JsonDocument):
             "dynamic_gptq": self.dynamic_gptq,
             "lut_input_per_channel": self.lut_input_per_channel,
             "depthwise_input_per_channel": self.depthwise_input_per_channel,
+            "residual_per_channel": self.residual_per_channel,
         }
 
     @classmethod

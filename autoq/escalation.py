@@ -23,7 +23,10 @@ the switch on, the slot's integers are the int16 ones re-expressed on the int8 g
 ``(q16 - z16) * s16 / s + z``, so every consumer (which dequantizes with ``s``, ``z``)
 computes with the int16 value (up to float32 rounding). A lookup-table activation whose
 input or output slot is switched computes its float activation and quantizes it, as the
-realized graph does for a 16-bit slot. Each trial is then one run over the first
+realized graph does for a 16-bit slot. A per-channel residual-stream slot
+(:mod:`autoq.residual_channels`) is a candidate too: ``s``, ``z`` are then its per-channel
+vectors on the last axis (the formula broadcasts), and once picked it is int16 per tensor
+(``Config.int16_tensors`` keeps it per tensor). Each trial is then one run over the first
 ``AutoFallback.trial_samples`` calibration samples (SQNR metric; a callable metric picks its
 own).
 
@@ -108,8 +111,10 @@ class EscalationGraph:
         self.token_mask = token_mask
         g = sim.graph
         self.samples = samples_for(samples, g.inputs)
-        #: 8-bit activation slots with a quantize of their own (per tensor, or per channel
-        #: along the slot's axis: ``Config.lut_input_per_channel``; int16 is per tensor)
+        #: 8-bit activation slots with a quantize of their own, per tensor or per channel
+        #: (lookup and depthwise inputs along their axis, the residual stream on its last axis:
+        #: :mod:`autoq.lut_channels`, :mod:`autoq.depthwise_channels`,
+        #: :mod:`autoq.residual_channels`; int16 makes it per tensor)
         self.candidates = [
             sid
             for sid in sim.activation_slots()

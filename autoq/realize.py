@@ -26,7 +26,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
-from . import depthwise_channels, hybrid, lut_channels, qnn
+from . import depthwise_channels, hybrid, lut_channels, qnn, residual_channels
 from . import primitives as P
 from .allow_list import ALLOW_LIST, AllowRule, Grid, grid_point
 from .config import Config
@@ -86,6 +86,7 @@ class RealizeContext:
         matches: list[Match],
         rounding_points: dict | None = None,
         exits: dict | None = None,
+        dynamic: frozenset[str] = frozenset(),
     ):
         self.g, self.config, self.qparams = g, config, qparams
         self.rounding = config.rounding
@@ -104,6 +105,17 @@ class RealizeContext:
         self.per_channel = lut_channels.per_channel_inputs(g, matches, config)
         #: depthwise inputs quantized per channel (autoq.depthwise_channels)
         self.per_channel_dw = depthwise_channels.depthwise_inputs(g, matches, config)
+        #: residual-stream tensors quantized per channel on their last axis
+        self.channels = residual_channels.per_channel_slots(
+            g, matches, config, dynamic, self.tensor_id
+        )
+
+    def _per_axis_ok(self, expr, qp: QParam) -> bool:
+        """Whether ``expr``'s slot may have ``qp`` per axis (lookup and depthwise inputs on
+        axis 1, the residual stream on its last axis)."""
+        if expr in self.per_channel or expr in self.per_channel_dw:
+            return qp.axis == lut_channels.AXIS
+        return expr in self.channels and qp.axis == self.channels[expr][1]
 
     def emit(self, expr, name: str | None = None) -> relax.Var:
         return self.writer.emit(expr, name or "")
@@ -160,12 +172,12 @@ class RealizeContext:
         sid = self.tensor_id(expr)
         if sid not in self._acts:
             qp = self._qparam(sid)
-            chosen = expr in self.per_channel or expr in self.per_channel_dw
-            if qp.per_axis and (not chosen or qp.axis != lut_channels.AXIS):
+            if qp.per_axis and not self._per_axis_ok(expr, qp):
                 raise ValueError(
-                    f"activation slot {sid!r} has per-axis qparams; activations are per-tensor "
-                    "(except lookup inputs with Config.lut_input_per_channel and depthwise "
-                    "inputs with Config.depthwise_input_per_channel)"
+                    f"activation slot {sid!r} has per-axis qparams (axis {qp.axis}); activations "
+                    "are per-tensor (except lookup inputs with Config.lut_input_per_channel, depthwise "
+                    "inputs with Config.depthwise_input_per_channel and the residual stream's last "
+                    "axis with Config.residual_per_channel)"
                 )
             q = self.emit(
                 qnn.quantize(
@@ -248,18 +260,18 @@ class RealizeContext:
         value and return its dequantized (float) form for the other consumers."""
         sid = self.match.layer
         qp = self._qparam(sid)
-        if qp.per_axis and self.match.root not in self.per_channel_dw:
+        if qp.per_axis and not self._per_axis_ok(self.match.root, qp):
             raise ValueError(
-                f"activation slot {sid!r} has per-axis qparams; layer outputs are per-tensor "
-                "(except lookup outputs read by a depthwise conv with "
-                "Config.depthwise_input_per_channel)"
+                f"output slot {sid!r} has per-axis qparams (axis {qp.axis}); outputs are "
+                "per-tensor (except lookup outputs read by a depthwise conv with "
+                "Config.depthwise_input_per_channel and residual-stream adds with "
+                "Config.residual_per_channel)"
             )
         yv = self.emit(y, f"{sid}.q")
         self._acts[sid] = RealQ(self, yv, qp)
         ax = -1 if qp.axis is None else qp.axis
-        return qnn.dequantize(
-            yv, const(qp.scale, "float32"), const(qp.zero_point, "int32"), axis=ax
-        )
+        s, z = const(qp.scale, "float32"), const(qp.zero_point, "int32")
+        return qnn.dequantize(yv, s, z, axis=ax)
 
 
 # --------------------------------------------------------------------------- propagation
@@ -465,7 +477,7 @@ def realize(
     hybrid.check_dynamic_layers(config, matches)
     dynamic = hybrid.dynamic_names(config, matches)
     exit_map = exit_tensors(g, matches, config.int8_outputs, dynamic) if exits else None
-    ctx = RealizeContext(g, config, qparams, matches, rounding_points, exit_map)
+    ctx = RealizeContext(g, config, qparams, matches, rounding_points, exit_map, dynamic)
     func = build_function(g, ctx, matches, hybrid.callbacks(dynamic, "realize", "dynamic"))
     out = propagate(with_main(g.module, func), config.rounding)
     return finish_module(g, explicit_multipliers(out["main"]))

@@ -30,7 +30,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from . import depthwise_channels, hybrid, lut_channels, qnn
+from . import depthwise_channels, hybrid, lut_channels, qnn, residual_channels
 from .activations import LUT_DTYPES
 from .config import Config, QuantSpec
 from .exits import exit_tensors, int32_carriers
@@ -138,8 +138,18 @@ class SimContext:
         self._consumer: dict[str, str] = {}
         #: conv outputs quantized per channel for their lookup (autoq.lut_channels)
         self.per_channel = lut_channels.per_channel_inputs(g, matches, config)
-        #: depthwise inputs quantized per channel (autoq.depthwise_channels)
+        #: depthwise inputs (axis 1) and residual-stream tensors (last axis) per channel
         self.per_channel_dw = depthwise_channels.depthwise_inputs(g, matches, config)
+        self.channels = residual_channels.per_channel_slots(
+            g, matches, config, self.plan.dynamic, self.tensor_id
+        )
+
+    def channel_slot(self, expr) -> tuple[int | None, int | None]:
+        """(channels, axis) of ``expr``'s per-channel slot, (None, None) per tensor."""
+        for table in (self.per_channel, self.per_channel_dw):
+            if expr in table:
+                return table[expr][0], lut_channels.AXIS
+        return self.channels.get(expr, (None, None))
 
     # ---- generic
     def emit(self, expr, name: str | None = None, switch=None) -> relax.Var:
@@ -253,8 +263,7 @@ class SimContext:
         if sid in self._acts:
             return self._acts[sid]
         spec = self.act_spec(sid, self.layer)
-        channels = (self.per_channel.get(expr) or self.per_channel_dw.get(expr) or (None,))[0]
-        ax = None if channels is None else lut_channels.AXIS
+        channels, ax = self.channel_slot(expr)
         s, z = self._new_slot(
             sid, "activation", spec, None, ax, channels, shape_of(expr), self.match.pattern.name
         )
@@ -383,14 +392,16 @@ class SimContext:
         sid = m.layer
         self._uses(sid)
         spec = self.act_spec(sid, sid)
+        channels, ax = self.channels.get(m.root, (None, None))
         s, z = self._new_slot(
-            sid, "activation", spec, None, None, None, shape_of(m.root), m.pattern.name
+            sid, "activation", spec, None, ax, channels, shape_of(m.root), m.pattern.name
         )
         pre = self.emit(real, f"{sid}.pre")
-        q = self.emit(qnn.simulated_quantize(pre, s, z, dtype=spec.dtype), f"{sid}.q")
+        sq = qnn.simulated_quantize(pre, s, z, axis=-1 if ax is None else ax, dtype=spec.dtype)
+        q = self.emit(sq, f"{sid}.q")
         self.plan.tensors[sid] = m.root
         self.sq_vars[sid] = q
-        handle = _LazyQ(self, q, s, z)
+        handle = _LazyQ(self, q, s, z, ax)
         self._acts[sid] = handle
         return handle.real
 

@@ -29,6 +29,10 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
   elementwise ops and requantizes integer-only instead of float inside their kernels);
 * ``--dynamic-gptq``: the hybrid rows with ``Config.dynamic_gptq`` (the dynamic dense
   layers' weights rounded by GPTQ on their fp32 inputs, :mod:`autoq.dynamic_gptq`);
+* ``--residual-per-channel``: the hybrid rows with ``Config.residual_per_channel`` (the
+  residual stream's slots per channel on the hidden axis, :mod:`autoq.residual_channels`);
+  the per-channel slot count is logged; ``--max-calibrator RULE``: the hybrid's layers
+  ``RULE`` names calibrated by min / max instead of the default MSE search;
 * ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
 * ``--swap-rounds n``: ``AutoFallback(swap_rounds=n)`` for the escalation rows (swap
   refinement of the chosen tensors, :mod:`autoq.escalation_swaps`);
@@ -86,6 +90,9 @@ def autoq_row(info, config, calib, evalset, label, log, second=()) -> dict:
     wide = [s for s in acts if res.qparams[s].dtype == "int16"]
     log(f"  {label}: {len(res.int8_layers)} quantized layers, {len(res.fp32_layers)} fp32, "
         f"int16 tensors {wide}, {quant_s:.1f} s")  # fmt: skip
+    per_ch = [s for s in acts if res.qparams[s].axis is not None]
+    if per_ch:
+        log(f"    {len(per_ch)} per-channel activation slots: {per_ch}")
     pattern = {m.layer: m.pattern.name for m in res.matched.matches}
     dyn = [x for x in res.int8_layers
            if res.config.layer_spec("activation", x, pattern.get(x)).dynamic]  # fmt: skip
@@ -193,12 +200,17 @@ def hybrid_rows(args) -> list:
     if not args.hybrid:
         return []
     dyn = (Override(args.dense_rule, activation=QuantSpec(dynamic=True, granularity="token")),)
+    if args.max_calibrator:  # those layers' slots calibrated by min / max (default: MSE)
+        dyn += (Override(args.max_calibrator, activation=QuantSpec(calibrator="max")),)
     rows = []
     for alpha in args.hybrid_smooth:
         base = Config(progress=False, check_scales=False, overrides=dyn, smooth_quant=alpha,
-                      dynamic_gptq=args.dynamic_gptq, rounding=args.rounding_mode)  # fmt: skip
+                      dynamic_gptq=args.dynamic_gptq, rounding=args.rounding_mode,
+                      residual_per_channel=args.residual_per_channel)  # fmt: skip
         name = "autoq hybrid: dense dynamic (token), " + ("" if alpha == 0.5 else f"SQ {alpha}, ")
         name += "GPTQ, " if args.dynamic_gptq else ""
+        name += "residual per channel, " if args.residual_per_channel else ""
+        name += f"max calibrator: {args.max_calibrator}, " if args.max_calibrator else ""
         name += f"rounding {args.rounding_mode}, " if args.rounding_mode != "float" else ""
         rows += [
             (name + "rest static int8", base),
@@ -337,6 +349,10 @@ def parse_args(argv=None):
     p.add_argument("--int16-slots", default="", help="hybrid rows with these tensors int16")
     p.add_argument("--rounding-mode", default="float", help="Config.rounding (hybrid rows)")
     p.add_argument("--dynamic-gptq", action="store_true", help="Config.dynamic_gptq (hybrid)")
+    p.add_argument(
+        "--residual-per-channel", action="store_true", help="Config.residual_per_channel (hybrid)"
+    )
+    p.add_argument("--max-calibrator", default="", help="hybrid: these layers calibrated by max")
     p.add_argument("--int16-headroom", action="store_true", help="--hybrid-int16 range x4")
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")

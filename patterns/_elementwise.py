@@ -66,9 +66,12 @@ def make(kind: str, doc: str = "", constant: bool = False) -> Pattern:
     def realize(ctx, m):
         a, b = operands(ctx, m)
         out = ctx.output_qparam()
+        # per-channel qparams (autoq.residual_channels): all on one axis, the op gets it
+        axes = {q.qparam.axis for q in (a, b, out) if q.qparam.axis is not None}
         y = _QNN[kind](
             a.q, b.q, a.scale_c, a.zero_point_c, b.scale_c, b.zero_point_c,
             out.scale_c, out.zero_point_c, out_dtype=out.dtype, rounding=ctx.rounding,
+            axis=axes.pop() if axes else None,
         )  # fmt: skip
         return ctx.output(y)
 
