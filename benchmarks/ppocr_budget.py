@@ -400,7 +400,12 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="ppocr-ort-") as tmp:
         for method in args.ort:
             path = Path(tmp) / f"ort_{method}.onnx"
-            modules[f"ORT {method}"] = ort_row(method, info, calib, path, (evals, ref), args.image)
+            try:
+                modules[f"ORT {method}"] = ort_row(
+                    method, info, calib, path, (evals, ref), args.image
+                )
+            except common.SubprocessFailed as err:  # e.g. ORT's histograms above the RSS limit
+                print(f"ROW ORT {method}: FAILED: {err}", flush=True)
         if args.latency:
             interleaved_latency(modules, evals[0], args.latency)
 
