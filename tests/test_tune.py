@@ -10,11 +10,13 @@ their time is MetaSchedule's builder and runner worker processes starting.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -225,9 +227,13 @@ def _start_rpc(folder, port: int, key: str) -> list:
         if i == 1:
             time.sleep(1.0)
         with open(logs[i], "w") as log:
+            # a session of its own: _stop ends the server's popen workers with it
             procs.append(
-                subprocess.Popen([*python, *cmd], env=env, stdout=subprocess.DEVNULL, stderr=log)
-            )
+                subprocess.Popen(
+                    [*python, *cmd], env=env, stdout=subprocess.DEVNULL, stderr=log,
+                    start_new_session=True,
+                )
+            )  # fmt: skip
     try:
         _wait_for_servers(procs, port, key, 2, logs)
     except RuntimeError:
@@ -237,13 +243,21 @@ def _start_rpc(folder, port: int, key: str) -> list:
 
 
 def _stop(procs) -> None:
+    """End each RPC process and its children (an RPC server's popen workers outlived the
+    server, and the test run, when only the server was terminated)."""
     for p in procs:
-        p.terminate()
+        _signal_group(p, signal.SIGTERM)
     for p in procs:
         try:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            p.kill()
+            _signal_group(p, signal.SIGKILL)
+        _signal_group(p, signal.SIGKILL)  # children that ignored SIGTERM
+
+
+def _signal_group(p, sig) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, sig)
 
 
 @pytest.fixture
