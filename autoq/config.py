@@ -456,15 +456,16 @@ class Config(JsonDocument):
         """Any data-aware weight step is on (:mod:`autoq.weight_tuning`)."""
         return self.tunes_weights or self.scale_search
 
-    def layer_spec(self, kind: str, layer: str, pattern: str | None = None) -> QuantSpec:
+    def layer_spec(self, kind: str, layer: str, pattern: str | None = None, slot=None) -> QuantSpec:
         """The ``"activation"`` or ``"weight"`` spec of ``layer`` (its pattern's name
         ``pattern``, needed by ``pattern:`` rules): the default, changed by every override
-        whose rule matches the layer (the last one wins)."""
+        whose rule matches the layer (the last one wins); in int16 when ``Config.int16_tensors``
+        names the activation ``slot`` the layer writes (:mod:`autoq.escalation`)."""
         spec = self.activation if kind == "activation" else self.weight
         for o in self.overrides:
             if compile_layer_rule(o.match)(layer, pattern):
                 spec = (o.activation if kind == "activation" else o.weight) or spec
-        return spec
+        return spec.as_int16() if slot is not None and slot in self.int16_tensors else spec
 
     def to_json(self) -> dict:
         return {

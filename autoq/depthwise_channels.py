@@ -44,7 +44,7 @@ from .activations import LUT_DTYPES
 from .lut_channels import AXIS, LUT_PATTERNS
 from .toolkit import shape_of
 
-__all__ = ["AXIS", "depthwise_inputs", "group_scales", "is_depthwise", "lut_axis"]
+__all__ = ["AXIS", "depthwise_inputs", "group_scales", "is_depthwise"]
 
 _CONV = ("conv2d", "conv2d_bias", "conv2d_add", "conv2d_bias_add")
 
@@ -58,11 +58,6 @@ def is_depthwise(g, m, channels: int) -> bool:
         return False
     groups = int(core.attrs.groups)
     return groups == channels and tuple(ref.array.shape[:2]) == (channels, 1)
-
-
-def _spec_dtype(config, m, sid: str) -> str:
-    spec = config.layer_spec("activation", m.layer, m.pattern.name)
-    return (spec.as_int16() if sid in config.int16_tensors else spec).dtype
 
 
 def depthwise_inputs(g, matches, config) -> dict:
@@ -95,12 +90,12 @@ def depthwise_inputs(g, matches, config) -> dict:
         # the slot's spec: the lookup's (it writes the slot) or the depthwise conv's (the
         # first reader of a conv's output creates its slot: autoq.simulate)
         owner = m if lookup else conv
-        dtypes = [_spec_dtype(config, owner, m.layer)]
+        specs = [config.layer_spec("activation", owner.layer, owner.pattern.name, m.layer)]
         if lookup:
             prod = roots.get(m["data"])
             in_sid = prod.layer if prod is not None else g.ids.get(m["data"], "")
-            dtypes.append(_spec_dtype(config, m, in_sid))
-        if all(d in LUT_DTYPES for d in dtypes):
+            specs.append(config.layer_spec("activation", m.layer, m.pattern.name, in_sid))
+        if all(spec.dtype in LUT_DTYPES for spec in specs):
             out[var] = (channels, conv.layer)
     return out
 
@@ -126,9 +121,3 @@ def group_scales(scale, groups: int) -> np.ndarray | float:
             "Config.depthwise_input_per_channel serves depthwise convs only"
         )
     return s.astype(np.float32).astype(np.float64).reshape(groups, 1)
-
-
-def lut_axis(a, b) -> int | None:
-    """The ``qnn.lut`` axis of a lookup from grid ``a`` to grid ``b``: the channel axis when
-    either is per channel (one table row per channel), else None."""
-    return a.axis if a.per_axis else (b.axis if b.per_axis else None)

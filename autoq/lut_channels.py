@@ -35,7 +35,7 @@ from .activations import ACTIVATIONS, LUT_DTYPES, lut_table
 from .qparams import QParam
 from .toolkit import shape_of
 
-__all__ = ["AXIS", "LUT_PATTERNS", "cut", "per_channel_inputs", "table", "tables"]
+__all__ = ["AXIS", "LUT_PATTERNS", "cut", "lut_axis", "per_channel_inputs", "table", "tables"]
 
 #: the channel axis of a conv2d output (NCHW)
 AXIS = 1
@@ -68,13 +68,9 @@ def per_channel_inputs(g, matches, config) -> dict:
             continue
         if any(u not in m.covered for u in users):
             continue
-        spec_in = config.layer_spec("activation", m.layer, m.pattern.name)
-        if prod.layer in config.int16_tensors:
-            spec_in = spec_in.as_int16()
-        spec_out = config.layer_spec("activation", m.layer, m.pattern.name)
-        if m.layer in config.int16_tensors:
-            spec_out = spec_out.as_int16()
-        if spec_in.dtype in LUT_DTYPES and spec_out.dtype in LUT_DTYPES:
+        specs = [config.layer_spec("activation", m.layer, m.pattern.name, s)
+                 for s in (prod.layer, m.layer)]  # fmt: skip
+        if all(spec.dtype in LUT_DTYPES for spec in specs):
             out[var] = (int(shape[AXIS]), m.layer)
     return out
 
@@ -95,6 +91,12 @@ def tables(activation, a: QParam, b: QParam) -> np.ndarray:
             for sc, zc, bsc, bzc in zip(s, z, bs, bz, strict=True)
         ]
     )
+
+
+def lut_axis(a: QParam, b: QParam) -> int | None:
+    """The ``qnn.lut`` axis of a lookup from grid ``a`` to grid ``b``: the channel axis when
+    either is per channel (one table row per channel, :func:`table`), else None."""
+    return a.axis if a.per_axis else (b.axis if b.per_axis else None)
 
 
 def table(activation, a: QParam, b: QParam) -> np.ndarray:

@@ -34,8 +34,8 @@ an int16 override: the escalation's int16 candidates are per-tensor slots only),
 model output, a 4-D tensor (NCHW: its last axis is a spatial one; a CNN's residual adds
 stay as they are).
 
-The int16 escalation (:mod:`autoq.escalation`) counts these slots among its candidates
-(:func:`is_residual_slot`): one it picks becomes int16 per tensor.
+The int16 escalation (:mod:`autoq.escalation`) counts these slots among its candidates (as
+every per-channel slot): one it picks becomes int16 per tensor.
 
 Calibration runs each such slot's calibrator per channel (``observer(axis)``, as for
 weights); the scale-health check sees a per-tensor summary
@@ -51,7 +51,7 @@ from .activations import LUT_DTYPES
 from .toolkit import dtype_of, shape_of
 
 __all__ = [
-    "ADD_PATTERNS", "CONSUMERS", "PRODUCERS", "SERVABLE", "is_residual_slot", "per_channel_slots",
+    "ADD_PATTERNS", "CONSUMERS", "PRODUCERS", "SERVABLE", "per_channel_slots",
 ]  # fmt: skip
 
 #: the patterns whose ``qnn.add`` serves per-channel operands and output
@@ -64,10 +64,9 @@ CONSUMERS = ("float", "dynamic", "add")
 SERVABLE = frozenset((w, r) for w in PRODUCERS for r in CONSUMERS)
 
 
-def _is_8bit(config, layer: str, pattern: str, sid: str | None = None) -> bool:
+def _is_8bit(config, layer: str, pattern: str) -> bool:
+    """(``Config.int16_tensors`` slots are skipped by :func:`per_channel_slots` itself.)"""
     spec = config.layer_spec("activation", layer, pattern)
-    if sid is not None and sid in config.int16_tensors:
-        return False
     return spec.dtype in LUT_DTYPES and not spec.dynamic
 
 
@@ -78,14 +77,14 @@ def _same_shape_add(m) -> bool:
     return out is not None and all(shape_of(m[k]) == out for k in keys)
 
 
-def _writer(var, roots, covered, dynamic, config, sid) -> str | None:
+def _writer(var, roots, covered, dynamic, config) -> str | None:
     m = roots.get(var)
     if m is None:
         return None if var in covered else "float"
     if m.layer in dynamic:
         return "dynamic"
     if m.pattern.name in ADD_PATTERNS and _same_shape_add(m):
-        return "add" if _is_8bit(config, m.layer, m.pattern.name, sid) else None
+        return "add" if _is_8bit(config, m.layer, m.pattern.name) else None
     return None
 
 
@@ -126,7 +125,7 @@ def per_channel_slots(g, matches, config, dynamic=frozenset(), slot_id=None) -> 
         sid = slot_id(var) if slot_id is not None else None
         if sid is not None and sid in config.int16_tensors:
             continue
-        writer = _writer(var, roots, owner, dynamic, config, sid)
+        writer = _writer(var, roots, owner, dynamic, config)
         readers = [_reader(var, u, owner, dynamic, config) for u in users]
         if writer is None or any((writer, r) not in SERVABLE for r in readers):
             continue
@@ -134,11 +133,3 @@ def per_channel_slots(g, matches, config, dynamic=frozenset(), slot_id=None) -> 
             continue  # read only by float ops and dynamic layers: it has no slot
         out[var] = (int(shape[-1]), len(shape) - 1)
     return out
-
-
-def is_residual_slot(info) -> bool:
-    """Whether a slot (:class:`autoq.qparams.SlotInfo`) is one of this module's per-channel
-    slots (per axis on the last axis of a tensor that is not 4-D): the int16 escalation
-    may make it int16 per tensor (``Config.int16_tensors`` then keeps it per tensor)."""
-    shape = tuple(info.shape or ())
-    return info.axis is not None and len(shape) not in (0, 4) and info.axis == len(shape) - 1

@@ -204,15 +204,14 @@ class SimContext:
     def layer(self) -> str:
         return self.match.layer if self.match is not None else ""
 
-    def spec(self, kind: str, layer: str) -> QuantSpec:
+    def spec(self, kind: str, layer: str, slot: str | None = None) -> QuantSpec:
         m = self.match
-        return self.config.layer_spec(kind, layer, m.pattern.name if m is not None else None)
+        return self.config.layer_spec(kind, layer, m.pattern.name if m else None, slot)
 
     def act_spec(self, sid: str, layer: str) -> QuantSpec:
-        """The spec of activation slot ``sid`` created by ``layer``: the layer's, in int16
-        when ``Config.int16_tensors`` names the slot (:mod:`autoq.escalation`)."""
-        spec = self.spec("activation", layer)
-        return spec.as_int16() if sid in self.config.int16_tensors else spec
+        """The spec of activation slot ``sid`` created by ``layer`` (:meth:`Config.layer_spec`:
+        int16 when ``Config.int16_tensors`` names the slot)."""
+        return self.spec("activation", layer, sid)
 
     def _new_slot(self, sid, kind, spec, shape, axis, length, tensor_shape, op):
         if sid in self.plan.slots:
@@ -354,8 +353,7 @@ class SimContext:
             return self.output(real)
         sid = m.layer
         self._uses(sid)
-        out_rows = self.per_channel_dw.get(m.root, (None,))[0]
-        out_ax = None if out_rows is None else depthwise_channels.AXIS
+        out_rows, out_ax = self.channel_slot(m.root)
         s, z = self._new_slot(
             sid, "activation", spec, None, out_ax, out_rows, shape_of(m.root), m.pattern.name
         )

@@ -266,17 +266,13 @@ class InputStats:
         same integers (:func:`quantize_offset`); the mean patches take
         the whole batch's codes."""
         qp = self.qp
-        if qp.per_axis:  # per channel (axis 1, autoq.depthwise_channels)
-            q = P.quantize(x, qp.scale, qp.zero_point, qp.dtype, qp.axis).astype(np.int32)
-            codes = q - np.asarray(qp.zero_point, np.int32).reshape(1, -1, 1, 1)
-            for h in self.distinct.values():
-                h.update(codes)
-            for m in self.distinct_means.values():
-                m.update(codes)
-            return
-        if self.distinct_means or P.qrange(qp.dtype)[1] > 2**16:
-            q = P.quantize(x, qp.scale, qp.zero_point, qp.dtype).astype(np.int32)
-            codes = q - np.asarray(qp.zero_point, np.int32)
+        if qp.per_axis or self.distinct_means or P.qrange(qp.dtype)[1] > 2**16:
+            ax = qp.axis if qp.per_axis else None  # (per channel: autoq.depthwise_channels)
+            q = P.quantize(x, qp.scale, qp.zero_point, qp.dtype, ax).astype(np.int32)
+            zp = np.asarray(qp.zero_point, np.int32)
+            codes = q - (
+                zp if ax is None else zp.reshape([-1 if i == ax else 1 for i in range(q.ndim)])
+            )
             for h in self.distinct.values():
                 h.update(codes)
             for m in self.distinct_means.values():

@@ -15,7 +15,7 @@ from __future__ import annotations
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
-from autoq import depthwise_channels, lut_channels, qnn
+from autoq import lut_channels, qnn
 from autoq.activations import ACTIVATIONS, LUT_DTYPES, Activation
 from autoq.registry import Pattern, register
 from autoq.toolkit import const
@@ -43,9 +43,8 @@ def _make(op: str, act: Activation) -> Pattern:
         out = ctx.output_qparam()
         if x.dtype in LUT_DTYPES and out.dtype in LUT_DTYPES:
             t = lut_channels.table(act, x.qparam, out.qparam)
-            return ctx.output(
-                qnn.lut(x.q, const(t), depthwise_channels.lut_axis(x.qparam, out.qparam))
-            )
+            axis = lut_channels.lut_axis(x.qparam, out.qparam)
+            return ctx.output(qnn.lut(x.q, const(t), axis))
         call = ctx.g.value[m.root]
         y = relax.Call(call.op, [x.real], call.attrs)
         return ctx.output(qnn.quantize(y, out.scale_c, out.zero_point_c, out_dtype=out.dtype))

@@ -19,7 +19,7 @@ import numpy as np
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
-from autoq import depthwise_channels, lut_channels, qnn
+from autoq import lut_channels, qnn
 from autoq.activations import ACTIVATIONS, LUT_DTYPES, affine
 from autoq.registry import Pattern, register
 from autoq.toolkit import const, shape_of
@@ -69,9 +69,8 @@ def _make(op: str, name: str) -> Pattern:
         out = ctx.output_qparam()
         if x.dtype in LUT_DTYPES and out.dtype in LUT_DTYPES:
             t = lut_channels.table(_row(ctx.g, m), x.qparam, out.qparam)
-            return ctx.output(
-                qnn.lut(x.q, const(t), depthwise_channels.lut_axis(x.qparam, out.qparam))
-            )
+            axis = lut_channels.lut_axis(x.qparam, out.qparam)
+            return ctx.output(qnn.lut(x.q, const(t), axis))
         y = float_value(ctx, m, x.real)
         return ctx.output(qnn.quantize(y, out.scale_c, out.zero_point_c, out_dtype=out.dtype))
 
