@@ -167,7 +167,8 @@ def test_integer_rounding_puts_multiplier_and_shift_on_every_requantize():
     """Config(rounding="half_even"): each qnn.requantize carries the int32 multiplier and
     shift (m * 2**(shift - 31) ~= s_in / s_out) as constant arguments; the module computes
     what the same ops without them compute (the legalization derives them from the scales),
-    and the pattern table still partitions the whole network into one region."""
+    and the pattern table still partitions the whole network into one region, which the
+    example NPU runs bit for bit."""
     from autoq import primitives as P
     from autoq.toolkit import bindings, const_array
 
@@ -193,6 +194,11 @@ def test_integer_rounding_puts_multiplier_and_shift_on_every_requantize():
     for xi in x:
         np.testing.assert_array_equal(_run(a_ex, xi), _run(b_ex, xi))
     assert npu_backend.host_ops(npu_backend.partition(real)) == {"regions": 1}
+    # the NPU's one kernel computes the same integers (its scalar qparams inlined: the
+    # integer elementwise ops derive their multipliers from constant scales)
+    npu_ex = npu_backend.build(real, TARGET)
+    for xi in x:
+        np.testing.assert_array_equal(_run(npu_ex, xi), _run(a_ex, xi))
 
 
 def _strip_multipliers(func):
@@ -204,3 +210,42 @@ def _strip_multipliers(func):
         return tvm.ir.Call(call.op, list(call.args[:5]), call.attrs, list(call.ty_args))
 
     return rewrite_call(pattern, strip, func)
+
+
+def test_per_channel_lookup_and_depthwise_input_offload_bit_exact():
+    """``Config(lut_input_per_channel=True, depthwise_input_per_channel=True)`` (PP-OCR's
+    recipe): a stem conv -> hardswish -> depthwise conv -> hardswish -> 1x1 conv chain whose
+    hardswish tables are ``[C, 256]`` (``qnn.lut`` with ``axis``) and whose depthwise conv
+    reads a per-channel input (scale / zero point of shape ``[C]``). The pattern table still
+    offloads the whole network as one integer region, bit for bit equal to TVM's own build."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (autoq[torch])")
+    from autoq.toolkit import bindings, const_array
+
+    nn = torch.nn
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.Hardswish(),
+        nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.Hardswish(), nn.Conv2d(8, 4, 1),
+    ).eval()  # fmt: skip
+    mod, params = autoq.from_torch(net, (torch.zeros(SHAPE),))
+    config = autoq.Config(
+        progress=False, lut_input_per_channel=True, depthwise_input_per_channel=True
+    )
+    real = autoq.quantize(mod, params, _samples(8, 0), config)
+    calls = [v for _, v in bindings(real["main"]) if isinstance(v, relax.Call)]
+    luts = [c for c in calls if c.op == tvm.ir.Op.get("qnn.lut")]
+    assert luts and all(c.attrs["axis"] is not None for c in luts)
+    depthwise = [
+        c for c in calls if c.op == tvm.ir.Op.get("qnn.conv2d") and int(c.attrs.groups) == 8
+    ]
+    assert len(depthwise) == 1
+    assert np.shape(const_array(depthwise[0].args[2])) == (8,)  # per-channel input scale
+    part = npu_backend.partition(real)
+    assert npu_backend.host_ops(part) == {"regions": 1}
+    names = _composites(part)
+    assert "autoq_npu.lut" in names and any(n.startswith("autoq_npu.conv2d") for n in names)
+    ref_ex, npu_ex = tvm.compile(real, TARGET), npu_backend.build(real, TARGET)
+    for xi in _samples(3, 7):
+        ref = _run(ref_ex, xi)
+        np.testing.assert_array_equal(_run(npu_ex, xi), ref)
+        assert np.abs(ref).max() > 0

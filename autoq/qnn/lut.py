@@ -15,8 +15,7 @@ the size of ``data``'s dimension ``axis``, and ``lut(data, table)[i] = table[i[a
 
 from __future__ import annotations
 
-import numpy as np
-from tvm import relax
+from tvm import relax, te
 
 from ..activations import LUT_DTYPES
 from .checks import attr, check_dtype, dims, fail, static_int, tensor_type
@@ -53,18 +52,16 @@ def _infer(op, call):
 def _legalize(bb, call):
     data, table = call.args
     qmin = -128 if str(data.ty.dtype) == "int8" else 0
-    idx = relax.op.subtract(relax.op.astype(data, "int32"), relax.const(qmin, "int32"))
     axis = attr(call, "axis")
     if axis is None:
+        idx = relax.op.subtract(relax.op.astype(data, "int32"), relax.const(qmin, "int32"))
         return bb.normalize(relax.op.take(table, idx, axis=0, mode="clip"))
-    rank = len(dims(data))
-    channels = static_int(dims(table)[0])
-    shape = [1] * rank
-    shape[axis % rank] = channels
-    rows = np.arange(channels, dtype=np.int32).reshape(shape) * 256
-    flat = relax.op.reshape(table, [channels * 256])
-    idx = relax.op.add(idx, relax.const(rows))
-    return bb.normalize(relax.op.take(flat, idx, axis=0, mode="clip"))
+    ax = axis % len(dims(data))
+
+    def f(d, t):  # row i[ax] of the table: no constant row offsets (BYOC kernels hold none)
+        return te.compute(d.shape, lambda *i: t[i[ax], d[i].astype("int32") - qmin], name="qnn_lut")
+
+    return bb.call_te(f, data, table, primfunc_name_hint="qnn_lut")
 
 
 register(lut, _infer, _legalize)

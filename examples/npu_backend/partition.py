@@ -15,6 +15,7 @@ import tvm
 from tvm import relax
 
 import autoq.byoc
+from autoq.toolkit import const_array
 
 from .codegen import CODEGEN
 
@@ -26,7 +27,53 @@ def partition(mod: tvm.IRModule, supported=None) -> tvm.IRModule:
     merged into one ``Codegen="autoq_npu"`` function per region (no codegen run yet)."""
     table = autoq.byoc.pattern_table(CODEGEN, supported)
     mod = relax.transform.FuseOpsByPattern(table, bind_constants=False, annotate_codegen=False)(mod)
-    return relax.transform.MergeCompositeFunctions()(mod)
+    return _inline_scalars(relax.transform.MergeCompositeFunctions()(mod))
+
+
+def _inline_scalars(mod: tvm.IRModule) -> tvm.IRModule:
+    """Each region with its scalar constant arguments (per-tensor scales, zero points) bound
+    into the function instead of passed: the kernel sees them as immediates, as the integer
+    rounding modes need (an ``add``'s multipliers are computed from its scales when it is
+    lowered); tensors (weights, tables, per-channel qparams) stay arguments (module doc of
+    :mod:`.codegen`: a TIR kernel holds no tensor constant)."""
+    regions, calls, swaps = _offloaded(mod), {}, {}
+    for block in mod["main"].body.blocks:
+        for b in block.bindings:
+            if isinstance(b.value, tvm.ir.Call) and b.value.op in regions:
+                calls.setdefault(b.value.op, []).append(b.value)
+    bb = relax.BlockBuilder(mod)
+    for gv, sites in calls.items():
+        if len(sites) != 1:  # a region called twice: keep its arguments as they are
+            continue
+        func, args = mod[gv], sites[0].args
+        scalar = {
+            p: a
+            for p, a in zip(func.params, args, strict=True)
+            if (v := const_array(a)) is not None and v.ndim == 0
+        }
+        if scalar:
+            kept = [a for p, a in zip(func.params, args, strict=True) if p not in scalar]
+            name = f"{gv.name_hint}_scalars"
+            func = func.bind_params(scalar).with_attr("global_symbol", name)
+            bound = bb.add_func(func, name)
+            swaps[sites[0]] = relax.Call(bound, kept)
+    out = bb.get()
+    replaced = {site.op for site in swaps}
+    funcs = {gv: f for gv, f in out.functions_items() if gv not in replaced}
+    funcs[out.get_global_var("main")] = _replace_calls(out["main"], swaps)
+    return tvm.IRModule(funcs, attrs=out.attrs)
+
+
+def _replace_calls(main: relax.Function, swaps: dict) -> relax.Function:
+    @relax.expr_functor.mutator
+    class Swap(relax.PyExprMutator):
+        def visit_call_(self, call):
+            for old, new in swaps.items():
+                if call.same_as(old):
+                    return new
+            return super().visit_call_(call)
+
+    return Swap().visit_expr(main)
 
 
 def build(mod: tvm.IRModule, target, supported=None):
