@@ -51,6 +51,7 @@ from .build import default_target
 from .calibrate import calibrate, calibration_pipeline, samples_for
 from .calibration_plan import slot_layouts
 from .config import AutoFallback, Config, QuantSpec
+from .escalation_elimination import eliminate, prune_on_held
 from .escalation_swaps import refine_by_swaps
 from .metrics import ErrorStats, fake_quant, sqnr_db
 from .primitives import quantize_bias
@@ -378,40 +379,19 @@ def escalate_search(
     limit = max(0, total - len(eg.already_int16))
     trials: list[dict] = []
 
-    def trial(sel, kind):
+    def trial(sel, kind, **extra):
         v = score(sel)
-        trials.append({"k": len(sel), "layers": list(sel), "metric": v, "kind": kind})
+        trials.append({"k": len(sel), "layers": list(sel), "metric": v, "kind": kind, **extra})
         return v
 
     base = trial([], "base")
-    ranking, top, first = [], base, []
-    if not within(base) and limit > 0:
-        short, first = shortlist(eg, fb, limit, trial)
-        top = trial(short, "all")
-        for sid in short:  # what each costs back in int8 while the others are int16
-            ranking.append({"layer": sid, "score": trial([x for x in short if x != sid], "revert")})
-        ranking.sort(key=lambda r: r["score"])
-    gain = _held_gain(eg, reference_run, held)
-    chosen, value, final = [], base, ([], base)
-    for r in ranking:  # add in ranked order; keep the prefix the held-out samples prefer
-        if within(value) or len(chosen) >= limit or not r["score"] < top:
-            break
-        chosen = [*chosen, r["layer"]]
-        value = trial(chosen, "greedy")
-        kept = gain(chosen)
-        trials[-1]["kept"] = kept
-        if kept:
-            final = (list(chosen), value)
-    chosen, value = final
+    if fb.search == "eliminate":
+        found = _eliminated(eg, trial, within, base, limit, (reference_run, held), name)
+    else:
+        found = _greedy(eg, fb, trial, within, base, limit, (reference_run, held), name)
+    chosen, value, ranking = found
     skip = not ranking or within(value)
     chosen, value, swaps = _swapped(eg, fb, trial, (reference_run, held), chosen, value, skip)
-    for r in ranking:
-        r["reason"] = (
-            f"{name} {r['score']:.4g} with this tensor int8 and the other shortlisted ones "
-            f"int16 (all int16: {top:.4g}, all int8: {base:.4g}); its own int8 SQNR "
-            f"{eg.local_sqnr[r['layer']]:.1f} dB"
-            + (" (shortlisted as one of the first tensors)" if r["layer"] in first else "")
-        )
     return {
         "tensors": chosen,
         "metric": value,
@@ -426,6 +406,58 @@ def escalate_search(
         "swaps": swaps,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _greedy(eg: EscalationGraph, fb, trial, within, base, limit, fp32_held, name):
+    """The greedy search (module docstring): (tensors, metric, ranking)."""
+    ranking, top, first = [], base, []
+    if not within(base) and limit > 0:
+        short, first = shortlist(eg, fb, limit, trial)
+        top = trial(short, "all")
+        for sid in short:  # what each costs back in int8 while the others are int16
+            ranking.append({"layer": sid, "score": trial([x for x in short if x != sid], "revert")})
+        ranking.sort(key=lambda r: r["score"])
+    gain = _held_gain(eg, *fp32_held)
+    chosen, value, final = [], base, ([], base)
+    for r in ranking:  # add in ranked order; keep the prefix the held-out samples prefer
+        if within(value) or len(chosen) >= limit or not r["score"] < top:
+            break
+        chosen = [*chosen, r["layer"]]
+        kept = gain(chosen)
+        value = trial(chosen, "greedy", kept=kept)
+        if kept:
+            final = (list(chosen), value)
+    for r in ranking:
+        r["reason"] = (
+            f"{name} {r['score']:.4g} with this tensor int8 and the other shortlisted ones "
+            f"int16 (all int16: {top:.4g}, all int8: {base:.4g}); its own int8 SQNR "
+            f"{eg.local_sqnr[r['layer']]:.1f} dB"
+            + (" (shortlisted as one of the first tensors)" if r["layer"] in first else "")
+        )
+    return *final, ranking
+
+
+def _eliminated(eg: EscalationGraph, trial, within, base, limit, fp32_held, name):
+    """Backward elimination over every candidate, then the held-out pruning
+    (:mod:`autoq.escalation_elimination`): (tensors, metric, ranking)."""
+    if within(base) or limit <= 0:
+        return [], base, []
+    kept, value, cost, _rounds = eliminate(
+        eg.topological, limit, lambda sel: trial(sel, "eliminate"), within
+    )
+    chosen, _held = prune_on_held(kept, _held_score(eg, *fp32_held))
+    ranking = sorted(
+        ({"layer": sid, "score": value - cost[sid]} for sid in kept), key=lambda r: r["score"]
+    )
+    for r in ranking:
+        r["reason"] = (
+            f"{name} {r['score']:.4g} with this tensor int8 and the rest of the eliminated set "
+            f"int16 (that set: {value:.4g}, all int8: {base:.4g}); "
+            + ("kept" if r["layer"] in chosen else "dropped by the held-out check")
+        )
+    if chosen != kept:
+        value = trial(chosen, "held-out pruned") if chosen else base
+    return chosen, value, ranking
 
 
 def _swapped(eg: EscalationGraph, fb: AutoFallback, trial, fp32_held, chosen, value, skip):

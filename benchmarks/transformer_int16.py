@@ -36,6 +36,8 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
 * ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
 * ``--swap-rounds n``: ``AutoFallback(swap_rounds=n)`` for the escalation rows (swap
   refinement of the chosen tensors, :mod:`autoq.escalation_swaps`);
+* ``--search eliminate``: ``AutoFallback(search="eliminate")`` for the escalation rows
+  (backward elimination from every tensor int16, :mod:`autoq.escalation_elimination`);
 * with ``--alphas a,b,...``: the all-int8 and escalation rows again with
   ``Config(smooth_quant_alphas=(a, b, ...))`` (SmoothQuant's alpha searched per LayerNorm,
   :mod:`autoq.smooth_alpha`; the chosen alphas are logged);
@@ -134,6 +136,7 @@ def escalation(args, fraction: float):
     return AutoFallback(
         precision="int16_tensors", max_int16_fraction=fraction, holdout=args.holdout,
         min_sqnr=args.min_sqnr, trial_samples=args.trial_samples, swap_rounds=args.swap_rounds,
+        search=args.search,
     )  # fmt: skip
 
 
@@ -226,7 +229,8 @@ def hybrid_rows(args) -> list:
             rows += [(f"{label}, escalation (<= {f:.0%})",
                       base.replace(fallback=replace(escalation(args, f), patterns=fp32)))
                      for f in args.fractions]  # fmt: skip
-        rows += [(name + f"rest static int8, escalation (<= {f:.0%})",
+        tag = "" if args.search == "greedy" else f", {args.search} search"
+        rows += [(name + f"rest static int8, escalation (<= {f:.0%}){tag}",
                   base.replace(fallback=escalation(args, f))) for f in args.fractions]  # fmt: skip
     return rows
 
@@ -339,6 +343,7 @@ def parse_args(argv=None):
     p.add_argument("--second", type=int, default=0, help="second evaluation set (sentences)")
     p.add_argument("--second-from", type=int, default=0, help="its start (disjoint sets)")
     p.add_argument("--swap-rounds", type=int, default=0, help="AutoFallback.swap_rounds")
+    p.add_argument("--search", default="greedy", help="AutoFallback.search (greedy, eliminate)")
     p.add_argument("--hybrid", action="store_true", help="static + dynamic hybrid rows")
     p.add_argument(
         "--dense-rule", default="re:.*MatMul.*", help="the hybrid's dynamic layers (Override.match)"
