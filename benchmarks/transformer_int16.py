@@ -29,6 +29,8 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
   elementwise ops and requantizes integer-only instead of float inside their kernels);
 * ``--dynamic-gptq``: the hybrid rows with ``Config.dynamic_gptq`` (the dynamic dense
   layers' weights rounded by GPTQ on their fp32 inputs, :mod:`autoq.dynamic_gptq`);
+* ``--residual-int16-per-channel``: with it, ``Config.residual_int16_per_channel`` (the
+  escalation's residual-stream picks int16 per channel);
 * ``--residual-per-channel``: the hybrid rows with ``Config.residual_per_channel`` (the
   residual stream's slots per channel on the hidden axis, :mod:`autoq.residual_channels`);
   the per-channel slot count is logged; ``--max-calibrator RULE``: the hybrid's layers
@@ -209,10 +211,12 @@ def hybrid_rows(args) -> list:
     for alpha in args.hybrid_smooth:
         base = Config(progress=False, check_scales=False, overrides=dyn, smooth_quant=alpha,
                       dynamic_gptq=args.dynamic_gptq, rounding=args.rounding_mode,
-                      residual_per_channel=args.residual_per_channel)  # fmt: skip
+                      residual_per_channel=args.residual_per_channel,
+                      residual_int16_per_channel=args.residual_int16_per_channel)  # fmt: skip
         name = "autoq hybrid: dense dynamic (token), " + ("" if alpha == 0.5 else f"SQ {alpha}, ")
         name += "GPTQ, " if args.dynamic_gptq else ""
         name += "residual per channel, " if args.residual_per_channel else ""
+        name += "int16 per channel, " if args.residual_int16_per_channel else ""
         name += f"max calibrator: {args.max_calibrator}, " if args.max_calibrator else ""
         name += f"rounding {args.rounding_mode}, " if args.rounding_mode != "float" else ""
         rows += [
@@ -357,6 +361,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--residual-per-channel", action="store_true", help="Config.residual_per_channel (hybrid)"
     )
+    p.add_argument(
+        "--residual-int16-per-channel", action="store_true",
+        help="Config.residual_int16_per_channel (with --residual-per-channel)",
+    )  # fmt: skip
     p.add_argument("--max-calibrator", default="", help="hybrid: these layers calibrated by max")
     p.add_argument("--int16-headroom", action="store_true", help="--hybrid-int16 range x4")
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
