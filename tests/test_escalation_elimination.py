@@ -11,11 +11,15 @@ from itertools import combinations
 import pytest
 from test_escalation import calibrated, data  # noqa: F401  (the fixture)
 
+import autoq
 from autoq import AutoFallback, Config
 from autoq.calibrate import samples_for
 from autoq.escalation import escalate_search, trial_set
 from autoq.escalation_elimination import eliminate, prune_on_held
+from autoq.fidelity import compare
 from autoq.metrics import sqnr_db
+from autoq.simulate import simulate
+from models import TARGET, small_cnn
 
 ALONE = {"a": 4.0, "b": 4.0, "c": 4.0, "d": 2.0, "e": 1.5, "z": 0.0}
 
@@ -89,6 +93,26 @@ def test_eliminate_search_on_the_tiny_transformer(calibrated):  # noqa: F811
         assert full > sqnr_db(ref, eg.run([], samples))
     assert found["metric"] == pytest.approx(sqnr_db(eg.run_fp32(some), eg.run(chosen, some)))
     assert {r["layer"] for r in found["ranking"]} >= set(chosen)
+
+
+def test_pipeline_on_a_cnn_realizes_the_choice_exactly():
+    """End to end on a small CNN (per-tensor and lookup slots): within budget, int16 qparams
+    for the picks, realized == simulated bit for bit."""
+    mod, params, make_data = small_cnn()
+    fb = AutoFallback(
+        precision="int16_tensors", min_sqnr=99.0, holdout=4, max_int16_fraction=0.5,
+        search="eliminate",
+    )  # fmt: skip
+    cfg = Config(progress=False, check_scales=False, fallback=fb)
+    res = autoq.Quantizer(cfg, target=TARGET).run(mod, params, make_data(10, 0))
+    d = res.decision
+    sim = simulate(res.matched, None, res.config)
+    assert 1 <= len(d.layers) <= int(0.5 * len(sim.activation_slots()) + 1e-9)
+    assert res.config.int16_tensors == tuple(d.layers) and not res.fp32_layers
+    assert all(res.qparams[s].dtype == "int16" for s in d.layers)
+    assert {t["kind"] for t in d.trials} >= {"base", "eliminate"}
+    rep = compare(sim, res.module, res.qparams, samples_for(make_data(2, 5), sim.graph.inputs))
+    assert rep.exact, rep.table()
 
 
 def test_option_round_trips_and_is_validated():
