@@ -12,6 +12,8 @@ for this ranking, budget 22 tensors). It then adds the tensors in that order unt
 metric meets the budget or ``max_int16_fraction`` of the activation tensors are int16; with
 ``AutoFallback.holdout`` the result is the prefix of that sequence with the best output
 SQNR on the held-out samples (tensors that only help the calibration samples are dropped).
+``AutoFallback(search="eliminate")`` instead runs a backward elimination from every
+candidate int16 (:mod:`autoq.escalation_elimination`).
 Every layer stays quantized (int8 weights, integer kernels); the chosen
 tensors are written to ``Config.int16_tensors`` (slot ids), which :mod:`autoq.simulate`
 gives an int16 spec, so realize/simulate agree bit for bit as for any int16 slot.
