@@ -325,7 +325,8 @@ class Config(JsonDocument):
     a residual-stream tensor (written by a float op, a dynamic layer or an 8-bit ``add``; read
     only by such), per channel of the hidden dimension where a transformer's outliers sit:
     ``qnn.add`` requantizes each channel on its own grid, LayerNorm dequantizes per channel
-    (:mod:`autoq.residual_channels`).
+    (:mod:`autoq.residual_channels`); ``residual_int16_per_channel``: such a tensor in
+    ``int16_tensors`` (the int16 escalation's picks) stays per channel, int16 (else per tensor).
 
     ``equalization``: cross-layer equalization of the float model before calibration (Nagel
     et al. 2019, "Data-Free Quantization", sec. 4.1; :mod:`autoq.cross_layer_equalization`):
@@ -365,6 +366,7 @@ class Config(JsonDocument):
     lut_input_per_channel: bool = False
     depthwise_input_per_channel: bool = False
     residual_per_channel: bool = False
+    residual_int16_per_channel: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
@@ -401,21 +403,19 @@ class Config(JsonDocument):
                      "bias_correction", "empirical_bias_correction", "scale_search",
                      "equalization", "lut_input_ranges", "dynamic_gptq",
                      "lut_input_per_channel", "depthwise_input_per_channel",
-                     "residual_per_channel"):  # fmt: skip
+                     "residual_per_channel", "residual_int16_per_channel"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
-        if self.dynamic_gptq and (self.weight_rounding, self.calibration) != (
-            "gptq",
-            "topological",
-        ):
+        if self.residual_int16_per_channel and not self.residual_per_channel:
+            raise InputError("Config.residual_int16_per_channel needs residual_per_channel=True")
+        gptq = (self.weight_rounding, self.calibration) == ("gptq", "topological")
+        if self.dynamic_gptq and not gptq:
             raise ValueError(
                 "Config.dynamic_gptq needs weight_rounding='gptq' and calibration='topological', "
                 f"got {self.weight_rounding!r} and {self.calibration!r}"
             )
         if self.dynamic_gptq and self.distributed is not None:
-            raise ValueError(
-                "Config.dynamic_gptq runs in this process: not with Config.distributed"
-            )
+            raise ValueError("Config.dynamic_gptq runs in this process: not with distributed")
         _check_holdout(self)
         _check_bias_skip(self)
         str_tuple(self, "int16_tensors")
@@ -499,6 +499,7 @@ class Config(JsonDocument):
             "lut_input_per_channel": self.lut_input_per_channel,
             "depthwise_input_per_channel": self.depthwise_input_per_channel,
             "residual_per_channel": self.residual_per_channel,
+            "residual_int16_per_channel": self.residual_int16_per_channel,
         }
 
     @classmethod

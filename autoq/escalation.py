@@ -12,6 +12,8 @@ for this ranking, budget 22 tensors). It then adds the tensors in that order unt
 metric meets the budget or ``max_int16_fraction`` of the activation tensors are int16; with
 ``AutoFallback.holdout`` the result is the prefix of that sequence with the best output
 SQNR on the held-out samples (tensors that only help the calibration samples are dropped).
+``AutoFallback(search="eliminate")`` instead runs a backward elimination from every
+candidate int16 (:mod:`autoq.escalation_elimination`).
 Every layer stays quantized (int8 weights, integer kernels); the chosen
 tensors are written to ``Config.int16_tensors`` (slot ids), which :mod:`autoq.simulate`
 gives an int16 spec, so realize/simulate agree bit for bit as for any int16 slot.
@@ -26,7 +28,8 @@ input or output slot is switched computes its float activation and quantizes it,
 realized graph does for a 16-bit slot. A per-channel residual-stream slot
 (:mod:`autoq.residual_channels`) is a candidate too: ``s``, ``z`` are then its per-channel
 vectors on the last axis (the formula broadcasts), and once picked it is int16 per tensor
-(``Config.int16_tensors`` keeps it per tensor). Each trial is then one run over the first
+(``Config.int16_tensors`` keeps it per tensor), or with ``Config.residual_int16_per_channel``
+int16 per channel on that axis (``s16``, ``z16`` per channel too, from each channel's range). Each trial is then one run over the first
 ``AutoFallback.trial_samples`` calibration samples (SQNR metric; a callable metric picks its
 own).
 
@@ -51,6 +54,7 @@ from .build import default_target
 from .calibrate import calibrate, calibration_pipeline, samples_for
 from .calibration_plan import slot_layouts
 from .config import AutoFallback, Config, QuantSpec
+from .escalation_elimination import eliminate, prune_on_held
 from .escalation_swaps import refine_by_swaps
 from .metrics import ErrorStats, fake_quant, sqnr_db
 from .primitives import quantize_bias
@@ -79,19 +83,19 @@ WIDE = {"int8": "int16", "uint8": "int16"}
 INT16_HEADROOM = 4.0
 
 
-def int16_qparam(lo: float, hi: float, spec: QuantSpec) -> QParam:
-    """int16 qparams for a tensor observed in ``[lo, hi]`` (``spec``: its spec): the range
-    widened by :data:`INT16_HEADROOM` around 0.
+def int16_qparam(lo, hi, spec: QuantSpec, axis: int | None = None) -> QParam:
+    """int16 qparams for a tensor observed in ``[lo, hi]`` (``spec``: its spec; per channel
+    along ``axis`` when ``lo`` / ``hi`` are 1-D): the range widened by
+    :data:`INT16_HEADROOM` around 0.
 
     >>> qp = int16_qparam(-1.0, 3.0, QuantSpec())
     >>> qp.dtype, float(qp.rmin), float(qp.rmax)
     ('int16', -4.0, 12.0)
     """
     s = spec.as_int16()
-    lo, hi = min(lo, 0.0) * INT16_HEADROOM, max(hi, 0.0) * INT16_HEADROOM
-    return QParam.from_range(
-        np.float32(lo), np.float32(hi), s.dtype, s.symmetric, s.narrow_range, s.reduce_range
-    )
+    lo = np.minimum(lo, 0.0).astype(np.float32) * np.float32(INT16_HEADROOM)
+    hi = np.maximum(hi, 0.0).astype(np.float32) * np.float32(INT16_HEADROOM)
+    return QParam.from_range(lo, hi, s.dtype, s.symmetric, s.narrow_range, s.reduce_range, axis)
 
 
 def _f32(x) -> relax.Expr:
@@ -103,10 +107,13 @@ class EscalationGraph:
     (module docstring); :meth:`run` runs it with any set of slots switched to int16."""
 
     def __init__(
-        self, sim: SimResult, qparams: QParams, samples, target, token_mask: TokenMask | None = None
-    ):
+        self, sim: SimResult, qparams: QParams, samples, target, token_mask: TokenMask | None = None,
+        int16_per_channel: bool = False,
+    ):  # fmt: skip
         t0 = time.perf_counter()
         self.sim, self.qparams = sim, qparams
+        #: a per-channel candidate switches to int16 per channel (same axis), not per tensor
+        self.int16_per_channel = int16_per_channel
         #: ``Config.token_mask``: ranges and own SQNRs over real tokens only
         self.token_mask = token_mask
         g = sim.graph
@@ -128,8 +135,8 @@ class EscalationGraph:
         self._vars = {
             sid: (
                 relax.Var(f"{sid}.int16", relax.TensorType([], "float32")),
-                relax.Var(f"{sid}.scale16", relax.TensorType([], "float32")),
-                relax.Var(f"{sid}.zero_point16", relax.TensorType([], "int32")),
+                relax.Var(f"{sid}.scale16", relax.TensorType(self._shape16(sid), "float32")),
+                relax.Var(f"{sid}.zero_point16", relax.TensorType(self._shape16(sid), "int32")),
             )
             for sid in self.candidates
         }
@@ -178,9 +185,14 @@ class EscalationGraph:
                 q8 = relax.Var(f"{sid}.q8")
                 q16 = relax.Var(f"{sid}.q16")
                 out.append((q8, value))
-                q16_value = qnn.simulated_quantize(data, s16, z16, dtype="int16", enable=enable)
+                ax = self._axis16(sid)
+                q16_value = qnn.simulated_quantize(
+                    data, s16, z16, axis=-1 if ax is None else ax, dtype="int16", enable=enable
+                )
                 out.append((q16, q16_value))
                 s, z = self._along_axis(sid, s), self._along_axis(sid, z)
+                if ax is not None:
+                    s16, z16 = self._along_axis(sid, s16), self._along_axis(sid, z16)
                 on8 = relax.op.add(
                     relax.op.multiply(relax.op.subtract(q16, _f32(z16)), relax.op.divide(s16, s)),
                     _f32(z),
@@ -204,6 +216,18 @@ class EscalationGraph:
                     continue
             out.append((var, value))
         return out, pre
+
+    def _axis16(self, sid: str) -> int | None:
+        """The axis of ``sid``'s int16 grid: with ``int16_per_channel`` a residual-stream
+        slot's own (the last axis of a tensor that is not 4-D), else None (per tensor)."""
+        info = self.sim.plan.slots[sid]
+        nd = len(info.shape)
+        last = info.axis is not None and nd != 4 and info.axis == nd - 1
+        return info.axis if self.int16_per_channel and last else None
+
+    def _shape16(self, sid: str) -> list[int]:
+        ax = self._axis16(sid)
+        return [] if ax is None else [int(self.sim.plan.slots[sid].shape[ax])]
 
     def _along_axis(self, sid: str, v: relax.Expr) -> relax.Expr:
         """A per-channel slot's [C] scale / zero point shaped to broadcast along its axis
@@ -231,9 +255,9 @@ class EscalationGraph:
                 elif kind == "int16":
                     args.append(self._on if sid in selected else self._off)
                 elif kind == "scale16":
-                    args.append(tvm.runtime.tensor(np.float32(qp16[sid].scale)))
+                    args.append(tvm.runtime.tensor(np.asarray(qp16[sid].scale, np.float32)))
                 else:
-                    args.append(tvm.runtime.tensor(np.int32(qp16[sid].zero_point)))
+                    args.append(tvm.runtime.tensor(np.asarray(qp16[sid].zero_point, np.int32)))
         return args
 
     def _int16_qparams(self) -> dict[str, QParam]:
@@ -242,7 +266,11 @@ class EscalationGraph:
         lo = {s: math.inf for s in self.candidates}
         hi = {s: -math.inf for s in self.candidates}
         err = {s: ErrorStats() for s in self.candidates}
-        dummy = {s: QParam(np.float32(1.0), np.int32(0), "int16") for s in self.candidates}
+        dummy = {
+            s: QParam(np.ones(self._shape16(s), np.float32), np.zeros(self._shape16(s), np.int32),
+                      "int16", self._axis16(s))
+            for s in self.candidates
+        }  # fmt: skip
         f = self.vm["ranges"]
         layouts = slot_layouts(self.sim, self.token_mask)
         for sample in self.samples:
@@ -252,13 +280,19 @@ class EscalationGraph:
                 a = real_tokens(v.numpy(), keep, layouts.get(sid))
                 if a.size == 0:
                     continue
-                lo[sid] = min(lo[sid], float(a.min()))
-                hi[sid] = max(hi[sid], float(a.max()))
+                ax = self._axis16(sid)
+                if ax is None:
+                    lo[sid] = min(lo[sid], float(a.min()))
+                    hi[sid] = max(hi[sid], float(a.max()))
+                else:  # per channel on the last axis
+                    a2 = a.reshape(-1, a.shape[-1])
+                    lo[sid] = np.minimum(lo[sid], a2.min(axis=0))
+                    hi[sid] = np.maximum(hi[sid], a2.max(axis=0))
                 err[sid].add(a, fake_quant(a, self.qparams[sid])[0])
         #: slot -> SQNR (dB) of its int8 quantization alone, on the calibration samples
         self.local_sqnr = {sid: e.sqnr for sid, e in err.items()}
         specs = self.sim.plan.specs
-        return {s: int16_qparam(lo[s], hi[s], specs[s]) for s in self.candidates}
+        return {s: int16_qparam(lo[s], hi[s], specs[s], self._axis16(s)) for s in self.candidates}
 
     def run(self, selected: Iterable[str] = (), samples=None, disabled: Iterable[str] = ()) -> list:
         """Model outputs (one per sample) with the ``selected`` slots int16 and, when ``sim``
@@ -378,40 +412,19 @@ def escalate_search(
     limit = max(0, total - len(eg.already_int16))
     trials: list[dict] = []
 
-    def trial(sel, kind):
+    def trial(sel, kind, **extra):
         v = score(sel)
-        trials.append({"k": len(sel), "layers": list(sel), "metric": v, "kind": kind})
+        trials.append({"k": len(sel), "layers": list(sel), "metric": v, "kind": kind, **extra})
         return v
 
     base = trial([], "base")
-    ranking, top, first = [], base, []
-    if not within(base) and limit > 0:
-        short, first = shortlist(eg, fb, limit, trial)
-        top = trial(short, "all")
-        for sid in short:  # what each costs back in int8 while the others are int16
-            ranking.append({"layer": sid, "score": trial([x for x in short if x != sid], "revert")})
-        ranking.sort(key=lambda r: r["score"])
-    gain = _held_gain(eg, reference_run, held)
-    chosen, value, final = [], base, ([], base)
-    for r in ranking:  # add in ranked order; keep the prefix the held-out samples prefer
-        if within(value) or len(chosen) >= limit or not r["score"] < top:
-            break
-        chosen = [*chosen, r["layer"]]
-        value = trial(chosen, "greedy")
-        kept = gain(chosen)
-        trials[-1]["kept"] = kept
-        if kept:
-            final = (list(chosen), value)
-    chosen, value = final
+    if fb.search == "eliminate":
+        found = _eliminated(eg, trial, within, base, limit, (reference_run, held), name)
+    else:
+        found = _greedy(eg, fb, trial, within, base, limit, (reference_run, held), name)
+    chosen, value, ranking = found
     skip = not ranking or within(value)
     chosen, value, swaps = _swapped(eg, fb, trial, (reference_run, held), chosen, value, skip)
-    for r in ranking:
-        r["reason"] = (
-            f"{name} {r['score']:.4g} with this tensor int8 and the other shortlisted ones "
-            f"int16 (all int16: {top:.4g}, all int8: {base:.4g}); its own int8 SQNR "
-            f"{eg.local_sqnr[r['layer']]:.1f} dB"
-            + (" (shortlisted as one of the first tensors)" if r["layer"] in first else "")
-        )
     return {
         "tensors": chosen,
         "metric": value,
@@ -426,6 +439,58 @@ def escalate_search(
         "swaps": swaps,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _greedy(eg: EscalationGraph, fb, trial, within, base, limit, fp32_held, name):
+    """The greedy search (module docstring): (tensors, metric, ranking)."""
+    ranking, top, first = [], base, []
+    if not within(base) and limit > 0:
+        short, first = shortlist(eg, fb, limit, trial)
+        top = trial(short, "all")
+        for sid in short:  # what each costs back in int8 while the others are int16
+            ranking.append({"layer": sid, "score": trial([x for x in short if x != sid], "revert")})
+        ranking.sort(key=lambda r: r["score"])
+    gain = _held_gain(eg, *fp32_held)
+    chosen, value, final = [], base, ([], base)
+    for r in ranking:  # add in ranked order; keep the prefix the held-out samples prefer
+        if within(value) or len(chosen) >= limit or not r["score"] < top:
+            break
+        chosen = [*chosen, r["layer"]]
+        kept = gain(chosen)
+        value = trial(chosen, "greedy", kept=kept)
+        if kept:
+            final = (list(chosen), value)
+    for r in ranking:
+        r["reason"] = (
+            f"{name} {r['score']:.4g} with this tensor int8 and the other shortlisted ones "
+            f"int16 (all int16: {top:.4g}, all int8: {base:.4g}); its own int8 SQNR "
+            f"{eg.local_sqnr[r['layer']]:.1f} dB"
+            + (" (shortlisted as one of the first tensors)" if r["layer"] in first else "")
+        )
+    return *final, ranking
+
+
+def _eliminated(eg: EscalationGraph, trial, within, base, limit, fp32_held, name):
+    """Backward elimination over every candidate, then the held-out pruning
+    (:mod:`autoq.escalation_elimination`): (tensors, metric, ranking)."""
+    if within(base) or limit <= 0:
+        return [], base, []
+    kept, value, cost, _rounds = eliminate(
+        eg.topological, limit, lambda sel: trial(sel, "eliminate"), within
+    )
+    chosen, _held = prune_on_held(kept, _held_score(eg, *fp32_held))
+    ranking = sorted(
+        ({"layer": sid, "score": value - cost[sid]} for sid in kept), key=lambda r: r["score"]
+    )
+    for r in ranking:
+        r["reason"] = (
+            f"{name} {r['score']:.4g} with this tensor int8 and the rest of the eliminated set "
+            f"int16 (that set: {value:.4g}, all int8: {base:.4g}); "
+            + ("kept" if r["layer"] in chosen else "dropped by the held-out check")
+        )
+    if chosen != kept:
+        value = trial(chosen, "held-out pruned") if chosen else base
+    return chosen, value, ranking
 
 
 def _swapped(eg: EscalationGraph, fb: AutoFallback, trial, fp32_held, chosen, value, skip):
@@ -497,7 +562,9 @@ def escalate(
     sim = simulate(model, params, base_cfg)
     if qparams is None:
         qparams = calibrate(sim, params, calib, base_cfg, target=target)
-    eg = EscalationGraph(sim, qparams, calib, target, config.token_mask)
+    eg = EscalationGraph(
+        sim, qparams, calib, target, config.token_mask, config.residual_int16_per_channel
+    )
     found = escalate_search(eg, fb, eg.run_fp32, held)
     decision = FallbackDecision(
         layers=found["tensors"],

@@ -134,6 +134,7 @@ class Fallback:
 AUTO_RANKINGS = ("local", "revert")
 AUTO_PRECISIONS = ("fp32", "int16", "int16_tensors", "int16_first")
 AUTO_SHORTLISTS = ("sqnr", "effect")
+AUTO_SEARCHES = ("greedy", "eliminate")
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,12 @@ class AutoFallback(Fallback):
     ``"sqnr"`` (default): the 3 x budget with the lowest own int8 SQNR (free);
     ``"effect"``: every escalable tensor tried alone int16 with the search's metric (one
     trial each: as many trials as activation tensors), the 3 x budget that raise it most.
+    ``search`` (``int16_tensors`` only): ``"greedy"`` (default): the shortlist ranked once
+    with all of it int16, tensors added in that order, the held-out samples keeping the best
+    prefix; ``"eliminate"``: backward elimination from *every* escalable tensor int16, revert
+    costs re-measured in rounds as the set shrinks to the budget, then tensors whose revert
+    does not lower the held-out output SQNR (with the rest of the set int16) dropped one by
+    one (:mod:`autoq.escalation_elimination`; ``shortlist`` / ``first_tensors`` unused).
     """
 
     metric: Any = "sqnr"
@@ -227,6 +234,7 @@ class AutoFallback(Fallback):
     swap_rounds: int = 0
     first_tensors: int = 0
     shortlist: str = "sqnr"
+    search: str = "greedy"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -268,7 +276,11 @@ class AutoFallback(Fallback):
             raise ValueError(
                 f"AutoFallback.shortlist must be one of {', '.join(AUTO_SHORTLISTS)}, got {self.shortlist!r}"
             )
-        for name, off in (("first_tensors", 0), ("shortlist", "sqnr")):
+        if self.search not in AUTO_SEARCHES:
+            raise ValueError(
+                f"AutoFallback.search must be one of {', '.join(AUTO_SEARCHES)}, got {self.search!r}"
+            )
+        for name, off in (("first_tensors", 0), ("shortlist", "sqnr"), ("search", "greedy")):
             if getattr(self, name) != off and self.precision != "int16_tensors":
                 raise ValueError(
                     f"AutoFallback.{name} shortlists activation tensors of the int16 "
@@ -297,6 +309,7 @@ class AutoFallback(Fallback):
             swap_rounds=self.swap_rounds,
             first_tensors=self.first_tensors,
             shortlist=self.shortlist,
+            search=self.search,
         )
         return d
 

@@ -29,13 +29,15 @@ reader (``CONSUMERS``)    how it reads one
 :data:`SERVABLE` lists the (writer, reader) pairs; a tensor is per channel when its writer
 and every reader form a listed pair. Anything else stays per tensor, without error: a
 reader that contracts the hidden axis with integers (a static dense / matmul), a table
-lookup, a multiply, an operand that broadcasts, a 16-bit slot (``Config.int16_tensors``,
-an int16 override: the escalation's int16 candidates are per-tensor slots only), a
+lookup, a multiply, an operand that broadcasts, a 16-bit slot (``Config.int16_tensors``
+unless ``Config.residual_int16_per_channel``: then it is int16 per channel; an int16
+override), a
 model output, a 4-D tensor (NCHW: its last axis is a spatial one; a CNN's residual adds
 stay as they are).
 
 The int16 escalation (:mod:`autoq.escalation`) counts these slots among its candidates (as
-every per-channel slot): one it picks becomes int16 per tensor.
+every per-channel slot): one it picks becomes int16 per tensor, or per channel (its int16
+ranges observed per channel) with ``Config.residual_int16_per_channel``.
 
 Calibration runs each such slot's calibrator per channel (``observer(axis)``, as for
 weights); the scale-health check sees a per-tensor summary
@@ -123,8 +125,12 @@ def per_channel_slots(g, matches, config, dynamic=frozenset(), slot_id=None) -> 
         if shape[-1] < 2 or dtype_of(var) != "float32":
             continue
         sid = slot_id(var) if slot_id is not None else None
-        if sid is not None and sid in config.int16_tensors:
-            continue
+        if (
+            sid is not None
+            and sid in config.int16_tensors
+            and not config.residual_int16_per_channel
+        ):
+            continue  # int16 per tensor (Config.residual_int16_per_channel: per channel)
         writer = _writer(var, roots, owner, dynamic, config)
         readers = [_reader(var, u, owner, dynamic, config) for u in users]
         if writer is None or any((writer, r) not in SERVABLE for r in readers):

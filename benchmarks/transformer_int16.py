@@ -29,6 +29,8 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
   elementwise ops and requantizes integer-only instead of float inside their kernels);
 * ``--dynamic-gptq``: the hybrid rows with ``Config.dynamic_gptq`` (the dynamic dense
   layers' weights rounded by GPTQ on their fp32 inputs, :mod:`autoq.dynamic_gptq`);
+* ``--residual-int16-per-channel``: with it, ``Config.residual_int16_per_channel`` (the
+  escalation's residual-stream picks int16 per channel);
 * ``--residual-per-channel``: the hybrid rows with ``Config.residual_per_channel`` (the
   residual stream's slots per channel on the hidden axis, :mod:`autoq.residual_channels`);
   the per-channel slot count is logged; ``--max-calibrator RULE``: the hybrid's layers
@@ -36,6 +38,8 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
 * ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
 * ``--swap-rounds n``: ``AutoFallback(swap_rounds=n)`` for the escalation rows (swap
   refinement of the chosen tensors, :mod:`autoq.escalation_swaps`);
+* ``--search eliminate``: ``AutoFallback(search="eliminate")`` for the escalation rows
+  (backward elimination from every tensor int16, :mod:`autoq.escalation_elimination`);
 * with ``--alphas a,b,...``: the all-int8 and escalation rows again with
   ``Config(smooth_quant_alphas=(a, b, ...))`` (SmoothQuant's alpha searched per LayerNorm,
   :mod:`autoq.smooth_alpha`; the chosen alphas are logged);
@@ -134,6 +138,7 @@ def escalation(args, fraction: float):
     return AutoFallback(
         precision="int16_tensors", max_int16_fraction=fraction, holdout=args.holdout,
         min_sqnr=args.min_sqnr, trial_samples=args.trial_samples, swap_rounds=args.swap_rounds,
+        search=args.search,
     )  # fmt: skip
 
 
@@ -206,10 +211,12 @@ def hybrid_rows(args) -> list:
     for alpha in args.hybrid_smooth:
         base = Config(progress=False, check_scales=False, overrides=dyn, smooth_quant=alpha,
                       dynamic_gptq=args.dynamic_gptq, rounding=args.rounding_mode,
-                      residual_per_channel=args.residual_per_channel)  # fmt: skip
+                      residual_per_channel=args.residual_per_channel,
+                      residual_int16_per_channel=args.residual_int16_per_channel)  # fmt: skip
         name = "autoq hybrid: dense dynamic (token), " + ("" if alpha == 0.5 else f"SQ {alpha}, ")
         name += "GPTQ, " if args.dynamic_gptq else ""
         name += "residual per channel, " if args.residual_per_channel else ""
+        name += "int16 per channel, " if args.residual_int16_per_channel else ""
         name += f"max calibrator: {args.max_calibrator}, " if args.max_calibrator else ""
         name += f"rounding {args.rounding_mode}, " if args.rounding_mode != "float" else ""
         rows += [
@@ -226,7 +233,8 @@ def hybrid_rows(args) -> list:
             rows += [(f"{label}, escalation (<= {f:.0%})",
                       base.replace(fallback=replace(escalation(args, f), patterns=fp32)))
                      for f in args.fractions]  # fmt: skip
-        rows += [(name + f"rest static int8, escalation (<= {f:.0%})",
+        tag = "" if args.search == "greedy" else f", {args.search} search"
+        rows += [(name + f"rest static int8, escalation (<= {f:.0%}){tag}",
                   base.replace(fallback=escalation(args, f))) for f in args.fractions]  # fmt: skip
     return rows
 
@@ -339,6 +347,7 @@ def parse_args(argv=None):
     p.add_argument("--second", type=int, default=0, help="second evaluation set (sentences)")
     p.add_argument("--second-from", type=int, default=0, help="its start (disjoint sets)")
     p.add_argument("--swap-rounds", type=int, default=0, help="AutoFallback.swap_rounds")
+    p.add_argument("--search", default="greedy", help="AutoFallback.search (greedy, eliminate)")
     p.add_argument("--hybrid", action="store_true", help="static + dynamic hybrid rows")
     p.add_argument(
         "--dense-rule", default="re:.*MatMul.*", help="the hybrid's dynamic layers (Override.match)"
@@ -352,6 +361,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--residual-per-channel", action="store_true", help="Config.residual_per_channel (hybrid)"
     )
+    p.add_argument(
+        "--residual-int16-per-channel", action="store_true",
+        help="Config.residual_int16_per_channel (with --residual-per-channel)",
+    )  # fmt: skip
     p.add_argument("--max-calibrator", default="", help="hybrid: these layers calibrated by max")
     p.add_argument("--int16-headroom", action="store_true", help="--hybrid-int16 range x4")
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
