@@ -653,6 +653,12 @@ def make_dataset(
     return Dataset(samples, split, desc)
 
 
+#: positions ``0 .. EVALUATION_POOL`` of :func:`second_sentence_set`'s permutation are its
+#: evaluation and selection sets (sets 2 and 3 at 0 and 64, the proxies' selection / dev sets
+#: at 192); sentences added to the calibration set come after them
+EVALUATION_POOL = 256
+
+
 def second_sentence_set(
     info: ModelInfo, n: int, n_calib: int, seed: int = 2, skip: int = 0
 ) -> Dataset:

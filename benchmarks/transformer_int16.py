@@ -48,7 +48,7 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
   columns "NN@1 2nd" / "cos 2nd";
 * ``--second-from k``: the second set starts at position ``k`` of the pool's permutation
   (``--second 64 --second-from 64``: a third set, disjoint from the default second one);
-* ``--more-calib n``: ``n`` more calibration-pool sentences (disjoint from the second set)
+* ``--more-calib n``: ``n`` more calibration-pool sentences (after every evaluation set)
   inserted before the held-out ones, so the search's trial and held-out sentences stay the
   same while the ranges and GPTQ see more data;
 * with ``--margins``: after each row, its NN@1 failures with their fp32 margins, NN@1 with the
@@ -297,8 +297,10 @@ def variants(args, rows) -> list:
 
 def with_more_calibration(info, calib, args, log) -> list:
     """``calib`` with ``--more-calib`` sentences inserted before its last ``--holdout``
-    (the search's held-out sentences; its trial sentences are the first ones)."""
-    skip = args.second_from + args.second
+    (the search's held-out sentences; its trial sentences are the first ones). They come
+    after every evaluation set of the pool (``common.EVALUATION_POOL``): before, they started
+    right after this run's second set, i.e. on the third set's sentences."""
+    skip = max(common.EVALUATION_POOL, args.second_from + args.second)
     extra = common.second_sentence_set(info, args.more_calib, args.calib, skip=skip)
     head = list(calib)[: len(calib) - args.holdout]
     log(f"calibration: + {extra.description}")
