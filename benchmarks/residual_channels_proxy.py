@@ -12,6 +12,8 @@ inputs and outputs, the residual stream's) calibrated by min / max instead of th
 MSE search. Arm ``channel-lut``: also ``Config.lut_input_per_channel`` (the FFN GELU
 lookups' inputs and outputs per channel on the last axis); ``channel-lutin``: their inputs
 only (the ``lookup`` writer left out of ``autoq.residual_channels.SERVABLE``).
+``--headrooms 1,1.25``: one row per ``autoq.residual_channels.HEADROOM`` (each last-axis
+channel's calibrated range widened by it).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/residual_channels_proxy.py
 """

@@ -163,13 +163,11 @@ def test_realized_equals_simulated(block, rounding, int16):
     assert len(_per_channel(sim)) == 2 - len(int16)
     text = res.module["main"].script()
     assert text.count('"qnn.lut"') == (0 if int16 else 1)
-    test = data(3, 4)
-    rep = compare(sim, res.module, res.qparams, samples_for(test, sim.graph.inputs), TARGET)
+    feeds = samples_for(data(3, 4), sim.graph.inputs)
+    rep = compare(sim, res.module, res.qparams, feeds, TARGET)
     assert set(_per_channel(sim)) <= set(rep.elements), rep.table()
-    if rounding == "float":
-        assert rep.exact, rep.table()
-    else:
-        assert max(rep.max_lsb.values()) <= 1, rep.table()
+    worst = max(rep.max_lsb.values())
+    assert rep.exact if rounding == "float" else worst <= 1, rep.table()
 
 
 def test_per_channel_grids_follow_each_channel(block, monkeypatch):
