@@ -13,7 +13,8 @@ MSE search. Arm ``channel-lut``: also ``Config.lut_input_per_channel`` (the FFN 
 lookups' inputs and outputs per channel on the last axis); ``channel-lutin``: their inputs
 only (the ``lookup`` writer left out of ``autoq.residual_channels.SERVABLE``).
 ``--headrooms 1,1.25``: one row per ``autoq.residual_channels.HEADROOM`` (each last-axis
-channel's calibrated range widened by it).
+channel's calibrated range widened by it); ``--dev``: a fourth 64-sentence set (pool
+positions 256-319) to choose such a setting on.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/residual_channels_proxy.py
 """
@@ -90,6 +91,9 @@ def main(argv=None) -> int:
     )  # fmt: skip
     p.add_argument("--rows", default="int8,escalation", help="all int8 / escalation <= 20%")
     p.add_argument("--sets", type=int, default=3, help="evaluation sets (1-3)")
+    p.add_argument(
+        "--dev", action="store_true", help="also a 4th set (from 256) to choose settings on"
+    )
     p.add_argument("--int16", default="", help="Config.int16_tensors of every row (slot ids)")
     p.add_argument(
         "--headrooms", default="1", help="autoq.residual_channels.HEADROOM values (each a row)"
@@ -105,6 +109,9 @@ def main(argv=None) -> int:
     for k, skip in enumerate((0, 64)[: args.sets - 1]):
         s = common.second_sentence_set(info, 64, 16, skip=skip)
         sets.append((f"set {k + 2}", s, common.ort_outputs(session, s)))
+    if args.dev:  # choose on this one, never on the three evaluation sets
+        s = common.second_sentence_set(info, 64, 16, skip=256)
+        sets.append(("dev", s, common.ort_outputs(session, s)))
     targs = transformer_int16.parse_args([])
     dyn = (Override("pattern:dense*", activation=QuantSpec(dynamic=True, granularity="token")),)
     base = Config(progress=False, check_scales=False, overrides=dyn, dynamic_gptq=True,
