@@ -215,7 +215,7 @@ def hybrid_rows(args) -> list:
         name += "GPTQ, " if args.dynamic_gptq else ""
         name += "residual per channel, " if args.residual_per_channel else ""
         name += "GELU per channel, " if args.lut_per_channel else ""
-        name += f"headroom {args.channel_headroom:g}, " if args.channel_headroom != 1 else ""
+        name += f"headroom {args.channel_headroom:g}, " if args.channel_headroom else ""
         name += f"max calibrator: {args.max_calibrator}, " if args.max_calibrator else ""
         name += f"rounding {args.rounding_mode}, " if args.rounding_mode != "float" else ""
         rows += [
@@ -360,7 +360,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--max-calibrator", default="", help="hybrid: these layers calibrated by max")
     p.add_argument("--lut-per-channel", action="store_true", help="Config.lut_input_per_channel")
-    p.add_argument("--channel-headroom", type=float, default=1.0, help="residual_channels.HEADROOM")
+    p.add_argument("--channel-headroom", type=float, default=None, help="channels' HEADROOM")
     p.add_argument("--int16-headroom", action="store_true", help="--hybrid-int16 range x4")
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
@@ -384,7 +384,8 @@ def main(argv=None) -> int:
     lines: list[str] = []
     from autoq import residual_channels
 
-    residual_channels.HEADROOM = args.channel_headroom
+    if args.channel_headroom is not None:
+        residual_channels.HEADROOM = args.channel_headroom
 
     def log(msg):
         print(msg, flush=True)
