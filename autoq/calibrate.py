@@ -590,7 +590,7 @@ def _calibrate_fp32(sim, samples, config, target, stats, health) -> dict[str, QP
         ranges = [None if obs is None else obs.data_range() for obs in first]
     observers = feed_observers(fp32_observers(specs, ranges, axes), run(samples))
     result = {
-        s: checked_result(obs.compute(sp), sp.calibrator, s)
+        s: widen(checked_result(obs.compute(sp), sp.calibrator, s), sim, s)
         for s, obs, sp in zip(slots, observers, specs, strict=True)
     }
     cut_lut_inputs(sim, result, config)

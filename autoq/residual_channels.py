@@ -93,7 +93,8 @@ HEADROOM = 1.25
 def widen(qp: QParam, sim, sid: str) -> QParam:
     """``qp``, the calibrated qparams of slot ``sid`` of ``sim`` (a
     :class:`autoq.simulate.SimResult`), each channel's range times :data:`HEADROOM` when it
-    is a per-channel activation slot on the last axis (this module's slots)."""
+    is a per-channel activation slot on the last axis (this module's slots); both
+    calibration modes (topological: before the slot's segment runs; fp32)."""
     info = sim.plan.slots[sid]
     rank = len(info.shape)
     if HEADROOM == 1.0 or info.kind != "activation" or qp.axis is None or rank in (0, 4):

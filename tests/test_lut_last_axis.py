@@ -229,3 +229,20 @@ def test_a_4d_lookup_written_by_a_float_op_stays_per_tensor():
     sims = [simulate(mod, params, c) for c in cfgs]
     assert _per_channel(sims[1]) == {}
     tvm.ir.assert_structural_equal(sims[0].mod, sims[1].mod)
+
+
+@pytest.mark.parametrize("mode", ["topological", "fp32"])
+def test_headroom_in_both_calibration_modes(mode):
+    """The model input's per-channel slot (calibrator max): numpy's per-channel min / max
+    grid, its range times HEADROOM quantized again, in both calibration modes."""
+    mod, params = gelu_only()
+    samples = data(8, 2, HID, GAIN)
+    cfg = Config(progress=False, check_scales=False, activation=QuantSpec(calibrator="max"),
+                 lut_input_per_channel=True, calibration=mode)  # fmt: skip
+    qp = autoq.Quantizer(cfg, target=TARGET).run(mod, params, samples).qparams["x"]
+    xs = np.concatenate(samples).reshape(-1, HID)
+    s, z = P.choose_qparams(xs.min(axis=0), xs.max(axis=0), "int8", False, False, False)
+    s, z, h = s.astype(np.float64), z.astype(np.float64), residual_channels.HEADROOM
+    s, z = P.choose_qparams((-128 - z) * s * h, (127 - z) * s * h, "int8", False, False, False)
+    np.testing.assert_allclose(qp.scale, s, rtol=1e-6)
+    np.testing.assert_array_equal(qp.zero_point, z)
