@@ -38,8 +38,9 @@ The int16 escalation (:mod:`autoq.escalation`) counts these slots among its cand
 every per-channel slot): one it picks becomes int16 per tensor.
 
 Calibration runs each such slot's calibrator per channel (``observer(axis)``, as for
-weights); the scale-health check sees a per-tensor summary
-(:class:`autoq.scale_health.HealthCheck`).
+weights), then widens each channel's range by :data:`HEADROOM` (:func:`widen`: a channel's
+range from the calibration tokens alone clips new data); the scale-health check sees a
+per-tensor summary (:class:`autoq.scale_health.HealthCheck`).
 
 **Table lookups** (``Config.lut_input_per_channel``, the last-axis half of
 :mod:`autoq.lut_channels`): kind ``lookup``. As a reader, an 8-bit lookup reading the tensor
