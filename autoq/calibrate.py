@@ -46,6 +46,7 @@ from .loop_schedule import pipeline_with_loop_schedule
 from .lut_ranges import cut, cut_lut_inputs, lut_input_bounds
 from .qparams import QParam, QParams
 from .registry import slot_id_of
+from .residual_channels import widen
 from .scale_health import HealthCheck, SlotHealth, problem
 from .shard_runner import ShardRunner, observe_ahead
 from .simulate import SimResult
@@ -329,7 +330,7 @@ def fit_bias_scales(sim: SimResult, result: dict[str, QParam]) -> list[str]:
             continue
         x = m["data"]
         xq = result.get(tensor_id(x))
-        if xq is None:
+        if xq is None or m.layer in sim.plan.dynamic:  # (no input slot: run-time scales)
             continue
         wq = result[wsid]
         bias = np.abs(np.asarray(sim.graph.weight_of(m["bias"]).array, np.float64).reshape(-1))
@@ -405,9 +406,8 @@ def run_plan(
     shard run it with them. ``health`` (a dict) receives each head's :class:`SlotHealth`
     for its chosen qparams on the same values. ``fixed``: slot -> qparams used as they are.
     ``held``: runners of held-out samples that run every segment but give no statistics
-    (``Config.bias_correction_holdout``: only the tuner's gate reads them). A lookup-table
-    input slot's range is cut where its activation is flat (``Config.lut_input_ranges``,
-    :mod:`autoq.lut_ranges`)."""
+    (``Config.bias_correction_holdout``: only the tuner's gate reads them). Lookup inputs:
+    cut where flat (``Config.lut_input_ranges``); last-axis channels: widened (``widen``)."""
     result: dict[str, QParam] = {}
     n = sum(r.n for r in runners)
     bounds = lut_input_bounds(sim) if config.lut_input_ranges else {}
@@ -420,7 +420,7 @@ def run_plan(
             for sid in seg.heads:
                 qp = (fixed or {}).get(sid)
                 if qp is None:
-                    qp = choose_qparams(runners, sid, specs[sid], ahead.get(sid))
+                    qp = widen(choose_qparams(runners, sid, specs[sid], ahead.get(sid)), sim, sid)
                     if sid in bounds:  # autoq.lut_ranges
                         qp = cut(qp, bounds[sid], specs[sid])
                 result[sid] = qp
@@ -590,7 +590,7 @@ def _calibrate_fp32(sim, samples, config, target, stats, health) -> dict[str, QP
         ranges = [None if obs is None else obs.data_range() for obs in first]
     observers = feed_observers(fp32_observers(specs, ranges, axes), run(samples))
     result = {
-        s: checked_result(obs.compute(sp), sp.calibrator, s)
+        s: widen(checked_result(obs.compute(sp), sp.calibrator, s), sim, s)
         for s, obs, sp in zip(slots, observers, specs, strict=True)
     }
     cut_lut_inputs(sim, result, config)

@@ -6,7 +6,10 @@ share one grid across its channels: the conv's requantize takes a per-channel ou
 and zero point (the int32 accumulator is already per channel: ``s_x * s_w[c]``), and the
 lookup indexes one 256-entry table per channel (``qnn.lut`` with a ``[C, 256]`` table and
 ``axis``), each computed from that channel's input grid and the *per-tensor* output grid.
-Nothing downstream changes: the table's output is one int8 tensor as before.
+Nothing downstream changes: the table's output is one int8 tensor as before. (On the last
+axis of a non-4-D tensor, e.g. a transformer's GELU between dynamic dense layers, the same
+option makes the lookup's input and output per channel: kind ``lookup`` of
+:mod:`autoq.residual_channels`.)
 
 Which tensors (:func:`per_channel_inputs`): the root of a ``conv2d*`` match with a 4-D
 output (channels on axis 1) whose every use is inside one lookup match reading it as its

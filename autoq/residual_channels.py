@@ -29,9 +29,9 @@ reader (``CONSUMERS``)    how it reads one
 :data:`SERVABLE` lists the (writer, reader) pairs; a tensor is per channel when its writer
 and every reader form a listed pair. Anything else stays per tensor, without error: a
 reader that contracts the hidden axis with integers (a static dense / matmul), a table
-lookup, a multiply, an operand that broadcasts, a 16-bit slot (``Config.int16_tensors``
-unless ``Config.residual_int16_per_channel``: then it is int16 per channel; an int16
-override), a
+lookup unless ``Config.lut_input_per_channel`` (below), a multiply, an operand that
+broadcasts, a 16-bit slot (``Config.int16_tensors`` unless
+``Config.residual_int16_per_channel``: then it is int16 per channel; an int16 override), a
 model output, a 4-D tensor (NCHW: its last axis is a spatial one; a CNN's residual adds
 stay as they are).
 
@@ -40,30 +40,76 @@ every per-channel slot): one it picks becomes int16 per tensor, or per channel (
 ranges observed per channel) with ``Config.residual_int16_per_channel``.
 
 Calibration runs each such slot's calibrator per channel (``observer(axis)``, as for
-weights); the scale-health check sees a per-tensor summary
-(:class:`autoq.scale_health.HealthCheck`).
+weights), then widens each channel's range by :data:`HEADROOM` (:func:`widen`: a channel's
+range from the calibration tokens alone clips new data); the scale-health check sees a
+per-tensor summary (:class:`autoq.scale_health.HealthCheck`).
+
+**Table lookups** (``Config.lut_input_per_channel``, the last-axis half of
+:mod:`autoq.lut_channels`): kind ``lookup``. As a reader, an 8-bit lookup reading the tensor
+as its data indexes one 256-entry table per channel (``qnn.lut`` with ``axis``, a
+``[C, 256]`` table built from each channel's input grid); as a writer, its table writes
+each channel on that channel's output grid (row ``c`` from channel ``c``'s input grid to
+its output grid). A transformer's FFN GELU (input written by a dynamic dense layer, output
+read by the next one) then has both its slots per channel with no int16. A lookup whose
+other slot is 16-bit computes in float (dequantize / quantize per axis). Each kind of
+:data:`SLOT_KINDS` counts only with its option on; ``float`` and ``dynamic`` always.
 
 >>> sorted({w for w, _ in SERVABLE}), sorted({r for _, r in SERVABLE})
-(['add', 'dynamic', 'float'], ['add', 'dynamic', 'float'])
+(['add', 'dynamic', 'float', 'lookup'], ['add', 'dynamic', 'float', 'lookup'])
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from .activations import LUT_DTYPES
+from .lut_channels import LUT_PATTERNS
+from .qparams import QParam
 from .toolkit import dtype_of, shape_of
 
 __all__ = [
-    "ADD_PATTERNS", "CONSUMERS", "PRODUCERS", "SERVABLE", "per_channel_slots",
+    "ADD_PATTERNS", "CONSUMERS", "HEADROOM", "PRODUCERS", "SERVABLE", "SLOT_KINDS",
+    "per_channel_slots", "widen",
 ]  # fmt: skip
 
 #: the patterns whose ``qnn.add`` serves per-channel operands and output
 ADD_PATTERNS = frozenset({"add", "add_const"})
 #: writer kinds (module docstring)
-PRODUCERS = ("float", "dynamic", "add")
+PRODUCERS = ("float", "dynamic", "add", "lookup")
 #: reader kinds (module docstring)
-CONSUMERS = ("float", "dynamic", "add")
+CONSUMERS = ("float", "dynamic", "add", "lookup")
+#: the kinds that quantize the tensor themselves (a float op or a dynamic layer reads and
+#: writes float: a tensor needs one of these to have a slot), and the option enabling each
+SLOT_KINDS = {"add": "residual_per_channel", "lookup": "lut_input_per_channel"}
 #: the (writer, reader) pairs a per-channel slot on the last axis is servable for
 SERVABLE = frozenset((w, r) for w in PRODUCERS for r in CONSUMERS)
+
+
+#: each channel's calibrated range times this (:func:`widen`): a channel's range from a few
+#: hundred calibration tokens clips the tail of new data, which one grid per tensor spanning
+#: the widest channel never does. MiniLM hybrid, residual + GELU per channel, all int8, cos
+#: on a 64-sentence choice set: 1 0.990, 1.25 0.99469, 1.5 0.99438, 2 0.99375
+#: (benchmarks/results/transformer_int16.md, session 11)
+HEADROOM = 1.25
+
+
+def widen(qp: QParam, sim, sid: str) -> QParam:
+    """``qp``, the calibrated qparams of slot ``sid`` of ``sim`` (a
+    :class:`autoq.simulate.SimResult`), each channel's range times :data:`HEADROOM` when it
+    is a per-channel activation slot on the last axis (this module's slots); both
+    calibration modes (topological: before the slot's segment runs; fp32)."""
+    info = sim.plan.slots[sid]
+    rank = len(info.shape)
+    if HEADROOM == 1.0 or info.kind != "activation" or qp.axis is None or rank in (0, 4):
+        return qp
+    if qp.axis != rank - 1:
+        return qp
+    spec = sim.plan.specs[sid]
+    s, z = qp.scale.astype(np.float64), qp.zero_point.astype(np.float64)
+    lo, hi = (qp.qmin - z) * s * HEADROOM, (qp.qmax - z) * s * HEADROOM
+    return QParam.from_range(
+        lo, hi, spec.dtype, spec.symmetric, spec.narrow_range, spec.reduce_range, axis=qp.axis
+    )
 
 
 def _is_8bit(config, layer: str, pattern: str) -> bool:
@@ -79,14 +125,22 @@ def _same_shape_add(m) -> bool:
     return out is not None and all(shape_of(m[k]) == out for k in keys)
 
 
+def _enabled(kind: str | None, config) -> str | None:
+    """``kind``, or None when it is a slot kind whose option is off."""
+    option = SLOT_KINDS.get(kind or "")
+    return kind if option is None or getattr(config, option) else None
+
+
 def _writer(var, roots, covered, dynamic, config) -> str | None:
     m = roots.get(var)
     if m is None:
         return None if var in covered else "float"
     if m.layer in dynamic:
         return "dynamic"
+    if m.pattern.name in LUT_PATTERNS:
+        return _enabled("lookup", config) if _is_8bit(config, m.layer, m.pattern.name) else None
     if m.pattern.name in ADD_PATTERNS and _same_shape_add(m):
-        return "add" if _is_8bit(config, m.layer, m.pattern.name) else None
+        return _enabled("add", config) if _is_8bit(config, m.layer, m.pattern.name) else None
     return None
 
 
@@ -96,20 +150,22 @@ def _reader(var, use, owner, dynamic, config) -> str | None:
         return "float"
     if m.layer in dynamic:
         return "dynamic"
+    if m.pattern.name in LUT_PATTERNS and m["data"].same_as(var):
+        return _enabled("lookup", config) if _is_8bit(config, m.layer, m.pattern.name) else None
     if m.pattern.name not in ADD_PATTERNS or not use.same_as(m.root) or not _same_shape_add(m):
         return None
     keys = ("lhs",) if m.pattern.name == "add_const" else ("lhs", "rhs")
     if not any(m[k].same_as(var) for k in keys):
         return None
-    return "add" if _is_8bit(config, m.layer, m.pattern.name) else None
+    return _enabled("add", config) if _is_8bit(config, m.layer, m.pattern.name) else None
 
 
 def per_channel_slots(g, matches, config, dynamic=frozenset(), slot_id=None) -> dict:
     """``{tensor: (channels, axis)}``: the tensors whose slot is per channel on the last
     axis (module docstring) for ``config`` and the ``matches`` quantized, ``dynamic`` the
     dynamic layers' names, ``slot_id(var)`` the slot id of a tensor (for
-    ``Config.int16_tensors``); empty when ``config.residual_per_channel`` is off."""
-    if not config.residual_per_channel:
+    ``Config.int16_tensors``); empty when every option of :data:`SLOT_KINDS` is off."""
+    if not any(getattr(config, option) for option in SLOT_KINDS.values()):
         return {}
     roots = {m.root: m for m in matches}
     owner = {v: m for m in matches for v in m.covered}
@@ -135,7 +191,7 @@ def per_channel_slots(g, matches, config, dynamic=frozenset(), slot_id=None) -> 
         readers = [_reader(var, u, owner, dynamic, config) for u in users]
         if writer is None or any((writer, r) not in SERVABLE for r in readers):
             continue
-        if "add" not in readers and writer != "add":
+        if writer not in SLOT_KINDS and not SLOT_KINDS.keys() & set(readers):
             continue  # read only by float ops and dynamic layers: it has no slot
         out[var] = (int(shape[-1]), len(shape) - 1)
     return out

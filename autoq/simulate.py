@@ -361,14 +361,16 @@ class SimContext:
         observed = self.emit(
             qnn.simulated_quantize(pre, s, z, axis=out_ax or -1, dtype=spec.dtype), f"{sid}.sq"
         )
-        rows = self.per_channel[m["data"]][0] if x.axis is not None else out_rows
+        rows, axis = self.channel_slot(m["data"]) if x.axis is not None else (out_rows, out_ax)
         tshape = [256] if rows is None else [rows, 256]
         table = relax.Var(f"{m.layer}.table", relax.TensorType(tshape, "float32"))
         self.table_vars[m.layer] = table
         self.plan.tables[m.layer] = (in_sid, sid, activation)
         idx = relax.op.subtract(x.q, const(qrange(in_dtype)[0], "float32"))
-        if rows is not None:  # one table per channel: row c starts at c * 256
-            offsets = np.arange(rows, dtype=np.float32).reshape(1, rows, 1, 1) * 256
+        if rows is not None:  # one table per channel (along its axis): row c starts at c * 256
+            shape = [1] * len(shape_of(m.root))
+            shape[axis] = rows
+            offsets = np.arange(rows, dtype=np.float32).reshape(shape) * 256
             idx = relax.op.add(self.emit(idx), const(offsets))
             table = self.emit(relax.op.reshape(table, [rows * 256]))
         idx = self.emit(relax.op.astype(idx, "int32"))

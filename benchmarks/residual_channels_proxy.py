@@ -9,7 +9,12 @@ realized module. Rows: all int8 (no escalation) and the escalation, for each arm
 set and two disjoint 64-sentence sets (``common.second_sentence_set``, from 0 and from 64).
 Arms ``tensor-max`` / ``channel-max``: the residual adds' slots (``RESIDUAL_ADDS``: their
 inputs and outputs, the residual stream's) calibrated by min / max instead of the default
-MSE search.
+MSE search. Arm ``channel-lut``: also ``Config.lut_input_per_channel`` (the FFN GELU
+lookups' inputs and outputs per channel on the last axis); ``channel-lutin``: their inputs
+only (the ``lookup`` writer left out of ``autoq.residual_channels.SERVABLE``).
+``--headrooms 1,1.25``: one row per ``autoq.residual_channels.HEADROOM`` (each last-axis
+channel's calibrated range widened by it); ``--dev``: a fourth 64-sentence set (pool
+positions 256-319) to choose such a setting on.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/residual_channels_proxy.py
 """
@@ -17,6 +22,7 @@ MSE search.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -80,13 +86,22 @@ def main(argv=None) -> int:
     p.add_argument(
         "--arms", default="tensor,channel",
         help="tensor, channel (residual_per_channel), tensor-max / channel-max (the add "
-        "layers' slots calibrated by max instead of MSE)",
+        "layers' slots calibrated by max instead of MSE), channel-lut / channel-lutin (also "
+        "lut_input_per_channel: GELU inputs and outputs / inputs only per channel)",
     )  # fmt: skip
     p.add_argument("--rows", default="int8,escalation", help="all int8 / escalation <= 20%")
     p.add_argument("--sets", type=int, default=3, help="evaluation sets (1-3)")
+    p.add_argument(
+        "--dev", action="store_true", help="also a 4th set (from 256) to choose settings on"
+    )
     p.add_argument("--int16", default="", help="Config.int16_tensors of every row (slot ids)")
+    p.add_argument(
+        "--headrooms", default="1", help="autoq.residual_channels.HEADROOM values (each a row)"
+    )
     args = p.parse_args(argv)
-    from autoq import Config, Override, QuantSpec
+    from autoq import Config, Override, QuantSpec, residual_channels
+
+    servable = residual_channels.SERVABLE
 
     info, calib, evalset, ref = common.embedding_setup("minilm", 16, 64)
     sets = [("eval", evalset, ref)]
@@ -94,21 +109,30 @@ def main(argv=None) -> int:
     for k, skip in enumerate((0, 64)[: args.sets - 1]):
         s = common.second_sentence_set(info, 64, 16, skip=skip)
         sets.append((f"set {k + 2}", s, common.ort_outputs(session, s)))
+    if args.dev:  # choose on this one, never on the three evaluation sets
+        s = common.second_sentence_set(info, 64, 16, skip=256)
+        sets.append(("dev", s, common.ort_outputs(session, s)))
     targs = transformer_int16.parse_args([])
     dyn = (Override("pattern:dense*", activation=QuantSpec(dynamic=True, granularity="token")),)
     base = Config(progress=False, check_scales=False, overrides=dyn, dynamic_gptq=True,
                   rounding="half_even", int16_tensors=tuple(x for x in args.int16.split(",") if x))  # fmt: skip
     print(f"load average at start: {os.getloadavg()}", flush=True)
     maxed = Override(RESIDUAL_ADDS, activation=QuantSpec(calibrator="max"))
-    for arm in args.arms.split(","):
-        for row in args.rows.split(","):
-            cfg = base.replace(residual_per_channel=arm.startswith("channel"))
-            if arm.endswith("-max"):  # the adds' slots calibrated by min / max, not MSE
-                cfg = cfg.replace(overrides=(*cfg.overrides, maxed))
-            if row == "escalation":
-                cfg = cfg.replace(fallback=transformer_int16.escalation(targs, 0.2))
-            print(f"{arm} / {row}:", flush=True)
-            simulated_row(info, cfg, list(calib), sets, print)
+    for arm, row, headroom in itertools.product(
+        args.arms.split(","), args.rows.split(","), args.headrooms.split(",")
+    ):
+        residual_channels.HEADROOM = float(headroom)
+        cfg = base.replace(residual_per_channel=arm.startswith("channel"),
+                           lut_input_per_channel=arm.startswith("channel-lut"))  # fmt: skip
+        residual_channels.SERVABLE = servable
+        if arm == "channel-lutin":  # lookup outputs stay per tensor
+            residual_channels.SERVABLE = {(w, r) for w, r in servable if w != "lookup"}
+        if arm.endswith("-max"):  # the adds' slots calibrated by min / max, not MSE
+            cfg = cfg.replace(overrides=(*cfg.overrides, maxed))
+        if row == "escalation":
+            cfg = cfg.replace(fallback=transformer_int16.escalation(targs, 0.2))
+        print(f"{arm} / {row} / headroom {headroom}:", flush=True)
+        simulated_row(info, cfg, list(calib), sets, print)
     print(f"load average at end: {os.getloadavg()}", flush=True)
     return 0
 

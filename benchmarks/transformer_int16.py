@@ -35,6 +35,9 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
   residual stream's slots per channel on the hidden axis, :mod:`autoq.residual_channels`);
   the per-channel slot count is logged; ``--max-calibrator RULE``: the hybrid's layers
   ``RULE`` names calibrated by min / max instead of the default MSE search;
+* ``--lut-per-channel``: the hybrid rows with ``Config.lut_input_per_channel`` (the GELU
+  lookups' inputs and outputs per channel on the last axis); ``--channel-headroom k``:
+  ``autoq.residual_channels.HEADROOM`` (each last-axis channel's calibrated range times k);
 * ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
 * ``--swap-rounds n``: ``AutoFallback(swap_rounds=n)`` for the escalation rows (swap
   refinement of the chosen tensors, :mod:`autoq.escalation_swaps`);
@@ -212,10 +215,13 @@ def hybrid_rows(args) -> list:
         base = Config(progress=False, check_scales=False, overrides=dyn, smooth_quant=alpha,
                       dynamic_gptq=args.dynamic_gptq, rounding=args.rounding_mode,
                       residual_per_channel=args.residual_per_channel,
-                      residual_int16_per_channel=args.residual_int16_per_channel)  # fmt: skip
+                      residual_int16_per_channel=args.residual_int16_per_channel,
+                      lut_input_per_channel=args.lut_per_channel)  # fmt: skip
         name = "autoq hybrid: dense dynamic (token), " + ("" if alpha == 0.5 else f"SQ {alpha}, ")
         name += "GPTQ, " if args.dynamic_gptq else ""
         name += "residual per channel, " if args.residual_per_channel else ""
+        name += "GELU per channel, " if args.lut_per_channel else ""
+        name += f"headroom {args.channel_headroom:g}, " if args.channel_headroom else ""
         name += "int16 per channel, " if args.residual_int16_per_channel else ""
         name += f"max calibrator: {args.max_calibrator}, " if args.max_calibrator else ""
         name += f"rounding {args.rounding_mode}, " if args.rounding_mode != "float" else ""
@@ -368,6 +374,8 @@ def parse_args(argv=None):
         help="Config.residual_int16_per_channel (with --residual-per-channel)",
     )  # fmt: skip
     p.add_argument("--max-calibrator", default="", help="hybrid: these layers calibrated by max")
+    p.add_argument("--lut-per-channel", action="store_true", help="Config.lut_input_per_channel")
+    p.add_argument("--channel-headroom", type=float, default=None, help="channels' HEADROOM")
     p.add_argument("--int16-headroom", action="store_true", help="--hybrid-int16 range x4")
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
@@ -389,6 +397,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     lines: list[str] = []
+    from autoq import residual_channels
+
+    if args.channel_headroom is not None:
+        residual_channels.HEADROOM = args.channel_headroom
 
     def log(msg):
         print(msg, flush=True)

@@ -72,7 +72,10 @@ def _make(op: str, name: str) -> Pattern:
             axis = lut_channels.lut_axis(x.qparam, out.qparam)
             return ctx.output(qnn.lut(x.q, const(t), axis))
         y = float_value(ctx, m, x.real)
-        return ctx.output(qnn.quantize(y, out.scale_c, out.zero_point_c, out_dtype=out.dtype))
+        ax = -1 if out.qparam.axis is None else out.qparam.axis  # (autoq.residual_channels)
+        return ctx.output(
+            qnn.quantize(y, out.scale_c, out.zero_point_c, axis=ax, out_dtype=out.dtype)
+        )
 
     return Pattern(
         f"{name}_affine", 3, build, check, simulate, realize, weight=None, anchor="act",

@@ -17,6 +17,7 @@ On targets with AMX int8 tiles, dense (>= ``AMX_MIN_ROWS`` rows) and the convs
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import tvm
@@ -376,8 +377,12 @@ def _lut(_isa: Isa, fallback, bb, call):
     vbmi = vbmi and tvm.target.codegen.target_has_features("avx512vbmi", target)
     dtypes = (dtype_of(data), dtype_of(table))
     if call.attrs is not None and "axis" in call.attrs:  # one table per channel
-        kernel = vbmi_channel_lut_kernel if vbmi else channel_lut_kernel
-        func = kernel(shape, int(call.attrs["axis"]), *dtypes)
+        axis = int(call.attrs["axis"]) % len(shape)
+        # vpermi2b needs planes of >= 64 elements sharing a table (NCHW): on the last axis
+        # (one element per plane) the plain gather is ~100x faster
+        plane = math.prod(int(d) for d in shape[axis + 1 :])
+        kernel = vbmi_channel_lut_kernel if vbmi and plane >= 64 else channel_lut_kernel
+        func = kernel(shape, axis, *dtypes)
     else:
         func = (vbmi_lut_kernel if vbmi else lut_kernel)(shape, *dtypes)
     gv = bb.add_func(func.without_attr("global_symbol"), "autoq_lut")
