@@ -313,12 +313,11 @@ class Config(JsonDocument):
     all-MiniLM-L6-v2 (all int8 75.0% -> 71.9%, cos 0.93975 -> 0.93720; with the int16
     escalation 93.8% -> 90.6%, cos 0.99223 -> 0.99167; README).
 
-    Per-channel activation scales and zero points (channel axis 1 of NCHW tensors, the last
-    axis of the residual stream), each opt-in (README, PP-OCR and MiniLM sections).
-    ``lut_input_per_channel``: a conv output read only by one 8-bit lookup (hardswish, ...):
-    the conv's requantize writes each channel's grid, the lookup has one 256-entry table per
-    channel (:mod:`autoq.lut_channels`); last axis: a lookup's input and output written /
-    read by float ops and dynamic layers (GELU, :mod:`autoq.residual_channels`).
+    Per-channel activation scales and zero points (axis 1 of NCHW tensors, else the last
+    axis), each opt-in (README). ``lut_input_per_channel``: a conv output read only by one
+    8-bit lookup (hardswish, ...): the conv's requantize writes each channel's grid, one
+    256-entry table per channel (:mod:`autoq.lut_channels`); last axis: a lookup's input and
+    output written / read by float ops and dynamic layers (GELU, :mod:`autoq.residual_channels`).
     ``depthwise_input_per_channel``: an 8-bit tensor read only by a depthwise conv, written
     by a lookup or a conv: the ``[C, 256]`` table or the conv's requantize writes each
     channel's grid, the depthwise ``qnn.conv2d`` takes a per-channel input scale and zero
@@ -326,9 +325,8 @@ class Config(JsonDocument):
     ``residual_per_channel``: a residual-stream tensor (written by a float op, a dynamic
     layer or an 8-bit ``add``; read only by such), per channel of the hidden dimension where
     a transformer's outliers sit: ``qnn.add`` requantizes each channel on its own grid,
-    LayerNorm dequantizes per channel (:mod:`autoq.residual_channels`);
-    ``residual_int16_per_channel``: such a tensor in ``int16_tensors`` (the int16 escalation's
-    picks) stays per channel, int16 (else per tensor).
+    LayerNorm dequantizes per channel (:mod:`autoq.residual_channels`); with
+    ``residual_int16_per_channel`` one in ``int16_tensors`` stays per channel, in int16.
 
     ``equalization``: cross-layer equalization of the float model before calibration (Nagel
     et al. 2019, "Data-Free Quantization", sec. 4.1; :mod:`autoq.cross_layer_equalization`):
