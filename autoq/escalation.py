@@ -29,9 +29,9 @@ realized graph does for a 16-bit slot. A per-channel residual-stream slot
 (:mod:`autoq.residual_channels`) is a candidate too: ``s``, ``z`` are then its per-channel
 vectors on the last axis (the formula broadcasts), and once picked it is int16 per tensor
 (``Config.int16_tensors`` keeps it per tensor), or with ``Config.residual_int16_per_channel``
-int16 per channel on that axis (``s16``, ``z16`` per channel too, from each channel's range). Each trial is then one run over the first
-``AutoFallback.trial_samples`` calibration samples (SQNR metric; a callable metric picks its
-own).
+int16 per channel on that axis (``s16``, ``z16`` per channel too, from each channel's
+range). Each trial is then one run over the first ``AutoFallback.trial_samples``
+calibration samples (SQNR metric; a callable metric picks its own).
 
 int16 qparams come from the tensor's full observed range on the calibration samples, times
 :data:`INT16_HEADROOM` (:func:`int16_qparam`): the int8 calibrator's clipping is what int16

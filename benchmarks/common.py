@@ -654,9 +654,10 @@ def make_dataset(
 
 
 #: positions ``0 .. EVALUATION_POOL`` of :func:`second_sentence_set`'s permutation are its
-#: evaluation and selection sets (sets 2 and 3 at 0 and 64, the proxies' selection / dev sets
-#: at 192); sentences added to the calibration set come after them
-EVALUATION_POOL = 256
+#: evaluation and choice sets (sets 2 and 3 at 0 and 64; escalation_search_proxy's selection
+#: set at 192, residual_channels_proxy's dev set at 256); sentences added to the calibration
+#: set come after them
+EVALUATION_POOL = 320
 
 
 def second_sentence_set(
