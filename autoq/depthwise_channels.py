@@ -42,6 +42,7 @@ import numpy as np
 from . import hybrid
 from .activations import LUT_DTYPES
 from .lut_channels import AXIS, LUT_PATTERNS
+from .qnn.accumulate import depthwise_shape
 from .toolkit import shape_of
 
 __all__ = ["AXIS", "depthwise_inputs", "group_scales", "is_depthwise"]
@@ -54,10 +55,9 @@ def is_depthwise(g, m, channels: int) -> bool:
     multiplier 1 (weight ``[C, 1, KH, KW]``, ``groups == C``)."""
     core = g.value.get(m["core"])
     ref = g.weight_of(m["weight"])
-    if core is None or ref is None or ref.array.ndim != 4:
+    if core is None or ref is None:
         return False
-    groups = int(core.attrs.groups)
-    return groups == channels and tuple(ref.array.shape[:2]) == (channels, 1)
+    return depthwise_shape(channels, ref.array.shape, int(core.attrs.groups))
 
 
 def depthwise_inputs(g, matches, config) -> dict:

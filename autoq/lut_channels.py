@@ -113,8 +113,7 @@ def table(activation, a: QParam, b: QParam) -> np.ndarray:
 def cut(qp: QParam, bounds: tuple[float | None, float | None], spec) -> QParam:
     """Per-channel ``qp`` with each channel's range cut to ``bounds`` (see
     :func:`autoq.lut_ranges.cut`; a channel whose range lies inside keeps its qparams)."""
-    s, z = qp.scale.astype(np.float64), qp.zero_point.astype(np.float64)
-    rmin, rmax = (qp.qmin - z) * s, (qp.qmax - z) * s
+    rmin, rmax = qp.grid_range()
     lo, hi = bounds
     new_min = rmin if lo is None else np.maximum(rmin, min(lo, 0.0))
     new_max = rmax if hi is None else np.minimum(rmax, max(hi, 0.0))

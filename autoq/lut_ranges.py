@@ -87,8 +87,7 @@ def cut(qp: QParam, bounds: tuple[float | None, float | None], spec) -> QParam:
     (:func:`autoq.lut_channels.cut`)."""
     if qp.per_axis:
         return lut_channels.cut(qp, bounds, spec)
-    s, z = float(np.asarray(qp.scale).reshape(-1)[0]), int(np.asarray(qp.zero_point).reshape(-1)[0])
-    rmin, rmax = (qp.qmin - z) * s, (qp.qmax - z) * s
+    rmin, rmax = (float(np.reshape(v, -1)[0]) for v in qp.grid_range())
     lo, hi = bounds
     new_min = rmin if lo is None else max(rmin, min(lo, 0.0))
     new_max = rmax if hi is None else min(rmax, max(hi, 0.0))

@@ -101,6 +101,16 @@ class QParam:
     def qmax(self) -> int:
         return P.qrange(self.dtype)[1]
 
+    def grid_range(self) -> tuple[np.ndarray, np.ndarray]:
+        """The real range the integer grid covers, ``(qmin - zp) * scale`` to ``(qmax - zp) *
+        scale`` in float64 (per channel: arrays).
+
+        >>> [float(v) for v in QParam(np.float32(0.5), np.int32(-28), "int8").grid_range()]
+        [-50.0, 77.5]
+        """
+        s, z = self.scale.astype(np.float64), self.zero_point.astype(np.float64)
+        return (self.qmin - z) * s, (self.qmax - z) * s
+
     @classmethod
     def from_range(
         cls,

@@ -63,14 +63,15 @@ class RealQ:
         self.dtype = qp.dtype
         self.scale_c = const(qp.scale, "float32")
         self.zero_point_c = const(qp.zero_point, "int32")
+        #: the ``axis`` attribute of its qnn quantize / dequantize (-1: per tensor)
+        self.axis = -1 if qp.axis is None else qp.axis
         self._real = None
 
     @property
     def real(self) -> relax.Expr:
         if self._real is None:
-            ax = -1 if self.qparam.axis is None else self.qparam.axis
             self._real = self._ctx.emit(
-                qnn.dequantize(self.q, self.scale_c, self.zero_point_c, axis=ax)
+                qnn.dequantize(self.q, self.scale_c, self.zero_point_c, axis=self.axis)
             )
         return self._real
 
@@ -179,17 +180,13 @@ class RealizeContext:
                     "inputs with Config.depthwise_input_per_channel and the residual stream's last "
                     "axis with Config.residual_per_channel)"
                 )
-            q = self.emit(
+            r = self._acts[sid] = RealQ(self, None, qp)
+            r.q = self.emit(
                 qnn.quantize(
-                    self.value(expr),
-                    const(qp.scale, "float32"),
-                    const(qp.zero_point, "int32"),
-                    axis=-1 if qp.axis is None else qp.axis,
-                    out_dtype=qp.dtype,
+                    self.value(expr), r.scale_c, r.zero_point_c, axis=r.axis, out_dtype=qp.dtype
                 ),
                 f"{sid}.q",
             )
-            self._acts[sid] = RealQ(self, q, qp)
         return self._acts[sid]
 
     def dynamic_activation(self, expr) -> hybrid.DynamicQ:
@@ -267,11 +264,8 @@ class RealizeContext:
                 "Config.depthwise_input_per_channel and residual-stream adds with "
                 "Config.residual_per_channel)"
             )
-        yv = self.emit(y, f"{sid}.q")
-        self._acts[sid] = RealQ(self, yv, qp)
-        ax = -1 if qp.axis is None else qp.axis
-        s, z = const(qp.scale, "float32"), const(qp.zero_point, "int32")
-        return qnn.dequantize(yv, s, z, axis=ax)
+        r = self._acts[sid] = RealQ(self, self.emit(y, f"{sid}.q"), qp)
+        return qnn.dequantize(r.q, r.scale_c, r.zero_point_c, axis=r.axis)
 
 
 # --------------------------------------------------------------------------- propagation

@@ -60,8 +60,6 @@ other slot is 16-bit computes in float (dequantize / quantize per axis). Each ki
 
 from __future__ import annotations
 
-import numpy as np
-
 from .activations import LUT_DTYPES
 from .lut_channels import LUT_PATTERNS
 from .qparams import QParam
@@ -100,16 +98,14 @@ def widen(qp: QParam, sim, sid: str) -> QParam:
     calibration modes (topological: before the slot's segment runs; fp32)."""
     info = sim.plan.slots[sid]
     rank = len(info.shape)
-    if HEADROOM == 1.0 or info.kind != "activation" or qp.axis is None or rank in (0, 4):
-        return qp
-    if qp.axis != rank - 1:
+    if HEADROOM == 1.0 or info.kind != "activation" or rank in (0, 4) or qp.axis != rank - 1:
         return qp
     spec = sim.plan.specs[sid]
-    s, z = qp.scale.astype(np.float64), qp.zero_point.astype(np.float64)
-    lo, hi = (qp.qmin - z) * s * HEADROOM, (qp.qmax - z) * s * HEADROOM
+    lo, hi = qp.grid_range()
     return QParam.from_range(
-        lo, hi, spec.dtype, spec.symmetric, spec.narrow_range, spec.reduce_range, axis=qp.axis
-    )
+        lo * HEADROOM, hi * HEADROOM, spec.dtype, spec.symmetric, spec.narrow_range,
+        spec.reduce_range, axis=qp.axis,
+    )  # fmt: skip
 
 
 def _is_8bit(config, layer: str, pattern: str) -> bool:

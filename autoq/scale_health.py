@@ -222,9 +222,8 @@ class HealthCheck:
         qp = self.qparam
         scale, zp = qp.scale, qp.zero_point
         if np.ndim(scale) == 1 and np.size(scale) > 1:
-            s, z = scale.astype(np.float64), zp.astype(np.float64)
-            lo, hi = float(np.min((qp.qmin - z) * s)), float(np.max((qp.qmax - z) * s))
-            covering = type(qp).from_range(lo, hi, qp.dtype)
+            lo, hi = qp.grid_range()
+            covering = type(qp).from_range(float(lo.min()), float(hi.max()), qp.dtype)
             scale, zp = covering.scale, int(covering.zero_point)
         return HealthObserver(scale, zp, qp.qmin, qp.qmax)
 

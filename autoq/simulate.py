@@ -358,9 +358,9 @@ class SimContext:
             sid, "activation", spec, None, out_ax, out_rows, shape_of(m.root), m.pattern.name
         )
         pre = self.emit(real, f"{sid}.pre")
-        observed = self.emit(
-            qnn.simulated_quantize(pre, s, z, axis=out_ax or -1, dtype=spec.dtype), f"{sid}.sq"
-        )
+        q_ax = -1 if out_ax is None else out_ax
+        sq = qnn.simulated_quantize(pre, s, z, axis=q_ax, dtype=spec.dtype)
+        observed = self.emit(sq, f"{sid}.sq")
         rows, axis = self.channel_slot(m["data"]) if x.axis is not None else (out_rows, out_ax)
         tshape = [256] if rows is None else [rows, 256]
         table = relax.Var(f"{m.layer}.table", relax.TensorType(tshape, "float32"))

@@ -86,10 +86,8 @@ def format_qparams(qp, source: str = "") -> str:
         if p.rmin is not None and p.rmax is not None:
             rng = _range_str(float(np.min(p.rmin)), float(np.max(p.rmax)))
         else:  # the range the integer grid covers
-            rng = _range_str(
-                float(np.min((p.qmin - z) * s.astype(np.float64))),
-                float(np.max((p.qmax - z) * s.astype(np.float64))),
-            )
+            lo, hi = p.grid_range()
+            rng = _range_str(float(np.min(lo)), float(np.max(hi)))
         rows.append((sid, kind, layer, p.dtype, scale, zp, rng))
     widths = [
         max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)

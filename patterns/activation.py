@@ -47,9 +47,8 @@ def _make(op: str, act: Activation) -> Pattern:
             return ctx.output(qnn.lut(x.q, const(t), axis))
         call = ctx.g.value[m.root]
         y = relax.Call(call.op, [x.real], call.attrs)
-        ax = -1 if out.qparam.axis is None else out.qparam.axis  # (autoq.residual_channels)
         return ctx.output(
-            qnn.quantize(y, out.scale_c, out.zero_point_c, axis=ax, out_dtype=out.dtype)
+            qnn.quantize(y, out.scale_c, out.zero_point_c, axis=out.axis, out_dtype=out.dtype)
         )
 
     return Pattern(

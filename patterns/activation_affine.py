@@ -72,9 +72,8 @@ def _make(op: str, name: str) -> Pattern:
             axis = lut_channels.lut_axis(x.qparam, out.qparam)
             return ctx.output(qnn.lut(x.q, const(t), axis))
         y = float_value(ctx, m, x.real)
-        ax = -1 if out.qparam.axis is None else out.qparam.axis  # (autoq.residual_channels)
         return ctx.output(
-            qnn.quantize(y, out.scale_c, out.zero_point_c, axis=ax, out_dtype=out.dtype)
+            qnn.quantize(y, out.scale_c, out.zero_point_c, axis=out.axis, out_dtype=out.dtype)
         )
 
     return Pattern(

@@ -24,6 +24,7 @@ import tvm
 from tvm import relax
 
 from .. import qnn  # noqa: F401  (registers the qnn.* ops whose legalizations are the fallback)
+from ..qnn.accumulate import depthwise_shape
 from ..toolkit import const_array, dtype_of, is_call, shape_of
 from .amx_conv2d import (
     amx_conv2d_kernel,
@@ -132,7 +133,7 @@ def _conv_plan(isa: Isa, call):
         return None
     dt, zx, w = ops
     n, c, h, wd = shape_of(data)
-    depthwise = groups == c == w.shape[0] and w.shape[1] == 1
+    depthwise = depthwise_shape(c, w.shape, groups)
     if (groups != 1 and not depthwise) or (np.ndim(zx) != 0 and not depthwise):
         return None
     shape = ConvShape(

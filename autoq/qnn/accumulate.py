@@ -30,7 +30,7 @@ from .checks import (
 )
 from .registration import make_call, register
 
-__all__ = ["conv2d", "dense", "matmul", "sum"]
+__all__ = ["conv2d", "dense", "depthwise_shape", "matmul", "sum"]
 
 _INPUT = ("input_scale", "input_zero_point")
 INT32_MAX = 2**31 - 1
@@ -192,13 +192,27 @@ def _infer_conv2d(op, call):
     return relax.TensorType([xd[0], wd[0], oh, ow], ACC_DTYPE)
 
 
+def depthwise_shape(channels, weight_shape, groups) -> bool:
+    """Whether a conv of ``channels`` input channels, an OIHW ``weight_shape`` and
+    ``groups`` is depthwise with channel multiplier 1 (``groups`` == input channels ==
+    output channels, weight ``[C, 1, KH, KW]``): its input qparams may be per channel.
+
+    >>> depthwise_shape(8, (8, 1, 3, 3), 8), depthwise_shape(8, (16, 1, 3, 3), 8)
+    (True, False)
+    """
+    return (
+        channels is not None
+        and len(weight_shape) == 4
+        and groups == channels == weight_shape[0]
+        and weight_shape[1] == 1
+    )
+
+
 def _depthwise(xd, wd, groups) -> bool:
-    """A depthwise conv of static shapes (``groups`` == input channels == output channels,
-    channel multiplier 1): input qparams may then be per channel (axis 1)."""
-    if xd is None or wd is None or len(xd) != 4 or len(wd) != 4:
+    """A depthwise conv of static shapes (:func:`depthwise_shape`)."""
+    if xd is None or wd is None or len(xd) != 4:
         return False
-    c, o, ci = static_int(xd[1]), static_int(wd[0]), static_int(wd[1])
-    return c is not None and groups == c == o and ci == 1
+    return depthwise_shape(static_int(xd[1]), [static_int(d) for d in wd], groups)
 
 
 def _relax_conv2d(call, x, w, padding, out_dtype=ACC_DTYPE):
