@@ -1,80 +1,77 @@
-# ruff: noqa: E402  (quiet_startup runs before the slow imports)
 """autoq: post-training auto-quantization for Apache TVM Relax.
 
-``autoq.quantize(mod, params, dataset, config)`` runs the three stages
-``simulate -> calibrate -> realize`` and returns an int8 ``IRModule``
-(``autoq.Quantizer(config).run(...)`` returns it with the qparams, the fallback decision,
-timings and warnings); the stages are exposed for users who need them, and calibration
-results are data (:class:`QParams`).
+``autoq.quantize(mod, params, dataset)`` runs the three stages ``simulate -> calibrate ->
+realize`` with the recipe the model's structure calls for and returns an int8 ``IRModule``
+(``autoq.Quantizer(config).run(...)`` returns it with the qparams, the recipe, the fallback
+decision, timings and warnings); the stages are exposed for users who need them, and
+calibration results are data (:class:`QParams`).
+
+Importing autoq is cheap and changes nothing in the process: each name below is imported
+(with TVM) when first used.
 """
 
-from .interrupts import quiet_startup
+from __future__ import annotations
 
-quiet_startup()  # the ``autoq`` command: a Ctrl-C while importing prints one line
+import importlib
 
-from . import primitives, qnn  # noqa: F401  (importing qnn registers the qnn.* ops)
-from .analysis import Analysis, analyze
-from .auto_fallback import FallbackDecision
-from .build import compile, default_target, export_library, load_library
-from .calibrate import calibrate
-from .config import (
-    AutoFallback,
-    Config,
-    Distributed,
-    Fallback,
-    Override,
-    QuantSpec,
-    TokenMask,
-)
-from .errors import AutoqError, DatasetError, InputError, SmoothQuantSkipped
-from .frontends import from_onnx, from_torch
-from .import_quantized import import_quantized
-from .pipeline import Quantizer, QuantizeResult, check_scales, quantize
-from .qparams import QParam, QParams, load_qparams
-from .realize import realize
-from .report import Report
-from .simulate import SimResult, simulate
-from .threads import set_threads, use_machine_cores
-from .tune import tune
+__version__ = "0.2.0"
 
-use_machine_cores()  # TVM's pools on every physical core (TVM alone takes half on x86)
+#: public name -> the module that defines it (imported on first use)
+_EXPORTS = {
+    "Analysis": "autoq.fallback.analysis",
+    "analyze": "autoq.fallback.analysis",
+    "FallbackDecision": "autoq.fallback.auto_fallback",
+    "compile": "autoq.build",
+    "default_target": "autoq.build",
+    "export_library": "autoq.build",
+    "load_library": "autoq.build",
+    "calibrate": "autoq.calibration",
+    "AutoFallback": "autoq.config",
+    "BiasCorrection": "autoq.config",
+    "Config": "autoq.config",
+    "Distributed": "autoq.config",
+    "Fallback": "autoq.config",
+    "Override": "autoq.config",
+    "QuantSpec": "autoq.config",
+    "Resources": "autoq.config",
+    "AutoqError": "autoq.errors",
+    "DatasetError": "autoq.errors",
+    "InputError": "autoq.errors",
+    "SmoothQuantSkipped": "autoq.errors",
+    "from_onnx": "autoq.frontends",
+    "from_torch": "autoq.frontends",
+    "import_quantized": "autoq.importers",
+    "Quantizer": "autoq.pipeline",
+    "QuantizeResult": "autoq.pipeline",
+    "check_scales": "autoq.pipeline",
+    "quantize": "autoq.pipeline",
+    "QParam": "autoq.qparams",
+    "QParams": "autoq.qparams",
+    "load_qparams": "autoq.qparams",
+    "realize": "autoq.realization",
+    "Report": "autoq.fallback.report",
+    "SimResult": "autoq.simulation",
+    "simulate": "autoq.simulation",
+    "set_threads": "autoq.threads",
+    "tune": "autoq.tuning",
+}
+#: submodules reachable as attributes (``autoq.recipes.RECIPES``)
+_SUBMODULES = ("calibrators", "dataset", "patterns", "primitives", "qnn", "recipes")
 
-__version__ = "0.1.0"
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "Analysis",
-    "AutoFallback",
-    "AutoqError",
-    "Config",
-    "DatasetError",
-    "Distributed",
-    "Fallback",
-    "FallbackDecision",
-    "InputError",
-    "Override",
-    "QParam",
-    "QParams",
-    "QuantSpec",
-    "QuantizeResult",
-    "Quantizer",
-    "Report",
-    "SimResult",
-    "SmoothQuantSkipped",
-    "TokenMask",
-    "analyze",
-    "calibrate",
-    "check_scales",
-    "compile",
-    "default_target",
-    "export_library",
-    "from_onnx",
-    "from_torch",
-    "import_quantized",
-    "load_library",
-    "load_qparams",
-    "quantize",
-    "realize",
-    "set_threads",
-    "simulate",
-    "tune",
-]
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        module = importlib.import_module(_EXPORTS[name])
+        importlib.import_module("autoq.qnn")  # registers the qnn.* ops before any use
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"autoq.{name}")
+    raise AttributeError(f"module 'autoq' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *_SUBMODULES, "__version__"])

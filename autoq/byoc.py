@@ -1,7 +1,7 @@
 """A BYOC pattern table for autoq's realized int8 graphs.
 
 :func:`pattern_table` returns one entry ``(name, pattern, annotations, check)`` per canonical
-layer shape that :func:`autoq.realize` emits (``docs/ops.md``), ready for::
+layer shape that :func:`autoq.realization` emits (``docs/ops.md``), ready for::
 
     import autoq.byoc
     mod = relax.transform.FuseOpsByPattern(
@@ -38,8 +38,6 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax
 from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple, wildcard
-
-from . import qnn  # noqa: F401  (registers the qnn.* ops the patterns name)
 
 __all__ = ["INT_DTYPES", "SHAPES", "LayerShape", "integer_only", "pattern_table"]
 
@@ -96,7 +94,7 @@ def _standalone_requantize(tail: str) -> Callable:
 
 
 def _clip_tail(x: DFPattern, tail: str) -> DFPattern:
-    """relu/clip on the int8 grid (``autoq.allow_list``): maximum(q, zp), minimum(q, hi),
+    """relu/clip on the int8 grid (``autoq.ir.allow_list``): maximum(q, zp), minimum(q, hi),
     maximum(minimum(q, hi), lo)."""
     if tail in ("min", "minmax"):
         x = is_op("relax.minimum")(x, is_const())

@@ -1,5 +1,12 @@
 """Configuration: frozen dataclasses, validated on construction, round-tripping through JSON.
 
+:class:`Config` holds the quantization choices only (at most 16 fields); what a run may use
+(memory, cache folder, progress bars, a Dask cluster) is :class:`Resources`, given to
+``autoq.Quantizer`` / ``autoq.quantize`` as keyword arguments. The fields a recipe decides
+(``activation``, ``rounding``, ``check_scales``, ``rules``) default to None, "the recipe's
+choice": :func:`autoq.recipes.resolve` fills them from ``Config.recipe`` (``"auto"``: the
+recipe the model's structure calls for) and prepends the recipe's overrides.
+
 >>> cfg = Config(activation=QuantSpec(calibrator="percentile"), fallback=Fallback(ids=("fc",)))
 >>> Config.from_json(cfg.to_json()) == cfg
 True
@@ -7,13 +14,14 @@ True
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from . import primitives as P
-from .errors import InputError
-from .json_document import JsonDocument, check_keys
-from .layer_rules import (
+from autoq import primitives as P
+from autoq.json_document import JsonDocument, check_keys, drop_removed
+from autoq.layer_rules import (
     FALLBACK_TYPES,
     AutoFallback,
     Fallback,
@@ -21,25 +29,40 @@ from .layer_rules import (
     compile_rule,
     str_tuple,
 )
-from .smoothing import check_alpha, check_alphas
-from .token_mask import TokenMask
 
 __all__ = [
+    "ACTIVATION_RULES",
+    "RECIPE_NAMES",
     "AutoFallback",
+    "BiasCorrection",
     "Config",
     "Distributed",
     "Fallback",
     "Override",
     "QuantSpec",
-    "TokenMask",
+    "Resources",
     "compile_rule",
 ]
 
 CALIBRATION_MODES = ("topological", "fp32")
 WEIGHT_ROUNDINGS = ("nearest", "gptq")
 _QSPEC_DTYPES = ("int8", "uint8", "int16")
-#: granularities of dynamic (run-time) activation qparams, see :mod:`autoq.dynamic`
+#: granularities of dynamic (run-time) activation qparams, see :mod:`autoq.realization.dynamic`
 DYNAMIC_GRANULARITIES = ("tensor", "token")
+#: the named recipes (:mod:`autoq.recipes`); "auto" picks one from the model's structure
+RECIPE_NAMES = ("auto", "cnn", "depthwise_cnn", "transformer", "dynamic")
+#: ``Config.rules``: how particular activation tensors are quantized, each implemented in
+#: :mod:`autoq.rules` (adding one: a module there and a row here)
+ACTIVATION_RULES = {
+    "lookup_input_ranges": "a tensor read only by 8-bit table lookups has its range cut "
+    "where the activation is flat (autoq.rules.lut_ranges)",
+    "lookup_per_channel": "a tensor read only by one 8-bit lookup gets one grid (and one "
+    "256-entry table) per channel (autoq.rules.lut_channels)",
+    "depthwise_per_channel": "an 8-bit input read only by a depthwise conv gets one grid per "
+    "channel (autoq.rules.depthwise_channels)",
+    "residual_per_channel": "a transformer's residual-stream tensors get one grid per channel "
+    "of the hidden dimension (autoq.rules.residual_channels)",
+}
 
 
 def _calibrators():
@@ -59,7 +82,7 @@ class QuantSpec:
     "percentile", "kl", "mse"), a calibrator object, or a function ``batch -> (lo, hi)``.
     ``dynamic``: activations only: scale and zero point computed at run time inside the
     graph from the tensor's min/max (no calibration data; the calibrator is not used), see
-    :mod:`autoq.dynamic`. ``granularity`` (dynamic only): ``"tensor"`` (one scale) or
+    :mod:`autoq.realization.dynamic`. ``granularity`` (dynamic only): ``"tensor"`` (one scale) or
     ``"token"`` (one scale per row of the last axis).
     """
 
@@ -180,8 +203,8 @@ class Distributed:
     for a local cluster of ``workers`` processes started for the run (one thread each).
     ``shards``: how many shards the samples are split into (default: one per worker; shard
     ``i`` lives on worker ``i % workers``). ``timeout_s``: how long to wait for the workers
-    to appear. Each shard caches its activations within ``Config.memory_budget_mb``.
-    ``retries``: restarts of a lost shard on another worker (:mod:`autoq.remote_shards`).
+    to appear. Each shard caches its activations within ``Resources.memory_budget_mb``.
+    ``retries``: restarts of a lost shard on another worker (:mod:`autoq.distributed.remote_shards`).
 
     >>> Distributed.from_json(Distributed(workers=2).to_json()) == Distributed(workers=2)
     True
@@ -220,10 +243,80 @@ class Distributed:
         return cls(**d)
 
 
-def _default_activation() -> QuantSpec:
-    # mse: the only calibrator good on all three benchmark models (benchmarks/vs_onnxruntime.py):
-    # best on ResNet-50 and MiniLM, within 0.003 cosine of percentile on PP-OCRv4
-    return QuantSpec(dtype="int8", symmetric=False, calibrator="mse")
+@dataclass(frozen=True)
+class Resources:
+    """What a run may use, not what it computes (``autoq.Quantizer(..., memory_budget_mb=,
+    cache_dir=, progress=, distributed=)``): the same choices give the same model whatever
+    these are.
+
+    ``memory_budget_mb``: RAM for cached activations during calibration (beyond it they
+    spill to ``cache_dir`` or a temporary directory). ``progress``: progress bars (None:
+    only when standard error is a terminal). ``distributed``: calibrate on a Dask cluster
+    (:class:`Distributed`); None: in this process, without importing Dask.
+
+    >>> Resources(memory_budget_mb=-1)
+    Traceback (most recent call last):
+    ValueError: memory_budget_mb must be a number >= 0 (MB), got -1
+    """
+
+    memory_budget_mb: float = 1024.0
+    cache_dir: str | None = None
+    progress: bool | None = None
+    distributed: Distributed | None = None
+
+    def __post_init__(self) -> None:
+        m = self.memory_budget_mb
+        if isinstance(m, bool) or not isinstance(m, int | float) or not m >= 0:
+            raise ValueError(f"memory_budget_mb must be a number >= 0 (MB), got {m!r}")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, str | os.PathLike):
+            raise TypeError(f"cache_dir must be a folder path or None, got {self.cache_dir!r}")
+        if self.progress is not None and not isinstance(self.progress, bool):
+            raise TypeError(f"progress must be True, False or None, got {self.progress!r}")
+        if self.distributed is not None and not isinstance(self.distributed, Distributed):
+            raise TypeError(f"distributed must be a Distributed or None, got {self.distributed!r}")
+
+    @property
+    def show_progress(self) -> bool:
+        """Whether to draw progress bars: ``progress``, or (None) standard error is a TTY."""
+        if self.progress is not None:
+            return self.progress
+        return bool(getattr(sys.stderr, "isatty", lambda: False)())
+
+
+@dataclass(frozen=True)
+class BiasCorrection:
+    """Empirical bias correction (``Config(bias_correction=BiasCorrection())``; Finkelstein
+    et al. 2019, "Fighting Quantization Bias With Bias", and the empirical variant of Nagel
+    et al. 2019): each conv/dense layer's mean output on the calibration data is matched to
+    the fp32 model's, ``W E[x_fp32] - W_q E[x~]`` folded into its int32 bias (``x~``: its
+    quantized-so-far input), which also removes the mean error arriving from upstream; one
+    extra fp32 pass over the calibration data (:mod:`autoq.accuracy.weight_tuning`).
+    ``holdout``: the last this many calibration samples are held out of calibration and a
+    layer's correction is kept only if it lowers that layer's output error against fp32 on
+    them (:mod:`autoq.accuracy.bias_gate`; topological calibration only). No recipe turns it
+    on: it helps EfficientNet-Lite0 and hurts ResNet-50, MiniLM and the PP-OCR recipe
+    (docs/accuracy.md).
+
+    >>> BiasCorrection(holdout=8).to_json()
+    {'holdout': 8}
+    """
+
+    holdout: int = 0
+
+    def __post_init__(self) -> None:
+        n = self.holdout
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(
+                f"BiasCorrection.holdout must be an int >= 0 (held-out samples), got {n!r}"
+            )
+
+    def to_json(self) -> dict:
+        return {"holdout": self.holdout}
+
+    @classmethod
+    def from_json(cls, d: dict) -> BiasCorrection:
+        check_keys(cls, d)
+        return cls(**d)
 
 
 def _default_weight() -> QuantSpec:
@@ -232,157 +325,88 @@ def _default_weight() -> QuantSpec:
     )
 
 
+#: the fields a recipe fills when they are None (:func:`autoq.recipes.resolve`)
+RECIPE_FIELDS = ("activation", "rounding", "check_scales", "rules")
+
+
 @dataclass(frozen=True)
 class Config(JsonDocument):
-    """Everything ``autoq.quantize`` can be told.
+    """Everything ``autoq.quantize`` can be told about the int8 model it makes.
 
-    ``activation`` / ``weight``: default specs; ``overrides``: per-layer changes.
+    ``recipe``: the named recipe the None fields come from (:mod:`autoq.recipes`:
+    ``"cnn"``, ``"depthwise_cnn"``, ``"transformer"``, ``"dynamic"``), or ``"auto"``
+    (default): the one the model's structure calls for, reported in
+    ``QuantizeResult.recipe``.
+    ``activation`` / ``weight``: default specs (None: the recipe's); ``overrides``:
+    per-layer changes (after the recipe's, so they win).
     ``rounding``: requantize rounding mode (see :data:`autoq.primitives.ROUNDING_MODES`;
-    ``float`` is bit-exact with the simulated graph). ``calibration``: ``topological`` (each
-    slot calibrated on values carrying the error of every upstream choice) or ``fp32`` (all
-    statistics from the float graph, streamed: one pass, two for histogram calibrators).
-    ``fallback``: layers kept in fp32.
+    ``float`` is bit-exact with the simulated graph; None: the recipe's). ``calibration``:
+    ``topological`` (each slot calibrated on values carrying the error of every upstream
+    choice) or ``fp32`` (all statistics from the float graph, streamed: one pass, two for
+    histogram calibrators). ``fallback``: layers kept in fp32 (:class:`Fallback`), or
+    chosen by measurement (:class:`AutoFallback`).
     ``patterns``: names of the patterns to use (None = all registered).
-    ``memory_budget_mb``: RAM for cached activations during calibration (beyond it they
-    spill to ``cache_dir`` or a temporary directory). ``progress``: show tqdm bars.
-    ``smooth_quant``: SmoothQuant's migration strength alpha (Xiao et al. 2023,
-    arXiv:2211.10438; default 0.5, measured best of 0.3/0.5/0.7/0.8 on all-MiniLM-L6-v2),
-    None = off: LayerNorm output outliers moved into the dense weights reading them, an
-    exact rewrite of the float model before calibration (:mod:`autoq.smooth_quant`); the
-    module then realizes ``QuantizeResult.matched`` (the rewritten model), so simulate or
-    compare against that, not the input module. Models without a LayerNorm feeding a dense
-    layer (CNNs) are unchanged; not applied with dynamic activations (no data).
-    ``smooth_quant_alphas``: a grid of migration strengths searched per LayerNorm by the
-    output error of the dense layers it feeds (AWQ's per-layer grid search, Lin et al. 2024,
-    arXiv:2306.00978, applied to SmoothQuant's factor; :mod:`autoq.smooth_alpha`); empty
-    (default): every LayerNorm uses ``smooth_quant``.
-    ``skip_unbounded``: ``autoq.quantize`` keeps in fp32 the layers whose activations hold
-    inf-like sentinels such as attention masks of ``finfo.min`` (see :mod:`autoq.guard`).
-    ``check_scales``: layers whose activation scale cannot represent its data go fp32 (:mod:`autoq.scale_health`).
-    ``distributed``: calibrate on a Dask cluster (:class:`Distributed`); None (default):
-    in this process, without importing Dask.
-    ``int16_tensors``: activation slot ids quantized as int16 (:mod:`autoq.escalation`).
-    ``token_mask``: a :class:`TokenMask` naming the model's ``(batch, seq)`` padding-mask
-    input: calibration statistics (observers, weight tuning, SmoothQuant, the escalation's
-    ranges) then see only the real tokens of the tensors laid out per token
-    (:mod:`autoq.token_mask`); None (default): every position.
+    ``skip_unbounded``: keep in fp32 the layers whose activations hold inf-like sentinels
+    such as attention masks of ``finfo.min`` (see :mod:`autoq.fallback.guard`).
+    ``check_scales``: layers whose activation scale cannot represent its data go fp32
+    (:mod:`autoq.calibration.scale_health`; None: the recipe's).
     ``int8_outputs``: the model's outputs also leave the integer graph as int8 (an exit slot,
-    see :mod:`autoq.exits`, on every output an int32 result feeds). Off by default: an output
-    reads its layer's int32 accumulator through one ``qnn.dequantize``, which keeps the
-    accumulator's precision (rounding the output to int8 costs fidelity: measured 0.054 ->
-    0.071 relative error on the test MLP) and is still integer up to that dequantize.
-
-    Data-aware weights (:mod:`autoq.weight_tuning`; run inside topological calibration, on
-    each conv/dense layer's quantized input, just before the layer's output is observed):
+    see :mod:`autoq.rules.exits`). Off by default: an output reads its layer's int32
+    accumulator through one ``qnn.dequantize``, which keeps the accumulator's precision.
     ``weight_rounding``: ``"gptq"`` (default; Frantar et al. 2022, arXiv:2210.17323: columns
-    rounded in order, the error fed forward through ``H = 2 X^T X / n``; :mod:`autoq.gptq`)
-    or ``"nearest"`` (each weight on its own; weights stay constants of the simulated graph). ``bias_correction``: add the mean
-    output shift the rounded weights cause, ``(W - W_q) E[x]``, to the bias (Nagel et al.
-    2019, "Data-Free Quantization", sec. 4.2, with the empirical input mean;
-    :mod:`autoq.bias_correction`). ``empirical_bias_correction``: the empirical form (Finkelstein
-    et al. 2019, "Fighting Quantization Bias With Bias"; Nagel et al. 2019's empirical
-    variant): each layer's mean output on the calibration data is matched to the fp32
-    model's, ``W E[x_fp32] - W_q E[x~]`` added to the bias, where ``x~`` is the layer's
-    quantized-so-far input; this also removes the mean error arriving from upstream (costs
-    one fp32 pass over the calibration data; supersedes ``bias_correction``).
-    ``bias_correction_holdout``: with ``empirical_bias_correction``, the last this many
-    calibration samples are held out of calibration and each layer's correction is kept only
-    if it lowers the layer's output error against fp32 on them (:mod:`autoq.bias_gate`;
-    0, the default: every correction kept; topological calibration only; on a Dask
-    cluster the held-out samples are one shard of their own).
-    ``bias_correction_skip``: layer-id rules (exact ids, globs, ``re:<regex>``) of layers
-    whose bias is NOT corrected by ``bias_correction`` / ``empirical_bias_correction`` (their
-    weights are still tuned; a rule that matches no tuned layer is an error when calibration
-    starts). For a layer whose output goes int16 (PP-OCRv4 det's stem conv: its int16 output
-    keeps a low-contrast blob of the fp32 map, its correction erases it again).
-    ``scale_search``: per-channel weight scales chosen on a
-    grid of clipping ratios by the layer's output MSE (OMSE, Choukroun et al. 2019;
-    :mod:`autoq.scale_search`). The integer weights and biases they choose are carried in
-    ``QParams.values`` (realized as they are; simulated exactly). EfficientNet-Lite0 top-1
-    agreement (benchmarks/results/accuracy.md): nearest 0.806, GPTQ 0.919 (so the default).
-
-    ``dynamic_gptq``: the hybrid's dynamic dense layers (:mod:`autoq.hybrid`, which have
-    no input slot for the weight tuner) get GPTQ-rounded weights too, on the Hessian of
-    their fp32 inputs (:mod:`autoq.dynamic_gptq`; needs ``weight_rounding="gptq"`` and
-    topological calibration). Default off: their weights round to nearest.
-
-    ``lut_input_ranges``: the range of a slot read only by 8-bit table-lookup activations
-    is cut where the activation is flat (hardswish below -3, sigmoid beyond +-17, ...;
-    :mod:`autoq.lut_ranges`): the same table outputs on a finer input grid. Default off:
-    measured +0.1 IoU point on PP-OCRv4 det (post hoc) but -3 NN@1 points on
-    all-MiniLM-L6-v2 (all int8 75.0% -> 71.9%, cos 0.93975 -> 0.93720; with the int16
-    escalation 93.8% -> 90.6%, cos 0.99223 -> 0.99167; README).
-
-    Per-channel activation scales and zero points (axis 1 of NCHW tensors, else the last
-    axis), each opt-in (README). ``lut_input_per_channel``: a conv output read only by one
-    8-bit lookup (hardswish, ...): the conv's requantize writes each channel's grid, one
-    256-entry table per channel (:mod:`autoq.lut_channels`); last axis: a lookup's input and
-    output written / read by float ops and dynamic layers (GELU, :mod:`autoq.residual_channels`).
-    ``depthwise_input_per_channel``: an 8-bit tensor read only by a depthwise conv, written
-    by a lookup or a conv: the ``[C, 256]`` table or the conv's requantize writes each
-    channel's grid, the depthwise ``qnn.conv2d`` takes a per-channel input scale and zero
-    point (exact: channel ``c`` reads only channel ``c``; :mod:`autoq.depthwise_channels`).
-    ``residual_per_channel``: a residual-stream tensor (written by a float op, a dynamic
-    layer or an 8-bit ``add``; read only by such), per channel of the hidden dimension where
-    a transformer's outliers sit: ``qnn.add`` requantizes each channel on its own grid,
-    LayerNorm dequantizes per channel (:mod:`autoq.residual_channels`); with
-    ``residual_int16_per_channel`` one in ``int16_tensors`` stays per channel, in int16.
-
-    ``equalization``: cross-layer equalization of the float model before calibration (Nagel
-    et al. 2019, "Data-Free Quantization", sec. 4.1; :mod:`autoq.cross_layer_equalization`):
-    the weights of ``conv -> [bias] -> [relu] -> conv`` chains rescaled per channel so both
-    layers' per-channel ranges match, the float function unchanged; chains through clip
-    (ReLU6) are skipped (not exact). Off by default: with per-channel weight scales it only
-    moves range between layers (see the README's accuracy table).
+    rounded in order, the error fed forward through ``H = 2 X^T X / n`` of each layer's
+    quantized calibration input; :mod:`autoq.accuracy.gptq`) or ``"nearest"``.
+    ``bias_correction``: :class:`BiasCorrection` (empirical), or None (off).
+    ``int16_tensors``: activation slot ids quantized as int16 (:mod:`autoq.fallback.escalation`).
+    ``smooth_quant``: SmoothQuant's migration strength alpha (Xiao et al. 2023,
+    arXiv:2211.10438; default 0.5, measured best of 0.3/0.5/0.7/0.8 on all-MiniLM-L6-v2), None
+    = off: LayerNorm output outliers moved into the dense weights reading them, an exact
+    rewrite of the float model before calibration (:mod:`autoq.accuracy.smooth_quant`); the
+    module then realizes ``QuantizeResult.matched``. Models without a LayerNorm feeding a
+    dense layer (CNNs) are unchanged; not applied with dynamic activations (no data).
+    ``rules``: names from :data:`ACTIVATION_RULES` (None: the recipe's; ``()``: none).
     """
 
-    activation: QuantSpec = field(default_factory=_default_activation)
+    recipe: str = "auto"
+    activation: QuantSpec | None = None
     weight: QuantSpec = field(default_factory=_default_weight)
-    rounding: str = "float"
+    rounding: str | None = None
     calibration: str = "topological"
     fallback: Fallback = field(default_factory=Fallback)
     overrides: tuple[Override, ...] = ()
     patterns: tuple[str, ...] | None = None
-    memory_budget_mb: float = 1024.0
-    cache_dir: str | None = None
-    progress: bool = True
     skip_unbounded: bool = True
-    check_scales: bool = True
+    check_scales: bool | None = None
     int8_outputs: bool = False
-    distributed: Distributed | None = None
     weight_rounding: str = "gptq"
-    bias_correction: bool = False
-    empirical_bias_correction: bool = False
-    bias_correction_holdout: int = 0
-    bias_correction_skip: tuple[str, ...] = ()
-    scale_search: bool = False
-    equalization: bool = False
+    bias_correction: BiasCorrection | None = None
     int16_tensors: tuple[str, ...] = ()
     smooth_quant: float | None = 0.5
-    smooth_quant_alphas: tuple[float, ...] = ()
-    token_mask: TokenMask | None = None
-    lut_input_ranges: bool = False
-    dynamic_gptq: bool = False
-    lut_input_per_channel: bool = False
-    depthwise_input_per_channel: bool = False
-    residual_per_channel: bool = False
-    residual_int16_per_channel: bool = False
+    rules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.activation, QuantSpec) or not isinstance(self.weight, QuantSpec):
-            raise TypeError("Config.activation and Config.weight must be QuantSpec instances")
-        if self.activation.per_channel:
+        if self.recipe not in RECIPE_NAMES:
             raise ValueError(
-                "per-channel activations are not supported: set per_channel only on the weight spec"
+                f"Config.recipe must be one of {', '.join(RECIPE_NAMES)}, got {self.recipe!r}"
             )
-        _check_dynamic_config(self)
-        if self.rounding not in P.ROUNDING_MODES:
+        if self.activation is not None and not isinstance(self.activation, QuantSpec):
+            raise TypeError("Config.activation must be a QuantSpec or None (the recipe's)")
+        if not isinstance(self.weight, QuantSpec):
+            raise TypeError("Config.weight must be a QuantSpec")
+        if self.activation is not None and self.activation.per_channel:
             raise ValueError(
-                f"Config.rounding must be one of {', '.join(P.ROUNDING_MODES)}, got {self.rounding!r}"
+                "per-channel activations are not a QuantSpec option: set per_channel only on "
+                "the weight spec (Config.rules names the activation tensors kept per channel)"
+            )
+        if self.rounding is not None and self.rounding not in P.ROUNDING_MODES:
+            raise ValueError(
+                f"Config.rounding must be one of {', '.join(P.ROUNDING_MODES)} or None, got "
+                f"{self.rounding!r}"
             )
         if self.calibration not in CALIBRATION_MODES:
             raise ValueError(
-                f"Config.calibration must be one of {', '.join(CALIBRATION_MODES)}, got {self.calibration!r}"
+                f"Config.calibration must be one of {', '.join(CALIBRATION_MODES)}, got "
+                f"{self.calibration!r}"
             )
         if not hasattr(self.fallback, "to_json"):
             raise TypeError(
@@ -393,74 +417,69 @@ class Config(JsonDocument):
             raise TypeError("Config.overrides must be Override instances")
         if self.patterns is not None:
             str_tuple(self, "patterns")
-        if not (isinstance(self.memory_budget_mb, int | float) and self.memory_budget_mb >= 0):
-            raise ValueError(f"Config.memory_budget_mb must be >= 0, got {self.memory_budget_mb!r}")
         if self.weight_rounding not in WEIGHT_ROUNDINGS:
             raise ValueError(
-                f"Config.weight_rounding must be one of {', '.join(WEIGHT_ROUNDINGS)}, got {self.weight_rounding!r}"
+                f"Config.weight_rounding must be one of {', '.join(WEIGHT_ROUNDINGS)}, got "
+                f"{self.weight_rounding!r}"
             )
-        for name in ("progress", "skip_unbounded", "check_scales", "int8_outputs",
-                     "bias_correction", "empirical_bias_correction", "scale_search",
-                     "equalization", "lut_input_ranges", "dynamic_gptq",
-                     "lut_input_per_channel", "depthwise_input_per_channel",
-                     "residual_per_channel", "residual_int16_per_channel"):  # fmt: skip
+        for name in ("skip_unbounded", "int8_outputs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
-        if self.residual_int16_per_channel and not self.residual_per_channel:
-            raise InputError("Config.residual_int16_per_channel needs residual_per_channel=True")
-        gptq = (self.weight_rounding, self.calibration) == ("gptq", "topological")
-        if self.dynamic_gptq and not gptq:
-            raise ValueError(
-                "Config.dynamic_gptq needs weight_rounding='gptq' and calibration='topological', "
-                f"got {self.weight_rounding!r} and {self.calibration!r}"
-            )
-        if self.dynamic_gptq and self.distributed is not None:
-            raise ValueError("Config.dynamic_gptq runs in this process: not with distributed")
-        _check_holdout(self)
-        _check_bias_skip(self)
-        str_tuple(self, "int16_tensors")
-        check_alpha(self.smooth_quant)
-        check_alphas(self.smooth_quant_alphas, self.smooth_quant)
-        if self.token_mask is not None and not isinstance(self.token_mask, TokenMask):
-            raise InputError(
-                f"Config.token_mask must be a TokenMask('<mask input name>') or None, got "
-                f"{self.token_mask!r}"
-            )
-        if self.distributed is not None and not isinstance(self.distributed, Distributed):
+        if self.check_scales is not None and not isinstance(self.check_scales, bool):
             raise TypeError(
-                f"Config.distributed must be a Distributed or None, got {self.distributed!r}"
+                f"Config.check_scales must be True, False or None, got {self.check_scales!r}"
             )
-        for name in ("lut_input_per_channel", "depthwise_input_per_channel",
-                     "residual_per_channel"):  # fmt: skip
-            if getattr(self, name) and self.distributed is not None:
-                raise InputError(
-                    f"Config.{name} is not supported with Config.distributed (the "
-                    "workers' statistics are per tensor): calibrate in-process or turn it off"
-                )
+        bc = self.bias_correction
+        if bc is not None and not isinstance(bc, BiasCorrection):
+            raise TypeError(
+                f"Config.bias_correction must be autoq.BiasCorrection(holdout=...) or None, got {bc!r}"
+            )
+        str_tuple(self, "int16_tensors")
+        _check_alpha(self.smooth_quant)
+        _check_rules(self)
+        if self.resolved:
+            _check_dynamic_config(self)
 
     def replace(self, **changes: Any) -> Config:
         return replace(self, **changes)
 
     @property
+    def resolved(self) -> bool:
+        """Whether every field a recipe decides is set (see :func:`autoq.recipes.resolve`)."""
+        return self.recipe != "auto" and all(getattr(self, f) is not None for f in RECIPE_FIELDS)
+
+    def has_rule(self, name: str) -> bool:
+        """Whether ``Config.rules`` turns on the activation rule ``name``."""
+        if name not in ACTIVATION_RULES:
+            raise KeyError(f"no activation rule {name!r}")
+        return bool(self.rules) and name in self.rules
+
+    @property
     def tunes_weights(self) -> bool:
         """Calibration may change weight values or biases (the simulated graph then reads
-        them as inputs: see :meth:`autoq.simulate.SimContext.weight`)."""
-        return (
-            self.weight_rounding != "nearest"
-            or self.bias_correction
-            or self.empirical_bias_correction
-        )
+        them as inputs: see :meth:`autoq.simulation.SimContext.weight`)."""
+        return self.weight_rounding != "nearest" or self.bias_correction is not None
 
     @property
     def weight_tuning(self) -> bool:
-        """Any data-aware weight step is on (:mod:`autoq.weight_tuning`)."""
-        return self.tunes_weights or self.scale_search
+        """Any data-aware weight step is on (:mod:`autoq.accuracy.weight_tuning`)."""
+        return self.tunes_weights
+
+    @property
+    def bias_holdout(self) -> int:
+        """Held-out samples of the bias-correction gate (0: none, or no bias correction)."""
+        return 0 if self.bias_correction is None else self.bias_correction.holdout
 
     def layer_spec(self, kind: str, layer: str, pattern: str | None = None, slot=None) -> QuantSpec:
         """The ``"activation"`` or ``"weight"`` spec of ``layer`` (its pattern's name
         ``pattern``, needed by ``pattern:`` rules): the default, changed by every override
         whose rule matches the layer (the last one wins); in int16 when ``Config.int16_tensors``
-        names the activation ``slot`` the layer writes (:mod:`autoq.escalation`)."""
+        names the activation ``slot`` the layer writes (:mod:`autoq.fallback.escalation`)."""
+        if not self.resolved:
+            raise RuntimeError(
+                "internal error: a Config with recipe fields left to the recipe reached a "
+                "stage; resolve it first (autoq.recipes.resolve)"
+            )
         spec = self.activation if kind == "activation" else self.weight
         for o in self.overrides:
             if compile_layer_rule(o.match)(layer, pattern):
@@ -468,45 +487,35 @@ class Config(JsonDocument):
         return spec.as_int16() if slot is not None and slot in self.int16_tensors else spec
 
     def to_json(self) -> dict:
+        fb = self.fallback
         return {
-            "activation": self.activation.to_json(),
+            "recipe": self.recipe,
+            "activation": None if self.activation is None else self.activation.to_json(),
             "weight": self.weight.to_json(),
             "rounding": self.rounding,
             "calibration": self.calibration,
-            "fallback": {"type": type(self.fallback).__name__, **self.fallback.to_json()},
+            "fallback": {"type": type(fb).__name__, **fb.to_json()},
             "overrides": [o.to_json() for o in self.overrides],
             "patterns": None if self.patterns is None else list(self.patterns),
-            "memory_budget_mb": self.memory_budget_mb,
-            "cache_dir": self.cache_dir,
-            "progress": self.progress,
             "skip_unbounded": self.skip_unbounded,
             "check_scales": self.check_scales,
             "int8_outputs": self.int8_outputs,
-            "distributed": None if self.distributed is None else self.distributed.to_json(),
             "weight_rounding": self.weight_rounding,
-            "bias_correction": self.bias_correction,
-            "empirical_bias_correction": self.empirical_bias_correction,
-            "bias_correction_holdout": self.bias_correction_holdout,
-            "bias_correction_skip": list(self.bias_correction_skip),
-            "scale_search": self.scale_search,
-            "equalization": self.equalization,
+            "bias_correction": None
+            if self.bias_correction is None
+            else self.bias_correction.to_json(),
             "int16_tensors": list(self.int16_tensors),
             "smooth_quant": self.smooth_quant,
-            "smooth_quant_alphas": list(self.smooth_quant_alphas),
-            "token_mask": None if self.token_mask is None else self.token_mask.to_json(),
-            "lut_input_ranges": self.lut_input_ranges,
-            "dynamic_gptq": self.dynamic_gptq,
-            "lut_input_per_channel": self.lut_input_per_channel,
-            "depthwise_input_per_channel": self.depthwise_input_per_channel,
-            "residual_per_channel": self.residual_per_channel,
-            "residual_int16_per_channel": self.residual_int16_per_channel,
+            "rules": None if self.rules is None else list(self.rules),
         }
 
     @classmethod
     def from_json(cls, d: dict) -> Config:
         d = dict(d)
+        if "recipe" not in d:  # written before recipes: every field is concrete
+            d = _from_old_json(d)
         check_keys(cls, d)
-        if "activation" in d:
+        if d.get("activation") is not None:
             d["activation"] = QuantSpec.from_json(d["activation"])
         if "weight" in d:
             d["weight"] = QuantSpec.from_json(d["weight"])
@@ -516,49 +525,104 @@ class Config(JsonDocument):
             d["fallback"] = FALLBACK_TYPES[kind].from_json(fb)
         if "overrides" in d:
             d["overrides"] = tuple(Override.from_json(o) for o in d["overrides"])
-        if d.get("patterns") is not None:
-            d["patterns"] = tuple(d["patterns"])
+        for name in ("patterns", "rules"):
+            if d.get(name) is not None:
+                d[name] = tuple(d[name])
         d["int16_tensors"] = tuple(d.get("int16_tensors", ()))
-        d["smooth_quant_alphas"] = tuple(d.get("smooth_quant_alphas", ()))
-        d["bias_correction_skip"] = tuple(d.get("bias_correction_skip", ()))
-        if d.get("distributed") is not None:
-            d["distributed"] = Distributed.from_json(d["distributed"])
-        if d.get("token_mask") is not None:
-            d["token_mask"] = TokenMask.from_json(d["token_mask"])
+        if d.get("bias_correction") is not None:
+            d["bias_correction"] = BiasCorrection.from_json(d["bias_correction"])
         return cls(**d)
 
 
-def _check_holdout(config: Config) -> None:
-    n = config.bias_correction_holdout
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+def _check_alpha(alpha) -> None:
+    """``Config.smooth_quant`` must be None (off) or a number in (0, 1)."""
+    if alpha is None:
+        return
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha < 1:
         raise ValueError(
-            f"Config.bias_correction_holdout must be an int >= 0 (held-out samples), got {n!r}"
-        )
-    if n and not config.empirical_bias_correction:
-        raise ValueError(
-            f"Config.bias_correction_holdout={n} gates empirical bias correction, which is off: "
-            "set empirical_bias_correction=True or bias_correction_holdout=0"
+            f"Config.smooth_quant is SmoothQuant's migration strength alpha, a number in "
+            f"(0, 1) such as 0.5, or None (off); got {alpha!r}"
         )
 
 
-def _check_bias_skip(config: Config) -> None:
-    str_tuple(config, "bias_correction_skip")
-    for rule in config.bias_correction_skip:
-        compile_rule(rule)
-    if config.bias_correction_skip and not (
-        config.bias_correction or config.empirical_bias_correction
-    ):
+def _check_rules(config: Config) -> None:
+    if config.rules is None:
+        return
+    str_tuple(config, "rules")
+    unknown = [r for r in config.rules if r not in ACTIVATION_RULES]
+    if unknown:
         raise ValueError(
-            f"Config.bias_correction_skip={list(config.bias_correction_skip)} exempts layers "
-            "from a bias correction that is off: set bias_correction or "
-            "empirical_bias_correction, or leave bias_correction_skip empty"
+            f"Config.rules: unknown rule(s) {unknown}; the rules are: "
+            + "; ".join(f"{k}: {v}" for k, v in ACTIVATION_RULES.items())
         )
+
+
+def _rule_moved(rule: str):
+    def move(value, d: dict) -> str:
+        rules = list(d.get("rules") or [])
+        if value and rule not in rules:
+            d["rules"] = [*rules, rule]
+        return f"Config.rules containing {rule!r}"
+
+    return move
+
+
+def _ebc_moved(value, d: dict) -> str:
+    if value:
+        d["bias_correction"] = {"holdout": d.get("bias_correction_holdout") or 0}
+    return "Config.bias_correction=BiasCorrection(holdout=...)"
+
+
+def _holdout_moved(value, d: dict) -> str:
+    if isinstance(d.get("bias_correction"), dict):
+        d["bias_correction"] = {"holdout": value}
+    return "BiasCorrection.holdout"
+
+
+_RESOURCE = "a keyword argument of autoq.Quantizer / autoq.quantize (--{} on the command line)"
+#: Config fields of configs written before recipes (one version back): field -> (its old
+#: default, where it went); see :func:`autoq.json_document.drop_removed`
+REMOVED_FIELDS = {
+    "memory_budget_mb": (1024.0, _RESOURCE.format("memory-budget")),
+    "cache_dir": (None, _RESOURCE.format("cache-dir")),
+    "progress": (True, _RESOURCE.format("quiet")),
+    "distributed": (None, _RESOURCE.format("workers / --scheduler")),
+    # the plain (DFQ) correction and these options measured no gain: refused when set
+    "bias_correction": (False, None),
+    "bias_correction_skip": ((), None),
+    "scale_search": (False, None),
+    "equalization": (False, None),
+    "smooth_quant_alphas": ((), None),
+    "token_mask": (None, None),
+    "dynamic_gptq": (False, None),
+    "residual_int16_per_channel": (False, None),
+    # moved into Config.bias_correction / Config.rules
+    "empirical_bias_correction": (False, _ebc_moved),
+    "bias_correction_holdout": (0, _holdout_moved),
+    "lut_input_ranges": (False, _rule_moved("lookup_input_ranges")),
+    "lut_input_per_channel": (False, _rule_moved("lookup_per_channel")),
+    "depthwise_input_per_channel": (False, _rule_moved("depthwise_per_channel")),
+    "residual_per_channel": (False, _rule_moved("residual_per_channel")),
+}
+
+
+def _from_old_json(d: dict) -> dict:
+    """A config.json of the version before recipes: the removed fields translated (or
+    refused, naming them) and the rest as it was, as the ``cnn`` recipe (its old default)
+    with every recipe field concrete."""
+    d = drop_removed("Config", d, REMOVED_FIELDS)
+    d.setdefault("rules", [])
+    d.setdefault("rounding", "float")
+    d.setdefault("check_scales", True)
+    d.setdefault("activation", QuantSpec(calibrator="mse").to_json())
+    d["recipe"] = "cnn"
+    return d
 
 
 def _check_dynamic_config(config: Config) -> None:
-    """Dynamic activations are a whole-model mode (see :mod:`autoq.dynamic`): overrides may
+    """Dynamic activations are a whole-model mode (see :mod:`autoq.realization.dynamic`): overrides may
     change the granularity or the weights of a layer but not switch it to static. A static
-    model may make layers dynamic with an override (the hybrid, :mod:`autoq.hybrid`)."""
+    model may make layers dynamic with an override (the hybrid, :mod:`autoq.rules.hybrid`)."""
     dynamic = config.activation.dynamic
     if config.weight.dynamic or any(o.weight and o.weight.dynamic for o in config.overrides):
         raise ValueError(
@@ -570,7 +634,7 @@ def _check_dynamic_config(config: Config) -> None:
                 f"Override({o.match!r}) has dynamic=False but Config.activation has "
                 "dynamic=True: a dynamic model has no calibration, so no layer of it can be "
                 "static (make Config.activation static and the chosen layers dynamic with "
-                "Override(..., activation=QuantSpec(dynamic=True)) instead: autoq.hybrid; "
+                "Override(..., activation=QuantSpec(dynamic=True)) instead: autoq.rules.hybrid; "
                 "keep a layer in fp32 with Fallback)"
             )
     if not dynamic:
@@ -588,7 +652,7 @@ def _check_dynamic_config(config: Config) -> None:
 
 
 def _check_hybrid(config: Config) -> None:
-    """A static model with dynamic layers (:mod:`autoq.hybrid`): the automatic fallback
+    """A static model with dynamic layers (:mod:`autoq.rules.hybrid`): the automatic fallback
     searches other than the int16 escalation are not supported with it."""
     rules = [o.match for o in config.overrides if o.activation and o.activation.dynamic]
     fb = config.fallback

@@ -13,7 +13,14 @@ import tempfile
 from dataclasses import fields
 from pathlib import Path
 
-__all__ = ["JsonDocument", "callable_from_json", "callable_to_json", "check_keys", "write_atomic"]
+__all__ = [
+    "JsonDocument",
+    "callable_from_json",
+    "callable_to_json",
+    "check_keys",
+    "drop_removed",
+    "write_atomic",
+]
 
 
 def write_atomic(path: str | Path, text: str) -> Path:
@@ -75,3 +82,43 @@ def check_keys(cls, d: dict) -> None:
     unknown = set(d) - known
     if unknown:
         raise ValueError(f"{cls.__name__} has no fields {sorted(unknown)}; it has {sorted(known)}")
+
+
+def drop_removed(owner: str, d: dict, removed: dict) -> dict:
+    """``d`` (a JSON object of ``owner``) without the fields that were removed from it.
+
+    ``removed``: field -> (its old default, replacement). A removed field at its old default
+    is dropped; otherwise ``replacement`` decides: a callable ``replacement(value, d)``
+    moves the value to its new home in ``d`` and says where, a string is where the option
+    went (the value is ignored), and None means the option is gone (it measured no gain):
+    an error naming the field. One warning lists what was dropped or moved.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as w:
+    ...     warnings.simplefilter("always")
+    ...     drop_removed("AutoFallback", {"swap_rounds": 0, "holdout": 2}, {"swap_rounds": (0, None)})
+    {'holdout': 2}
+    >>> print(w[0].message)
+    AutoFallback from an older version: swap_rounds (removed, was at its default) dropped
+    """
+    import warnings
+
+    out, said = dict(d), []
+    for name, (old_default, replacement) in removed.items():
+        if name not in out:
+            continue
+        value = out.pop(name)
+        if value == old_default or (isinstance(value, list) and list(old_default or ()) == value):
+            said.append(f"{name} (removed, was at its default) dropped")
+        elif callable(replacement):
+            said.append(f"{name}={value!r} read as {replacement(value, out)}")
+        elif isinstance(replacement, str):
+            said.append(f"{name}={value!r} ignored: it is now {replacement}")
+        else:
+            raise ValueError(
+                f"{owner}.{name}={value!r}: this option was removed (it measured no gain, see "
+                "docs/configuration.md); delete it from the JSON to load the rest"
+            )
+    if said:
+        warnings.warn(f"{owner} from an older version: " + "; ".join(said), stacklevel=3)
+    return out

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .json_document import callable_from_json, callable_to_json, check_keys
+from autoq.json_document import callable_from_json, callable_to_json, check_keys, drop_removed
 
 __all__ = [
     "AUTO_PRECISIONS",
@@ -133,7 +133,9 @@ class Fallback:
 
 AUTO_RANKINGS = ("local", "revert")
 AUTO_PRECISIONS = ("fp32", "int16", "int16_tensors", "int16_first")
-AUTO_SHORTLISTS = ("sqnr", "effect")
+#: calibration samples the int16 searches' SQNR trials run on (the held-out ones never):
+#: all-MiniLM-L6-v2 with 12 instead of 4 changed one of 23 tensors at 2.3x the search time
+TRIAL_SAMPLES = 4
 AUTO_SEARCHES = ("greedy", "eliminate")
 
 
@@ -176,49 +178,21 @@ class AutoFallback(Fallback):
     ``metric`` the held-out check uses the output SQNR too (the metric decides the budget).
     ``precision="int16_tensors"``: no layer leaves int8; instead activation *tensors* the
     metric is most sensitive to go int16 (greedy by measured effect, at most
-    ``max_int16_fraction`` of them; :mod:`autoq.escalation`), written to
-    ``Config.int16_tensors``. ``recalibrate`` (int16_tensors only): after the search,
-    calibrate again (topologically) with the chosen tensors int16 and their int16 qparams
-    fixed, so the int8 tensors downstream of them and the weight tuning (GPTQ Hessians,
-    bias correction) see the int16 values; False (default): the int8 qparams of the
-    all-int8 calibration the search ran on are kept, i.e. the ones the search measured
-    (all-MiniLM-L6-v2, the same 23 tensors: NN@1 93.8% / cosine 0.9922 kept vs 84.4% /
-    0.9881 recalibrated: downstream of an int16 tensor the outliers it no longer clips
-    widen the mse-chosen int8 ranges).
+    ``max_int16_fraction`` of them; :mod:`autoq.fallback.escalation`), written to
+    ``Config.int16_tensors``.
     ``precision="int16_first"``: layer by layer in the ranking's order, a layer is tried
     with int16 activations first and in fp32 only when int16 does not raise the metric;
     each step is kept only if it raises the metric on the calibration samples and (with
     ``holdout``) the output SQNR on the held-out ones; ``max_fp32_layers`` then counts the
-    int16 and fp32 layers together (:mod:`autoq.int16_first`; ``ranking="revert"`` ranks by
-    the output SQNR with that one layer int16, on the first ``trial_samples`` calibration
-    samples).
-    ``trial_samples`` (``int16_tensors`` / ``int16_first`` with ``metric="sqnr"``): the
-    trials' output SQNR is measured on the first ``trial_samples`` calibration samples (0:
-    all of them; the held-out ones never). Default 4: all-MiniLM-L6-v2 (12 search sentences,
-    64 evaluation sentences) with 12 instead of 4 swaps one of 23 tensors: cosine 0.99223 ->
-    0.99271 but NN@1 60/64 -> 57/64 (near-ties), at 2.3x the search time
-    (benchmarks/results/transformer_int16.md, session 6).
-    ``swap_rounds`` (``int16_tensors`` only): after the greedy search, at most this many
-    rounds of one-in-one-out swaps of the chosen tensors, each kept only if it raises the
-    trial metric and the held-out output SQNR (interchange heuristic, Teitz and Bart 1968;
-    :mod:`autoq.escalation_swaps`); 0 (default): off.
-    ``first_tensors`` (``int16_tensors`` only): the first n escalable activation tensors in
-    topological order (the model input's quantize first, then the first layers' outputs)
-    join the search's shortlist whatever their own int8 SQNR (the "first layer in higher
-    precision" rule: an error at the stem reaches every later layer, while a wide, smooth
-    tensor can score a high own SQNR; PP-OCRv4 det's stem output: 34 dB, not among the 9
-    lowest). Each is then ranked and kept by its measured effect like any candidate; 0
-    (default): the shortlist is the lowest own SQNRs only.
-    ``shortlist`` (``int16_tensors`` only): how the search picks the tensors it measures:
-    ``"sqnr"`` (default): the 3 x budget with the lowest own int8 SQNR (free);
-    ``"effect"``: every escalable tensor tried alone int16 with the search's metric (one
-    trial each: as many trials as activation tensors), the 3 x budget that raise it most.
+    int16 and fp32 layers together (:mod:`autoq.fallback.int16_first`; ``ranking="revert"`` ranks by
+    the output SQNR with that one layer int16). The trials' output SQNR is measured on the first
+    :data:`TRIAL_SAMPLES` calibration samples (the held-out ones never).
     ``search`` (``int16_tensors`` only): ``"greedy"`` (default): the shortlist ranked once
     with all of it int16, tensors added in that order, the held-out samples keeping the best
     prefix; ``"eliminate"``: backward elimination from *every* escalable tensor int16, revert
     costs re-measured in rounds as the set shrinks to the budget, then tensors whose revert
     does not lower the held-out output SQNR (with the rest of the set int16) dropped one by
-    one (:mod:`autoq.escalation_elimination`; ``shortlist`` / ``first_tensors`` unused).
+    one (:mod:`autoq.fallback.escalation_elimination`).
     """
 
     metric: Any = "sqnr"
@@ -229,23 +203,13 @@ class AutoFallback(Fallback):
     precision: str = "fp32"
     holdout: int = 0
     max_int16_fraction: float = 0.2
-    recalibrate: bool = False
-    trial_samples: int = 4
-    swap_rounds: int = 0
-    first_tensors: int = 0
-    shortlist: str = "sqnr"
     search: str = "greedy"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("holdout", "trial_samples", "swap_rounds", "first_tensors"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"AutoFallback.{name} must be an int >= 0, got {v!r}")
-        if not isinstance(self.recalibrate, bool):
-            raise TypeError(
-                f"AutoFallback.recalibrate must be True or False, got {self.recalibrate!r}"
-            )
+        h = self.holdout
+        if not isinstance(h, int) or isinstance(h, bool) or h < 0:
+            raise ValueError(f"AutoFallback.holdout must be an int >= 0, got {h!r}")
         if not (self.metric == "sqnr" or callable(self.metric)):
             raise ValueError(
                 f"AutoFallback.metric must be 'sqnr' or a callable metric(run) -> float, got {self.metric!r}"
@@ -272,20 +236,15 @@ class AutoFallback(Fallback):
             raise ValueError(
                 f"AutoFallback.precision must be one of {', '.join(AUTO_PRECISIONS)}, got {self.precision!r}"
             )
-        if self.shortlist not in AUTO_SHORTLISTS:
-            raise ValueError(
-                f"AutoFallback.shortlist must be one of {', '.join(AUTO_SHORTLISTS)}, got {self.shortlist!r}"
-            )
         if self.search not in AUTO_SEARCHES:
             raise ValueError(
                 f"AutoFallback.search must be one of {', '.join(AUTO_SEARCHES)}, got {self.search!r}"
             )
-        for name, off in (("first_tensors", 0), ("shortlist", "sqnr"), ("search", "greedy")):
-            if getattr(self, name) != off and self.precision != "int16_tensors":
-                raise ValueError(
-                    f"AutoFallback.{name} shortlists activation tensors of the int16 "
-                    f"escalation: it needs precision='int16_tensors', got {self.precision!r}"
-                )
+        if self.search != "greedy" and self.precision != "int16_tensors":
+            raise ValueError(
+                f"AutoFallback.search chooses activation tensors of the int16 escalation: it "
+                f"needs precision='int16_tensors', got {self.precision!r}"
+            )
 
     def fixed(self) -> Fallback:
         """The user's fixed rules as a plain :class:`Fallback`."""
@@ -304,24 +263,29 @@ class AutoFallback(Fallback):
             precision=self.precision,
             holdout=self.holdout,
             max_int16_fraction=self.max_int16_fraction,
-            recalibrate=self.recalibrate,
-            trial_samples=self.trial_samples,
-            swap_rounds=self.swap_rounds,
-            first_tensors=self.first_tensors,
-            shortlist=self.shortlist,
             search=self.search,
         )
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> AutoFallback:
+        d = drop_removed("AutoFallback", dict(d), REMOVED_AUTOFALLBACK)
         check_keys(cls, d)
-        d = dict(d)
         m = d.get("metric", "sqnr")
         if isinstance(m, str) and m != "sqnr":
             d["metric"] = callable_from_json(m, "AutoFallback.metric")
         return cls(**d)
 
+
+#: AutoFallback fields that were removed (measured no gain): old JSON with one at its
+#: old default loads with a warning, with another value it is refused (see drop_removed)
+REMOVED_AUTOFALLBACK = {
+    "recalibrate": (False, None),
+    "trial_samples": (4, None),
+    "swap_rounds": (0, None),
+    "first_tensors": (0, None),
+    "shortlist": ("sqnr", None),
+}
 
 #: Fallback kinds that ``Config.from_json`` knows.
 FALLBACK_TYPES: dict[str, Any] = {"Fallback": Fallback, "AutoFallback": AutoFallback}

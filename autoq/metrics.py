@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import primitives as P
-from .qparams import QParam
+from autoq import primitives as P
+from autoq.qparams import QParam
 
 __all__ = ["ErrorStats", "fake_quant", "output_sums", "sqnr_db", "sqnr_of_sums"]
 

@@ -3,27 +3,24 @@ the demo, the benchmarks) runs :class:`Quantizer`.
 
 ``Quantizer(config).run(mod, params, dataset)`` does, in order:
 
-0. with ``Config.equalization``, **equalize** the float model's convolution chains
-   (:mod:`autoq.cross_layer_equalization`; what was equalized and skipped is in
-   ``QuantizeResult.equalization``);
-1. **match** the patterns once (:func:`autoq.matching.match`); every later stage reuses it;
+1. **match** the patterns once (:func:`autoq.ir.matching.match`); every later stage reuses it;
    a NaN/Inf weight is an error naming it (:func:`check_weights`);
 2. read the **dataset** once into one validated, repeatable view
    (:func:`autoq.dataset.as_dataset`) that every stage iterates (integer inputs checked
    against the tables they index);
 3. with ``Config.smooth_quant``, **SmoothQuant** rewrites the float model (LayerNorm output
-   outliers into the dense weights, exact; :mod:`autoq.smooth_quant`) and it is matched again;
+   outliers into the dense weights, exact; :mod:`autoq.accuracy.smooth_quant`) and it is matched again;
 4. the **unbounded-activation guard** (``Config.skip_unbounded``): layers touching attention
-   masks of ``finfo.min`` stay fp32, with a warning (:mod:`autoq.guard`);
-5. **calibrate** (:mod:`autoq.calibrate`), or with ``Config(fallback=AutoFallback(...))``
-   calibrate + analyze + search (:mod:`autoq.auto_fallback`); while a chosen activation
-   scale cannot represent its own data (``Config.check_scales``, :mod:`autoq.scale_health`)
+   masks of ``finfo.min`` stay fp32, with a warning (:mod:`autoq.fallback.guard`);
+5. **calibrate** (:mod:`autoq.calibration`), or with ``Config(fallback=AutoFallback(...))``
+   calibrate + analyze + search (:mod:`autoq.fallback.auto_fallback`); while a chosen activation
+   scale cannot represent its own data (``Config.check_scales``, :mod:`autoq.calibration.scale_health`)
    the layers using it move to fp32, with a warning, and calibration runs again;
-6. **realize** the int8 module (:mod:`autoq.realize`);
-7. optionally the per-layer **report** (:mod:`autoq.analysis`).
+6. **realize** the int8 module (:mod:`autoq.realization`);
+7. optionally the per-layer **report** (:mod:`autoq.fallback.analysis`).
 
 With ``Config(activation=QuantSpec(dynamic=True))`` steps 2-5 and 7 do not run: the dense
-layers are realized with run-time activation qparams (:mod:`autoq.dynamic`), no dataset.
+layers are realized with run-time activation qparams (:mod:`autoq.realization.dynamic`), no dataset.
 
 It returns a :class:`QuantizeResult`: the module, the qparams, the fallback decision, the
 per-stage timings and every warning raised on the way.
@@ -40,10 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import tvm
 
-from .analysis import Analysis
-from .auto_fallback import FallbackDecision, auto_fallback, split_holdout
-from .build import default_target
-from .calibrate import (
+from autoq.accuracy.smooth_quant import find_smoothable, smooth_graph
+from autoq.calibration import (
     calibrate,
     cut_slots,
     feed_observers,
@@ -51,29 +46,31 @@ from .calibrate import (
     samples_for,
     scale_problems,
 )
-from .config import AutoFallback, Config
-from .cross_layer_equalization import EqualizationReport, equalize_layers
-from .dataset import is_shard_source
-from .distributed import (
+from autoq.calibration.scale_health import HealthCheck
+from autoq.config import AutoFallback, Config, Distributed, Resources
+from autoq.dataset import is_shard_source
+from autoq.distributed import (
     AnalysisFanOut,
     calibrate_distributed,
     head_samples,
     open_client,
     report_distributed,
 )
-from .dynamic import realize_dynamic
-from .errors import CalibrationError, InputError, SmoothQuantSkipped
-from .escalation import escalate
-from .guard import keep_unbounded_in_fp32, layers_using
-from .int16_first import int16_first
-from .matching import Matched, match
-from .qparams import QParams
-from .realize import realize
-from .report import Report
-from .scale_health import HealthCheck
-from .simulate import simulate
-from .smooth_quant import find_smoothable, smooth_graph
-from .token_mask import mask_shape
+from autoq.errors import CalibrationError, InputError, SmoothQuantSkipped
+from autoq.fallback.analysis import Analysis
+from autoq.fallback.auto_fallback import FallbackDecision, auto_fallback, split_holdout
+from autoq.fallback.escalation import escalate
+from autoq.fallback.guard import keep_unbounded_in_fp32, layers_using
+from autoq.fallback.int16_first import int16_first
+from autoq.fallback.report import Report
+from autoq.ir.matching import Matched, match
+from autoq.ir.target import default_target
+from autoq.qparams import QParams
+from autoq.realization import realize
+from autoq.realization.dynamic import realize_dynamic
+from autoq.recipes import resolve
+from autoq.simulation import simulate
+from autoq.threads import use_machine_cores
 
 __all__ = ["QuantizeResult", "Quantizer", "check_scales", "quantize"]
 
@@ -88,8 +85,8 @@ class QuantizeResult:
     ``module``: the int8 IRModule (``main`` takes the model inputs; the qparams, the
     fallback decision and the unbounded layers are attached as ``attrs``). ``config``: the
     configuration that was realized (an ``AutoFallback`` replaced by the plain fallback it
-    chose). ``matched``: the float model that was realized, after the exact rewrites
-    (``Config.equalization``, ``Config.smooth_quant``): simulate *it* with ``config``
+    chose). ``matched``: the float model that was realized, after the exact rewrite of
+    ``Config.smooth_quant``: simulate *it* with ``config``
     (``simulate(result.matched, None, result.config)``), not the input model.
     ``fp32_layers``: every layer left in fp32, with why. ``report``: the per-layer analysis
     when asked for (``Quantizer(report=True)``) or made by the automatic fallback.
@@ -108,31 +105,44 @@ class QuantizeResult:
     samples: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    #: what ``Config.equalization`` rescaled and skipped (None when it is off)
-    equalization: EqualizationReport | None = None
     #: the LayerNorms ``Config.smooth_quant`` rewrote (empty: nothing applied)
     smoothed: tuple[str, ...] = ()
-    #: each smoothed LayerNorm's migration strength (``Config.smooth_quant``, or the one
-    #: ``Config.smooth_quant_alphas`` chose for it: :mod:`autoq.smooth_alpha`)
-    smooth_alphas: dict = field(default_factory=dict)
+    #: (the recipe used, why): ``("transformer", "the model has a LayerNorm")``
+    recipe: tuple[str, str] = ("", "")
 
 
 class Quantizer:
     """simulate -> calibrate -> realize with the guard, the automatic fallback and the
-    report (see the module docstring). ``target``: where calibration runs (default: this
-    CPU). ``report``: also run the per-layer analysis on the calibration data.
-    ``cluster``: calibrate on a Dask cluster (a ``dask.distributed.Client`` or a scheduler
-    address; see :mod:`autoq.distributed`), like ``Config(distributed=...)``."""
+    report (see the module docstring). ``config``: the quantization choices (default:
+    ``Config()``, the recipe the model's structure calls for). ``target``: where calibration
+    runs (default: this CPU). ``report``: also run the per-layer analysis on the calibration
+    data. ``cluster``: calibrate on a Dask cluster (a ``dask.distributed.Client`` or a
+    scheduler address; see :mod:`autoq.distributed`), like ``distributed=``.
+    ``memory_budget_mb``, ``cache_dir``, ``progress``, ``distributed``: what the run may use
+    (:class:`autoq.config.Resources`); they never change the result."""
 
     def __init__(
-        self, config: Config | None = None, *, target=None, report: bool = False, cluster=None
+        self,
+        config: Config | None = None,
+        *,
+        target=None,
+        report: bool = False,
+        cluster=None,
+        memory_budget_mb: float = 1024.0,
+        cache_dir: str | None = None,
+        progress: bool | None = None,
+        distributed: Distributed | None = None,
     ):
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be an autoq.Config or None, got {type(config).__name__}")
         self.config = config or Config()
+        self.resources = Resources(memory_budget_mb, cache_dir, progress, distributed)
         self.target = target or default_target()
         self.want_report = report
         self.cluster = cluster
 
     def run(self, mod: tvm.IRModule, params: dict | None, dataset) -> QuantizeResult:
+        use_machine_cores()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             result = self._run(mod, params, dataset)
@@ -143,21 +153,22 @@ class Quantizer:
 
     def _client(self):
         """A Dask client for a distributed calibration, or a null context (in-process)."""
-        if self.cluster is None and self.config.distributed is None:
+        if self.cluster is None and self.resources.distributed is None:
             return contextlib.nullcontext()
-        return open_client(self.config.distributed, self.cluster)
+        return open_client(self.resources.distributed, self.cluster)
 
-    @staticmethod
-    def _fan_out(client, mod, params, samples):
+    def _fan_out(self, client, mod, params, samples):
         """The analysis and fallback trials on the workers, or None (in-process)."""
         if client is None:
             return contextlib.nullcontext()
-        return AnalysisFanOut(client, mod, params, samples)
+        return AnalysisFanOut(client, mod, params, samples, resources=self.resources)
 
     def _calibrate(self, sim, samples, config: Config, client) -> QParams:
         if client is None:
-            return calibrate(sim, None, samples, config, target=self.target)
-        return calibrate_distributed(sim, samples, config, self.target, client)
+            return calibrate(
+                sim, None, samples, config, target=self.target, resources=self.resources
+            )
+        return calibrate_distributed(sim, samples, config, self.target, client, self.resources)
 
     def _data(self, dataset, graph, distributed: bool):
         """The validated dataset (integer inputs checked against the tables they index), or
@@ -167,7 +178,7 @@ class Quantizer:
         if not distributed:
             raise ValueError(
                 f"the dataset {dataset.describe()} is read by the workers of a distributed "
-                "calibration: give Config(distributed=Distributed(...)) or cluster=..."
+                "calibration: give Quantizer(distributed=Distributed(...)) or cluster=..."
             )
         fb = self.config.fallback
         if isinstance(fb, AutoFallback):  # what runs on the workers: SQNR trials, the report
@@ -186,37 +197,28 @@ class Quantizer:
         return dataset
 
     def _run(self, mod, params, dataset) -> QuantizeResult:
-        equalized, t0 = None, time.perf_counter()
-        if self.config.equalization:
-            mod, new_params, equalized = equalize_layers(mod, params)
-            params = None if params is None else new_params
-        seconds = time.perf_counter() - t0
-        if self.config.activation.dynamic:
-            result = self._run_dynamic(mod, params)
+        config, why = resolve(self.config, mod, params)
+        if config.activation.dynamic:
+            result = self._run_dynamic(mod, params, config)
         else:
             with self._client() as client:
-                result = self._run_on(mod, params, dataset, client)
-        if equalized is not None:
-            result.equalization = equalized
-            result.timings["equalize"] = seconds
+                result = self._run_on(mod, params, dataset, client, config)
+        result.recipe = (config.recipe, why)
         return result
 
-    def _run_on(self, mod, params, dataset, client) -> QuantizeResult:
+    def _run_on(self, mod, params, dataset, client, config: Config) -> QuantizeResult:
         timings: dict[str, float] = {}
         clock = _Clock(timings)
-        config = self.config
         with clock("match"):
             matched = match(mod, params, config)
             check_weights(matched.graph.params)
-            if config.token_mask is not None:  # the mask input named exists, (batch, seq)
-                mask_shape(config.token_mask, matched.graph.inputs)
+
             matched.active(config.fallback)  # fallback rules checked before any data work
             samples = self._data(dataset, matched.graph, client is not None)
-        model, smoothed, alphas = (mod, params), (), {}  # the float model realized
+        model, smoothed = (mod, params), ()  # the float model realized
         if config.smooth_quant is not None:
             with clock("smooth_quant"):
-                matched, model, alphas = self._smooth(matched, model, samples, config)
-                smoothed = tuple(alphas)
+                matched, model, smoothed = self._smooth(matched, model, samples, config)
         reasons = {x: "fallback rule" for x in matched.kept_float(config.fallback)}
         sim = None
         if config.skip_unbounded:
@@ -267,24 +269,25 @@ class Quantizer:
                 if client is None:
                     report = analysis.report()
                 else:  # the samples' work on the workers, the same report
-                    report = report_distributed(analysis, *model, samples, client)
+                    report = report_distributed(
+                        analysis, *model, samples, client, resources=self.resources
+                    )
         module = _attach(module, qparams, decision, [k for k, v in reasons.items() if "guard" in v])
         int8 = [m.layer for m in matched.active(config.fallback)]
         return QuantizeResult(
             module, qparams, config, matched, int8, reasons, decision, report, analysis,
             samples=qparams.meta.get("samples") or 0, timings=timings, smoothed=smoothed,
-            smooth_alphas=alphas,
         )  # fmt: skip
 
     def _smooth(self, matched, model, samples, config: Config):
-        """SmoothQuant on the float model (:mod:`autoq.smooth_quant`), matched again:
-        ``(matched, (mod, params), {smoothed LayerNorm: alpha})`` of the rewritten model (what
+        """SmoothQuant on the float model (:mod:`autoq.accuracy.smooth_quant`), matched again:
+        ``(matched, (mod, params), smoothed LayerNorms)`` of the rewritten model (what
         the workers of a cluster and every later stage quantize). Unchanged, silently, when
         no LayerNorm feeds a dense layer (a CNN); unchanged with a
         :class:`autoq.errors.SmoothQuantSkipped` warning when the samples are read only by a
         cluster's workers (the channel maxima are measured in this process)."""
         if not find_smoothable(matched.graph):
-            return matched, model, {}
+            return matched, model, ()
         if is_shard_source(samples):
             warnings.warn(
                 SmoothQuantSkipped(
@@ -294,19 +297,15 @@ class Quantizer:
                 ),
                 stacklevel=4,
             )
-            return matched, model, {}
+            return matched, model, ()
         if isinstance(config.fallback, AutoFallback):  # held-out samples stay unseen
             samples, _ = split_holdout(samples, config.fallback.holdout)
-        mod, params, plans = smooth_graph(
-            matched.graph, samples, config.smooth_quant, self.target, config.token_mask,
-            config.smooth_quant_alphas, (config.activation, config.weight),
-        )  # fmt: skip
-        alphas = {p.ln.name: p.alpha for p in plans}
-        return match(mod, params, config), (mod, params), alphas
+        mod, params, plans = smooth_graph(matched.graph, samples, config.smooth_quant, self.target)
+        return match(mod, params, config), (mod, params), tuple(p.ln.name for p in plans)
 
     def _calibrate_healthy(self, matched, sim, samples, config, client):
         """Calibrate; while some chosen activation scale is unusable on its own data (see
-        :mod:`autoq.scale_health`), keep the layers reading or writing it in fp32 (with a
+        :mod:`autoq.calibration.scale_health`), keep the layers reading or writing it in fp32 (with a
         warning naming them) and calibrate again. Returns (config, qparams, those layers)."""
         moved: list[str] = []
         while True:
@@ -334,17 +333,17 @@ class Quantizer:
             moved += layers
             sim = None
 
-    def _run_dynamic(self, mod, params) -> QuantizeResult:
-        """Dynamic activations (:mod:`autoq.dynamic`): match and realize, no data."""
+    def _run_dynamic(self, mod, params, config: Config) -> QuantizeResult:
+        """Dynamic activations (:mod:`autoq.realization.dynamic`): match and realize, no data."""
         timings: dict[str, float] = {}
         clock = _Clock(timings)
         with clock("match"):
-            matched = match(mod, params, self.config)
+            matched = match(mod, params, config)
         with clock("realize"):
-            module, qparams, reasons = realize_dynamic(matched, self.config)
+            module, qparams, reasons = realize_dynamic(matched, config)
         module = _attach(module, qparams, None, [])
         int8 = [m for m in matched.layers if m not in reasons]
-        return QuantizeResult(module, qparams, self.config, matched, int8, reasons, timings=timings)
+        return QuantizeResult(module, qparams, config, matched, int8, reasons, timings=timings)
 
 
 def _widen_bad_slots(config: Config, bad: dict) -> Config | None:
@@ -427,11 +426,11 @@ def check_scales(
     """Refuse qparams (a hand-edited or loaded file) whose activation scales cannot represent
     ``dataset``: :class:`autoq.errors.CalibrationError` naming every such slot, with the
     fraction of its fp32 values that round to the zero point or fall outside the grid (see
-    :mod:`autoq.scale_health`). ``mod``: the float model the qparams were calibrated on;
+    :mod:`autoq.calibration.scale_health`). ``mod``: the float model the qparams were calibrated on;
     with SmoothQuant that is the rewritten one, ``QuantizeResult.matched`` (an input model
     with LayerNorms SmoothQuant rewrites is an :class:`autoq.errors.InputError`)."""
-    config = config or Config()
-    matched = mod if isinstance(mod, Matched) else match(mod, params, config)
+    matched = mod if isinstance(mod, Matched) else match(mod, params, config or Config())
+    config = resolve(config, matched.graph)[0]
     if matched is not mod and config.smooth_quant is not None and find_smoothable(matched.graph):
         raise InputError(
             "check_scales: Config.smooth_quant rewrites this model's LayerNorms before "
@@ -462,6 +461,7 @@ def quantize(
     config: Config | None = None,
     target=None,
     cluster=None,
+    **resources,
 ) -> tvm.IRModule:
     """Quantize an fp32 Relax module with a representative dataset: the int8 module of
     ``Quantizer(config, target=target).run(mod, params, dataset)``.
@@ -469,12 +469,15 @@ def quantize(
     ``params``: weight arrays by function-parameter name (None when the weights are bound as
     constants). ``dataset``: an iterable of ``{input_name: array}`` dicts, or of arrays for a
     single-input model (read once); None with dynamic activations (``Config(activation=
-    QuantSpec(dynamic=True))``, see :mod:`autoq.dynamic`). Returns the int8 module (``main`` takes only the model
+    QuantSpec(dynamic=True))``, see :mod:`autoq.realization.dynamic`). Returns the int8 module (``main`` takes only the model
     inputs); the calibration result is attached as ``result.attrs["autoq.qparams"]`` (JSON
     text), an automatic fallback decision as ``result.attrs["autoq.fallback"]`` (load it with
     ``autoq.FallbackDecision.loads``) and the layers the unbounded-activation guard kept in
     fp32 as ``result.attrs["autoq.skipped_unbounded"]``. ``cluster``: calibrate on a Dask
     cluster (a ``dask.distributed.Client`` or a scheduler address, see
     :mod:`autoq.distributed`; ``dataset`` may then be a shard source the workers read).
+    ``resources``: ``memory_budget_mb``, ``cache_dir``, ``progress``, ``distributed`` (see
+    :class:`Quantizer`).
     """
-    return Quantizer(config, target=target, cluster=cluster).run(mod, params, dataset).module
+    quantizer = Quantizer(config, target=target, cluster=cluster, **resources)
+    return quantizer.run(mod, params, dataset).module

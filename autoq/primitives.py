@@ -515,7 +515,7 @@ def elementwise(
     ``out_zp + round((lhs - zl) * (rhs - zr) * ma / 2**shift)`` (multiply), one rounding with
     the mode's tie rule (``tflite_single``: up), with multipliers from
     :func:`elementwise_multipliers`. ``tflite`` follows TFLite's kernel instead:
-    :func:`autoq.tflite_arith.elementwise`.
+    :func:`autoq.qnn.tflite_arith.elementwise`.
 
     0.5 * (3 - 1) + 0.25 * (2 - 0) = 1.5 at output scale 1.0 is a tie:
 
@@ -529,7 +529,7 @@ def elementwise(
     if rounding not in ROUNDING_MODES or rounding == "tflite":
         raise ValueError(
             f"unknown rounding mode {rounding!r} here: expected float, half_even, half_away, "
-            "half_up or tflite_single (ties up); tflite: autoq.tflite_arith.elementwise"
+            "half_up or tflite_single (ties up); tflite: autoq.qnn.tflite_arith.elementwise"
         )
     fn = _ELEMENTWISE[kind]
     if rounding == "float":

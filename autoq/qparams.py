@@ -9,7 +9,7 @@ can be saved, edited by hand, and realized many times.
 ``QParams.values`` optionally carries *integer tensors fixed by the source* (a pre-quantized
 file, see :func:`autoq.import_quantized`): ``<layer>.weight`` -> the int8/uint8 weight and
 ``<layer>.bias`` -> the int32 bias, both in the layout of the tensor in the fp32 graph.
-:func:`autoq.realize` uses them as they are instead of quantizing the float weights (a
+:func:`autoq.realization` uses them as they are instead of quantizing the float weights (a
 calibration result has none). They are written to JSON as base64 of the little-endian bytes,
 so the round trip stays exact.
 """
@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from . import primitives as P
-from .errors import QParamsError
-from .json_document import JsonDocument
+from autoq import primitives as P
+from autoq.errors import QParamsError
+from autoq.json_document import JsonDocument
 
 __all__ = ["QParam", "QParams", "SlotInfo", "load_qparams"]
 

@@ -1,11 +1,14 @@
 """TVM's CPU thread pools: how many threads autoq's kernels run on.
 
-TVM gives every calling thread its own pool, sized once from ``TVM_NUM_THREADS`` or, without
-it, from half the logical CPUs on x86 (it assumes two SMT threads per core). On machines
-without SMT that halves the cores a model runs on (one thread on a 2-vCPU machine), so
-``import autoq`` sets ``TVM_NUM_THREADS`` to the machine's physical cores when the user has
-not set it (:func:`use_machine_cores`); it takes effect for every pool TVM creates after
-the import. :func:`set_threads` resizes the calling thread's pool within that size.
+TVM gives every calling thread its own pool, sized once, when the thread first runs a
+kernel, from ``TVM_NUM_THREADS`` or, without it, from half the logical CPUs on x86 (it
+assumes two SMT threads per core). On machines without SMT that halves the cores a model
+runs on (one thread on a 2-vCPU machine). So when autoq compiles, loads or calibrates a
+model it first gives the calling thread a pool of the machine's physical cores
+(:func:`use_machine_cores`; ``TVM_NUM_THREADS`` set by the user wins), setting
+``TVM_NUM_THREADS`` only for the moment the pool is created: importing autoq changes
+nothing, and the environment is the same after the call. :func:`set_threads` resizes the
+calling thread's pool within that size.
 
 Resizing a pool to one thread makes TVM pin the calling thread to the first CPU
 (measured, TVM 0.27: with ``TVM_NUM_THREADS=1``, ``set_threads(1)`` left the thread on CPU 0
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from pathlib import Path
 
 import tvm
@@ -50,9 +54,25 @@ def physical_cores(sys_cpu: Path = Path("/sys/devices/system/cpu")) -> int:
     return len(cores) or len(cpus) or os.cpu_count() or 1
 
 
+_pool_made = threading.local()
+
+
 def use_machine_cores() -> None:
-    """``TVM_NUM_THREADS`` = the physical cores, unless the environment sets it already."""
-    os.environ.setdefault("TVM_NUM_THREADS", str(physical_cores()))
+    """Give the calling thread's TVM pool the physical cores (or ``TVM_NUM_THREADS`` when
+    the environment sets it), if this thread has no pool yet; the environment is left as
+    it was. A no-op after the first call in a thread."""
+    if getattr(_pool_made, "done", False):
+        return
+    _pool_made.done = True
+    name = "TVM_NUM_THREADS"
+    if name in os.environ:
+        pool_threads()
+        return
+    os.environ[name] = str(physical_cores())
+    try:
+        pool_threads()  # the pool is sized now, from the variable
+    finally:
+        os.environ.pop(name, None)
 
 
 @contextlib.contextmanager
@@ -101,6 +121,7 @@ def set_threads(n: int) -> None:
     """
     if int(n) < 1:
         raise ValueError(f"set_threads: n must be >= 1 thread, got {n}")
+    use_machine_cores()
     configure_pool(n)
     got = pool_threads()
     if got != int(n):

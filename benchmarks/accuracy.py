@@ -331,7 +331,7 @@ def baseline_configs() -> dict[str, tuple[object, str]]:
             "defaults + empirical bias correction",
         ),
         # the last 8 calibration samples held out: each layer's correction kept only if it
-        # lowers the layer's (post-activation) output error on them (autoq.bias_gate)
+        # lowers the layer's (post-activation) output error on them (autoq.accuracy.bias_gate)
         "default+ebc_gated": (
             base.replace(empirical_bias_correction=True, bias_correction_holdout=8),
             "defaults + empirical bias correction, held-out gate (8 of the samples)",
@@ -372,7 +372,7 @@ def baseline_configs() -> dict[str, tuple[object, str]]:
             "defaults + AutoFallback: <= 3 layers int16 (else fp32), 8 held out",
         ),
         # per layer: int16 activations first, fp32 only when int16 does not help; ranked by
-        # each layer's effect on the output (autoq.int16_first)
+        # each layer's effect on the output (autoq.fallback.int16_first)
         "fallback3_int16first": (
             base.replace(
                 fallback=autoq.AutoFallback(
@@ -394,7 +394,7 @@ def weight_only_row(
     """The float model with int8 weights (``rounding(name, w, groups) -> ints``, default
     round-to-nearest; ``scales``: weight name -> per-channel scales, default the max
     calibrator's); activations stay fp32 (ONNX Runtime)."""
-    from autoq.gptq import rtn
+    from autoq.accuracy.gptq import rtn
 
     t0 = time.perf_counter()
     arrays = {}

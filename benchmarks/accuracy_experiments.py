@@ -1,9 +1,9 @@
 """Offline experiments for the accuracy primitives on EfficientNet-Lite0 (issue 16), before
 they are wired into the pipeline. Numbers, not assertions.
 
-* **GPTQ / scale search / bias correction** (:mod:`autoq.gptq`, :mod:`autoq.scale_search`,
-  :mod:`autoq.bias_correction`): each Conv/Gemm's input is captured in fp32 with ONNX
-  Runtime on the calibration crops and streamed into :class:`autoq.hessian.Hessian`. The
+* **GPTQ / scale search / bias correction** (:mod:`autoq.accuracy.gptq`, :mod:`autoq.scale_search`,
+  :mod:`autoq.accuracy.bias_correction`): each Conv/Gemm's input is captured in fp32 with ONNX
+  Runtime on the calibration crops and streamed into :class:`autoq.accuracy.hessian.Hessian`. The
   integer weights (and int32 biases) then go into ``QParams.values`` of one default autoq
   calibration and are realized; the scales (searched or max) replace the weight slots'.
   Also as weight-only rows (float model with the int8 weights, activations fp32).
@@ -48,7 +48,7 @@ class OnnxLayer:
 def onnx_layers(model) -> list[OnnxLayer]:
     import onnx
 
-    from autoq.hessian import ConvGeometry
+    from autoq.accuracy.hessian import ConvGeometry
 
     inits = {i.name for i in model.graph.initializer}
     out = []
@@ -89,7 +89,7 @@ def capture(path, tensors: list[str], samples):
 
 
 def hessians(path, layers: list[OnnxLayer], calib, max_rows: int | None = None):
-    from autoq.hessian import Hessian
+    from autoq.accuracy.hessian import Hessian
 
     inits = A.conv_weights(path)
     hs = {}
@@ -109,7 +109,7 @@ def hessians(path, layers: list[OnnxLayer], calib, max_rows: int | None = None):
 def round_layer(w, groups, h, scale, method: str):
     """OIHW/(out,in) int weights by ``rtn`` or ``gptq``/``gptq_act`` (RTN when H is too
     poorly sampled)."""
-    from autoq.gptq import gptq, rtn
+    from autoq.accuracy.gptq import gptq, rtn
 
     wf = w.reshape(groups, w.shape[0] // groups, -1)
     if method == "rtn" or h.rows < MIN_ROWS_PER_COLUMN * wf.shape[2]:
@@ -158,7 +158,7 @@ def bias_corrected(path, layers, hs, ints, input_scales) -> dict[str, np.ndarray
     """int32 biases that cancel the mean output shift of the integer weights (fp32 inputs:
     ``(W - W~) E[patch]``, DFQ's bias correction with an empirical input mean)."""
     from autoq import primitives as P
-    from autoq.bias_correction import correct_bias
+    from autoq.accuracy.bias_correction import correct_bias
 
     ws = A.conv_weights(path)
     biases = dict(A.initializers(path))
@@ -183,7 +183,7 @@ def bias_corrected(path, layers, hs, ints, input_scales) -> dict[str, np.ndarray
 def _keep_widened(q, s, calibrated, w):
     """Channels whose scale calibration widened (dead filters with a large bias, see
     ``calibrate.fit_bias_scales``) keep that scale, rounded to nearest."""
-    from autoq.gptq import rtn
+    from autoq.accuracy.gptq import rtn
 
     wide = calibrated > A.max_scales(w) * np.float32(1.000001)
     if not np.any(wide):
@@ -198,7 +198,7 @@ def int8_rows(info, mod, params, calib, evals, ref, layers, hs, variants, timing
     """One default calibration; each variant's ints (and scales) realized in it."""
     import autoq
     from autoq.qparams import QParam, QParams
-    from autoq.registry import slot_id_of
+    from autoq.ir.registry import slot_id_of
 
     cfg = autoq.Config(progress=False)
     t0 = time.perf_counter()

@@ -56,7 +56,7 @@ def structure(qmod, target, options: dict) -> dict[str, int]:
     import tvm
 
     from autoq.cpu.lowering import lower_to_cpu_kernels
-    from autoq.toolkit import bindings, is_call, shape_of
+    from autoq.ir.toolkit import bindings, is_call, shape_of
 
     lowered = lower_to_cpu_kernels(qmod, tvm.target.Target(target), **options)
     calls = [e for _, e in bindings(lowered["main"]) if is_call(e, "relax.call_tir")]

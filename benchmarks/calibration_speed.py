@@ -43,7 +43,7 @@ def autoq_calibration(
     import autoq
     from autoq import frontends
 
-    cal = importlib.import_module("autoq.calibrate")
+    cal = importlib.import_module("autoq.calibration")
     original = cal.__dict__.setdefault("original_pipeline", cal.calibration_pipeline)
     cal.calibration_pipeline = original if loop_schedule else (lambda target: None)
 

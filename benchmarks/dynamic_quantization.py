@@ -4,11 +4,11 @@ Rows (fidelity against ONNX Runtime fp32 with graph optimizations off, on held-o
 pydoc sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime.py):
 
 * autoq static (default config, mse calibrator) **without** the finfo.min mask rewrite: the
-  guard keeps the mask adds in fp32 (what autoq did before autoq.attention_mask). The
+  guard keeps the mask adds in fp32 (what autoq did before autoq.ir.attention_mask). The
   rewrite is a canonicalization rule; this row runs with its rows removed from
-  ``autoq.canonicalize.RULES`` (benchmark only);
+  ``autoq.ir.canonicalize.RULES`` (benchmark only);
 * autoq static with the mask rewrite at each ``--mask-values`` (the library default is
-  ``autoq.attention_mask.MASK_VALUE``);
+  ``autoq.ir.attention_mask.MASK_VALUE``);
 * autoq dynamic, ``granularity="tensor"`` and ``"token"`` (no calibration data);
 * ONNX Runtime ``quantize_dynamic`` (its defaults: MatMul/Gemm/Attention..., uint8
   activations, int8 weights per tensor) and with ``per_channel=True``, in the same run.
@@ -40,8 +40,8 @@ HEADERS = ["runtime", "NN@1", "cos mean", "cos min", "fp32 layers", "quantize s"
 @contextlib.contextmanager
 def mask_rewrite(value: float | None):
     """The attention-mask rows of the canonicalization table off (None) or at ``value``."""
-    import autoq.attention_mask as am
-    import autoq.canonicalize as canon
+    import autoq.ir.attention_mask as am
+    import autoq.ir.canonicalize as canon
 
     saved_rules, saved_value = list(canon.RULES), am.MASK_VALUE
     try:
@@ -94,7 +94,7 @@ def configs(args):
         rows.append((f"autoq static, mask rewrite {v:g}", base, True, v))
     for gran in ("tensor", "token"):
         dyn = Config(activation=QuantSpec(dynamic=True, granularity=gran), progress=False)
-        rows.append((f"autoq dynamic ({gran})", dyn, False, autoq.attention_mask.MASK_VALUE))
+        rows.append((f"autoq dynamic ({gran})", dyn, False, autoq.ir.attention_mask.MASK_VALUE))
     return rows
 
 

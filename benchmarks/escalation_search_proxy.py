@@ -3,9 +3,9 @@
 The issue-16 all-integer configuration (dense layers dynamic per token + GPTQ, the rest static
 int8, ``rounding="half_even"``, ``residual_per_channel``) is calibrated once by the pipeline
 (16 sentences, the last ``--holdout`` held out, as ``AutoFallback`` does); its
-:class:`autoq.escalation.EscalationGraph` is compiled once; then each search variant
+:class:`autoq.fallback.escalation.EscalationGraph` is compiled once; then each search variant
 (``--variants``: ``AutoFallback`` fields, e.g. ``search=eliminate,trial_samples=0``) runs
-:func:`autoq.escalation.escalate_search` on it, and its chosen tensors are scored on the eval
+:func:`autoq.fallback.escalation.escalate_search` on it, and its chosen tensors are scored on the eval
 set and two disjoint 64-sentence sets with the switched graph (the simulated graph the realized
 module is checked against: realized cos within 0.00004 of it, session 10). No variant is
 chosen on these sets: they only report; a fourth disjoint 64-sentence set (``--select-from``,
@@ -44,8 +44,8 @@ def calibrated_graph(info, config, calib, per_channel=(False,)):
     import autoq
     import autoq.pipeline as pipeline
     from autoq import frontends
-    from autoq.escalation import EscalationGraph, search_setup
-    from autoq.simulate import simulate
+    from autoq.fallback.escalation import EscalationGraph, search_setup
+    from autoq.simulation import simulate
 
     seen = {}
 
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
 
 def run_variants(eg, fb, held, variants: str, sets) -> None:
     """Each search variant on ``eg``, its tensors scored on ``sets``."""
-    from autoq.escalation import escalate_search
+    from autoq.fallback.escalation import escalate_search
 
     def score(tensors, label):
         cells = []

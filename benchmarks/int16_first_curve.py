@@ -1,5 +1,5 @@
 """Fidelity vs the number of layers above int8 for ``AutoFallback(precision="int16_first")``
-(:mod:`autoq.int16_first`: each ranked layer int16 first, fp32 only if int16 does not help,
+(:mod:`autoq.fallback.int16_first`: each ranked layer int16 first, fp32 only if int16 does not help,
 each step kept only if it raises the held-out output SQNR).
 
 One calibration (autoq's defaults) on ``--calib`` samples minus ``--holdout`` held out, one
@@ -7,7 +7,7 @@ compiled switched graph, one search with ``--max-layers``; then for every step t
 kept, the task agreement and cosine on the disjoint ``--eval`` samples against the fp32 model
 in ONNX Runtime (``common.fidelity``: IoU@0.3 of the text maps for the detector), from the
 switched graph; the last step with at most ``--budget`` layers is also realized
-(``autoq.realize``) and measured the same way. Numbers only, no assertions.
+(``autoq.realization``) and measured the same way. Numbers only, no assertions.
 
     python benchmarks/int16_first_curve.py --model ppocr_det --calib 40 --holdout 8 --eval 32
 """
@@ -43,10 +43,10 @@ def main(argv=None) -> None:
     )
     args = ap.parse_args(argv)
     import autoq
-    from autoq.calibrate import calibrate
-    from autoq.escalation import EscalationGraph
-    from autoq.int16_first import apply_decision, int16_first_search
-    from autoq.simulate import simulate
+    from autoq.calibration import calibrate
+    from autoq.fallback.escalation import EscalationGraph
+    from autoq.fallback.int16_first import apply_decision, int16_first_search
+    from autoq.simulation import simulate
 
     print(common.machine_summary(), flush=True)
     info = common.find_model(args.model, det_size=args.det_size)
@@ -102,7 +102,7 @@ def main(argv=None) -> None:
 
 
 def layer_slots(eg):
-    from autoq.int16_first import layer_int16_slots
+    from autoq.fallback.int16_first import layer_int16_slots
 
     return layer_int16_slots(eg)
 

@@ -7,7 +7,7 @@ evaluation set:
 
 * fidelity against the fp32 model in ONNX Runtime (graph optimizations off), as in
   ``vs_onnxruntime.py`` (top-1 / IoU@0.3 of the DB maps / NN@1, cosines);
-* whether the realized integers are what the simulated graph predicts (``autoq.fidelity
+* whether the realized integers are what the simulated graph predicts (``autoq.fallback.fidelity
   .compare``: slot integers differing, over every activation slot and evaluation sample);
 * how many ops of the realized graph run in float32 between the input quantize and the
   output dequantize.
@@ -43,7 +43,7 @@ ROWS = {"default": (), "no elementwise const": CONST, "fp32 activations": CONST 
 def float_ops(mod) -> int:
     """Float32 ops of ``main`` other than the edge quantize/dequantize (and the fp32 ops
     they feed or read at the model's inputs and outputs)."""
-    from autoq.toolkit import bindings, dtype_of, op_name
+    from autoq.ir.toolkit import bindings, dtype_of, op_name
 
     counts = Counter()
     for _, v in bindings(mod["main"]):
@@ -55,9 +55,9 @@ def float_ops(mod) -> int:
 
 def measure(info, mod, params, calib, evals, ref, off: tuple[str, ...]) -> dict:
     import autoq
-    from autoq.calibrate import samples_for
-    from autoq.fidelity import compare
-    from autoq.registry import ordered_patterns
+    from autoq.calibration import samples_for
+    from autoq.fallback.fidelity import compare
+    from autoq.ir.registry import ordered_patterns
 
     names = tuple(p.name for p in ordered_patterns() if p.name not in off)
     cfg = autoq.Config(progress=False, patterns=names)

@@ -46,8 +46,8 @@ class SimHarness:
     def __init__(self, matched, config, target):
         import tvm
 
-        from autoq.simulate import simulate
-        from autoq.toolkit import bindings, compile_vm, make_function, output_fields
+        from autoq.simulation import simulate
+        from autoq.ir.toolkit import bindings, compile_vm, make_function, output_fields
 
         t0 = time.perf_counter()
         sim = self.sim = simulate(matched, None, config, switches=True)
@@ -108,7 +108,7 @@ class SimHarness:
         return {k: tvm.runtime.tensor(v) for k, v in self.sim.input_values(qparams).items()}
 
     def outputs(self, qparams, samples, disabled=()):
-        from autoq.toolkit import as_list
+        from autoq.ir.toolkit import as_list
 
         qv = self.qvals(qparams)
         dis = set(disabled)
@@ -117,7 +117,7 @@ class SimHarness:
 
     def diag(self, qparams, sample, disabled=()):
         """(output, {slot: simulated pre-quantize value})"""
-        from autoq.toolkit import as_list
+        from autoq.ir.toolkit import as_list
 
         qv = self.qvals(qparams)
         r = as_list(self.vm["diag"](*self._args(qv, sample, set(disabled))))
@@ -125,7 +125,7 @@ class SimHarness:
         return vals[0], dict(zip(self.pre_slots, vals[self.n_out :], strict=True))
 
     def fp32(self, sample):
-        from autoq.toolkit import as_list
+        from autoq.ir.toolkit import as_list
 
         ins = [self._tensor(sample[n]) for n in self.inputs]
         r = as_list(self.vm["fp32"](*ins, *[self.weights[p] for p in self.weights]))
@@ -219,7 +219,7 @@ ROWS = {
 
 def row_config(name):
     import autoq
-    from autoq.registry import PATTERNS, load_patterns
+    from autoq.ir.registry import PATTERNS, load_patterns
 
     load_patterns()
     opts = dict(ROWS[name][0])
@@ -254,7 +254,7 @@ def main(argv=None) -> None:
     )
     args = ap.parse_args(argv)
     import autoq
-    from autoq.matching import as_matched
+    from autoq.ir.matching import as_matched
 
     print(common.machine_summary(), flush=True)
     info, mod, params, calib, evals, ref = setup(args.calib, args.eval, args.det_size)
@@ -298,10 +298,10 @@ def main(argv=None) -> None:
 
 def posthoc_cut(name, mod, params, evals, ref, i):
     """The saved qparams of row ``name`` with every lookup-table input slot cut to its
-    activation's live interval (:mod:`autoq.lut_ranges`), everything else unchanged."""
+    activation's live interval (:mod:`autoq.rules.lut_ranges`), everything else unchanged."""
     import autoq
-    from autoq.lut_ranges import cut, lut_input_bounds
-    from autoq.matching import as_matched
+    from autoq.rules.lut_ranges import cut, lut_input_bounds
+    from autoq.ir.matching import as_matched
 
     cfg = row_config(name)
     h = SimHarness(as_matched(mod, params, cfg), cfg, common.tvm_target())

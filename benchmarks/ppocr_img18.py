@@ -6,7 +6,7 @@ text-free crop; see benchmarks/results/ppocr_budget.md), which alone keeps issue
 out of reach. This script calibrates the PP-OCR recipe (``ppocr_budget.recipe()``, row
 ``pe``; ``--pclut``: with ``Config.lut_input_per_channel``, row ``pe_pclut``; ``--no-ebc``:
 without the empirical bias correction, rows ``p_lut*``) on the
-calibration crops of ``--calib-seed``, builds one :class:`autoq.escalation.EscalationGraph`
+calibration crops of ``--calib-seed``, builds one :class:`autoq.fallback.escalation.EscalationGraph`
 on the graph simulated *with layer switches* (one compile: any set of activation tensors
 int16 and any set of layers fp32 is one run, the calibrated qparams and bias corrections
 unchanged, so an int16 tensor's readers keep the correction calibrated for its int8 error,
@@ -96,8 +96,8 @@ def setup(args):
 def graph(mod, params, calib, cfg):
     """The recipe calibrated on ``calib`` and its escalation graph with layer switches."""
     import autoq
-    from autoq.escalation import EscalationGraph
-    from autoq.matching import as_matched
+    from autoq.fallback.escalation import EscalationGraph
+    from autoq.ir.matching import as_matched
 
     target = common.tvm_target()
     matched = as_matched(mod, params, cfg)

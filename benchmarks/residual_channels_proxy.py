@@ -2,8 +2,8 @@
 
 The issue-16 all-integer row (session 9: dense layers dynamic per token + GPTQ, the rest
 static int8, ``rounding="half_even"``, int16 escalation <= 20% of the activation slots)
-with and without ``Config.residual_per_channel`` (:mod:`autoq.residual_channels`), scored on
-the *simulated* graph of the final config and qparams (:class:`autoq.escalation.EscalationGraph`
+with and without ``Config.residual_per_channel`` (:mod:`autoq.rules.residual_channels`), scored on
+the *simulated* graph of the final config and qparams (:class:`autoq.fallback.escalation.EscalationGraph`
 with nothing switched: the calibrated simulation realize is checked against) instead of the
 realized module. Rows: all int8 (no escalation) and the escalation, for each arm, on the eval
 set and two disjoint 64-sentence sets (``common.second_sentence_set``, from 0 and from 64).
@@ -11,8 +11,8 @@ Arms ``tensor-max`` / ``channel-max``: the residual adds' slots (``RESIDUAL_ADDS
 inputs and outputs, the residual stream's) calibrated by min / max instead of the default
 MSE search. Arm ``channel-lut``: also ``Config.lut_input_per_channel`` (the FFN GELU
 lookups' inputs and outputs per channel on the last axis); ``channel-lutin``: their inputs
-only (the ``lookup`` writer left out of ``autoq.residual_channels.SERVABLE``).
-``--headrooms 1,1.25``: one row per ``autoq.residual_channels.HEADROOM`` (each last-axis
+only (the ``lookup`` writer left out of ``autoq.rules.residual_channels.SERVABLE``).
+``--headrooms 1,1.25``: one row per ``autoq.rules.residual_channels.HEADROOM`` (each last-axis
 channel's calibrated range widened by it); ``--dev``: a fourth 64-sentence set (pool
 positions 256-319) to choose such a setting on.
 
@@ -45,8 +45,8 @@ def simulated_row(info, config, calib, sets, log) -> list[dict]:
     import autoq
     import autoq.pipeline as pipeline
     from autoq import frontends
-    from autoq.escalation import EscalationGraph
-    from autoq.simulate import simulate
+    from autoq.fallback.escalation import EscalationGraph
+    from autoq.simulation import simulate
 
     seen = {}
 
@@ -96,10 +96,11 @@ def main(argv=None) -> int:
     )
     p.add_argument("--int16", default="", help="Config.int16_tensors of every row (slot ids)")
     p.add_argument(
-        "--headrooms", default="1", help="autoq.residual_channels.HEADROOM values (each a row)"
+        "--headrooms", default="1", help="autoq.rules.residual_channels.HEADROOM values (each a row)"
     )
     args = p.parse_args(argv)
-    from autoq import Config, Override, QuantSpec, residual_channels
+    from autoq import Config, Override, QuantSpec
+    from autoq.rules import residual_channels
 
     servable = residual_channels.SERVABLE
 

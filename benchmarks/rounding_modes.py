@@ -2,9 +2,9 @@
 
 autoq's default rounding is ``"float"`` (``quantize(dequantize(q))`` in float32, what the
 simulated graph computes). This script measures, on the bundled digits CNN (4 convolutions,
-residual add, global average pool, dense; ``autoq.demo``) calibrated on 100 training
+residual add, global average pool, dense; ``autoq.cli.demo``) calibrated on 100 training
 images and evaluated on 64 test images, how many integers of every activation slot of the
-realized graph differ from the simulated graph's prediction (``autoq.fidelity.compare``),
+realized graph differ from the simulated graph's prediction (``autoq.fallback.fidelity.compare``),
 and the digit accuracy of each realized module, for every mode of
 ``autoq.primitives.ROUNDING_MODES``.
 
@@ -22,9 +22,9 @@ from tvm import relax
 
 import autoq
 from autoq import primitives as P
-from autoq.calibrate import samples_for
-from autoq.demo import MODEL_FILE, calibration_images, load_digits
-from autoq.fidelity import compare
+from autoq.calibration import samples_for
+from autoq.cli.demo import MODEL_FILE, calibration_images, load_digits
+from autoq.fallback.fidelity import compare
 
 
 def main() -> None:

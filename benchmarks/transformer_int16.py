@@ -7,15 +7,15 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
   their values in fp32);
 * autoq static, every layer int8 (``check_scales=False``);
 * autoq ``AutoFallback(precision="int16_tensors", max_int16_fraction=F)`` (every layer
-  quantized; the search of :mod:`autoq.escalation` picks the int16 tensors, with
+  quantized; the search of :mod:`autoq.fallback.escalation` picks the int16 tensors, with
   ``holdout`` held-out calibration sentences), for each ``--fractions``;
 * with ``--smooth a,b``: the all-int8 and escalation rows again with ``Config(smooth_quant=a)``
-  (SmoothQuant, :mod:`autoq.smooth_quant`);
+  (SmoothQuant, :mod:`autoq.accuracy.smooth_quant`);
 * with ``--recalibrate``: every escalation row again with ``AutoFallback(recalibrate=True)``;
 * with ``--token-mask attention_mask``: every static row again with ``Config(token_mask=...)``
   (statistics over real tokens only, :mod:`autoq.token_mask`);
 * autoq dynamic per token (no data), for reference;
-* with ``--hybrid``: the static + dynamic hybrid (:mod:`autoq.hybrid`): every dense layer
+* with ``--hybrid``: the static + dynamic hybrid (:mod:`autoq.rules.hybrid`): every dense layer
   (``--dense-rule``) quantizes its input per token at run time, the attention matmuls and
   every other layer static int8 (row "rest static"), the same with only the attention
   matmuls static and the other non-MatMul layers fp32 (row "attention static"), and the
@@ -32,17 +32,17 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
 * ``--residual-int16-per-channel``: with it, ``Config.residual_int16_per_channel`` (the
   escalation's residual-stream picks int16 per channel);
 * ``--residual-per-channel``: the hybrid rows with ``Config.residual_per_channel`` (the
-  residual stream's slots per channel on the hidden axis, :mod:`autoq.residual_channels`);
+  residual stream's slots per channel on the hidden axis, :mod:`autoq.rules.residual_channels`);
   the per-channel slot count is logged; ``--max-calibrator RULE``: the hybrid's layers
   ``RULE`` names calibrated by min / max instead of the default MSE search;
 * ``--lut-per-channel``: the hybrid rows with ``Config.lut_input_per_channel`` (the GELU
   lookups' inputs and outputs per channel on the last axis); ``--channel-headroom k``:
-  ``autoq.residual_channels.HEADROOM`` (each last-axis channel's calibrated range times k);
+  ``autoq.rules.residual_channels.HEADROOM`` (each last-axis channel's calibrated range times k);
 * ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
 * ``--swap-rounds n``: ``AutoFallback(swap_rounds=n)`` for the escalation rows (swap
   refinement of the chosen tensors, :mod:`autoq.escalation_swaps`);
 * ``--search eliminate``: ``AutoFallback(search="eliminate")`` for the escalation rows
-  (backward elimination from every tensor int16, :mod:`autoq.escalation_elimination`);
+  (backward elimination from every tensor int16, :mod:`autoq.fallback.escalation_elimination`);
 * with ``--alphas a,b,...``: the all-int8 and escalation rows again with
   ``Config(smooth_quant_alphas=(a, b, ...))`` (SmoothQuant's alpha searched per LayerNorm,
   :mod:`autoq.smooth_alpha`; the chosen alphas are logged);
@@ -200,7 +200,7 @@ NOT_MATMUL = ("add", "add_const", "gelu", "multiply", "multiply_const")
 
 def hybrid_rows(args) -> list:
     """``--hybrid``: the dense layers dynamic per token (``Override(args.dense_rule, ...)``),
-    the rest static (:mod:`autoq.hybrid`), for each ``--hybrid-smooth`` alpha."""
+    the rest static (:mod:`autoq.rules.hybrid`), for each ``--hybrid-smooth`` alpha."""
     from dataclasses import replace
 
     from autoq import Config, Fallback, Override, QuantSpec
@@ -278,7 +278,7 @@ def int16_range(batch) -> tuple[float, float]:
     """``--int16-headroom``: a batch's range widened around 0 by the escalation's
     ``INT16_HEADROOM`` (what its searched int16 tensors get), for the ``--hybrid-int16``
     layers (calibrator function: the batches' ranges merge by min / max)."""
-    from autoq.escalation import INT16_HEADROOM
+    from autoq.fallback.escalation import INT16_HEADROOM
 
     lo, hi = float(np.min(batch)), float(np.max(batch))
     return min(lo, 0.0) * INT16_HEADROOM, max(hi, 0.0) * INT16_HEADROOM
@@ -397,7 +397,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     lines: list[str] = []
-    from autoq import residual_channels
+    from autoq.rules import residual_channels
 
     if args.channel_headroom is not None:
         residual_channels.HEADROOM = args.channel_headroom

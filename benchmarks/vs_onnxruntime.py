@@ -120,7 +120,7 @@ def autoq_quantize_child(model: str, calib_path: str, out_dir: str, method: str,
 
 def run_autoq(model_name: str, calib: common.Dataset, evalset: common.Dataset, log=print) -> dict:
     """autoq's rows: each configuration of ``AUTOQ_CONFIGS`` calibrated in a measured child
-    process (wall time of ``autoq.calibrate`` alone, and the child's peak RSS including
+    process (wall time of ``autoq.calibration`` alone, and the child's peak RSS including
     import, compile and export), then the exported int8 library run here on ``evalset``."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="autoq-bench-autoq-") as tmp:

@@ -26,8 +26,8 @@ from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
 from autoq import qnn
-from autoq.registry import Pattern
-from autoq.toolkit import dtype_of, shape_of
+from autoq.ir.registry import Pattern
+from autoq.ir.toolkit import dtype_of, shape_of
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Kind:
     ``realize(ctx, match, core_value, x) -> (int32 accumulator call, weight RealQ)``: the
     qnn op on the quantized activation ``x``. ``channel_axis(rank)``: the output's channel
     axis (where a bias and per-channel scales apply). ``dynamic``: the kind also has a
-    dynamic form (run-time activation qparams, :mod:`autoq.dynamic`)."""
+    dynamic form (run-time activation qparams, :mod:`autoq.realization.dynamic`)."""
 
     name: str
     op: str
@@ -209,7 +209,7 @@ def _dynamic(kind: Kind):
 
 
 def _simulate_dynamic(kind: Kind):
-    """Simulated dynamic form (:mod:`autoq.hybrid`): the core op on the run-time integers
+    """Simulated dynamic form (:mod:`autoq.rules.hybrid`): the core op on the run-time integers
     (as float32) and the simulated weight integers, then :func:`_float_tail`."""
 
     def simulate(ctx, m):

@@ -1,7 +1,7 @@
 """Shared simulate/realize for elementwise ops with their own output qparams: of two
 activations, or of an activation and a constant (``x + c``, ``x - c``, ``x * c``; the
 canonical graph has the constant second, and ``x / c`` is ``x * (1/c)`` after
-:mod:`autoq.canonicalize`).
+:mod:`autoq.ir.canonicalize`).
 
 Simulated::   out = dequantize(simulated_quantize(dequantize(q_a) <op> dequantize(q_b), s_o, zp_o))
 Realized::    q_out = qnn.<op>(q_a, q_b, s_a, zp_a, s_b, zp_b, s_o, zp_o)   -> int8
@@ -20,8 +20,8 @@ from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
 from autoq import qnn
-from autoq.registry import Pattern
-from autoq.toolkit import dtype_of, shape_of
+from autoq.ir.registry import Pattern
+from autoq.ir.toolkit import dtype_of, shape_of
 
 _RELAX = {"add": relax.op.add, "subtract": relax.op.subtract, "multiply": relax.op.multiply}
 _QNN = {"add": qnn.add, "subtract": qnn.subtract, "multiply": qnn.multiply}
@@ -66,7 +66,7 @@ def make(kind: str, doc: str = "", constant: bool = False) -> Pattern:
     def realize(ctx, m):
         a, b = operands(ctx, m)
         out = ctx.output_qparam()
-        # per-channel qparams (autoq.residual_channels): all on one axis, the op gets it
+        # per-channel qparams (autoq.rules.residual_channels): all on one axis, the op gets it
         axes = {q.qparam.axis for q in (a, b, out) if q.qparam.axis is not None}
         y = _QNN[kind](
             a.q, b.q, a.scale_c, a.zero_point_c, b.scale_c, b.zero_point_c,

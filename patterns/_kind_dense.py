@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from autoq import qnn
-from autoq.toolkit import shape_of
+from autoq.ir.toolkit import shape_of
 
 from ._accumulate import Kind
 

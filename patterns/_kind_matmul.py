@@ -4,7 +4,7 @@ attention x values), realized as ``qnn.matmul`` (both operands per-tensor)."""
 from __future__ import annotations
 
 from autoq import qnn
-from autoq.toolkit import shape_of
+from autoq.ir.toolkit import shape_of
 
 from ._accumulate import Kind, is_activation
 

@@ -1,5 +1,5 @@
 """Activation patterns (sigmoid, tanh, hardswish, hardsigmoid, silu, gelu, gelu_tanh): one
-per row of :data:`autoq.activations.ACTIVATIONS`, each an 8-bit table lookup.
+per row of :data:`autoq.ir.activations.ACTIVATIONS`, each an 8-bit table lookup.
 
 Simulated::  out integers = table[q_x - qmin] (``<layer>.table``, a runtime input computed from
              the input and output slots' qparams; the output slot observes f(dequantize(q_x)))
@@ -15,10 +15,11 @@ from __future__ import annotations
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
-from autoq import lut_channels, qnn
-from autoq.activations import ACTIVATIONS, LUT_DTYPES, Activation
-from autoq.registry import Pattern, register
-from autoq.toolkit import const
+from autoq import qnn
+from autoq.ir.activations import ACTIVATIONS, LUT_DTYPES, Activation
+from autoq.ir.registry import Pattern, register
+from autoq.ir.toolkit import const
+from autoq.rules import lut_channels
 
 from ._accumulate import is_activation
 

@@ -7,7 +7,7 @@ activation's table, then ``multiply_const`` and ``add_const``, each requantizing
 own calibrated scale); the table of ``g(x) = f(x) * a + b`` maps the input integers to the
 output integers with one rounding, exactly like the plain activation pattern
 (``patterns/activation.py``: same simulated / realized forms, the table computed by
-:func:`autoq.activations.lut_table` from :func:`autoq.activations.affine`). A layer with a
+:func:`autoq.ir.activations.lut_table` from :func:`autoq.ir.activations.affine`). A layer with a
 16-bit input or output slot computes ``g`` in float between ``qnn.dequantize`` and
 ``qnn.quantize``. Priority 3 (three ops), so it claims the chain before the one-op patterns;
 the intermediate values must have no other reader (the matcher's rule).
@@ -19,10 +19,11 @@ import numpy as np
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
-from autoq import lut_channels, qnn
-from autoq.activations import ACTIVATIONS, LUT_DTYPES, affine
-from autoq.registry import Pattern, register
-from autoq.toolkit import const, shape_of
+from autoq import qnn
+from autoq.ir.activations import ACTIVATIONS, LUT_DTYPES, affine
+from autoq.ir.registry import Pattern, register
+from autoq.ir.toolkit import const, shape_of
+from autoq.rules import lut_channels
 
 from ._accumulate import is_activation
 

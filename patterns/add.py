@@ -1,6 +1,6 @@
 """Pattern ``add``: sum of two activations (residual connections)."""
 
-from autoq.registry import register
+from autoq.ir.registry import register
 
 from ._elementwise import make
 

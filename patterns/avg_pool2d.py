@@ -19,7 +19,7 @@ weight scale 1 tells it from a convolution).
 
 ``rounding="tflite"``/``"tflite_single"`` (unpadded pools): TFLite's AVERAGE_POOL_2D, the
 raw integers summed and the sum divided by N rounded half away from zero, on the input's
-grid (:mod:`autoq.tflite_arith`)::
+grid (:mod:`autoq.qnn.tflite_arith`)::
 
     acc = qnn.conv2d(q, ones, s, 0, 1.0, 0)        (int32: sum of the raw q)
     avg = qnn.requantize(acc, s / N, 0, s, 0, rounding="half_away", multiplier, shift)
@@ -33,9 +33,9 @@ from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
 from autoq import qnn
-from autoq import tflite_arith as TA
-from autoq.registry import Pattern, register
-from autoq.toolkit import const, shape_of
+from autoq.ir.registry import Pattern, register
+from autoq.ir.toolkit import const, shape_of
+from autoq.qnn import tflite_arith as TA
 
 from ._accumulate import is_activation
 
@@ -125,7 +125,7 @@ def realize(ctx, m):
 def _tflite_average(acc, x, scale, count: int):
     """TFLite's AVERAGE_POOL_2D: the raw window sum divided by the count, rounded half away
     from zero, on the input's grid (``half_away`` requantize with zero points 0 and the
-    multiplier of :func:`autoq.tflite_arith.average_multiplier`: the same integers)."""
+    multiplier of :func:`autoq.qnn.tflite_arith.average_multiplier`: the same integers)."""
     m, shift = TA.average_multiplier(count)
     zero = const(0, "int32")
     return qnn.requantize(

@@ -1,6 +1,6 @@
 """Pattern ``conv2d``: nn.conv2d with a constant weight (groups and depthwise included)."""
 
-from autoq.registry import register
+from autoq.ir.registry import register
 
 from ._accumulate import make
 from ._kinds import KINDS

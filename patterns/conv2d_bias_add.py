@@ -1,6 +1,6 @@
 """Pattern ``conv2d_bias_add``: conv2d + bias + residual activation."""
 
-from autoq.registry import register
+from autoq.ir.registry import register
 
 from ._accumulate import make
 from ._kinds import KINDS

@@ -1,6 +1,6 @@
 """Pattern ``dense``: matmul with a constant 2-D weight (linear / Gemm / dense)."""
 
-from autoq.registry import register
+from autoq.ir.registry import register
 
 from ._accumulate import make
 from ._kinds import KINDS

@@ -1,6 +1,6 @@
 """Pattern ``dense_bias``: dense + per-channel bias."""
 
-from autoq.registry import register
+from autoq.ir.registry import register
 
 from ._accumulate import make
 from ._kinds import KINDS

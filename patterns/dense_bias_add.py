@@ -1,6 +1,6 @@
 """Pattern ``dense_bias_add``: dense + bias + residual activation (transformer blocks)."""
 
-from autoq.registry import register
+from autoq.ir.registry import register
 
 from ._accumulate import make
 from ._kinds import KINDS

@@ -4,13 +4,13 @@
 ``patterns/_elementwise.py``).
 
 On by default (the issue's integer-only activations; the measurement behind the decision is
-in docs/ops.md). ``x / c`` reaches them as ``x * (1/c)`` (:mod:`autoq.canonicalize`). An
+in docs/ops.md). ``x / c`` reaches them as ``x * (1/c)`` (:mod:`autoq.ir.canonicalize`). An
 imported pre-quantized file supplies the constant's integers and qparams (ONNX Runtime
 quantizes the constant input of Add/Mul like an activation), also when TVM's ONNX importer
 inlined the initializer as a Relax constant.
 """
 
-from autoq.registry import register
+from autoq.ir.registry import register
 
 from ._elementwise import make
 

@@ -1,6 +1,6 @@
 """Pattern ``matmul``: matmul of two activations (attention scores, attention x values)."""
 
-from autoq.registry import register
+from autoq.ir.registry import register
 
 from ._accumulate import make
 from ._kinds import KINDS

@@ -1,6 +1,6 @@
 """Accumulate ops of the allow-list (``mean``, 1x1 ``adaptive_avg_pool2d``): global pooling.
 
-Built from the ``accumulate`` rows of :data:`autoq.registry.ALLOW_LIST`.
+Built from the ``accumulate`` rows of :data:`autoq.ir.registry.ALLOW_LIST`.
 
 Simulated::  acc = sum(q - zp, axes)  (integer-valued float32);  out = acc * (s / N)
 Realized::   acc = qnn.sum(q, s, zp, axes) -> int32;  out = qnn.dequantize(acc, s / N, 0)
@@ -13,9 +13,9 @@ from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
 from autoq import qnn
-from autoq.allow_list import ALLOW_LIST
-from autoq.registry import Pattern, register
-from autoq.toolkit import dtype_of, shape_of
+from autoq.ir.allow_list import ALLOW_LIST
+from autoq.ir.registry import Pattern, register
+from autoq.ir.toolkit import dtype_of, shape_of
 
 
 def _axes(g, nodes):

@@ -1,6 +1,6 @@
 """Pattern ``multiply``: product of two activations (gates, attention-style scaling by an activation)."""
 
-from autoq.registry import register
+from autoq.ir.registry import register
 
 from ._elementwise import make
 

@@ -1,6 +1,6 @@
 """Pattern ``subtract``: difference of two activations."""
 
-from autoq.registry import register
+from autoq.ir.registry import register
 
 from ._elementwise import make
 

@@ -1,11 +1,20 @@
 """Check the package layout rules of docs/design.md; exit 1 when one is broken.
 
-* no module over ``MAX_MODULE_LINES`` lines;
-* no function (or method) over ``MAX_FUNCTION_LINES`` lines (``end_lineno - lineno + 1`` of
-  the ``def``; a nested function counts in its own right and inside its parent);
-* no import cycle between the package's modules (every ``import`` statement counts, also the
-  ones inside functions: arrows go one way whether they run at import time or later);
-* no private name (``_x``) imported from another module.
+Rules (each a table below, so a new package is one row):
+
+* arrows go downward only: every package or top-level module of ``autoq`` has a level
+  (``LEVELS``); a module may import only modules of its own package or of a lower level;
+* no import cycle between modules (every ``import`` statement counts, also the ones inside
+  functions: arrows go one way whether they run at import time or later);
+* the forbidden reaches of ``FORBIDDEN`` hold transitively (calibration never imports the CPU
+  backend, the stages never import the command line, ...);
+* the plug-in folders (``autoq.patterns``, ``autoq.calibrators``) import only the public
+  plug-in API (``PLUGIN_API``);
+* no private name (``_x``) imported from another module;
+* at most ``MAX_FLAT`` modules directly in ``autoq/``.
+
+Size is a smell, not a rule: modules over ``LONG_MODULE`` lines and functions over
+``LONG_FUNCTION`` lines are listed (split them by idea when they grow), never a failure.
 
 The packages and their folders are read from ``pyproject.toml``
 (``[tool.setuptools] package-dir``), so ``calibrators/`` is checked as ``autoq.calibrators``.
@@ -20,8 +29,76 @@ import sys
 import tomllib
 from pathlib import Path
 
-MAX_MODULE_LINES = 600
-MAX_FUNCTION_LINES = 80
+LONG_MODULE = 600
+LONG_FUNCTION = 80
+MAX_FLAT = 15
+
+#: level of each package / top-level module of autoq (the first name after ``autoq.``);
+#: imports go to the same package or to a lower level
+LEVELS = {
+    # leaves: numbers, documents, errors
+    "errors": 0,
+    "primitives": 0,
+    "json_document": 0,
+    "threads": 0,
+    "qparams": 1,
+    "layer_rules": 1,
+    "metrics": 2,
+    "calibrators": 2,
+    "config": 3,
+    # the Relax toolkit and the integer op set
+    "ir": 4,
+    "dataset": 4,
+    "qnn": 5,
+    "frontends": 5,
+    # how slots are quantized; the CPU backend; plug-ins; recipes
+    "rules": 6,
+    "cpu": 6,
+    "patterns": 7,
+    "byoc": 7,
+    "build": 7,
+    "recipes": 7,
+    # the stages
+    "simulation": 8,
+    "tuning": 8,
+    "accuracy": 9,
+    "calibration": 10,
+    "realization": 11,
+    "fallback": 12,
+    "distributed": 13,
+    "importers": 13,
+    # the pipeline and what calls it
+    "pipeline": 14,
+    "__init__": 15,
+    "cli": 16,
+}
+#: (importer, imported) packages that must not reach each other, directly or through others
+FORBIDDEN = [
+    ("calibration", "cpu"),
+    ("calibration", "build"),
+    ("simulation", "cpu"),
+    ("simulation", "build"),
+    ("realization", "cpu"),
+    ("accuracy", "cpu"),
+    ("rules", "cpu"),
+    ("ir", "cpu"),
+    ("pipeline", "cli"),
+    ("fallback", "cli"),
+]
+#: what the plug-in folders may import from autoq: the public pattern / calibrator API
+PLUGIN_API = (
+    "autoq.ir.registry",
+    "autoq.ir.toolkit",
+    "autoq.ir.activations",
+    "autoq.ir.allow_list",
+    "autoq.qnn",
+    "autoq.rules",
+    "autoq.primitives",
+    "autoq.qparams",
+    "autoq.errors",
+    "autoq.patterns",
+    "autoq.calibrators",
+)
 
 
 def package_dirs(root: Path) -> dict[str, Path]:
@@ -55,7 +132,7 @@ def long_functions(tree: ast.AST) -> list[tuple[str, int, int]]:
                 name = f"{prefix}{child.name}"
                 if not isinstance(child, ast.ClassDef):
                     length = child.end_lineno - child.lineno + 1
-                    if length > MAX_FUNCTION_LINES:
+                    if length > LONG_FUNCTION:
                         found.append((name, child.lineno, length))
                 walk(child, name + ".")
             else:
@@ -137,22 +214,68 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def component(module: str) -> str | None:
+    """The package or top-level module of ``autoq`` a module belongs to (its level's key)."""
+    parts = module.split(".")
+    if parts[0] != "autoq":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for w in graph.get(todo.pop(), ()):
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return seen
+
+
+def arrow_problems(graph: dict[str, set[str]]) -> list[str]:
+    """Upward arrows, forbidden reaches and plug-ins reading outside their API."""
+    out = []
+    for src in sorted(graph):
+        a = component(src)
+        if a is None:
+            continue
+        if a not in LEVELS:
+            out.append(f"no level for {a} (add it to LEVELS in scripts/check_layout.py)")
+            continue
+        for dst in sorted(graph[src]):
+            b = component(dst)
+            if b is None or b == a:
+                continue
+            if LEVELS.get(b, 99) >= LEVELS[a]:
+                out.append(
+                    f"upward import: {src} -> {dst} ({a} {LEVELS[a]} -> {b} {LEVELS.get(b)})"
+                )
+            if a in ("patterns", "calibrators") and not dst.startswith(PLUGIN_API):
+                out.append(f"plug-in imports outside the plug-in API: {src} -> {dst}")
+    for a, b in FORBIDDEN:
+        for src in sorted(m for m in graph if component(m) == a):
+            hit = sorted(m for m in reaches(graph, src) if component(m) == b)
+            if hit:
+                out.append(f"forbidden reach: {src} -> {hit[0]} ({a} must not import {b})")
+    return out
+
+
 def main(root: Path) -> int:
     mods = modules(root)
     known = set(mods)
     problems = 0
     graph: dict[str, set[str]] = {}
+    smells = []
     for name, path in mods.items():
         text = path.read_text()
         rel = path.relative_to(root)
         lines = len(text.splitlines())
-        if lines > MAX_MODULE_LINES:
-            print(f"module over {MAX_MODULE_LINES} lines: {rel} ({lines})")
-            problems += 1
+        if lines > LONG_MODULE:
+            smells.append(f"long module: {rel} ({lines} lines)")
         tree = ast.parse(text, str(path))
         for qual, line, length in long_functions(tree):
-            print(f"function over {MAX_FUNCTION_LINES} lines: {rel}:{line} {qual} ({length})")
-            problems += 1
+            smells.append(f"long function: {rel}:{line} {qual} ({length} lines)")
         graph[name], private = imports(name, path, tree, known)
         for line, source, alias in private:
             print(f"private name imported from another module: {rel}:{line} {alias} from {source}")
@@ -160,6 +283,19 @@ def main(root: Path) -> int:
     for comp in cycles(graph):
         print("import cycle: " + " <-> ".join(comp))
         problems += 1
+    names = set(mods)
+    if any(n.startswith("autoq.") or n == "autoq" for n in names):
+        for line in arrow_problems(graph):
+            print(line)
+            problems += 1
+        flat = [p for p in (root / "autoq").glob("*.py")]
+        if len(flat) > MAX_FLAT:
+            print(
+                f"{len(flat)} modules flat in autoq/ (at most {MAX_FLAT}): move some into packages"
+            )
+            problems += 1
+    for line in smells:
+        print("smell (split by idea when it grows): " + line)
     print(f"{len(mods)} modules checked, {problems} problem(s)")
     return 1 if problems else 0
 

@@ -11,11 +11,11 @@ from tvm import relax
 
 import autoq
 from autoq import Config, realize, simulate
-from autoq.activations import affine, lut_table
-from autoq.calibrate import samples_for
-from autoq.canonicalize import hardswish
-from autoq.fidelity import compare
-from autoq.registry import PATTERNS, load_patterns
+from autoq.ir.activations import affine, lut_table
+from autoq.calibration import samples_for
+from autoq.ir.canonicalize import hardswish
+from autoq.fallback.fidelity import compare
+from autoq.ir.registry import PATTERNS, load_patterns
 from models import TARGET, Builder, Runner, conv2d_nchw
 
 A, B = 0.8, 0.3  # PP-OCRv4's learnable affine block has a ~ 1, b ~ 0

@@ -15,10 +15,10 @@ from tvm import relax
 
 import autoq
 from autoq import Config, QParam, QParams, qnn, realize, simulate
-from autoq.activations import ACTIVATIONS, lut_table
-from autoq.calibrate import samples_for
-from autoq.canonicalize import hardsigmoid, hardswish
-from autoq.fidelity import compare
+from autoq.ir.activations import ACTIVATIONS, lut_table
+from autoq.calibration import samples_for
+from autoq.ir.canonicalize import hardsigmoid, hardswish
+from autoq.fallback.fidelity import compare
 from autoq.qnn import QnnError
 from models import TARGET, Builder, Runner
 

@@ -17,25 +17,11 @@ import pytest
 from tvm import relax
 
 import autoq
-from autoq import (
-    Analysis,
-    AutoFallback,
-    Config,
-    Fallback,
-    FallbackDecision,
-    Override,
-    QuantSpec,
-    Report,
-    analyze,
-    calibrate,
-    qnn,
-    realize,
-    simulate,
-)
+from autoq import Analysis, AutoFallback, Config, Fallback, FallbackDecision, Override, QuantSpec, Report, analyze, calibrate, qnn, realize, simulate
 from autoq import primitives as P
-from autoq.auto_fallback import remap_qparams
-from autoq.calibrate import samples_for
-from autoq.fidelity import compare
+from autoq.fallback.auto_fallback import remap_qparams
+from autoq.calibration import samples_for
+from autoq.fallback.fidelity import compare
 from autoq.metrics import sqnr_db
 from models import TARGET, Builder, Runner, conv, image_data, run_tuple, small_cnn
 
@@ -252,7 +238,7 @@ def test_autofallback_keeps_exactly_the_outlier_layer_in_fp32():
     )
     d = decision_of(out)
     # c3 (whose input holds the outlier channel) ranks first; since every layer exits as
-    # int8 (autoq.exits), c3 in fp32 still reads c2's int8 output: the outlier's producer
+    # int8 (autoq.rules.exits), c3 in fp32 still reads c2's int8 output: the outlier's producer
     # c2 must go to fp32 too, and the search finds exactly that pair
     assert d.layers == ["c3", "c2"] and d.precision == "fp32" and d.met
     assert d.ranking[0]["layer"] == "c3" and "SQNR" in d.ranking[0]["reason"]
@@ -285,7 +271,7 @@ def test_autofallback_within_budget_keeps_everything_int8_and_respects_the_cap()
         target=TARGET,
     )
     rep = an.report()
-    from autoq.auto_fallback import search_fallback
+    from autoq.fallback.auto_fallback import search_fallback
 
     d = search_fallback(an, AutoFallback(min_sqnr=0.0), rep)
     assert d.layers == [] and d.met and len(d.trials) == 1

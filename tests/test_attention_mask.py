@@ -1,4 +1,4 @@
-"""finfo.min attention masks rewritten to a quantizable constant (autoq.attention_mask):
+"""finfo.min attention masks rewritten to a quantizable constant (autoq.ir.attention_mask):
 the float function of a tiny BERT-style block is unchanged within float precision, the
 unbounded-activation guard no longer fires and the mask add is quantized."""
 
@@ -10,9 +10,9 @@ from tvm import relax
 
 import autoq
 from autoq import Config
-from autoq.attention_mask import MASK_VALUE
-from autoq.matching import match
-from autoq.toolkit import bindings, const_array
+from autoq.ir.attention_mask import MASK_VALUE
+from autoq.ir.matching import match
+from autoq.ir.toolkit import bindings, const_array
 from models import TARGET, Builder, Runner
 
 SEQ, DIM = 8, 16

@@ -8,7 +8,7 @@ them (that happened to ``calibration_speed.py``). This test reads every script w
 - every ``from autoq... import name`` (also inside functions) to a real attribute;
 - every attribute chain rooted at ``autoq`` (``autoq.Config``, ``autoq.cpu.lowering.x``)
   or at a name bound to an autoq module (``import autoq.cpu as c``, ``from autoq import
-  frontends``, ``cal = importlib.import_module("autoq.calibrate")``);
+  frontends``, ``cal = importlib.import_module("autoq.calibration")``);
 - every ``common.name`` / ``from common import name`` to a function of
   ``benchmarks/common.py`` (the shared helpers the scripts call).
 """
@@ -27,7 +27,7 @@ LOCAL = {p.stem for p in SCRIPTS}
 
 
 def _aliases(tree: ast.Module) -> dict[str, str]:
-    """Names bound to modules the test resolves: {'autoq': 'autoq', 'cal': 'autoq.calibrate'}."""
+    """Names bound to modules the test resolves: {'autoq': 'autoq', 'cal': 'autoq.calibration'}."""
     roots = {"autoq", *LOCAL}
     names = {r: r for r in roots}
     for node in ast.walk(tree):
@@ -63,7 +63,7 @@ def _chain(node: ast.AST) -> list[str] | None:
 
 
 def _references(tree: ast.Module) -> set[tuple[str, str]]:
-    """(module, attribute path) pairs a script needs: ('autoq.gptq', 'rtn'), ..."""
+    """(module, attribute path) pairs a script needs: ('autoq.accuracy.gptq', 'rtn'), ..."""
     aliases = _aliases(tree)
     refs = set()
     for node in ast.walk(tree):
@@ -82,8 +82,8 @@ def _references(tree: ast.Module) -> set[tuple[str, str]]:
 def _resolve(module: str, path: str):
     """getattr along ``path`` from the longest importable module prefix.
 
-    The longest prefix, because ``autoq.calibrate`` is both a module and a function the
-    package re-exports; a chain like ``autoq.calibrate.calibration_pipeline`` means the module.
+    The longest prefix, because ``autoq.calibration`` is both a module and a function the
+    package re-exports; a chain like ``autoq.calibration.calibration_pipeline`` means the module.
     """
     parts = [*module.split("."), *path.split(".")]
     for i in range(len(parts), 0, -1):
@@ -124,7 +124,7 @@ def test_script_names_resolve(script, monkeypatch):
     "source",
     [
         "def f():\n    from autoq.pipeline import no_such_stage\n",
-        "import importlib\ncal = importlib.import_module('autoq.calibrate')\ncal.no_such_stage\n",
+        "import importlib\ncal = importlib.import_module('autoq.calibration')\ncal.no_such_stage\n",
         "from autoq import calibrate as c\nc.no_such_stage()\n",
     ],
 )

@@ -1,4 +1,4 @@
-"""autoq.bias_correction: on a real int8 layer (integer accumulation in numpy int64), the
+"""autoq.accuracy.bias_correction: on a real int8 layer (integer accumulation in numpy int64), the
 corrected int32 bias removes the per-channel mean shift to within half an accumulator step."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from reference_ops import conv2d_loops
 
-import autoq.bias_correction as B
+import autoq.accuracy.bias_correction as B
 from autoq import primitives as P
 
 
@@ -93,7 +93,7 @@ def test_patch_mean_is_the_mean_of_every_im2col_patch(geom):
     """Streamed in batches and merged across two halves, PatchMean equals the mean of
     hessian.conv_unfold's patches (all output positions) in flatten_conv_weight's layout,
     so W_flat @ mean is the mean conv output."""
-    from autoq.hessian import ConvGeometry, conv_unfold, flatten_conv_weight
+    from autoq.accuracy.hessian import ConvGeometry, conv_unfold, flatten_conv_weight
 
     g = ConvGeometry(**geom)
     rng = np.random.default_rng(1)

@@ -1,4 +1,4 @@
-"""Config.bias_correction_holdout (autoq.bias_gate): each layer's empirical bias correction is
+"""Config.bias_correction_holdout (autoq.accuracy.bias_gate): each layer's empirical bias correction is
 kept only if it lowers the layer's (post-activation) output error against fp32 on held-out
 samples; decisions checked against a numpy recomputation of the rule, the realized module
 against the simulation bit for bit."""
@@ -11,22 +11,22 @@ import warnings
 import numpy as np
 import pytest
 
-import autoq.bias_gate as G
-import autoq.holdout
+import autoq.accuracy.bias_gate as G
+import autoq.calibration.holdout
 from autoq import Config, calibrate, realize, simulate
 from autoq import primitives as P
-from autoq.calibrate import samples_for
-from autoq.fidelity import compare
-from autoq.hessian import ConvGeometry
+from autoq.calibration import samples_for
+from autoq.fallback.fidelity import compare
+from autoq.accuracy.hessian import ConvGeometry
 from autoq.qparams import QParams
-from autoq.weight_tuning import layer_tasks
+from autoq.accuracy.weight_tuning import layer_tasks
 from models import TARGET, conv2d_nchw, mlp, small_cnn, two_convs
 
 EBC = Config(progress=False, weight_rounding="nearest", empirical_bias_correction=True)
 
 
 def test_doctests():
-    assert doctest.testmod(G).failed == 0 and doctest.testmod(autoq.holdout).failed == 0
+    assert doctest.testmod(G).failed == 0 and doctest.testmod(autoq.calibration.holdout).failed == 0
 
 
 def test_config_option_round_trips_and_is_validated():

@@ -170,7 +170,7 @@ def test_integer_rounding_puts_multiplier_and_shift_on_every_requantize():
     and the pattern table still partitions the whole network into one region, which the
     example NPU runs bit for bit."""
     from autoq import primitives as P
-    from autoq.toolkit import bindings, const_array
+    from autoq.ir.toolkit import bindings, const_array
 
     torch, net = torch_cnn()
     mod, params = autoq.from_torch(net, (torch.zeros(SHAPE),))
@@ -219,7 +219,7 @@ def test_per_channel_lookup_and_depthwise_input_offload_bit_exact():
     reads a per-channel input (scale / zero point of shape ``[C]``). The pattern table still
     offloads the whole network as one integer region, bit for bit equal to TVM's own build."""
     torch = pytest.importorskip("torch", reason="torch is not installed (autoq[torch])")
-    from autoq.toolkit import bindings, const_array
+    from autoq.ir.toolkit import bindings, const_array
 
     nn = torch.nn
     torch.manual_seed(0)

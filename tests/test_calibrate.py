@@ -203,17 +203,17 @@ def test_observers_on_the_runner_thread_match_the_plain_ones(tmp_path, budget):
     Hessians as one; segments run with a twin VM (odd samples on another thread) cache
     the same values as on one; a runner closed while an observer still waits for values
     raises instead of hanging."""
-    from autoq.calibrate import (
+    from autoq.calibration import (
         build_plan,
         calibrate_weights,
         calibration_pipeline,
         samples_for,
         static_values,
     )
-    from autoq.scale_health import HealthCheck
-    from autoq.shard_runner import ShardRunner
-    from autoq.toolkit import compile_vms
-    from autoq.weight_tuning import InputStats, layer_tasks
+    from autoq.calibration.scale_health import HealthCheck
+    from autoq.calibration.shard_runner import ShardRunner
+    from autoq.ir.toolkit import compile_vms
+    from autoq.accuracy.weight_tuning import InputStats, layer_tasks
 
     mod, params, make = small_cnn()
     sim = simulate(mod, params, cfg())

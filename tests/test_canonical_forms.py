@@ -133,7 +133,7 @@ def test_global_average_pool_is_an_integer_sum_with_the_scale_divided_by_n():
 def test_a_fallback_layer_reads_the_int8_exit_of_its_int32_producer():
     """relu(fc1(x)) -> fc2 with fc2 kept in fp32: fc1's int32 accumulator is requantized to
     int8 (relu's exit slot, zero point -128: the relu disappears) before fc2 reads it
-    dequantized (autoq.exits); fc2's weight stays a float constant."""
+    dequantized (autoq.rules.exits); fc2's weight stays a float constant."""
     b = Builder(0)
     x = b.input("x", (1, 2))
     w1 = np.array([[1.0, -1.0], [0.5, 0.25]])

@@ -1,4 +1,4 @@
-"""autoq.canonicalize: every frontend decomposition becomes one canonical form.
+"""autoq.ir.canonicalize: every frontend decomposition becomes one canonical form.
 
 Before / Expected modules built by hand (tvm.ir.assert_structural_equal), numerics against
 numpy definitions of the activations, the leak rule (a value the graph reads elsewhere is
@@ -15,7 +15,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from autoq.canonicalize import canonicalize, hardsigmoid, hardswish
+from autoq.ir.canonicalize import canonicalize, hardsigmoid, hardswish
 from models import TARGET, torch_cnn
 
 F32 = "float32"
@@ -173,7 +173,7 @@ def test_canonical_ops_compute_their_definition(name, ref):
 
 def test_torch_and_onnx_imports_of_one_network_canonicalize_to_the_same_graph(tmp_path):
     import autoq
-    from autoq.graph import prepare
+    from autoq.ir.graph import prepare
 
     torch, net = torch_cnn()
     x = torch.randn(1, 3, 16, 16)

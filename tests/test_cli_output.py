@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_cli import TARGET, assert_user_error, run, tiny_onnx
 
-from autoq.output_dir import MARKER
+from autoq.cli.output_dir import MARKER
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +69,9 @@ def test_failure_mid_write_leaves_the_old_result(files, tmp_path, capsys, monkey
     def crash(*a, **k):
         raise RuntimeError("disk full (simulated)")
 
-    import autoq.summary
+    import autoq.cli.summary
 
-    monkeypatch.setattr(autoq.summary, "quantize_report", crash)
+    monkeypatch.setattr(autoq.cli.summary, "quantize_report", crash)
     code, _, err = quantize(capsys, files, out)
     assert code == 1 and "disk full" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -106,7 +106,7 @@ def test_second_process_on_the_same_out_is_refused(files, tmp_path, capsys):
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
-            from autoq.output_dir import OutputDir
+            from autoq.cli.output_dir import OutputDir
             with OutputDir({str(out)!r}) as o:
                 print("locked", flush=True)
                 sys.stdin.readline()

@@ -18,7 +18,7 @@ import autoq
 from autoq import qnn
 from autoq.cpu import blocked
 from autoq.cpu.lowering import lower_to_cpu_kernels
-from autoq.toolkit import bindings, is_call, shape_of
+from autoq.ir.toolkit import bindings, is_call, shape_of
 
 TARGETS = [p for p in EPILOGUE_TARGETS if p.id != "amx"]  # AVX2 and VNNI
 # out channels, kernel, stride, padding, depthwise of each conv of the chain

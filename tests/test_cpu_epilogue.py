@@ -19,7 +19,7 @@ import autoq
 from autoq import qnn
 from autoq.cpu import amx, epilogue
 from autoq.cpu.lowering import lower_to_cpu_kernels
-from autoq.toolkit import shape_of
+from autoq.ir.toolkit import shape_of
 
 HOST = tvm.target.codegen.llvm_get_system_cpu()
 FLAGS = amx.cpu_flags(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")

@@ -20,7 +20,7 @@ from autoq import qnn
 from autoq.cpu import blocked_elementwise, residual
 from autoq.cpu.epilogue import Epilogue
 from autoq.cpu.lowering import lower_to_cpu_kernels
-from autoq.toolkit import bindings, is_call, shape_of
+from autoq.ir.toolkit import bindings, is_call, shape_of
 
 X_SHAPE = (2, 16, 9, 10)  # batch 2
 _LIMITS = {"int8": (-128, 127), "uint8": (0, 255)}

@@ -9,7 +9,9 @@ import numpy as np
 import onnx
 import pytest
 
-from autoq import cli, demo
+from autoq import cli
+
+from autoq.cli import demo
 from models import TARGET
 
 

@@ -16,12 +16,12 @@ from tvm import relax
 import autoq
 from autoq import Config, QParam, QuantSpec, calibrate, realize, simulate
 from autoq import primitives as P
-from autoq.calibrate import samples_for
+from autoq.calibration import samples_for
 from autoq.calibrators.percentile import Percentile
-from autoq.canonicalize import hardswish
+from autoq.ir.canonicalize import hardswish
 from autoq.config import Distributed
 from autoq.errors import InputError
-from autoq.fidelity import compare, expose_slots
+from autoq.fallback.fidelity import compare, expose_slots
 from autoq.qnn import conv2d as qconv2d
 from models import TARGET, Builder, Runner, small_cnn
 
@@ -223,7 +223,7 @@ def test_fallback_of_the_depthwise_conv_remaps_to_the_covering_grid():
     (``remap_qparams``): a per-channel slot whose depthwise reader falls back to fp32 gets
     the per-tensor grid covering every channel's calibrated range (was: realize refused
     the per-axis qparams)."""
-    from autoq.auto_fallback import remap_qparams
+    from autoq.fallback.auto_fallback import remap_qparams
 
     mod, params, data = chain()
     src, qp, _ = quantize(mod, params, data, cfg(lut_input_per_channel=True))

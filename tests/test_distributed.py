@@ -1,5 +1,5 @@
 """Distributed calibration on a Dask LocalCluster (issue 18): the qparams are the same bit for
-bit as in-process calibration (the reference: ``autoq.calibrate``, itself checked against
+bit as in-process calibration (the reference: ``autoq.calibration``, itself checked against
 numpy in test_calibrate.py) for every calibrator, both calibration modes and any number of
 shards; worker-side sources are never read by the coordinator; a killed worker fails the run
 with an error naming its shard.
@@ -321,7 +321,7 @@ def test_config_and_cli(tmp_path):
     with pytest.raises(ValueError, match="workers must be an int >= 1"):
         Distributed(workers=0)
     from autoq.cli import _config
-    from autoq.cli_args import build_parser
+    from autoq.cli.args import build_parser
 
     args = build_parser().parse_args(["quantize", "m.onnx", "--calib", "d", "--workers", "3"])
     assert _config(args).distributed == Distributed(workers=3)
@@ -365,7 +365,7 @@ def test_killed_worker_is_restarted_or_reported_with_its_shard(client, model):
 
 def test_scale_health_merges_across_shards(client, model):
     """An extreme value in the last shard's last sample: the distributed calibration finds
-    the same unusable scales (autoq.scale_health) as the in-process one."""
+    the same unusable scales (autoq.calibration.scale_health) as the in-process one."""
     mod, params, data = model
     data = [x.copy() for x in data]
     data[-1][0, 0, 0, 0] = 1e30

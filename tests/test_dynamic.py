@@ -1,5 +1,5 @@
-"""Dynamic quantization (autoq.dynamic): ``qnn.dynamic_quantize`` against its numpy
-reference (autoq.runtime_qparams) bit for bit, whole models against an independent numpy
+"""Dynamic quantization (autoq.realization.dynamic): ``qnn.dynamic_quantize`` against its numpy
+reference (autoq.qnn.runtime_qparams) bit for bit, whole models against an independent numpy
 reimplementation of the same scheme, ONNX Runtime's DynamicQuantizeLinear, the transformer
 block, the JSON round trip and the configuration errors."""
 
@@ -14,7 +14,7 @@ from tvm import relax
 import autoq
 from autoq import Config, Fallback, Override, QuantSpec, qnn
 from autoq import primitives as P
-from autoq import runtime_qparams as R
+from autoq.qnn import runtime_qparams as R
 from autoq.config import AutoFallback
 from autoq.qnn import QnnError
 from models import Runner, attention, mlp, run, run_tuple
@@ -135,7 +135,7 @@ def test_transformer_block(gran):
     cfg = Config(activation=QuantSpec(dynamic=True, granularity=gran), progress=False)
     res = autoq.Quantizer(cfg).run(mod, params, None)
     assert res.int8_layers == ["attn.q", "attn.k", "attn.v", "attn.out"]
-    assert set(res.fp32_layers.values()) == {autoq.dynamic.NO_DYNAMIC_FORM}
+    assert set(res.fp32_layers.values()) == {autoq.realization.dynamic.NO_DYNAMIC_FORM}
     text = res.module["main"].script()
     assert text.count('"qnn.dynamic_quantize"') == 2 and text.count('"qnn.dense"') == 4
     x = data(1, seed=3)[0]

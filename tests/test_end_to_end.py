@@ -17,8 +17,8 @@ from tvm import relax
 
 import autoq
 from autoq import Config, Fallback, calibrate, realize, simulate
-from autoq.calibrate import samples_for
-from autoq.fidelity import compare
+from autoq.calibration import samples_for
+from autoq.fallback.fidelity import compare
 from models import TARGET, Builder, Runner, attention, conv, mlp, small_cnn
 
 TOL = 0.04
@@ -213,7 +213,7 @@ def test_quantize_one_call_and_export(tmp_path):
 
 def _masked_attention():
     """Attention scores + an additive mask of 0 / finfo.min given as an input (a mask made
-    in the graph from a finfo.min constant is rewritten, see autoq.attention_mask)."""
+    in the graph from a finfo.min constant is rewritten, see autoq.ir.attention_mask)."""
     b = Builder(4)
     x = b.input("x", (1, 8, 16))
     mask = b.input("mask", (1, 1, 8))
@@ -273,7 +273,7 @@ def test_unbounded_attention_masks_stay_fp32():
 def test_an_activation_that_is_nan_on_one_sample_is_reported_unbounded():
     """sqrt of a negative input is NaN: the dense reading it must not be quantized, even
     when the NaN shows up only in the second sample (Python's min/max would drop it)."""
-    from autoq.guard import layers_using, unbounded_slots
+    from autoq.fallback.guard import layers_using, unbounded_slots
 
     b = Builder(3)
     x = b.input("x", (1, 8))

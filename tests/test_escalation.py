@@ -1,4 +1,4 @@
-"""Automatic int16 escalation of activation tensors (autoq.escalation) on a tiny
+"""Automatic int16 escalation of activation tensors (autoq.fallback.escalation) on a tiny
 transformer block: the switchable graph predicts the int16 simulated graph, the search
 keeps within its budget and finds the planted outlier tensor, and the realized result
 equals its simulated graph bit for bit."""
@@ -13,14 +13,14 @@ from tvm import relax
 
 import autoq
 from autoq import AutoFallback, Config
-from autoq.calibrate import calibrate, samples_for
+from autoq.calibration import calibrate, samples_for
 from autoq.config import QuantSpec
-from autoq.escalation import INT16_HEADROOM, EscalationGraph, escalate_search, int16_qparam
-from autoq.fidelity import compare
+from autoq.fallback.escalation import INT16_HEADROOM, EscalationGraph, escalate_search, int16_qparam
+from autoq.fallback.fidelity import compare
 from autoq.metrics import sqnr_db
 from autoq.qparams import QParam
-from autoq.realize import realize
-from autoq.simulate import simulate
+from autoq.realization import realize
+from autoq.simulation import simulate
 from models import TARGET, Builder, Runner, conv
 
 SEQ, DIM, HID = 8, 16, 32

@@ -1,4 +1,4 @@
-"""Backward elimination for the int16 escalation (autoq.escalation_elimination,
+"""Backward elimination for the int16 escalation (autoq.fallback.escalation_elimination,
 AutoFallback(search="eliminate")): on a synthetic score with redundant tensors it finds the
 brute-force best set of the budget's size where the one-shot revert ranking does not; tensors
 that do not help are dropped (trial and held-out); on the tiny transformer every kept tensor's
@@ -13,12 +13,12 @@ from test_escalation import calibrated, data  # noqa: F401  (the fixture)
 
 import autoq
 from autoq import AutoFallback, Config
-from autoq.calibrate import samples_for
-from autoq.escalation import escalate_search, trial_set
-from autoq.escalation_elimination import eliminate, prune_on_held
-from autoq.fidelity import compare
+from autoq.calibration import samples_for
+from autoq.fallback.escalation import escalate_search, trial_set
+from autoq.fallback.escalation_elimination import eliminate, prune_on_held
+from autoq.fallback.fidelity import compare
 from autoq.metrics import sqnr_db
-from autoq.simulate import simulate
+from autoq.simulation import simulate
 from models import TARGET, small_cnn
 
 ALONE = {"a": 4.0, "b": 4.0, "c": 4.0, "d": 2.0, "e": 1.5, "z": 0.0}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from autoq import AutoFallback, Config, Quantizer
-from autoq.auto_fallback import split_holdout
+from autoq.fallback.auto_fallback import split_holdout
 from autoq.metrics import sqnr_db
 from models import TARGET, small_cnn
 

@@ -1,4 +1,4 @@
-"""autoq.frontends and autoq.prepare.fold_batch_norm against ONNX Runtime, torch and numpy."""
+"""autoq.frontends and autoq.ir.prepare.fold_batch_norm against ONNX Runtime, torch and numpy."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tvm import relax
 
 from autoq import frontends
 from autoq.frontends import FrontendError, UnsupportedOpsError, from_onnx, onnx_model
-from autoq.prepare import fold_batch_norm
+from autoq.ir.prepare import fold_batch_norm
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -554,7 +554,7 @@ def test_batch_norm_written_as_sub_mul_add_is_folded():
 
 
 def test_model_path_names_the_pip_package(monkeypatch):
-    from autoq import models
+    from autoq.cli import models
 
     fake = models.ModelSpec("fake", "fake-models-pkg", "fake_models_pkg_xyz", "m.onnx", "onnx", "")
     monkeypatch.setitem(models.MODELS, "fake", fake)
@@ -573,7 +573,7 @@ def test_onnx_weights_folded_by_torch_are_named_after_their_module_like_from_tor
 
     from autoq.frontends import from_torch
     from autoq.frontends.onnx import module_path
-    from autoq.matching import match
+    from autoq.ir.matching import match
 
     assert module_path("/layer1/layer1.0/downsample/downsample.0/Conv") == "layer1.0.downsample.0"
     assert module_path("/conv1/Conv") == "conv1"

@@ -1,4 +1,4 @@
-"""autoq.gptq and autoq.scale_search: against round-to-nearest, an independent OBQ-style
+"""autoq.accuracy.gptq and autoq.scale_search: against round-to-nearest, an independent OBQ-style
 reference (explicit inverse downdates, no Cholesky, no blocks) and brute force."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from reference_ops import conv2d_loops
 
-import autoq.gptq as G
+import autoq.accuracy.gptq as G
 import autoq.scale_search as S
-from autoq.gptq import gptq, rtn
-from autoq.hessian import ConvGeometry, Hessian, flatten_conv_weight, unflatten_conv_weight
+from autoq.accuracy.gptq import gptq, rtn
+from autoq.accuracy.hessian import ConvGeometry, Hessian, flatten_conv_weight, unflatten_conv_weight
 
 QMIN, QMAX = -127, 127
 

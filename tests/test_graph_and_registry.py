@@ -8,9 +8,9 @@ from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
 from autoq import Config, Fallback
-from autoq.graph import GraphError, prepare
-from autoq.matching import find_matches, layer_ids
-from autoq.registry import PATTERNS, Pattern, ordered_patterns, register
+from autoq.ir.graph import GraphError, prepare
+from autoq.ir.matching import find_matches, layer_ids
+from autoq.ir.registry import PATTERNS, Pattern, ordered_patterns, register
 from models import Builder, conv, small_cnn
 
 

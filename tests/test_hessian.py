@@ -1,4 +1,4 @@
-"""autoq.hessian: im2col against a loop convolution, H and the output-error identity."""
+"""autoq.accuracy.hessian: im2col against a loop convolution, H and the output-error identity."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from reference_ops import conv2d_loops
 
-import autoq.hessian as Hm
-from autoq.hessian import (
+import autoq.accuracy.hessian as Hm
+from autoq.accuracy.hessian import (
     CodeHessian,
     ConvGeometry,
     Hessian,
@@ -266,7 +266,7 @@ def test_code_hessian_update_rows_equals_update(bound):
     """Rows gathered from a float input and quantized (quantize_offset) add the same int64
     sums as the whole input quantized (quantize - zero point) and then unfolded."""
     from autoq import primitives as P
-    from autoq.weight_tuning import quantize_offset
+    from autoq.accuracy.weight_tuning import quantize_offset
 
     dtype = "int8" if bound == 127 else "int16"
     geom = ConvGeometry(kernel=(3, 3), strides=(2, 2), padding=(1, 1, 1, 1))

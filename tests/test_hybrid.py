@@ -1,4 +1,4 @@
-"""Static + dynamic hybrid (autoq.hybrid): dense layers made dynamic by an Override in a
+"""Static + dynamic hybrid (autoq.rules.hybrid): dense layers made dynamic by an Override in a
 calibrated static model. The realized module equals the calibrated simulated graph (every
 static slot's integers, and the output within float32 rounding), the dynamic layers are per
 token at run time (a row's output does not depend on the other rows; per tensor it does),
@@ -16,10 +16,10 @@ from test_escalation import data, tiny_transformer
 import autoq
 from autoq import AutoFallback, Config, Fallback, Override, QuantSpec
 from autoq import primitives as P
-from autoq.calibrate import samples_for
-from autoq.fidelity import compare
+from autoq.calibration import samples_for
+from autoq.fallback.fidelity import compare
 from autoq.metrics import sqnr_db
-from autoq.simulate import simulate
+from autoq.simulation import simulate
 from models import TARGET, Runner, attention, mlp
 
 TOKEN = QuantSpec(dynamic=True, granularity="token")
@@ -157,7 +157,7 @@ def test_a_layer_without_dynamic_form_is_an_error():
 
 def test_per_layer_report_switches_dynamic_layers(hybrid):
     """Quantizer(report=True): the analysis graph has a switch per layer, dynamic ones too
-    (switched off, a dynamic layer computes its float result: autoq.hybrid.simulated_input);
+    (switched off, a dynamic layer computes its float result: autoq.rules.hybrid.simulated_input);
     every layer gets an SQNR, and a dynamic layer alone is closer to fp32 than the model."""
     mod, params, _ = hybrid
     res = autoq.Quantizer(HYBRID, target=TARGET, report=True).run(mod, params, data(8, 1))

@@ -23,7 +23,7 @@ import tvm
 from tvm import relax
 
 import autoq
-from autoq.toolkit import bindings, is_call
+from autoq.ir.toolkit import bindings, is_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import npu_backend

@@ -34,8 +34,8 @@ from tvm import relax  # noqa: E402
 
 import autoq  # noqa: E402
 from autoq.frontends import QuantizedModelError  # noqa: E402
-from autoq.import_quantized import QuantizedImportError, realize_file  # noqa: E402
-from autoq.toolkit import as_list, bindings, const_array, is_call  # noqa: E402
+from autoq.importers import QuantizedImportError, realize_file  # noqa: E402
+from autoq.ir.toolkit import as_list, bindings, const_array, is_call  # noqa: E402
 
 _QD = torch.ops.quantized_decomposed
 _ATEN = torch.ops.aten

@@ -48,7 +48,7 @@ from tvm import relax
 import autoq
 from autoq import Config, Fallback, QParams, import_quantized, realize
 from autoq.frontends import QuantizedModelError, UnsupportedOpsError, from_onnx
-from autoq.import_quantized import QuantizedImportError, is_quantized_onnx
+from autoq.importers import QuantizedImportError, is_quantized_onnx
 from models import TARGET, op_sequence
 
 ort = pytest.importorskip("onnxruntime")
@@ -534,7 +534,7 @@ def test_residual_layer_follows_the_files_quantization_points(tmp_path):
     assert report.layers["c3"] == "conv2d_bias" and report.layers["add_3"] == "add"
     _, sim = _autoq_quantize(model, shape)
     assert {m.layer: m.pattern.name for m in sim.matches}["c3"] == "conv2d_bias_add"
-    from autoq.registry import ordered_patterns
+    from autoq.ir.registry import ordered_patterns
 
     no_add = tuple(sorted(p.name for p in ordered_patterns() if not p.name.endswith("_add")))
     ours, sim = _autoq_quantize(model, shape, Config(progress=False, patterns=no_add))

@@ -16,10 +16,10 @@ from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 from tvm import relax
 
-import autoq.matching
+import autoq.ir.matching
 from autoq import qnn, realize
-from autoq.import_quantized import import_quantized
-from autoq.toolkit import const
+from autoq.importers import import_quantized
+from autoq.ir.toolkit import const
 from models import TARGET, op_sequence
 
 
@@ -105,13 +105,13 @@ def qdq_file(identity: bool = False):
 @pytest.fixture
 def matcher_calls(monkeypatch):
     calls = []
-    real = autoq.matching.match_all
+    real = autoq.ir.matching.match_all
 
     def counting(g, patterns):
         calls.append(len(patterns))
         return real(g, patterns)
 
-    monkeypatch.setattr(autoq.matching, "match_all", counting)
+    monkeypatch.setattr(autoq.ir.matching, "match_all", counting)
     return calls
 
 

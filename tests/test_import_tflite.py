@@ -10,7 +10,7 @@ written by scripts/make_tflite_model.py.
 * ``tiny_cnn_int8.tflite`` (conv + relu6, depthwise + relu6, 1x1 conv, residual ADD, average
   pool, 1x1 conv + relu, MEAN, fully connected): **bit-exact** on the 8 crops and 8 random
   int8 images. ``rounding="tflite"`` follows TFLite's kernels where they do more than one
-  requantize (:mod:`autoq.tflite_arith`): ADD rescales both operands after a 20-bit left
+  requantize (:mod:`autoq.qnn.tflite_arith`): ADD rescales both operands after a 20-bit left
   shift (three roundings), AVERAGE_POOL_2D divides the raw integer sum by the count rounding
   half away from zero, MEAN folds ``1 / N`` into its multiplier by an integer division, and
   conv / fully connected multipliers take ``s_x * s_w`` in double. Before: 50/80 outputs
@@ -33,8 +33,8 @@ import tvm  # noqa: E402
 from tvm import relax  # noqa: E402
 
 import autoq  # noqa: E402
-from autoq.import_quantized import QuantizedImportError, tflite_to_qdq  # noqa: E402
-from autoq.toolkit import bindings, const_array, is_call  # noqa: E402
+from autoq.importers import QuantizedImportError, tflite_to_qdq  # noqa: E402
+from autoq.ir.toolkit import bindings, const_array, is_call  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 
@@ -118,7 +118,7 @@ def test_rounding_modes_other_than_tflite_are_not_exact(inputs):
 
 def test_unsupported_tflite_op_is_named(tmp_path):
     """A model with an op outside the rule table: the error names the op and its output."""
-    from autoq.import_quantized import tflite as T
+    from autoq.importers import tflite as T
 
     data = (DATA / "tiny_cnn_int8.tflite").read_bytes()
     saved = T.RULES.pop("MEAN")

@@ -1,4 +1,4 @@
-"""AutoFallback(precision="int16_first") (autoq.int16_first): the search tries each ranked
+"""AutoFallback(precision="int16_first") (autoq.fallback.int16_first): the search tries each ranked
 layer with int16 activations before fp32, on one compiled graph with both kinds of switch;
 what it measured is what the realized module computes."""
 
@@ -10,12 +10,12 @@ from test_analyze import outlier_cnn
 
 import autoq
 from autoq import AutoFallback, Config
-from autoq.calibrate import calibrate
-from autoq.escalation import EscalationGraph
-from autoq.int16_first import int16_first_search, layer_int16_slots
+from autoq.calibration import calibrate
+from autoq.fallback.escalation import EscalationGraph
+from autoq.fallback.int16_first import int16_first_search, layer_int16_slots
 from autoq.metrics import sqnr_db
-from autoq.realize import realize
-from autoq.simulate import simulate
+from autoq.realization import realize
+from autoq.simulation import simulate
 from models import TARGET, Runner
 
 CFG = Config(progress=False, weight_rounding="nearest")
@@ -80,7 +80,7 @@ def test_pipeline_realizes_what_the_search_measured():
     assert not res.fp32_layers and Config.loads(res.config.dumps()) == res.config
     assert res.qparams["relu_1"].dtype == "int16" and res.qparams["relu_0"].dtype == "int8"
     # the switched graph re-expresses int16 integers on the int8 grid in float32
-    # (autoq.escalation): close to the realized int16 (here 42.3 vs 43.7 dB), not exact;
+    # (autoq.fallback.escalation): close to the realized int16 (here 42.3 vs 43.7 dB), not exact;
     # all int8 is ~13 dB lower
     fp, q = Runner(mod, params), Runner(res.module)
     got = sqnr_db([fp(x) for x in data], [q(x) for x in data])

@@ -3,7 +3,7 @@ average pools (patterns/avg_pool2d.py) and elementwise ops with a constant opera
 (patterns/elementwise_const.py; ``x / c`` through canonicalization as ``x * (1/c)``).
 
 Each is checked three ways: the realized graph has the integer form and no float op; the
-simulated graph predicts every realized integer bit for bit (autoq.fidelity.compare); and
+simulated graph predicts every realized integer bit for bit (autoq.fallback.fidelity.compare); and
 the result is close to the float model (numpy / the fp32 module as reference).
 """
 

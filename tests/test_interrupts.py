@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from test_cli import TARGET, tiny_onnx
 
-from autoq.value_cache import SPILL_PREFIX, ValueCache
+from autoq.calibration.value_cache import SPILL_PREFIX, ValueCache
 
 AUTOQ = Path(sys.executable).with_name("autoq")
 
@@ -59,7 +59,9 @@ def test_ctrl_c_during_startup_is_one_line():
 # segment until a signal arrives
 _RUNNER = textwrap.dedent("""
     import sys, time
-    from autoq import cli, shard_runner, value_cache
+    from autoq import cli
+    from autoq.calibration import shard_runner
+    from autoq.calibration import value_cache
 
     init = value_cache.ValueCache.__init__
     def spill_all(self, budget, cache_dir=None):

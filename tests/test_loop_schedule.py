@@ -1,4 +1,4 @@
-"""autoq.loop_schedule: the cheap default schedule of calibration's kernels changes the
+"""autoq.ir.loop_schedule: the cheap default schedule of calibration's kernels changes the
 speed, never the bits (float data, every reduction kind the models use), and calibration
 with it chooses exactly the qparams it chose without it."""
 
@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 
 from autoq import Config, calibrate, simulate
-from autoq.loop_schedule import pipeline_with_loop_schedule, schedule_reductions
+from autoq.ir.loop_schedule import pipeline_with_loop_schedule, schedule_reductions
 from models import small_cnn
 
 OPT_TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
@@ -93,7 +93,7 @@ def test_calibration_qparams_unchanged(monkeypatch, mode):
     sim = simulate(mod, params, config)
     fast = calibrate(sim, params, data(6, 2), config, target=OPT_TARGET)
     monkeypatch.setattr(
-        importlib.import_module("autoq.calibrate"), "calibration_pipeline", lambda t: None
+        importlib.import_module("autoq.calibration"), "calibration_pipeline", lambda t: None
     )
     plain = calibrate(sim, params, data(6, 2), config, target=OPT_TARGET)
     assert set(fast) == set(plain)

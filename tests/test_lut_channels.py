@@ -14,13 +14,13 @@ from tvm import relax
 import autoq
 from autoq import Config, QParam, QuantSpec, calibrate, realize, simulate
 from autoq import primitives as P
-from autoq.calibrate import samples_for
+from autoq.calibration import samples_for
 from autoq.calibrators.percentile import Percentile
-from autoq.canonicalize import hardswish
+from autoq.ir.canonicalize import hardswish
 from autoq.cpu.lut import channel_lut_kernel, vbmi_channel_lut_kernel
 from autoq.errors import InputError
-from autoq.fidelity import compare
-from autoq.lut_channels import per_channel_inputs
+from autoq.fallback.fidelity import compare
+from autoq.rules.lut_channels import per_channel_inputs
 from autoq.qnn.lut import lut
 from models import TARGET, Builder, Runner, conv2d_nchw, small_cnn
 
@@ -75,7 +75,7 @@ def test_slots_go_per_channel_only_for_a_conv_read_by_one_lookup():
     # the lookup computed in float (16-bit output): per tensor
     int16 = cfg(int16_tensors=("autoq.hardswish_0",))
     assert simulate(mod, params, int16).slots["c1"].axis is None
-    m = autoq.matching.as_matched(mod, params, cfg())
+    m = autoq.ir.matching.as_matched(mod, params, cfg())
     assert list(per_channel_inputs(m.graph, m.active(cfg().fallback), cfg(on=False))) == []
 
 
@@ -238,10 +238,10 @@ def test_models_without_a_lookup_are_unchanged():
 
 
 def test_escalation_switches_a_per_channel_slot_to_int16():
-    """autoq.escalation on a per-channel lookup input: all switches off = the calibrated
+    """autoq.fallback.escalation on a per-channel lookup input: all switches off = the calibrated
     realized module exactly; that slot switched on ~ the module realized with
     Config.int16_tensors=(slot,) (a per-tensor int16 slot, its lookup in float)."""
-    from autoq.escalation import EscalationGraph
+    from autoq.fallback.escalation import EscalationGraph
     from autoq.metrics import sqnr_db
 
     mod, params, data = conv_hswish()

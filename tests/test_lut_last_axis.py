@@ -1,5 +1,5 @@
 """Per-channel lookups on the last axis (``Config.lut_input_per_channel`` for a
-transformer's GELU; the ``lookup`` kind of autoq.residual_channels): which slots go per
+transformer's GELU; the ``lookup`` kind of autoq.rules.residual_channels): which slots go per
 channel, the realized per-channel lookup against numpy (generic lowering and the CPU
 kernels), realized == simulated, per-channel calibration, the int16 escalation switching
 one such slot, and a 4-D lookup written by a float op left per tensor."""
@@ -15,10 +15,11 @@ from test_hybrid import TOKEN
 from tvm import relax
 
 import autoq
-from autoq import Config, Override, QuantSpec, realize, residual_channels, simulate
+from autoq import Config, Override, QuantSpec, realize, simulate
+from autoq.rules import residual_channels
 from autoq import primitives as P
-from autoq.calibrate import samples_for
-from autoq.fidelity import compare
+from autoq.calibration import samples_for
+from autoq.fallback.fidelity import compare
 from autoq.metrics import sqnr_db
 from autoq.qnn.lut import lut
 from models import TARGET, Builder, Runner
@@ -173,7 +174,7 @@ def test_realized_equals_simulated(block, rounding, int16):
 def test_per_channel_grids_follow_each_channel(block, monkeypatch):
     """The input slot's per-channel ranges follow GAIN (MSE calibration: each channel's own
     search). On held-out samples the per-channel model is closer to fp32 than the per-tensor
-    one only with the headroom (autoq.residual_channels.HEADROOM, 1.25: each channel's range
+    one only with the headroom (autoq.rules.residual_channels.HEADROOM, 1.25: each channel's range
     from 128 tokens clips their tails; measured 37.5 dB, 27.9 dB at 1, 30.5 dB per tensor);
     on the calibration samples also without it. The headroom scales each channel's range."""
     mod, params, res = block
@@ -196,10 +197,10 @@ def test_per_channel_grids_follow_each_channel(block, monkeypatch):
 
 
 def test_escalation_switches_a_last_axis_lookup_slot_to_int16(block):
-    """autoq.escalation on the per-channel GELU input: all switches off = the calibrated
+    """autoq.fallback.escalation on the per-channel GELU input: all switches off = the calibrated
     realized module exactly; that slot switched on ~ the module realized with it in
     Config.int16_tensors (int16 per tensor, the GELU in float, its output per channel)."""
-    from autoq.escalation import EscalationGraph
+    from autoq.fallback.escalation import EscalationGraph
 
     mod, params, res = block
     sim = simulate(res.matched, None, res.config)
@@ -219,7 +220,7 @@ def test_escalation_switches_a_last_axis_lookup_slot_to_int16(block):
 
 
 def test_a_4d_lookup_written_by_a_float_op_stays_per_tensor():
-    """NCHW lookups are autoq.lut_channels' (a conv writer, axis 1): a 4-D input written by
+    """NCHW lookups are autoq.rules.lut_channels' (a conv writer, axis 1): a 4-D input written by
     a float op stays per tensor with the option on, and the module is the one without it."""
     b = Builder(3)
     x = b.input("x", (1, 4, 6, 6))

@@ -11,10 +11,10 @@ from tvm import relax
 
 import autoq
 from autoq import Config, realize, simulate
-from autoq.calibrate import samples_for
-from autoq.canonicalize import hardswish
-from autoq.fidelity import compare
-from autoq.lut_ranges import cut, flat_interval, lut_input_bounds
+from autoq.calibration import samples_for
+from autoq.ir.canonicalize import hardswish
+from autoq.fallback.fidelity import compare
+from autoq.rules.lut_ranges import cut, flat_interval, lut_input_bounds
 from models import TARGET, Builder, Runner, conv2d_nchw
 
 
@@ -48,7 +48,7 @@ def numpy_model(params, x):
 
 def test_flat_intervals_are_flat():
     """Beyond each interval the activation is within 5e-8 of its value at the end (numpy)."""
-    from autoq.activations import ACTIVATIONS
+    from autoq.ir.activations import ACTIVATIONS
 
     for act in ACTIVATIONS.values():
         lo, hi = flat_interval(act.name)
@@ -130,7 +130,7 @@ def test_cut_logit_is_not_a_scale_problem():
     assert not r.fp32_layers
     assert not r.qparams.meta["scale_problems"]
     z = data[0].astype(np.float64) * 30.0 - 40.0
-    from autoq.scale_health import CLIPPED_LIMIT
+    from autoq.calibration.scale_health import CLIPPED_LIMIT
 
     assert np.mean(np.abs(z) > 17) > CLIPPED_LIMIT  # enough beyond the cut to be "clipped"
     want = 1.0 / (1.0 + np.exp(-z))

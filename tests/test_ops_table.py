@@ -19,7 +19,7 @@ from test_realize import cfg, quantize_all
 from tvm import relax
 
 import autoq.byoc
-from autoq.toolkit import bindings, op_name
+from autoq.ir.toolkit import bindings, op_name
 from models import Builder, conv
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "ops.md"
@@ -82,7 +82,7 @@ def _layer(b: Builder, x, name: str):
     fn = {
         "sigmoid": relax.op.sigmoid, "tanh": relax.op.tanh, "silu": relax.op.nn.silu,
         "gelu": relax.op.nn.gelu, "gelu_tanh": relax.op.nn.gelu_tanh,
-        "hardswish": autoq.canonicalize.hardswish, "hardsigmoid": autoq.canonicalize.hardsigmoid,
+        "hardswish": autoq.ir.canonicalize.hardswish, "hardsigmoid": autoq.ir.canonicalize.hardsigmoid,
     }[name]  # fmt: skip
     return emit(fn(x))
 
@@ -120,7 +120,7 @@ CASES = [
 
 
 def test_the_table_names_every_default_pattern_and_real_shapes():
-    from autoq.registry import ordered_patterns
+    from autoq.ir.registry import ordered_patterns
 
     assert {c[0] for c in CASES} == {p.name for p in ordered_patterns()}
     shapes = {s.name for s in autoq.byoc.SHAPES}

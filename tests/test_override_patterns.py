@@ -16,8 +16,8 @@ from test_escalation import data, tiny_transformer
 import autoq
 from autoq import Config, Override, QuantSpec
 from autoq.layer_rules import compile_layer_rule
-from autoq.matching import match
-from autoq.simulate import simulate
+from autoq.ir.matching import match
+from autoq.simulation import simulate
 from models import TARGET, Runner
 
 TOKEN = QuantSpec(dynamic=True, granularity="token")

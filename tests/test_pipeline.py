@@ -17,7 +17,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import autoq
-from autoq import AutoFallback, Config, Quantizer, cli, matching
+from autoq import AutoFallback, Config, Quantizer, cli
+from autoq.ir import matching
 from models import TARGET, Runner, small_cnn
 
 CLI_TARGET = json.dumps({"kind": "llvm", "opt-level": 0})
@@ -25,7 +26,7 @@ CLI_TARGET = json.dumps({"kind": "llvm", "opt-level": 0})
 
 @pytest.fixture
 def matcher_calls(monkeypatch):
-    """Count the calls of the matcher itself (autoq.matching.match_all)."""
+    """Count the calls of the matcher itself (autoq.ir.matching.match_all)."""
     calls = []
     real = matching.match_all
 
@@ -107,7 +108,7 @@ def test_a_generator_is_read_once_and_every_sample_is_used():
 def masked_attention_onnx(path):
     """x (1, 6, 8) -> q = x W^T; scores = q x^T + mask; softmax; @ x, with ``mask`` an
     additive 0 / finfo.min input (a finfo.min constant in the graph would be rewritten to a
-    quantizable one, see autoq.attention_mask)."""
+    quantizable one, see autoq.ir.attention_mask)."""
     rng = np.random.default_rng(3)
     w = numpy_helper.from_array((rng.normal(size=(8, 8)) * 0.3).astype(np.float32), "q.weight")
     nodes = [

@@ -17,7 +17,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import autoq.primitives as P
-import autoq.tflite_arith as TA
+import autoq.qnn.tflite_arith as TA
 
 F32 = np.float32
 SETTINGS = settings(max_examples=300, deadline=None)
@@ -731,7 +731,7 @@ def test_elementwise_golden():
     modes = ("float", "half_even", "half_away", "half_up", "tflite", "tflite_single")
 
     def all_modes(kind, *args, **kw):
-        # tflite: TFLite's three-rounding kernel (autoq.tflite_arith), the same results here
+        # tflite: TFLite's three-rounding kernel (autoq.qnn.tflite_arith), the same results here
         ref = {"tflite": TA.elementwise}
         return [int(ref.get(r, P.elementwise)(kind, *args, rounding=r, **kw)) for r in modes]
 

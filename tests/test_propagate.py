@@ -1,4 +1,4 @@
-"""autoq.realize.propagate as a specification: Before / Expected modules, hand-built, compared
+"""autoq.realization.propagate as a specification: Before / Expected modules, hand-built, compared
 with tvm.ir.assert_structural_equal (the way TVM's own tests/python/relax pin passes).
 
 Each case states one rule of the allow-list table (autoq/allow_list.py) or of requantize
@@ -15,7 +15,7 @@ import tvm
 from tvm import relax
 
 from autoq import qnn
-from autoq.realize import propagate
+from autoq.realization import propagate
 
 F32 = "float32"
 

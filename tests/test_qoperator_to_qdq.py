@@ -1,4 +1,4 @@
-"""autoq.import_quantized.qoperator: QOperator -> QDQ, as Before/Expected graphs.
+"""autoq.importers.qoperator: QOperator -> QDQ, as Before/Expected graphs.
 
 Each test writes a small QOperator graph (Before) and, by hand, the QDQ graph the rewrite
 must produce (Expected), and compares them node by node: op type, domain, inputs, outputs,
@@ -16,9 +16,9 @@ import pytest
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
-from autoq.import_quantized import QuantizedImportError, qoperator_to_qdq
-from autoq.import_quantized.onnx_graph import INT32_CAST, QOPERATOR_OPS
-from autoq.import_quantized.qoperator import TABLE
+from autoq.importers import QuantizedImportError, qoperator_to_qdq
+from autoq.importers.onnx_graph import INT32_CAST, QOPERATOR_OPS
+from autoq.importers.qoperator import TABLE
 
 MS = "com.microsoft"
 

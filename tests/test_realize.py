@@ -10,8 +10,8 @@ from tvm import relax
 
 from autoq import Config, QParam, QuantSpec, calibrate, qnn, realize, simulate
 from autoq import primitives as P
-from autoq.calibrate import samples_for
-from autoq.fidelity import compare
+from autoq.calibration import samples_for
+from autoq.fallback.fidelity import compare
 from models import TARGET, Builder, attention, conv, mlp, op_sequence, small_cnn
 
 SYM = QuantSpec(dtype="int8", symmetric=True, calibrator="max")

@@ -1,5 +1,5 @@
 """Per-channel scales on the residual stream's last axis (``Config.residual_per_channel``,
-autoq.residual_channels): which slots go per channel, the per-channel ``qnn.add`` against a
+autoq.rules.residual_channels): which slots go per channel, the per-channel ``qnn.add`` against a
 numpy reference built channel by channel from the per-tensor reference, realized ==
 simulated, per-channel max calibration vs numpy, a gain on an outlier channel, option
 errors / JSON, and modules unchanged where nothing is servable."""
@@ -14,18 +14,19 @@ from test_hybrid import TOKEN
 from tvm import relax
 
 import autoq
-from autoq import AutoFallback, Config, Override, QuantSpec, residual_channels
+from autoq import AutoFallback, Config, Override, QuantSpec
+from autoq.rules import residual_channels
 from autoq import primitives as P
-from autoq.calibrate import samples_for
+from autoq.calibration import samples_for
 from autoq.config import Distributed
 from autoq.errors import InputError
-from autoq.fidelity import compare
+from autoq.fallback.fidelity import compare
 from autoq.metrics import sqnr_db
 from autoq.qnn import add, multiply, subtract
-from autoq.simulate import simulate
+from autoq.simulation import simulate
 from models import TARGET, Builder, Runner, run_tuple, small_cnn
 
-#: the block's one dense layer dynamic per token (autoq.hybrid), the rest static int8
+#: the block's one dense layer dynamic per token (autoq.rules.hybrid), the rest static int8
 HYBRID = Config(
     progress=False, check_scales=False, smooth_quant=None,
     overrides=(Override("pattern:dense*", activation=TOKEN),),

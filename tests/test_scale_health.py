@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings
 from tvm import relax
 
 import autoq
-from autoq import scale_health
+from autoq.calibration import scale_health
 from autoq.errors import CalibrationError, DatasetError
 from models import TARGET, mlp
 
@@ -101,7 +101,7 @@ def test_hand_edited_tiny_scale_is_refused():
 def test_worked_examples():
     import doctest
 
-    from autoq import scale_health
+    from autoq.calibration import scale_health
 
     assert doctest.testmod(scale_health).failed == 0
 

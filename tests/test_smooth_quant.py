@@ -1,4 +1,4 @@
-"""SmoothQuant (autoq.smoothing, autoq.smooth_quant): the rewritten float model computes the
+"""SmoothQuant (autoq.accuracy.smoothing, autoq.accuracy.smooth_quant): the rewritten float model computes the
 same function, the LayerNorm outputs lose their outlier channel, and the quantized model is
 closer to fp32 with it than without, on a tiny post-LN + pre-LN transformer block."""
 
@@ -11,15 +11,15 @@ import pytest
 
 import autoq
 from autoq import Config
-from autoq.calibrate import samples_for
+from autoq.calibration import samples_for
 from autoq.errors import InputError
-from autoq.fidelity import compare
-from autoq.matching import match
+from autoq.fallback.fidelity import compare
+from autoq.ir.matching import match
 from autoq.metrics import sqnr_db
-from autoq.simulate import simulate
-from autoq.smooth_quant import find_smoothable, smooth_graph
-from autoq.smoothing import check_alpha, smoothing_scales
-from autoq.toolkit import bindings, op_name
+from autoq.simulation import simulate
+from autoq.accuracy.smooth_quant import find_smoothable, smooth_graph
+from autoq.accuracy.smoothing import check_alpha, smoothing_scales
+from autoq.ir.toolkit import bindings, op_name
 from models import LN_OUTLIER as OUTLIER
 from models import TARGET, Runner, ln_block, small_cnn
 from models import ln_block_data as data
@@ -86,7 +86,7 @@ def test_layer_norm_outputs_lose_the_outlier(smoothed):
     _, _, g, new_mod, new_params, plans = smoothed
     g2 = match(new_mod, new_params, Config(progress=False)).graph
     samples = samples_for(data(8, 1), g2.inputs)
-    from autoq.smooth_quant import activation_maxima
+    from autoq.accuracy.smooth_quant import activation_maxima
 
     before = activation_maxima(g, plans, samples, TARGET)
     after = activation_maxima(g2, find_smoothable(g2), samples, TARGET)

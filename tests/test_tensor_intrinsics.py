@@ -1,4 +1,4 @@
-"""autoq.tensor_intrinsics: the cheap stack TVMScript's prim_func reads while TVM's tensor
+"""autoq.cpu.tensor_intrinsics: the cheap stack TVMScript's prim_func reads while TVM's tensor
 intrinsics are imported gives the same frames as inspect.stack where TVMScript looks, the
 same parsed functions (closure variables hidden by PEP 563, prim_funcs inside an
 ``@I.ir_module`` class), and the import registers TVM's stock intrinsics."""
@@ -15,7 +15,7 @@ import tvm
 from tvm.script import ir as I
 from tvm.script import tirx as T
 
-from autoq.tensor_intrinsics import CONTEXT_FRAMES, cheap_stack, cheap_tvmscript_stack
+from autoq.cpu.tensor_intrinsics import CONTEXT_FRAMES, cheap_stack, cheap_tvmscript_stack
 
 
 def _nested(depth: int):
@@ -105,7 +105,7 @@ def test_import_registers_the_stock_intrinsics():
     code = textwrap.dedent(
         """
         import inspect, sys
-        from autoq.tensor_intrinsics import import_tensor_intrinsics
+        from autoq.cpu.tensor_intrinsics import import_tensor_intrinsics
         import_tensor_intrinsics()
         import_tensor_intrinsics()  # idempotent
         import tvm

@@ -14,7 +14,7 @@ import pytest
 from test_primitives import tflite_multiply, tflite_single_multiply
 
 from autoq import primitives as P
-from autoq import tflite_arith as TA
+from autoq.qnn import tflite_arith as TA
 
 
 def _c_div(a: int, b: int) -> int:

@@ -30,9 +30,9 @@ from tvm import relax
 import autoq
 from autoq import Config
 from autoq.errors import InputError
-from autoq.tune import Tracker, TuningError, tune
-from autoq.tuning_database import RECORD_FILE, WORKLOAD_FILE, tuned_kernels
-from autoq.tuning_defaults import DEFAULTS_FILE, DefaultSchedules
+from autoq.tuning import Tracker, TuningError, tune
+from autoq.build.tuning_database import RECORD_FILE, WORKLOAD_FILE, tuned_kernels
+from autoq.build.tuning_defaults import DEFAULTS_FILE, DefaultSchedules
 from models import Builder, conv, image_data
 
 TUNE_DEPS = ("psutil", "xgboost", "cloudpickle")
@@ -97,7 +97,7 @@ def test_bad_arguments_name_the_option(tmp_path):
 
 
 def measured(default_s: float, tuned_s: float, calls: list | None = None):
-    """A stand-in for autoq.tune.measure_schedules: every default schedule takes
+    """A stand-in for autoq.tuning.measure_schedules: every default schedule takes
     ``default_s``, every tuned one ``tuned_s`` (the modules come as default, tuned pairs)."""
 
     def measure(mods, target, builder, runner):
@@ -109,7 +109,7 @@ def measured(default_s: float, tuned_s: float, calls: list | None = None):
 
 
 def tune_module():
-    return importlib.import_module("autoq.tune")
+    return importlib.import_module("autoq.tuning")
 
 
 @pytest.mark.tuning
@@ -331,7 +331,7 @@ def test_vnni_intrinsic_compiles_and_matches_numpy():
     gives the exact u8 x s8 -> s32 dot products."""
     from tvm.script import tirx as T
 
-    from autoq.x86_intrinsics import VNNI_INTRIN, register_vnni, target_has_vnni
+    from autoq.cpu.x86_intrinsics import VNNI_INTRIN, register_vnni, target_has_vnni
 
     @T.prim_func(s_tir=True)
     def dot(

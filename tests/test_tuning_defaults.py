@@ -1,4 +1,4 @@
-"""The side file of a tuning database (autoq.tuning_defaults): which kernels keep autoq's
+"""The side file of a tuning database (autoq.build.tuning_defaults): which kernels keep autoq's
 default schedule, from measured seconds; JSON round trip, atomic writes, corrupt files."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 import autoq.json_document
 from autoq.errors import InputError
-from autoq.tuning_defaults import DEFAULTS_FILE, DefaultSchedules, KernelChoice, keeps_default
+from autoq.build.tuning_defaults import DEFAULTS_FILE, DefaultSchedules, KernelChoice, keeps_default
 
 
 def choices() -> DefaultSchedules:

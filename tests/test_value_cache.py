@@ -1,4 +1,4 @@
-"""autoq.value_cache: cached values come back as they went in, aligned for TVM so that a
+"""autoq.calibration.value_cache: cached values come back as they went in, aligned for TVM so that a
 VM input read from RAM is the cached memory itself (no copy), and from disk a copy."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import tvm
 
-from autoq.value_cache import ALIGN, ValueCache, aligned_copy, as_tensor
+from autoq.calibration.value_cache import ALIGN, ValueCache, aligned_copy, as_tensor
 
 
 def test_aligned_copy_of_tensors_and_arrays():

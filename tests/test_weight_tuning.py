@@ -1,4 +1,4 @@
-"""Data-aware weights inside calibration (autoq.weight_tuning; Config.weight_rounding,
+"""Data-aware weights inside calibration (autoq.accuracy.weight_tuning; Config.weight_rounding,
 bias_correction, scale_search): each checked against numpy references on small models, and
 the realized int8 module against the simulated graph, bit for bit."""
 
@@ -12,11 +12,11 @@ from tvm import relax
 
 from autoq import Config, calibrate, realize, simulate
 from autoq import primitives as P
-from autoq.calibrate import samples_for
-from autoq.fidelity import compare
-from autoq.gptq import rtn
+from autoq.calibration import samples_for
+from autoq.fallback.fidelity import compare
+from autoq.accuracy.gptq import rtn
 from autoq.qparams import QParams
-from autoq.weight_tuning import layer_tasks, quantize_offset
+from autoq.accuracy.weight_tuning import layer_tasks, quantize_offset
 from models import TARGET, Runner, conv2d_nchw, small_cnn, two_convs
 
 PLAIN = Config(progress=False, weight_rounding="nearest", bias_correction=False, scale_search=False)
@@ -266,9 +266,9 @@ def test_layers_with_the_same_patches_share_one_exact_hessian():
     equals the Hessian of that layer alone, also after a pickled shard is merged."""
     import pickle
 
-    from autoq.hessian import ConvGeometry
+    from autoq.accuracy.hessian import ConvGeometry
     from autoq.qparams import QParam
-    from autoq.weight_tuning import InputStats, LayerTask
+    from autoq.accuracy.weight_tuning import InputStats, LayerTask
 
     one = ConvGeometry(kernel=(1, 1), strides=(2, 2))
     three = ConvGeometry(kernel=(3, 3), padding=(1, 1, 1, 1))
@@ -303,8 +303,8 @@ def test_hessians_sum_products_only_for_layers_that_may_read_them():
     its input's static shape, stay below that is rounded to nearest and its Hessian sums
     only the rows (no products). With the scale search (which reads H) or an unknown shape,
     every layer gets its products. The tuned weights are those of the full Hessians."""
-    from autoq.hessian import ConvGeometry
-    from autoq.weight_tuning import MIN_ROWS_PER_COLUMN, LayerTask, WeightTuner
+    from autoq.accuracy.hessian import ConvGeometry
+    from autoq.accuracy.weight_tuning import MIN_ROWS_PER_COLUMN, LayerTask, WeightTuner
 
     one, three = ConvGeometry(kernel=(1, 1)), ConvGeometry(kernel=(3, 3), padding=(1, 1, 1, 1))
     small = LayerTask("a", "a.weight", "x", np.zeros((8, 4, 1, 1), np.float32), one, False)
@@ -335,9 +335,9 @@ def test_input_stats_hessians_equal_those_of_the_whole_quantized_input():
     conv keeping 256 of 400 pixels), or quantized then gathered (a 3x3 conv keeping all):
     the int64 sums equal those of the reference path, the whole input quantized by
     primitives.quantize minus the zero point, then fed to CodeHessian.update."""
-    from autoq.hessian import ConvGeometry
+    from autoq.accuracy.hessian import ConvGeometry
     from autoq.qparams import QParam
-    from autoq.weight_tuning import InputStats, LayerTask
+    from autoq.accuracy.weight_tuning import InputStats, LayerTask
 
     one = ConvGeometry(kernel=(1, 1))
     three = ConvGeometry(kernel=(3, 3), strides=(2, 2), padding=(1, 1, 1, 1))

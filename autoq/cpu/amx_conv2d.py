@@ -26,7 +26,7 @@ from dataclasses import astuple, replace
 import numpy as np
 from tvm.script import tirx as T
 
-from .amx_tiles import (
+from autoq.cpu.amx_tiles import (
     BLOCK,
     KSTEP,
     dot_block,
@@ -36,10 +36,10 @@ from .amx_tiles import (
     store_block,
     task_groups,
 )
-from .conv2d import ConvShape
-from .epilogue import Epilogue, drop_table, table_shape, tail
-from .injective import KERNEL_ATTR
-from .packing import round_up
+from autoq.cpu.conv2d import ConvShape
+from autoq.cpu.epilogue import Epilogue, drop_table, table_shape, tail
+from autoq.cpu.injective import KERNEL_ATTR
+from autoq.cpu.packing import round_up
 
 __all__ = [
     "AMX_POINTWISE_MAX_PIXELS",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
-from .amx_tiles import (
+from autoq.cpu.amx_tiles import (
     BLOCK,
     KSTEP,
     dot_block,
@@ -31,9 +31,9 @@ from .amx_tiles import (
     task_groups,
     zero_block,
 )
-from .epilogue import Epilogue, drop_table, table_shape, tail
-from .injective import KERNEL_ATTR
-from .packing import round_up
+from autoq.cpu.epilogue import Epilogue, drop_table, table_shape, tail
+from autoq.cpu.injective import KERNEL_ATTR
+from autoq.cpu.packing import round_up
 
 __all__ = ["amx_dense_kernel"]
 

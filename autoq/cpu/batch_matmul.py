@@ -22,11 +22,11 @@ from __future__ import annotations
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
-from .epilogue import Epilogue, epilogue_compute
-from .injective import KERNEL_ATTR
-from .isa import AVX2, VNNI, Isa  # noqa: F401  (VNNI/AVX2: doctest)
-from .packing import round_up
-from .tiling import i64, int32, pick_tile, tensorize_accumulation
+from autoq.cpu.epilogue import Epilogue, epilogue_compute
+from autoq.cpu.injective import KERNEL_ATTR
+from autoq.cpu.isa import AVX2, VNNI, Isa  # noqa: F401  (VNNI/AVX2: doctest)
+from autoq.cpu.packing import round_up
+from autoq.cpu.tiling import i64, int32, pick_tile, tensorize_accumulation
 
 __all__ = ["batch_matmul_kernel", "corrections"]
 

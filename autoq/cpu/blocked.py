@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from tvm import relax, te, tirx
 
-from ..toolkit import bindings, const_array, dtype_of, free_vars, is_call
-from .isa import Isa
+from autoq.cpu.isa import Isa
+from autoq.ir.toolkit import bindings, const_array, dtype_of, free_vars, is_call
 
 __all__ = [
     "BlockedLayout",

@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 from tvm import relax
 
-from ..toolkit import const_array, dtype_of, is_call, shape_of
-from .blocked import BlockedLayout
+from autoq.cpu.blocked import BlockedLayout
+from autoq.ir.toolkit import const_array, dtype_of, is_call, shape_of
 
 __all__ = ["blocked_call", "blocked_operands", "reblock_constant"]
 

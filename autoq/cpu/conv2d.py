@@ -21,13 +21,13 @@ import tvm
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
-from .blocked import BlockedLayout, store_blocked
-from .epilogue import Epilogue, epilogue_compute
-from .injective import KERNEL_ATTR
-from .isa import Isa
-from .packing import round_up
-from .residual import Residual, add_shortcut
-from .tiling import i64, int32, pick_tile, tensorize_accumulation
+from autoq.cpu.blocked import BlockedLayout, store_blocked
+from autoq.cpu.epilogue import Epilogue, epilogue_compute
+from autoq.cpu.injective import KERNEL_ATTR
+from autoq.cpu.isa import Isa
+from autoq.cpu.packing import round_up
+from autoq.cpu.residual import Residual, add_shortcut
+from autoq.cpu.tiling import i64, int32, pick_tile, tensorize_accumulation
 
 __all__ = ["ConvShape", "conv2d_kernel"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
-from .injective import KERNEL_ATTR
+from autoq.cpu.injective import KERNEL_ATTR
 
 __all__ = ["conv2d_transpose_kernel"]
 

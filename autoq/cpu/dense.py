@@ -12,11 +12,11 @@ from __future__ import annotations
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
-from .epilogue import epilogue_compute
-from .injective import KERNEL_ATTR
-from .isa import Isa
-from .packing import round_up
-from .tiling import i64, int32, pick_tile, tensorize_accumulation
+from autoq.cpu.epilogue import epilogue_compute
+from autoq.cpu.injective import KERNEL_ATTR
+from autoq.cpu.isa import Isa
+from autoq.cpu.packing import round_up
+from autoq.cpu.tiling import i64, int32, pick_tile, tensorize_accumulation
 
 __all__ = ["dense_kernel"]
 

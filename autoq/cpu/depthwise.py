@@ -13,7 +13,7 @@ Parallel over (batch, channel block, output row); weights packed by
 :func:`autoq.cpu.packing.pack_depthwise_weight`. Same inputs/outputs otherwise as
 ``qnn.conv2d`` with ``groups = channels``: NCHW int8/uint8 data, int32 NCHW result.
 
-Per-channel input zero points (``zero_point`` a ``[C]`` array, :mod:`autoq.depthwise_channels`):
+Per-channel input zero points (``zero_point`` a ``[C]`` array, :mod:`autoq.rules.depthwise_channels`):
 both kernels then take them as an int32 input after the weight (the blocked one padded to
 whole channel blocks) and center channel ``c`` by ``zero_point[c]``; padding stays the
 centered 0 (the real 0). The input is then read in NCHW (no blocked input layout: its shift
@@ -26,12 +26,12 @@ import numpy as np
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
-from .blocked import BlockedLayout, store_blocked
-from .conv2d import ConvShape
-from .epilogue import Epilogue, epilogue_compute
-from .injective import KERNEL_ATTR
-from .packing import pack_depthwise_weight, round_up
-from .tiling import int32, pick_tile
+from autoq.cpu.blocked import BlockedLayout, store_blocked
+from autoq.cpu.conv2d import ConvShape
+from autoq.cpu.epilogue import Epilogue, epilogue_compute
+from autoq.cpu.injective import KERNEL_ATTR
+from autoq.cpu.packing import pack_depthwise_weight, round_up
+from autoq.cpu.tiling import int32, pick_tile
 
 __all__ = ["blocked", "depthwise_kernel", "depthwise_weight", "zero_point_input"]
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 from tvm import te, tirx
 
-from .. import primitives as P
-from ..qnn.tensor_exprs import (
+from autoq import primitives as P
+from autoq.qnn.tensor_exprs import (
     clip_int64,
     dequantize_value,
     fixed_point_multiply,

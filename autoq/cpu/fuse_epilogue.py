@@ -26,12 +26,12 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..qnn.quantize import with_multipliers
-from ..toolkit import bindings, const_array, dtype_of, free_vars, is_call, shape_of
-from .blocked import blocked_edges, blocked_lut
-from .blocked_elementwise import blocked_call, blocked_operands
-from .epilogue import Epilogue
-from .residual import Residual, residual_chain
+from autoq.cpu.blocked import blocked_edges, blocked_lut
+from autoq.cpu.blocked_elementwise import blocked_call, blocked_operands
+from autoq.cpu.epilogue import Epilogue
+from autoq.cpu.residual import Residual, residual_chain
+from autoq.ir.toolkit import bindings, const_array, dtype_of, free_vars, is_call, shape_of
+from autoq.qnn.quantize import with_multipliers
 
 __all__ = ["fuse_epilogues"]
 

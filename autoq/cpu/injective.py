@@ -5,7 +5,7 @@ add, pooling, padding, softmax, layer norm, a matmul of two activations, ...) as
 single-threaded loop nest. :func:`schedule_fused` gives each one the same cheap schedule:
 intermediate blocks inlined where possible (never into a reduction, whose inner loop would
 recompute them, with transposes or exps, on every step), reductions vectorized and register
-blocked by :func:`autoq.loop_schedule.schedule_reductions`, then every remaining block
+blocked by :func:`autoq.ir.loop_schedule.schedule_reductions`, then every remaining block
 parallel over its leading spatial loops (the innermost loop is left to LLVM's vectorizer;
 when it reads ``x[..., i // k]``, a fused nearest-neighbour upsampling, it is split by ``k``
 and the ``k`` copies unrolled). Semantics are unchanged: every output keeps its reduction order, bit for bit.
@@ -19,8 +19,8 @@ import tvm
 from tvm import tirx
 from tvm.s_tir import Schedule, ScheduleError
 
-from ..loop_schedule import rows_for, schedule_reductions
-from .int_sum import schedule_integer_sum
+from autoq.cpu.int_sum import schedule_integer_sum
+from autoq.ir.loop_schedule import rows_for, schedule_reductions
 
 __all__ = ["KERNEL_ATTR", "ScheduleFused", "schedule_fused"]
 
@@ -107,7 +107,7 @@ def _feeds_reduction(sch: Schedule, block) -> bool:
 
 def schedule_fused(func: tirx.PrimFunc, rows: int = 4) -> tirx.PrimFunc:
     """``func`` with its blocks inlined where possible, its reductions scheduled
-    (``rows``: vectors accumulated together, see :func:`autoq.loop_schedule.rows_for`) and
+    (``rows``: vectors accumulated together, see :func:`autoq.ir.loop_schedule.rows_for`) and
     its blocks parallelized."""
     summed = schedule_integer_sum(func)
     if summed is not None:

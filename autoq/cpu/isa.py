@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 
 import tvm
 
-from .amx import target_has_amx
-from .intrinsics import AVX2_DOT, VNNI_DOT
+from autoq.cpu.amx import target_has_amx
+from autoq.cpu.intrinsics import AVX2_DOT, VNNI_DOT
 
 __all__ = ["AVX2", "ISAS", "VNNI", "Isa", "isa_of", "kernel_isa"]
 

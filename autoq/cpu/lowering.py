@@ -23,36 +23,35 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .. import qnn  # noqa: F401  (registers the qnn.* ops whose legalizations are the fallback)
-from ..qnn.accumulate import depthwise_shape
-from ..toolkit import const_array, dtype_of, is_call, shape_of
-from .amx_conv2d import (
+from autoq.cpu.amx_conv2d import (
     amx_conv2d_kernel,
     amx_conv_applies,
     amx_conv_compensation,
     amx_conv_weight,
 )
-from .amx_dense import amx_dense_kernel
-from .amx_tiles import BLOCK as AMX_BLOCK
-from .amx_tiles import KSTEP as AMX_KSTEP
-from .batch_matmul import batch_matmul_kernel
-from .blocked import BlockedLayout, layout_for, lut_layout
-from .conv2d import ConvShape, conv2d_kernel
-from .conv_transpose import conv2d_transpose_kernel
-from .dense import dense_kernel
-from .depthwise import blocked, depthwise_kernel, depthwise_weight, zero_point_input
-from .epilogue import Epilogue
-from .fuse_epilogue import fuse_epilogues
-from .isa import VNNI, Isa, kernel_isa
-from .lut import (
+from autoq.cpu.amx_dense import amx_dense_kernel
+from autoq.cpu.amx_tiles import BLOCK as AMX_BLOCK
+from autoq.cpu.amx_tiles import KSTEP as AMX_KSTEP
+from autoq.cpu.batch_matmul import batch_matmul_kernel
+from autoq.cpu.blocked import BlockedLayout, layout_for, lut_layout
+from autoq.cpu.conv2d import ConvShape, conv2d_kernel
+from autoq.cpu.conv_transpose import conv2d_transpose_kernel
+from autoq.cpu.dense import dense_kernel
+from autoq.cpu.depthwise import blocked, depthwise_kernel, depthwise_weight, zero_point_input
+from autoq.cpu.epilogue import Epilogue
+from autoq.cpu.fuse_epilogue import fuse_epilogues
+from autoq.cpu.isa import VNNI, Isa, kernel_isa
+from autoq.cpu.lut import (
     VBMI_TABLE_DTYPES,
     channel_lut_kernel,
     lut_kernel,
     vbmi_channel_lut_kernel,
     vbmi_lut_kernel,
 )
-from .packing import compensation, pack_conv_weight, pack_dense_weight, round_up
-from .softmax import softmax_kernel, softmax_table
+from autoq.cpu.packing import compensation, pack_conv_weight, pack_dense_weight, round_up
+from autoq.cpu.softmax import softmax_kernel, softmax_table
+from autoq.ir.toolkit import const_array, dtype_of, is_call, shape_of
+from autoq.qnn.accumulate import depthwise_shape
 
 __all__ = ["lower_to_cpu_kernels"]
 
@@ -76,7 +75,7 @@ def _zero(expr) -> bool:
 
 def _input_zero_point(z_x) -> int | np.ndarray | None:
     """The activation zero point: an int, a ``[C]`` int32 array of distinct per-channel ones
-    (a depthwise input, :mod:`autoq.depthwise_channels`), or None (not a constant)."""
+    (a depthwise input, :mod:`autoq.rules.depthwise_channels`), or None (not a constant)."""
     v = const_array(z_x)
     if v is None or v.ndim > 1:
         return None

@@ -8,7 +8,7 @@ PP-OCRv4 det). Same values: every int8/uint8 input is a valid table index.
 
 * :func:`lut_kernel`: a scalar gather, parallel over the leading axes (any target).
 * :func:`channel_lut_kernel` / :func:`vbmi_channel_lut_kernel`: the same with one table per
-  channel (``[C, 256]``, ``qnn.lut`` with ``axis``; :mod:`autoq.lut_channels`): the VBMI one
+  channel (``[C, 256]``, ``qnn.lut`` with ``axis``; :mod:`autoq.rules.lut_channels`): the VBMI one
   runs plane by plane (the elements after ``axis`` are contiguous and share a table), the
   four table registers loaded per plane.
 * :func:`vbmi_lut_kernel` (targets with AVX-512 VBMI, 8-bit tables): the 256-byte table
@@ -35,8 +35,8 @@ import math
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-from .injective import KERNEL_ATTR, schedule_fused
-from .tiling import i64
+from autoq.cpu.injective import KERNEL_ATTR, schedule_fused
+from autoq.cpu.tiling import i64
 
 __all__ = [
     "VBMI_TABLE_DTYPES",

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 from tvm import relax, te
 
-from .. import primitives as P
-from ..toolkit import dtype_of, is_call, shape_of
-from .blocked import BlockedLayout
-from .epilogue import Epilogue
-from .tiling import i64
+from autoq import primitives as P
+from autoq.cpu.blocked import BlockedLayout
+from autoq.cpu.epilogue import Epilogue
+from autoq.cpu.tiling import i64
+from autoq.ir.toolkit import dtype_of, is_call, shape_of
 
 __all__ = ["Residual", "ResidualChain", "add_shortcut", "residual_chain"]
 

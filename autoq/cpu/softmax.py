@@ -3,7 +3,7 @@ probabilities flushed to zero.
 
 TVM's legalized softmax is four separate loop nests, and its ``exp`` is inlined into both the
 sum and the normalization (every exponential computed twice). Worse, a transformer's
-attention mask (``-100`` after autoq's attention-mask rewrite, :mod:`autoq.attention_mask`)
+attention mask (``-100`` after autoq's attention-mask rewrite, :mod:`autoq.ir.attention_mask`)
 puts most probabilities of a padded sequence below the smallest normal float32
 (``exp(-100)`` = 3.7e-44): x86 CPUs compute with such denormal numbers through microcode,
 ~100-500x slower (the ``probabilities @ V`` matmul of all-MiniLM-L6-v2: 55 ms on denormal
@@ -31,8 +31,8 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .expf import EXPF_TABLE, expf_expr
-from .injective import KERNEL_ATTR
+from autoq.cpu.expf import EXPF_TABLE, expf_expr
+from autoq.cpu.injective import KERNEL_ATTR
 
 __all__ = ["LOG_SMALLEST_NORMAL", "ROW_BLOCK", "softmax_kernel", "softmax_table"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.s_tir import Schedule
 
-from .intrinsics import register_intrinsics
+from autoq.cpu.intrinsics import register_intrinsics
 
 __all__ = ["i64", "int32", "pick_tile", "tensorize_accumulation"]
 

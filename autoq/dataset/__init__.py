@@ -43,11 +43,23 @@ calibration read themselves: :class:`NpzShards`, :class:`ImageFolderShards`,
 
 from __future__ import annotations
 
-from .arrays import ArrayDataset, from_npy, from_npz
-from .calibration import CalibrationDataset, as_dataset
-from .contract import DatasetError, InputSpec, index_bounds, input_specs, validate_sample
-from .images import IMAGE_EXTENSIONS, ImageFolder, from_image_folder
-from .shards import CallableShards, ImageFolderShards, NpzShards, ShardSource, is_shard_source
+from autoq.dataset.arrays import ArrayDataset, from_npy, from_npz
+from autoq.dataset.calibration import CalibrationDataset, as_dataset
+from autoq.dataset.contract import (
+    DatasetError,
+    InputSpec,
+    index_bounds,
+    input_specs,
+    validate_sample,
+)
+from autoq.dataset.images import IMAGE_EXTENSIONS, ImageFolder, from_image_folder
+from autoq.dataset.shards import (
+    CallableShards,
+    ImageFolderShards,
+    NpzShards,
+    ShardSource,
+    is_shard_source,
+)
 
 __all__ = [
     "IMAGE_EXTENSIONS",

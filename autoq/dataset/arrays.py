@@ -7,7 +7,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .contract import DatasetError, InputSpec, check_names, describe_inputs, format_shape
+from autoq.dataset.contract import (
+    DatasetError,
+    InputSpec,
+    check_names,
+    describe_inputs,
+    format_shape,
+)
 
 __all__ = ["ArrayDataset", "from_npy", "from_npz"]
 

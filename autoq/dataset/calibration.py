@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .arrays import ArrayDataset
-from .contract import DatasetError, InputSpec, input_specs, validate_sample
+from autoq.dataset.arrays import ArrayDataset
+from autoq.dataset.contract import DatasetError, InputSpec, input_specs, validate_sample
 
 __all__ = ["CalibrationDataset", "as_dataset"]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import DatasetError
+from autoq.errors import DatasetError
 
 __all__ = [
     "DatasetError",

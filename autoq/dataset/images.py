@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .contract import DatasetError
+from autoq.dataset.contract import DatasetError
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageFolder", "from_image_folder"]
 

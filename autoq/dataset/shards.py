@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .arrays import from_npz
-from .contract import DatasetError
-from .images import from_image_folder
+from autoq.dataset.arrays import from_npz
+from autoq.dataset.contract import DatasetError
+from autoq.dataset.images import from_image_folder
 
 __all__ = ["CallableShards", "ImageFolderShards", "NpzShards", "ShardSource", "is_shard_source"]
 

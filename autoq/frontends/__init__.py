@@ -34,9 +34,9 @@ Decisions (see also the function docstrings):
   axes, indices) are bound as constants: they are not weights, and as constants TVM can fold
   them. Parameters the imported graph does not use are dropped.
 * **Batch norm.** Whatever ``relax.nn.batch_norm`` survives import is folded into the
-  preceding convolution by :func:`autoq.prepare.fold_batch_norm`, and batch norms written as
+  preceding convolution by :func:`autoq.ir.prepare.fold_batch_norm`, and batch norms written as
   per-channel ``Sub``/``Mul``/``Add`` chains (Caffe-origin models such as Open-NSFW) by
-  :func:`autoq.prepare.fold_affine` (``fold_bn=False`` keeps both).
+  :func:`autoq.ir.prepare.fold_affine` (``fold_bn=False`` keeps both).
 * **Errors.** Operators TVM's importer cannot convert are listed by type, with counts and a
   node name each, before any work; QOperator-format quantized models (``QLinearConv`` ...) get
   a hint. When a supported operator fails to convert, the error names the ONNX node.
@@ -51,16 +51,16 @@ naming and folding every importer ends with).
 
 from __future__ import annotations
 
-from .errors import FrontendError, QuantizedModelError, UnsupportedOpsError
-from .onnx import from_onnx
-from .onnx_model import (
+from autoq.frontends.errors import FrontendError, QuantizedModelError, UnsupportedOpsError
+from autoq.frontends.onnx import from_onnx
+from autoq.frontends.onnx_model import (
     ORT_FUSION_PREFIX,
     load_onnx,
     onnx_input_shapes,
     strip_ort_fusion_prefix,
     unsupported_onnx_ops,
 )
-from .torch import from_torch
+from autoq.frontends.torch import from_torch
 
 __all__ = [
     "ORT_FUSION_PREFIX",

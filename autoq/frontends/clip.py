@@ -15,8 +15,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..prepare import rebind
-from ..toolkit import bindings, const_array, is_call, with_main
+from autoq.ir.prepare import rebind
+from autoq.ir.toolkit import bindings, const_array, is_call, with_main
 
 __all__ = ["raise_clip"]
 

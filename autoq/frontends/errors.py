@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ..errors import AutoqError
+from autoq.errors import AutoqError
 
 __all__ = [
     "FrontendError",

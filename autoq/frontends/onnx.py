@@ -13,9 +13,9 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .clip import raise_clip
-from .errors import FrontendError, warnings_quiet
-from .onnx_model import (
+from autoq.frontends.clip import raise_clip
+from autoq.frontends.errors import FrontendError, warnings_quiet
+from autoq.frontends.onnx_model import (
     check_not_quantized,
     check_supported,
     fix_input_shapes,
@@ -25,7 +25,7 @@ from .onnx_model import (
     resolve_input_shapes,
     strip_ort_fusion_prefix,
 )
-from .weights import finish_import
+from autoq.frontends.weights import finish_import
 
 __all__ = ["from_onnx"]
 

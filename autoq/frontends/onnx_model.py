@@ -12,7 +12,12 @@ from pathlib import Path
 import numpy as np
 import tvm
 
-from .errors import FrontendError, ModelFileError, QuantizedModelError, UnsupportedOpsError
+from autoq.frontends.errors import (
+    FrontendError,
+    ModelFileError,
+    QuantizedModelError,
+    UnsupportedOpsError,
+)
 
 __all__ = [
     "EXTERNAL_DATA_BYTES",
@@ -319,7 +324,7 @@ def check_supported(model) -> None:
 
 def check_not_quantized(model, allow: bool) -> None:
     """A QDQ model imports as float ops between quantize/dequantize (fp32 weights, run-time
-    quantize), which autoq cannot quantize again: point to autoq.import_quantized."""
+    quantize), which autoq cannot quantize again: point to autoq.importers."""
     qdq = [n for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
     if qdq and not allow:
         raise QuantizedModelError(

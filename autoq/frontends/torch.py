@@ -9,8 +9,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .errors import FrontendError, QuantizedModelError, warnings_quiet
-from .weights import finish_import
+from autoq.frontends.errors import FrontendError, QuantizedModelError, warnings_quiet
+from autoq.frontends.weights import finish_import
 
 __all__ = ["from_torch"]
 

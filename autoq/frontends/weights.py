@@ -9,8 +9,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..prepare import drop_unused_params, fold_affine, fold_batch_norm, rename_params
-from ..toolkit import with_main
+from autoq.ir.prepare import drop_unused_params, fold_affine, fold_batch_norm, rename_params
+from autoq.ir.toolkit import with_main
 
 __all__ = ["finish_import"]
 
@@ -25,8 +25,8 @@ def finish_import(
 ) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
     """``mod`` with ``func`` (its ``main``) after renaming the parameters in ``rename``,
     dropping weight parameters nothing uses, ``rewrite`` (an importer's own clean-up of the
-    module) and, with ``fold_bn``, :func:`autoq.prepare.fold_batch_norm` and
-    :func:`autoq.prepare.fold_affine`; ``params`` maps the new names to arrays."""
+    module) and, with ``fold_bn``, :func:`autoq.ir.prepare.fold_batch_norm` and
+    :func:`autoq.ir.prepare.fold_affine`; ``params`` maps the new names to arrays."""
     func = rename_params(func, rename)
     func, params = drop_unused_params(func, params)
     mod = with_main(mod, func)

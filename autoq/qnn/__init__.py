@@ -10,7 +10,7 @@ the legalizations share, integer requantize math included), :mod:`.quantize`
 (quantize/dequantize/requantize), :mod:`.simulated` (the float32 calibration-graph ops),
 :mod:`.accumulate` (conv2d/dense/matmul/sum), :mod:`.elementwise` (add/subtract/multiply),
 :mod:`.lut` (8-bit activations as table lookups) and :mod:`.dynamic_quantize` (run-time
-qparams, see :mod:`autoq.dynamic`).
+qparams, see :mod:`autoq.realization.dynamic`).
 
 One convention everywhere (see ``docs/ops.md`` for the table):
 
@@ -37,14 +37,14 @@ and raises ``QnnError`` naming the op, the argument and what was expected.
 
 from __future__ import annotations
 
-from .accumulate import conv2d, dense, matmul, sum
-from .checks import ACC_DTYPE, ACC_INPUT_DTYPES, QDTYPES, QnnError
-from .dynamic_quantize import dynamic_quantize
-from .elementwise import add, multiply, subtract
-from .lut import lut
-from .quantize import dequantize, quantize, requantize, with_multipliers
-from .registration import OPS
-from .simulated import simulated_dequantize, simulated_quantize
+from autoq.qnn.accumulate import conv2d, dense, matmul, sum
+from autoq.qnn.checks import ACC_DTYPE, ACC_INPUT_DTYPES, QDTYPES, QnnError
+from autoq.qnn.dynamic_quantize import dynamic_quantize
+from autoq.qnn.elementwise import add, multiply, subtract
+from autoq.qnn.lut import lut
+from autoq.qnn.quantize import dequantize, quantize, requantize, with_multipliers
+from autoq.qnn.registration import OPS
+from autoq.qnn.simulated import simulated_dequantize, simulated_quantize
 
 __all__ = [
     "ACC_DTYPE",

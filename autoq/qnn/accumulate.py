@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 from tvm import relax
 
-from ..toolkit import const, const_array
-from .checks import (
+from autoq.ir.toolkit import const, const_array
+from autoq.qnn.checks import (
     ACC_DTYPE,
     ACC_INPUT_DTYPES,
     attr,
@@ -28,7 +28,7 @@ from .checks import (
     tensor_type,
     type_of,
 )
-from .registration import make_call, register
+from autoq.qnn.registration import make_call, register
 
 __all__ = ["conv2d", "dense", "depthwise_shape", "matmul", "sum"]
 
@@ -173,7 +173,7 @@ def _infer_conv2d(op, call):
         fail(op, "weight", "a 4-D OIHW tensor", f"{len(wd)}-D")
     groups = attr(call, "groups")
     check_qparams(op, s_w, z_w, wdt, wd, 0, _WEIGHT)
-    if _depthwise(xd, wd, groups):  # per-channel input (autoq.depthwise_channels)
+    if _depthwise(xd, wd, groups):  # per-channel input (autoq.rules.depthwise_channels)
         check_qparams(op, s_x, z_x, xdt, xd, 1, _INPUT)
     else:
         check_qparams(op, s_x, z_x, xdt, None, None, _INPUT)

@@ -11,8 +11,8 @@ import tvm
 from tvm import relax, tirx
 from tvm_ffi import register_error
 
-from .. import primitives as P
-from ..toolkit import const_array
+from autoq import primitives as P
+from autoq.ir.toolkit import const_array
 
 __all__ = [
     "ACC_DTYPE",

@@ -4,7 +4,7 @@ itself at run time (min/max over the tensor or over each row of the last axis).
 It returns a tuple ``(q, scale, zero_point)``; the scale and zero point are 0-d
 (``granularity="tensor"``) or of shape ``data.shape[:-1] + [1]`` (``"token"``), so they
 broadcast against the data and against a ``qnn.dense`` accumulator. The arithmetic is
-:func:`autoq.runtime_qparams.dynamic_quantize`, bit for bit; the legalization is one
+:func:`autoq.qnn.runtime_qparams.dynamic_quantize`, bit for bit; the legalization is one
 PrimFunc (two reductions, the qparams, the quantize).
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from tvm import relax, te, tirx
 
-from .. import primitives as P
-from .checks import attr, check_dtype, check_out_dtype, dims, fail, tensor_type
-from .registration import make_call, register
-from .tensor_exprs import quantize_value
+from autoq import primitives as P
+from autoq.qnn.checks import attr, check_dtype, check_out_dtype, dims, fail, tensor_type
+from autoq.qnn.registration import make_call, register
+from autoq.qnn.tensor_exprs import quantize_value
 
 __all__ = ["GRANULARITIES", "dynamic_quantize", "runtime_qparam_dims"]
 

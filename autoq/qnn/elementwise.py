@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 from tvm import relax, te, tirx
 
-from .. import primitives as P
-from .. import tflite_arith as TA
-from .checks import (
+from autoq import primitives as P
+from autoq.qnn import tflite_arith as TA
+from autoq.qnn.checks import (
     QDTYPES,
     QnnError,
     attr,
@@ -24,9 +24,9 @@ from .checks import (
     tensor_type,
     type_of,
 )
-from .quantize import constant_scales
-from .registration import make_call, register
-from .tensor_exprs import (
+from autoq.qnn.quantize import constant_scales
+from autoq.qnn.registration import make_call, register
+from autoq.qnn.tensor_exprs import (
     call_te,
     clip_int64,
     dequantize_value,
@@ -163,7 +163,7 @@ def _legalize_integer(bb, call, out_shape, qmin, qmax):
     if rounding == "tflite":
         return _legalize_tflite(bb, call, out_shape, qmin, qmax, scales)
     # tflite_single: one rounding of the exact result, ties up (TFLite's three-rounding
-    # kernel built with single rounding is autoq.tflite_arith.elementwise; its two-stage
+    # kernel built with single rounding is autoq.qnn.tflite_arith.elementwise; its two-stage
     # legalization disagreed with it on subtract ties: not used)
     mode = "half_up" if rounding == "tflite_single" else rounding
     ma, mb, shift = P.elementwise_multipliers(kind, *scales)
@@ -218,7 +218,7 @@ def _legalize_channels(bb, call, out_shape, qmin, qmax, scales):
 
 
 def _legalize_tflite(bb, call, out_shape, qmin, qmax, scales):
-    """TFLite's ADD/SUB/MUL kernels (:mod:`autoq.tflite_arith`) in two stages: the raw
+    """TFLite's ADD/SUB/MUL kernels (:mod:`autoq.qnn.tflite_arith`) in two stages: the raw
     rescaled sum (or product), then its output rescale (one stage would nest the three
     fixed-point multiplies into one expression, slow to compile)."""
     op, out_dtype, rounding = call.op.name, attr(call, "out_dtype"), attr(call, "rounding")

@@ -2,24 +2,24 @@
 
 ``lut(data, table)[i] = table[data[i] - qmin(data.dtype)]``: ``data`` int8 or uint8, ``table``
 a 1-D tensor of 256 int8 or uint8 values (the output dtype), usually a constant computed by
-:func:`autoq.activations.lut_table` from the input and output qparams, so sigmoid, tanh,
+:func:`autoq.ir.activations.lut_table` from the input and output qparams, so sigmoid, tanh,
 hardswish, gelu, silu ... run with no float arithmetic at all. The qparams are not arguments:
 they are folded into the table (the slot qparams of the input and output tensors are those of
 the neighbouring ``qnn`` ops).
 
-Per channel (``axis`` given, :mod:`autoq.lut_channels`): ``table`` is ``[C, 256]`` with ``C``
+Per channel (``axis`` given, :mod:`autoq.rules.lut_channels`): ``table`` is ``[C, 256]`` with ``C``
 the size of ``data``'s dimension ``axis``, and ``lut(data, table)[i] = table[i[axis], data[i]
 - qmin]``: one table per channel (each channel's input grid, or output grid, or both its own:
-:mod:`autoq.depthwise_channels`).
+:mod:`autoq.rules.depthwise_channels`).
 """
 
 from __future__ import annotations
 
 from tvm import relax, te
 
-from ..activations import LUT_DTYPES
-from .checks import attr, check_dtype, dims, fail, static_int, tensor_type
-from .registration import make_call, register
+from autoq.ir.activations import LUT_DTYPES
+from autoq.qnn.checks import attr, check_dtype, dims, fail, static_int, tensor_type
+from autoq.qnn.registration import make_call, register
 
 __all__ = ["lut"]
 

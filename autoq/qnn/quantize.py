@@ -7,9 +7,9 @@ import numpy as np
 import tvm
 from tvm import relax, te
 
-from .. import primitives as P
-from ..toolkit import const_array
-from .checks import (
+from autoq import primitives as P
+from autoq.ir.toolkit import const_array
+from autoq.qnn.checks import (
     ACC_DTYPE,
     QDTYPES,
     attr,
@@ -21,8 +21,8 @@ from .checks import (
     fail,
     tensor_type,
 )
-from .registration import make_call, register
-from .tensor_exprs import (
+from autoq.qnn.registration import make_call, register
+from autoq.qnn.tensor_exprs import (
     call_te,
     clip_int64,
     dequantize_tensor,

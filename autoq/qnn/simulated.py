@@ -7,11 +7,11 @@ import re
 
 from tvm import relax, te, tirx
 
-from .. import primitives as P
-from .checks import attr, check_dtype, check_qparams, dims, fail, static_int, tensor_type
-from .quantize import legalize_dequantize_as
-from .registration import make_call, register
-from .tensor_exprs import call_te, param_at, quantize_value
+from autoq import primitives as P
+from autoq.qnn.checks import attr, check_dtype, check_qparams, dims, fail, static_int, tensor_type
+from autoq.qnn.quantize import legalize_dequantize_as
+from autoq.qnn.registration import make_call, register
+from autoq.qnn.tensor_exprs import call_te, param_at, quantize_value
 
 __all__ = ["simulated_dequantize", "simulated_quantize"]
 
@@ -52,7 +52,7 @@ def simulated_quantize(
     gives the quantized integers above; zero gives ``data / scale + zero_point`` *unrounded
     and unclipped*, so that the ``simulated_dequantize`` and integer-valued accumulations
     downstream compute the float result (up to float32 rounding). Used by
-    :mod:`autoq.analysis` to turn single layers off without recompiling; without it the op
+    :mod:`autoq.fallback.analysis` to turn single layers off without recompiling; without it the op
     is unchanged.
     """
     args = [data, scale, zero_point] if enable is None else [data, scale, zero_point, enable]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from ..toolkit import const_array
-from .checks import QnnError, static_int
+from autoq.ir.toolkit import const_array
+from autoq.qnn.checks import QnnError, static_int
 
 __all__ = [
     "call_te",

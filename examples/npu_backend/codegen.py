@@ -30,7 +30,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from autoq.toolkit import bindings, remap_expr
+from autoq.ir.toolkit import bindings, remap_expr
 
 __all__ = ["CODEGEN", "codegen", "lower_region"]
 

@@ -15,7 +15,7 @@ import tvm
 from tvm import relax
 
 import autoq.byoc
-from autoq.toolkit import const_array
+from autoq.ir.toolkit import const_array
 
 from .codegen import CODEGEN
 

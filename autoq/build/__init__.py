@@ -1,0 +1,112 @@
+"""Compile and export realized modules (the last step a user takes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tvm
+from tvm import relax
+
+from autoq.cpu.amx import request_amx, require_amx
+from autoq.ir.target import default_target
+from autoq.threads import use_machine_cores
+from autoq.cpu.injective import ScheduleFused
+from autoq.cpu.lowering import lower_to_cpu_kernels
+from autoq.errors import LibraryError
+from autoq.build.library_file import check_library, write_stamp
+
+__all__ = ["compile", "default_target", "export_library", "load_library"]
+
+
+def compile(
+    mod: tvm.IRModule,
+    target=None,
+    fuse: bool = True,
+    cpu_kernels: bool = True,
+    database=None,
+    blocked_layout: bool | None = None,
+    residual_epilogue: bool | None = None,
+):
+    """``tvm.compile`` with the default Relax pipeline for ``target`` (fusion on by default).
+
+    ``cpu_kernels``: on x86 LLVM targets with AVX-512 VNNI or AVX2, int8 conv2d/dense/matmul
+    with constant weights run on autoq's packed, tensorized kernels (:mod:`autoq.cpu`);
+    False keeps the generic lowering of the ``qnn.*`` ops (same results, bit for bit).
+    Targets with ``amx-int8`` run dense/matmul on AMX tiles; compiling for one in a process
+    that Linux refuses the tile state is a :class:`autoq.errors.PlatformError`.
+    ``database``: a tuning database folder written by :func:`autoq.tuning` with the same
+    ``cpu_kernels`` (its kernels get their tuned schedules; the others compile as without it).
+    ``blocked_layout`` (with ``cpu_kernels``): int8 tensors between packed convs flow in the
+    target's blocked NCHW[x]c layout (:mod:`autoq.cpu.blocked`), NCHW only at the edges;
+    None (default): on for AVX-512 VNNI and AVX2 targets (both measured faster).
+    ``residual_epilogue`` (with ``cpu_kernels``): a conv's residual add runs in the conv
+    kernel's epilogue (:mod:`autoq.cpu.residual`; with the blocked layout the block outputs
+    flow blocked too); None (default): on exactly when the blocked layout is.
+    """
+    use_machine_cores()  # this thread's pool on every core, before the model first runs
+    target = target or default_target()
+    if isinstance(target, dict):
+        target = tvm.target.Target(target)
+    if cpu_kernels:
+        require_amx(target)  # AMX kernels need the tile state granted before they run
+        mod = lower_to_cpu_kernels(mod, target, blocked_layout, residual_epilogue)
+    if database is not None:
+        from autoq.build.tuning_database import pipeline_with_database
+
+        return tvm.compile(mod, target, relax_pipeline=pipeline_with_database(target, database))
+    pipeline = None
+    if fuse:
+        pipeline = _kernel_pipeline(target) if cpu_kernels else relax.get_default_pipeline(target)
+    if pipeline is None:
+        return tvm.compile(mod, target)
+    return tvm.compile(mod, target, relax_pipeline=pipeline)
+
+
+def _kernel_pipeline(target: tvm.target.Target):
+    """TVM's default CPU pipeline with :class:`autoq.cpu.injective.ScheduleFused` after
+    fusion (the fused elementwise functions run parallel instead of as naive loop nests)."""
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+
+    passes = [
+        *cpu.library_dispatch_passes(target),
+        *cpu.legalize_passes(target),
+        ScheduleFused(),
+        *cpu.dataflow_lower_passes(target),
+        *cpu.finalize_passes(target),
+    ]
+
+    @tvm.transform.module_pass(opt_level=0, name="autoq.KernelPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
+
+
+def export_library(
+    mod: tvm.IRModule, path: str | Path, target=None, cpu_kernels: bool = True, database=None
+) -> Path:
+    """Compile ``mod`` (with the tuning ``database`` folder, if given) and write a shared
+    library loadable with :func:`load_library`, with its stamp ``<path>.autoq.json`` (size
+    and SHA-256, see :mod:`autoq.build.library_file`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    compile(mod, target, cpu_kernels=cpu_kernels, database=database).export_library(str(path))
+    write_stamp(path)
+    return path
+
+
+def load_library(path: str | Path, device=None) -> relax.VirtualMachine:
+    """A VirtualMachine over a library written by :func:`export_library`; a missing,
+    truncated, modified or foreign file is a :class:`autoq.errors.LibraryError` naming it."""
+    use_machine_cores()
+    path = check_library(path)
+    request_amx()  # a library built for an AMX target needs it; harmless elsewhere
+    try:
+        lib = tvm.runtime.load_module(str(path))
+        return relax.VirtualMachine(lib, device or tvm.cpu())
+    except Exception as e:  # dlopen errors, a library without a Relax VM executable
+        raise LibraryError(
+            f"{str(path)!r} cannot be loaded as an autoq/TVM model library: "
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        ) from None
