@@ -60,7 +60,7 @@ def _config(args):
     """The Config the options describe (bad combinations fail before any model work)."""
     import dataclasses
 
-    from autoq.config import AutoFallback, Config, Distributed
+    from autoq.config import AutoFallback, Config, QuantSpec
 
     fb = fallback_rules(args.skip)
     try:
@@ -73,20 +73,14 @@ def _config(args):
                 ranking=args.fallback_ranking,
                 precision=args.fallback_precision,
             )
-        default = Config()
-        act = default.activation
-        if args.method:
-            act = dataclasses.replace(act, calibrator=args.method)
+        weight = Config().weight
         return Config(
-            activation=act,
-            weight=dataclasses.replace(default.weight, per_channel=args.per_channel),
+            recipe=args.recipe,
+            activation=QuantSpec(calibrator=args.method) if args.method else None,
+            weight=dataclasses.replace(weight, per_channel=args.per_channel),
             rounding=args.rounding,
             calibration=args.calibration,
             fallback=fb,
-            progress=not args.no_progress,
-            distributed=Distributed(args.scheduler, args.workers)
-            if args.scheduler or args.workers
-            else None,
         )
     except (TypeError, ValueError) as e:
         raise UserError(one_line(e)) from None
@@ -135,16 +129,27 @@ def _dataset(args, specs, image_options: dict):
         raise UserError(f"calibration data {args.calib or name}: {one_line(e)}") from None
 
 
-def _run_pipeline(config, target, report: bool, mod, params, dataset, data_name: str):
+def _resources(args) -> dict:
+    """The ``Quantizer`` keywords the options describe (what the run may use)."""
+    from autoq.config import Distributed, Resources
+
+    try:
+        dist = Distributed(args.scheduler, args.workers) if args.scheduler or args.workers else None
+        r = Resources(args.memory_budget, args.cache_dir, False if args.no_progress else None, dist)
+    except (TypeError, ValueError) as e:
+        raise UserError(one_line(e)) from None
+    return {f: getattr(r, f) for f in ("memory_budget_mb", "cache_dir", "progress", "distributed")}
+
+
+def _run_pipeline(config, target, report: bool, mod, params, dataset, data_name: str, res: dict):
     import autoq
     from autoq.dataset import DatasetError
 
-    if report and getattr(autoq, "analyze", None) is None:
-        report = False  # an autoq without the analysis: the report says so
     try:
         with warnings.catch_warnings(record=True):  # printed below, one line each
             warnings.simplefilter("always")
-            result = autoq.Quantizer(config, target=target, report=report).run(mod, params, dataset)
+            q = autoq.Quantizer(config, target=target, report=report, **res)
+            result = q.run(mod, params, dataset)
     except DatasetError as e:
         raise UserError(f"calibration data {data_name}: {one_line(e)}") from None
     except ValueError as e:  # a --skip rule that matches nothing, a bad model
@@ -216,10 +221,12 @@ def _quantize_into(
     print(f"model       {model_path} ({', '.join(str(s) for s in specs)})")
     dataset, data_name = _dataset(args, specs, image_options)
     print(f"calibrating on {data_name} ...")
-    result = _run_pipeline(config, target, args.report, mod, params, dataset, data_name)
-    files, t_compile = _write(staging.path, result, config, target)
+    result = _run_pipeline(
+        config, target, args.report, mod, params, dataset, data_name, _resources(args)
+    )
+    files, t_compile = _write(staging.path, result, result.config, target)
     text = quantize_report(
-        result, model_path, specs, args.calib or data_name, config, target, skip=args.skip,
+        result, model_path, specs, args.calib or data_name, result.config, target, skip=args.skip,
         times={"import": t_import, **result.timings, "compile": t_compile},
         files=(out, files), report_asked=args.report, fp32_model=(mod, params),
     )  # fmt: skip
@@ -262,7 +269,7 @@ def cmd_demo(args) -> int:
         method=args.method,
         target=target_of(args.target),
         latency=not args.no_latency,
-        progress=not args.no_progress,
+        progress=False if args.no_progress else None,
     )
     return 0
 

@@ -10,13 +10,15 @@ from pathlib import Path
 
 from autoq.layer_rules import AUTO_PRECISIONS, AUTO_RANKINGS
 
-__all__ = ["IMAGE_LAYOUTS", "METHODS", "ROUNDINGS", "build_parser"]
+__all__ = ["IMAGE_LAYOUTS", "METHODS", "RECIPES", "ROUNDINGS", "build_parser"]
 
 #: activation calibrators offered by ``--method`` (all registered in ``autoq.calibrators``)
 METHODS = ("kl", "percentile", "max", "mse", "moving_average")
 #: ``--rounding`` modes (``autoq.primitives.ROUNDING_MODES``)
 ROUNDINGS = ("float", "half_even", "half_away", "half_up", "tflite", "tflite_single")
 IMAGE_LAYOUTS = ("NCHW", "NHWC", "CHW", "HWC")
+#: ``--recipe`` (``autoq.config.RECIPE_NAMES``)
+RECIPES = ("auto", "cnn", "depthwise_cnn", "transformer", "dynamic")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -123,6 +125,15 @@ def _fill(text: str, indent: str = "") -> str:
     return textwrap.fill(text, width=88, initial_indent=indent, subsequent_indent=indent)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("autoq")
+    except PackageNotFoundError:  # a source tree that is not installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autoq",
@@ -142,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
             "'autoq COMMAND --help' describes each command."
         ),
     )
+    parser.add_argument("--version", action="version", version=f"autoq {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_quantize(sub)
     _add_inspect(sub)
@@ -197,10 +209,18 @@ def _add_quantize(sub) -> None:
 def _add_quantization_args(q) -> None:
     g = q.add_argument_group("quantization")
     g.add_argument(
+        "--recipe",
+        choices=RECIPES,
+        default="auto",
+        help="the options measured best for a model family: cnn, depthwise_cnn, transformer, "
+        "dynamic (no calibration data); auto (default): chosen from the model's structure "
+        "(the report says which and why)",
+    )
+    g.add_argument(
         "--method",
         choices=METHODS,
         metavar="{" + ",".join(METHODS) + "}",
-        help="how activation ranges are chosen from the data (default: mse)",
+        help="how activation ranges are chosen from the data (default: the recipe's)",
     )
     pc = g.add_mutually_exclusive_group()
     pc.add_argument(
@@ -229,9 +249,8 @@ def _add_quantization_args(q) -> None:
         "--rounding",
         choices=ROUNDINGS,
         metavar="MODE",
-        default="float",
-        help="requantize rounding: " + ", ".join(ROUNDINGS) + " (default: float, exact "
-        "with the simulated graph)",
+        help="requantize rounding: " + ", ".join(ROUNDINGS) + " (default: the recipe's; "
+        "float is exact with the simulated graph)",
     )
     g.add_argument(
         "--calibration",
@@ -314,7 +333,25 @@ def _add_output_args(q) -> None:
         help="also write a per-layer error analysis (SQNR per layer, via autoq.analyze) to "
         "analysis.txt / analysis.json (costs about three more passes over the data)",
     )
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (they are drawn only when standard error is a terminal)",
+    )
+    o.add_argument(
+        "--memory-budget",
+        metavar="MB",
+        type=float,
+        default=1024.0,
+        help="RAM for cached activations during calibration; beyond it they spill to "
+        "--cache-dir (default 1024)",
+    )
+    o.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where cached activations spill beyond --memory-budget (default: a temporary "
+        "folder, removed at the end)",
+    )
     o.add_argument(
         "--target",
         metavar="JSON",

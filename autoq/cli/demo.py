@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +39,7 @@ __all__ = [
     "run",
 ]
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"  # autoq/data
 MODEL_FILE = DATA_DIR / "digits_cnn.onnx"
 DATA_FILE = DATA_DIR / "digits.npz"
 INPUT = "image"
@@ -192,7 +192,7 @@ def run(
     method: str | None = None,
     target=None,
     latency: bool = True,
-    progress: bool = True,
+    progress: bool | None = None,
     echo: Callable[[str], None] | None = print,
 ) -> DemoResult:
     """The demo (see the module docstring). ``eval_samples``: the first N held-out images
@@ -229,13 +229,12 @@ def run(
     say(f"  model: {MODEL_FILE.name}, {n_weights:,} weights, input {INPUT!r} (1, 1, 8, 8)")
     say(f"  target: {target_str(target)}")
 
-    config = autoq.Config(progress=progress)
-    if method is not None:
-        config = config.replace(activation=replace(config.activation, calibrator=method))
-    cal_name = getattr(config.activation.calibrator, "name", str(config.activation.calibrator))
+    config = autoq.Config(activation=None if method is None else autoq.QuantSpec(calibrator=method))
 
     t = time.perf_counter()
-    result = autoq.Quantizer(config, target=target).run(mod, params, calib)
+    result = autoq.Quantizer(config, target=target, progress=progress).run(mod, params, calib)
+    act = result.config.activation.calibrator
+    cal_name = f"{getattr(act, 'name', act)}, recipe {result.recipe[0]}"
     qmod = result.module
     seconds["quantize"] = time.perf_counter() - t
     say(

@@ -159,6 +159,7 @@ def quantize_report(
         "autoq quantize report",
         f"model        {model_path}",
         f"inputs       {', '.join(str(s) for s in specs)}",
+        f"recipe       {result.recipe[0]} ({result.recipe[1]})",
         f"calibration  {result.samples} samples from {calib}; activations: "
         f"{getattr(act, 'name', act)} ({config.calibration}), weights: "
         f"{'per-channel' if config.weight.per_channel else 'per-tensor'} max; rounding "

@@ -58,6 +58,7 @@ from autoq.ir.toolkit import (
 )
 from autoq.metrics import ErrorStats, fake_quant
 from autoq.qparams import QParams, f32_list
+from autoq.recipes import resolve
 from autoq.rules.exits import int32_carriers
 from autoq.simulation import SimResult, simulate
 
@@ -162,6 +163,7 @@ class Analysis:
         P.qrange(accumulator)
         self.accumulator = accumulator
         sim = self.sim = simulate(mod, params, self._sim_config(), switches=True)
+        self.config = resolve(self.config, sim.graph)[0]
         qparams = self.qparams = qparams(sim) if callable(qparams) else qparams
         missing = [s for s in sim.slots if s not in qparams]
         if missing:

@@ -174,16 +174,16 @@ def import_quantized(
     t0 = time.perf_counter()
     report = ImportReport()
     if is_torch_model(model):
-        config = config or Config(progress=False)
+        config = config or Config(recipe="cnn")
         split, mod, params = _from_torch(model, example_inputs, report)
         source = "pt2e"
     elif is_tflite(model):
         # TFLite's own requantization: gemmlowp's doubling multiply + rounding shift
-        config = config or Config(progress=False, rounding="tflite")
+        config = config or Config(recipe="cnn", rounding="tflite")
         split, mod, params = _from_onnx(tflite_to_qdq(model), input_shapes, optimize, report)
         report.format, source = "TFLite", "tflite"
     else:
-        config = config or Config(progress=False)
+        config = config or Config(recipe="cnn")
         split, mod, params = _from_onnx(model, input_shapes, optimize, report)
         source = "onnx"
     mod, names = float_module(mod, split)
