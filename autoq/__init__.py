@@ -55,6 +55,8 @@ _EXPORTS = {
     "set_threads": "autoq.threads",
     "tune": "autoq.tuning",
 }
+#: modules whose names need no TVM (configuration, errors)
+_WITHOUT_TVM = ("autoq.config", "autoq.errors")
 #: submodules reachable as attributes (``autoq.recipes.RECIPES``)
 _SUBMODULES = ("calibrators", "dataset", "patterns", "primitives", "qnn", "recipes")
 
@@ -64,7 +66,8 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str):
     if name in _EXPORTS:
         module = importlib.import_module(_EXPORTS[name])
-        importlib.import_module("autoq.qnn")  # registers the qnn.* ops before any use
+        if _EXPORTS[name] not in _WITHOUT_TVM:
+            importlib.import_module("autoq.qnn")  # registers the qnn.* ops before any use
         value = getattr(module, name)
         globals()[name] = value
         return value

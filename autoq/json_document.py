@@ -99,7 +99,7 @@ def drop_removed(owner: str, d: dict, removed: dict) -> dict:
     ...     drop_removed("AutoFallback", {"swap_rounds": 0, "holdout": 2}, {"swap_rounds": (0, None)})
     {'holdout': 2}
     >>> print(w[0].message)
-    AutoFallback from an older version: swap_rounds (removed, was at its default) dropped
+    AutoFallback from an older version: swap_rounds (at its old default) dropped
     """
     import warnings
 
@@ -109,7 +109,7 @@ def drop_removed(owner: str, d: dict, removed: dict) -> dict:
             continue
         value = out.pop(name)
         if value == old_default or (isinstance(value, list) and list(old_default or ()) == value):
-            said.append(f"{name} (removed, was at its default) dropped")
+            said.append(f"{name} (at its old default) dropped")
         elif callable(replacement):
             said.append(f"{name}={value!r} read as {replacement(value, out)}")
         elif isinstance(replacement, str):

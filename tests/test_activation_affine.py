@@ -11,10 +11,10 @@ from tvm import relax
 
 import autoq
 from autoq import Config, realize, simulate
-from autoq.ir.activations import affine, lut_table
 from autoq.calibration import samples_for
-from autoq.ir.canonicalize import hardswish
 from autoq.fallback.fidelity import compare
+from autoq.ir.activations import affine, lut_table
+from autoq.ir.canonicalize import hardswish
 from autoq.ir.registry import PATTERNS, load_patterns
 from models import TARGET, Builder, Runner, conv2d_nchw
 
@@ -72,7 +72,7 @@ def test_affine_table_rounds_the_reference_once():
 @pytest.mark.parametrize("scalar_shape", [(1,), (1, 1, 1, 1)])
 def test_chain_is_one_lookup_layer_bit_exact(scalar_shape):
     mod, params, data = chain(scalar_shape=scalar_shape)
-    cfg = Config(progress=False)
+    cfg = Config(recipe="cnn")
     sim = simulate(mod, params, cfg)
     assert [m.pattern.name for m in sim.matches] == ["conv2d", "hardswish_affine", "conv2d"]
     qp = autoq.calibrate(sim, params, data, cfg, target=TARGET)
@@ -95,8 +95,8 @@ def test_one_rounding_is_closer_to_fp32_than_three():
     names = tuple(n for n, p in PATTERNS.items() if p.default and not n.endswith("_affine"))
     errs = {}
     for key, cfg in {
-        "fused": Config(progress=False),
-        "three": Config(progress=False, patterns=names),
+        "fused": Config(recipe="cnn"),
+        "three": Config(recipe="cnn", patterns=names),
     }.items():
         res = autoq.Quantizer(cfg, target=TARGET).run(mod, params, data)
         got = np.stack([Runner(res.module)(x) for x in data])
@@ -123,7 +123,7 @@ def test_other_readers_keep_the_chain_apart():
         return bld.emit(relax.op.add(y, h))
 
     mod, params = bld.build(body)
-    names = [m.pattern.name for m in simulate(mod, params, Config(progress=False)).matches]
+    names = [m.pattern.name for m in simulate(mod, params, Config(recipe="cnn")).matches]
     assert "hardswish_affine" not in names and "hardswish" in names
 
 
@@ -138,5 +138,5 @@ def test_per_channel_constants_are_not_fused():
         return bld.emit(relax.op.add(y, bld.weight("b", np.full((1,), B))))
 
     mod, params = bld.build(body)
-    names = [m.pattern.name for m in simulate(mod, params, Config(progress=False)).matches]
+    names = [m.pattern.name for m in simulate(mod, params, Config(recipe="cnn")).matches]
     assert "hardswish_affine" not in names

@@ -15,10 +15,10 @@ from tvm import relax
 
 import autoq
 from autoq import Config, QParam, QParams, qnn, realize, simulate
-from autoq.ir.activations import ACTIVATIONS, lut_table
 from autoq.calibration import samples_for
-from autoq.ir.canonicalize import hardsigmoid, hardswish
 from autoq.fallback.fidelity import compare
+from autoq.ir.activations import ACTIVATIONS, lut_table
+from autoq.ir.canonicalize import hardsigmoid, hardswish
 from autoq.qnn import QnnError
 from models import TARGET, Builder, Runner
 
@@ -123,7 +123,7 @@ def _conv_act_conv(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_each_activation_is_an_integer_lookup_predicted_bit_for_bit(name):
     mod, params, data = _conv_act_conv(name)
-    cfg = Config(progress=False)
+    cfg = Config(recipe="cnn")
     sim = simulate(mod, params, cfg)
     assert [m.pattern.name for m in sim.matches] == ["conv2d", name, "conv2d"]
     qp = autoq.calibrate(sim, params, data, cfg, target=TARGET)
@@ -151,7 +151,7 @@ def test_a_hand_written_sigmoid_layer_realizes_to_its_table():
     b = Builder(0)
     x = b.input("x", (1, 4))
     mod, params = b.build(lambda b: b.emit(relax.op.sigmoid(x)))
-    cfg = Config(progress=False)
+    cfg = Config(recipe="cnn")
     sim = simulate(mod, params, cfg)
     qp = QParams(
         params={
@@ -185,7 +185,7 @@ def test_the_analysis_switches_a_lookup_layer_on_and_off():
     from autoq import Analysis
 
     mod, params, data = _conv_act_conv("silu")
-    cfg = Config(progress=False)
+    cfg = Config(recipe="cnn")
     qp = autoq.calibrate(simulate(mod, params, cfg), params, data, cfg, target=TARGET)
     an = Analysis(mod, params, data, qp, cfg, target=TARGET)
     real = Runner(realize(mod, params, qp, cfg))

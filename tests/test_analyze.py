@@ -17,10 +17,24 @@ import pytest
 from tvm import relax
 
 import autoq
-from autoq import Analysis, AutoFallback, Config, Fallback, FallbackDecision, Override, QuantSpec, Report, analyze, calibrate, qnn, realize, simulate
+from autoq import (
+    Analysis,
+    AutoFallback,
+    Config,
+    Fallback,
+    FallbackDecision,
+    Override,
+    QuantSpec,
+    Report,
+    analyze,
+    calibrate,
+    qnn,
+    realize,
+    simulate,
+)
 from autoq import primitives as P
-from autoq.fallback.auto_fallback import remap_qparams
 from autoq.calibration import samples_for
+from autoq.fallback.auto_fallback import remap_qparams
 from autoq.fallback.fidelity import compare
 from autoq.metrics import sqnr_db
 from models import TARGET, Builder, Runner, conv, image_data, run_tuple, small_cnn
@@ -62,7 +76,7 @@ def outlier_cnn(seed=0):
 
 
 def cfg(**kw):
-    return Config(progress=False, **kw)
+    return Config(recipe="cnn", **kw)
 
 
 def rel_err(got, ref):
@@ -336,14 +350,14 @@ def test_user_metric_callable_is_honoured():
 
 def test_autofallback_config_round_trips_and_validates():
     a = AutoFallback(ids=("c1",), min_sqnr=25.0, max_fp32_layers=3, ranking="revert")
-    c = Config(fallback=a)
+    c = Config(recipe="cnn", fallback=a)
     back = Config.loads(c.dumps())
     assert back == c and isinstance(back.fallback, AutoFallback)
     assert not AutoFallback() and a and a.fixed() == Fallback(ids=("c1",))
-    m = Config(fallback=AutoFallback(metric=heldout_accuracy))
+    m = Config(recipe="cnn", fallback=AutoFallback(metric=heldout_accuracy))
     assert Config.loads(m.dumps()).fallback.metric is heldout_accuracy
     with pytest.raises(ValueError, match="lambdas and local functions do not"):
-        Config(fallback=AutoFallback(metric=lambda run: 0.0)).dumps()
+        Config(recipe="cnn", fallback=AutoFallback(metric=lambda run: 0.0)).dumps()
     with pytest.raises(ValueError, match="ranking must be one of local, revert"):
         AutoFallback(ranking="best")
     with pytest.raises(ValueError, match="precision must be one of fp32, int16"):

@@ -119,7 +119,7 @@ def test_softmax_of_masked_scores_is_unchanged_within_float_precision():
 def test_guard_no_longer_fires_and_the_mask_add_is_int8():
     mod, params = _bert_block("multiply")
     calib, test = _samples(8, 1), _samples(4, 2)
-    res = autoq.Quantizer(Config(progress=False), target=TARGET).run(mod, params, calib)
+    res = autoq.Quantizer(Config(recipe="cnn"), target=TARGET).run(mod, params, calib)
     assert not any("unbounded" in w for w in res.warnings)
     assert not any("guard" in why for why in res.fp32_layers.values())
     assert "autoq.skipped_unbounded" not in (res.module.attrs or {})

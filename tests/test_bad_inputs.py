@@ -154,9 +154,9 @@ DATASETS = {
 @pytest.mark.parametrize("case", DATASETS)
 def test_dataset(case, tmp_path):
     data, needle = DATASETS[case]
-    cfg = autoq.Config(progress=False, cache_dir=str(tmp_path / "cache"))
+    cfg = autoq.Config(recipe="cnn")
     with pytest.raises(DatasetError, match=re.escape(needle)):
-        autoq.Quantizer(cfg, target=TARGET).run(MOD, PARAMS, data)
+        autoq.Quantizer(cfg, target=TARGET, cache_dir=str(tmp_path / "cache")).run(MOD, PARAMS, data)
     assert not (tmp_path / "cache").exists()
 
 
@@ -169,14 +169,16 @@ def test_non_finite_weight_named(value):
     params["fc2.weight"] = params["fc2.weight"].copy()
     params["fc2.weight"][3, 5] = value
     with pytest.raises(InputError, match=r"weight 'fc2.weight' \(32, 32\).*index \[3, 5\]"):
-        autoq.Quantizer(autoq.Config(progress=False), target=TARGET).run(MOD, params, GOOD)
+        autoq.Quantizer(autoq.Config(recipe="cnn"), target=TARGET).run(MOD, params, GOOD)
 
 
 def test_cache_dir_is_a_file(tmp_path):
     (tmp_path / "cache").write_text("mine")
-    cfg = autoq.Config(progress=False, cache_dir=str(tmp_path / "cache"), memory_budget_mb=0)
-    with pytest.raises(InputError, match=r"Config.cache_dir .*cache' is a file"):
-        autoq.Quantizer(cfg, target=TARGET).run(MOD, PARAMS, GOOD)
+    q = autoq.Quantizer(
+        autoq.Config(recipe="cnn"), target=TARGET, cache_dir=str(tmp_path / "cache"), memory_budget_mb=0
+    )
+    with pytest.raises(InputError, match=r"cache_dir .*cache' is a file"):
+        q.run(MOD, PARAMS, GOOD)
     assert (tmp_path / "cache").read_text() == "mine"
 
 
@@ -191,8 +193,8 @@ CALIBRATORS = {
 @pytest.mark.parametrize("case", CALIBRATORS)
 def test_calibration_function_breaking_the_contract(case):
     fn, needle = CALIBRATORS[case]
-    act = dataclasses.replace(autoq.Config().activation, calibrator=fn)
-    cfg = autoq.Config(progress=False, activation=act)
+    act = dataclasses.replace(autoq.Config(recipe="cnn").activation, calibrator=fn)
+    cfg = autoq.Config(recipe="cnn", activation=act)
     with pytest.raises(CalibratorError, match=r"calibrator contract: a calibration function") as e:
         autoq.Quantizer(cfg, target=TARGET).run(MOD, PARAMS, GOOD)
     assert needle in str(e.value)
@@ -200,7 +202,7 @@ def test_calibration_function_breaking_the_contract(case):
 
 def test_calibrator_object_breaking_the_contract():
     with pytest.raises(CalibratorError, match=r"calibrator contract: a calibrator must be"):
-        dataclasses.replace(autoq.Config().activation, calibrator=object())
+        dataclasses.replace(autoq.Config(recipe="cnn").activation, calibrator=object())
 
 
 class _TupleObserver:
@@ -232,7 +234,7 @@ class _Broken:
 
 
 def test_observer_returning_something_else():
-    act = dataclasses.replace(autoq.Config().activation, calibrator=_Broken())
-    cfg = autoq.Config(progress=False, activation=act)
+    act = dataclasses.replace(autoq.Config(recipe="cnn").activation, calibrator=_Broken())
+    cfg = autoq.Config(recipe="cnn", activation=act)
     with pytest.raises(CalibratorError, match=r"must return an autoq.QParam.*returned tuple"):
         autoq.Quantizer(cfg, target=TARGET).run(MOD, PARAMS, GOOD)

@@ -1,4 +1,4 @@
-"""Config.bias_correction_holdout (autoq.accuracy.bias_gate): each layer's empirical bias correction is
+"""BiasCorrection.holdout (autoq.accuracy.bias_gate): each layer's empirical bias correction is
 kept only if it lowers the layer's (post-activation) output error against fp32 on held-out
 samples; decisions checked against a numpy recomputation of the rule, the realized module
 against the simulation bit for bit."""
@@ -15,14 +15,15 @@ import autoq.accuracy.bias_gate as G
 import autoq.calibration.holdout
 from autoq import Config, calibrate, realize, simulate
 from autoq import primitives as P
-from autoq.calibration import samples_for
-from autoq.fallback.fidelity import compare
 from autoq.accuracy.hessian import ConvGeometry
-from autoq.qparams import QParams
 from autoq.accuracy.weight_tuning import layer_tasks
+from autoq.calibration import samples_for
+from autoq.config import BiasCorrection
+from autoq.fallback.fidelity import compare
+from autoq.qparams import QParams
 from models import TARGET, conv2d_nchw, mlp, small_cnn, two_convs
 
-EBC = Config(progress=False, weight_rounding="nearest", empirical_bias_correction=True)
+EBC = Config(recipe="cnn", weight_rounding="nearest", bias_correction=BiasCorrection())
 
 
 def test_doctests():
@@ -30,13 +31,12 @@ def test_doctests():
 
 
 def test_config_option_round_trips_and_is_validated():
-    cfg = EBC.replace(bias_correction_holdout=4)
-    assert Config.from_json(cfg.to_json()) == cfg and Config().bias_correction_holdout == 0
+    cfg = EBC.replace(bias_correction=BiasCorrection(holdout=4))
+    assert Config.from_json(cfg.to_json()) == cfg and cfg.bias_holdout == 4
+    assert Config(recipe="cnn").bias_holdout == 0
     for bad in (-1, True, 1.5, "4"):
-        with pytest.raises(ValueError, match=r"Config\.bias_correction_holdout must be an int"):
-            EBC.replace(bias_correction_holdout=bad)
-    with pytest.raises(ValueError, match="bias_correction_holdout=2 gates empirical"):
-        Config(bias_correction_holdout=2)
+        with pytest.raises(ValueError, match=r"BiasCorrection\.holdout must be an int"):
+            EBC.replace(bias_correction=BiasCorrection(holdout=bad))
 
 
 def test_rows_times_weights_are_the_layer_output():
@@ -120,7 +120,7 @@ def test_gate_keeps_a_helpful_correction_and_drops_a_harmful_one(held_offset, he
     with the input mean) lose; the gate decides as the numpy rule does."""
     mod, params, _ = two_convs()
     cal, held = _images(12, 1, 2.0), _images(4, 2, held_offset)
-    cfg = EBC.replace(bias_correction_holdout=4)
+    cfg = EBC.replace(bias_correction=BiasCorrection(holdout=4))
     sim = simulate(mod, params, cfg)
     qp = calibrate(sim, params, cal + held, cfg, target=TARGET)
     assert qp.meta["samples"] == 12
@@ -141,11 +141,11 @@ def test_held_out_count_edge_cases():
     mod, params, _ = two_convs()
     sim = simulate(mod, params, EBC)
     samples = _images(3, 1, 2.0)
-    with pytest.raises(ValueError, match=r"Config.bias_correction_holdout=3 leaves no calib"):
-        calibrate(sim, params, samples, EBC.replace(bias_correction_holdout=3), target=TARGET)
-    qp = calibrate(sim, params, samples, EBC.replace(bias_correction_holdout=2), target=TARGET)
+    with pytest.raises(ValueError, match=r"BiasCorrection.holdout=3 leaves no calib"):
+        calibrate(sim, params, samples, EBC.replace(bias_correction=BiasCorrection(holdout=3)), target=TARGET)
+    qp = calibrate(sim, params, samples, EBC.replace(bias_correction=BiasCorrection(holdout=2)), target=TARGET)
     assert qp.meta["samples"] == 1  # one calibration sample is enough
-    fp32 = EBC.replace(calibration="fp32", bias_correction_holdout=2)
+    fp32 = EBC.replace(calibration="fp32", bias_correction=BiasCorrection(holdout=2))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         qp = calibrate(simulate(mod, params, fp32), params, samples, fp32, target=TARGET)
@@ -154,7 +154,7 @@ def test_held_out_count_edge_cases():
 
 def test_realized_module_equals_the_simulation_with_the_gate_on():
     mod, params, data = small_cnn()
-    cfg = EBC.replace(weight_rounding="gptq", bias_correction_holdout=3)
+    cfg = EBC.replace(weight_rounding="gptq", bias_correction=BiasCorrection(holdout=3))
     sim = simulate(mod, params, cfg)
     qp = QParams.loads(calibrate(sim, params, data(10, 1), cfg, target=TARGET).dumps())
     tuning = qp.meta["weight_tuning"]

@@ -61,7 +61,7 @@ def int8_modules(onnx_path):
 
 
 def _int8_module(source: str, onnx_path) -> tvm.IRModule:
-    config = autoq.Config(progress=False)
+    config = autoq.Config(recipe="cnn")
     if source == "torch":
         torch, net = torch_cnn()
         mod, params = autoq.from_torch(net, (torch.zeros(SHAPE),))
@@ -174,7 +174,7 @@ def test_integer_rounding_puts_multiplier_and_shift_on_every_requantize():
 
     torch, net = torch_cnn()
     mod, params = autoq.from_torch(net, (torch.zeros(SHAPE),))
-    config = autoq.Config(progress=False, rounding="half_even")
+    config = autoq.Config(recipe="cnn", rounding="half_even")
     real = autoq.quantize(mod, params, _samples(4, 0), config)
     calls = [
         v
@@ -213,8 +213,8 @@ def _strip_multipliers(func):
 
 
 def test_per_channel_lookup_and_depthwise_input_offload_bit_exact():
-    """``Config(lut_input_per_channel=True, depthwise_input_per_channel=True)`` (PP-OCR's
-    recipe): a stem conv -> hardswish -> depthwise conv -> hardswish -> 1x1 conv chain whose
+    """``Config(rules=("lookup_per_channel", "depthwise_per_channel"))`` (the depthwise_cnn
+    recipe's): a stem conv -> hardswish -> depthwise conv -> hardswish -> 1x1 conv chain whose
     hardswish tables are ``[C, 256]`` (``qnn.lut`` with ``axis``) and whose depthwise conv
     reads a per-channel input (scale / zero point of shape ``[C]``). The pattern table still
     offloads the whole network as one integer region, bit for bit equal to TVM's own build."""
@@ -228,9 +228,7 @@ def test_per_channel_lookup_and_depthwise_input_offload_bit_exact():
         nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.Hardswish(), nn.Conv2d(8, 4, 1),
     ).eval()  # fmt: skip
     mod, params = autoq.from_torch(net, (torch.zeros(SHAPE),))
-    config = autoq.Config(
-        progress=False, lut_input_per_channel=True, depthwise_input_per_channel=True
-    )
+    config = autoq.Config(recipe="cnn", rules=("lookup_per_channel", "depthwise_per_channel"))
     real = autoq.quantize(mod, params, _samples(8, 0), config)
     calls = [v for _, v in bindings(real["main"]) if isinstance(v, relax.Call)]
     luts = [c for c in calls if c.op == tvm.ir.Op.get("qnn.lut")]

@@ -9,6 +9,7 @@ import pytest
 import autoq
 from autoq import Config, QParams, QuantSpec, calibrate, load_qparams, realize, simulate
 from autoq import primitives as P
+from autoq.config import Resources
 from models import TARGET, Runner, conv2d_nchw, small_cnn, two_convs
 
 MAX = QuantSpec(dtype="int8", symmetric=False, calibrator="max")
@@ -18,7 +19,7 @@ WMAX = QuantSpec(
 
 
 def cfg(**kw):
-    return Config(activation=MAX, weight=WMAX, progress=False, **kw)
+    return Config(recipe="cnn", activation=MAX, weight=WMAX, **kw)
 
 
 def _numpy_relu_range(params, data, x_qp, w_qp, quantized: bool):
@@ -69,9 +70,8 @@ def test_spilling_to_disk_changes_nothing(tmp_path):
     data = make(5)
     sim = simulate(mod, params, cfg())
     ram = calibrate(sim, params, data, cfg(), target=TARGET)
-    disk = calibrate(
-        sim, params, data, cfg(memory_budget_mb=0, cache_dir=str(tmp_path / "cache")), target=TARGET
-    )
+    spill = Resources(memory_budget_mb=0, cache_dir=str(tmp_path / "cache"))
+    disk = calibrate(sim, params, data, cfg(), target=TARGET, resources=spill)
     assert dict(ram) == dict(disk)
     assert list((tmp_path / "cache").glob("*.npy")) == []  # cleaned up after use
 
@@ -128,7 +128,7 @@ def test_user_calibrators_plug_into_the_config():
             return Obs()
 
     for cal in (middle_half, Fixed()):
-        c = Config(activation=QuantSpec(calibrator=cal), weight=WMAX, progress=False)
+        c = Config(recipe="cnn", activation=QuantSpec(calibrator=cal), weight=WMAX)
         sim = simulate(mod, params, c)
         qp = calibrate(sim, params, data, c, target=TARGET)
         if cal is middle_half:
@@ -143,7 +143,7 @@ def test_user_calibrators_plug_into_the_config():
 @pytest.mark.parametrize("method", ["max", "moving_average", "percentile", "kl", "mse"])
 def test_every_shipped_calibrator_runs_through_the_pipeline(method):
     mod, params, make = two_convs()
-    c = Config(activation=QuantSpec(calibrator=method), progress=False)
+    c = Config(recipe="cnn", activation=QuantSpec(calibrator=method))
     sim = simulate(mod, params, c)
     qp = calibrate(sim, params, make(4), c, target=TARGET)
     q = realize(mod, params, qp, c)
@@ -203,6 +203,7 @@ def test_observers_on_the_runner_thread_match_the_plain_ones(tmp_path, budget):
     Hessians as one; segments run with a twin VM (odd samples on another thread) cache
     the same values as on one; a runner closed while an observer still waits for values
     raises instead of hanging."""
+    from autoq.accuracy.weight_tuning import InputStats, layer_tasks
     from autoq.calibration import (
         build_plan,
         calibrate_weights,
@@ -213,7 +214,6 @@ def test_observers_on_the_runner_thread_match_the_plain_ones(tmp_path, budget):
     from autoq.calibration.scale_health import HealthCheck
     from autoq.calibration.shard_runner import ShardRunner
     from autoq.ir.toolkit import compile_vms
-    from autoq.accuracy.weight_tuning import InputStats, layer_tasks
 
     mod, params, make = small_cnn()
     sim = simulate(mod, params, cfg())

@@ -69,7 +69,7 @@ def test_dense_bias_residual_add():
         "r": pt(0.1, -2),
         "fc.weight": QParam(s_w, np.zeros(3, np.int32), "int8", axis=1),
     }
-    cfg = Config(progress=False)
+    cfg = Config(recipe="cnn")
     real = realize(mod, params, hand_qparams(mod, params, cfg, chosen), cfg)
     s_acc = (np.float32(0.05) * s_w).astype(np.float32)
     w_int8 = np.clip(np.rint(w.astype(np.float32) / s_w[:, None]), -127, 127).astype(np.int8)
@@ -98,7 +98,7 @@ def test_elementwise_add_has_its_own_output_qparams():
     x, y = b.input("x", (1, 4)), b.input("y", (1, 4))
     mod, params = b.build(lambda b: b.emit(relax.op.add(x, y)))
     chosen = {"x": pt(0.1, 0), "y": pt(0.2, 5), "add_0": pt(0.25, -1)}
-    cfg = Config(progress=False)
+    cfg = Config(recipe="cnn")
     real = realize(mod, params, hand_qparams(mod, params, cfg, chosen), cfg)
 
     def body_expected(bb, x, y):
@@ -119,7 +119,7 @@ def test_global_average_pool_is_an_integer_sum_with_the_scale_divided_by_n():
     x = b.input("x", (1, 2, 3, 3))
     mod, params = b.build(lambda b: b.emit(relax.op.mean(x, axis=[2, 3], keepdims=True)))
     chosen = {"x": pt(0.2, 4)}
-    cfg = Config(progress=False)
+    cfg = Config(recipe="cnn")
     real = realize(mod, params, hand_qparams(mod, params, cfg, chosen), cfg)
 
     def body_expected(bb, x):
@@ -147,7 +147,7 @@ def test_a_fallback_layer_reads_the_int8_exit_of_its_int32_producer():
     from autoq import Fallback
 
     mod, params = b.build(body)
-    cfg = Config(progress=False, fallback=Fallback(ids=("fc2",)))
+    cfg = Config(recipe="cnn", fallback=Fallback(ids=("fc2",)))
     s_w = np.array([1 / 127, 0.5 / 127], np.float32)
     chosen = {
         "x": pt(0.1, 0),

@@ -140,7 +140,7 @@ def _lowered_names(qmod, target):
 @functools.cache
 def _quantized(seq: int):
     mod, params, data = attention(seq=seq, dim=40)
-    return autoq.quantize(mod, params, data(8, 1), Config(progress=False)), data
+    return autoq.quantize(mod, params, data(8, 1), Config(recipe="cnn")), data
 
 
 @needs_amx

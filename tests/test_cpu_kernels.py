@@ -207,7 +207,7 @@ def test_isa_from_target():
 @functools.cache
 def _quantized(make):
     mod, params, data = make()
-    return autoq.quantize(mod, params, data(8, 1), Config(progress=False)), data
+    return autoq.quantize(mod, params, data(8, 1), Config(recipe="cnn")), data
 
 
 @pytest.mark.parametrize("make", [small_cnn, mlp, attention])

@@ -10,7 +10,6 @@ import onnx
 import pytest
 
 from autoq import cli
-
 from autoq.cli import demo
 from models import TARGET
 

@@ -1,5 +1,5 @@
 """Per-channel depthwise inputs written by a lookup (``autoq/depthwise_channels.py``,
-``Config.depthwise_input_per_channel``): which slots go per channel, ``qnn.conv2d`` with a
+``Config.rules`` "depthwise_per_channel"): which slots go per channel, ``qnn.conv2d`` with a
 per-channel input zero point against numpy (generic lowering and the packed depthwise
 kernels, padding included), realized == simulated on conv -> hardswish -> depthwise ->
 conv (both lowerings, with and without per-channel lookup inputs, GPTQ, bias
@@ -18,10 +18,11 @@ from autoq import Config, QParam, QuantSpec, calibrate, realize, simulate
 from autoq import primitives as P
 from autoq.calibration import samples_for
 from autoq.calibrators.percentile import Percentile
-from autoq.ir.canonicalize import hardswish
-from autoq.config import Distributed
+from autoq.config import BiasCorrection
+from autoq.distributed import check_rules_in_process
 from autoq.errors import InputError
 from autoq.fallback.fidelity import compare, expose_slots
+from autoq.ir.canonicalize import hardswish
 from autoq.qnn import conv2d as qconv2d
 from models import TARGET, Builder, Runner, small_cnn
 
@@ -55,10 +56,10 @@ def chain(width=10, kernel=3, stride=1, second_reader=False, lookup=True):
     return mod, params, [rng.normal(size=(1, 3, 6, width)).astype(np.float32) for _ in range(8)]
 
 
-def cfg(on=True, **kw):
+def cfg(on=True, more=(), **kw):
     spec = QuantSpec(calibrator=Percentile(percentile=99.9))
     kw.setdefault("weight_rounding", "nearest")
-    return Config(progress=False, activation=spec, depthwise_input_per_channel=on, **kw)
+    return Config(recipe="cnn", activation=spec, rules=(("depthwise_per_channel",) if on else ()) + tuple(more), **kw)
 
 
 HS = "autoq.hardswish_0"
@@ -81,7 +82,7 @@ def test_slots_go_per_channel_only_for_a_lookup_read_by_one_depthwise_conv():
     assert on.slots[HS].axis == 1
     assert [int(d) for d in on.table_vars[HS].ty.shape] == [6, 256]
     assert on.slots["c1"].axis is None  # the lookup's input stays per tensor
-    both = simulate(mod, params, cfg(lut_input_per_channel=True))
+    both = simulate(mod, params, cfg(more=("lookup_per_channel",)))
     assert both.slots[HS].axis == 1 and both.slots["c1"].axis == 1
     assert simulate(mod, params, cfg(on=False)).slots[HS].axis is None
     mod2, params2, _ = chain(second_reader=True)  # a second reader: per tensor, no error
@@ -158,9 +159,8 @@ def _kernels(real):
     ("width", "kernel", "stride", "lookup", "extra"),
     [
         (40, 3, 1, True, {}),  # row kernel
-        (10, 3, 1, True, {"lut_input_per_channel": True}),  # blocked kernel, both halves
-        (12, 5, 2, True, {"weight_rounding": "gptq", "empirical_bias_correction": True}),
-        (10, 3, 1, True, {"weight_rounding": "gptq", "bias_correction": True}),
+        (10, 3, 1, True, {"more": ("lookup_per_channel",)}),  # blocked kernel, both halves
+        (12, 5, 2, True, {"weight_rounding": "gptq", "bias_correction": BiasCorrection()}),
         (40, 3, 1, False, {"weight_rounding": "gptq"}),  # conv -> per-channel requantize
         (10, 3, 1, False, {"rounding": "half_away"}),  # integer requantize
     ],
@@ -203,15 +203,15 @@ def test_realized_depthwise_stage_matches_numpy():
 
 
 def test_option_json_errors_and_unchanged_models():
-    c = cfg(lut_input_per_channel=True)
-    assert Config.from_json(c.to_json()) == c and c.to_json()["depthwise_input_per_channel"]
-    with pytest.raises(TypeError, match=r"Config.depthwise_input_per_channel"):
-        cfg(on=1)
-    with pytest.raises(InputError, match=r"Config.depthwise_input_per_channel.*distributed"):
-        Config(depthwise_input_per_channel=True, distributed=Distributed(workers=2))
+    c = cfg(more=("lookup_per_channel",))
+    assert Config.from_json(c.to_json()) == c and "depthwise_per_channel" in c.to_json()["rules"]
+    with pytest.raises(TypeError, match=r"Config.rules"):
+        Config(recipe="cnn", rules=(1,))
+    with pytest.raises(InputError, match=r"depthwise_per_channel.*distributed"):
+        check_rules_in_process(c)
     mod, params, data = chain()
     _, qp, _ = quantize(mod, params, data, cfg())
-    with pytest.raises(ValueError, match=r"hardswish.*per-axis.*depthwise_input_per_channel"):
+    with pytest.raises(ValueError, match=r"hardswish.*per-axis.*depthwise_per_channel"):
         realize(mod, params, qp, cfg(on=False))
     cnn, cparams = small_cnn()[:2]
     on, off = simulate(cnn, cparams, cfg()), simulate(cnn, cparams, cfg(on=False))
@@ -226,8 +226,8 @@ def test_fallback_of_the_depthwise_conv_remaps_to_the_covering_grid():
     from autoq.fallback.auto_fallback import remap_qparams
 
     mod, params, data = chain()
-    src, qp, _ = quantize(mod, params, data, cfg(lut_input_per_channel=True))
-    dst_cfg = cfg(lut_input_per_channel=True, fallback=autoq.Fallback(ids=(_dw_layer(src),)))
+    src, qp, _ = quantize(mod, params, data, cfg(more=("lookup_per_channel",)))
+    dst_cfg = cfg(more=("lookup_per_channel",), fallback=autoq.Fallback(ids=(_dw_layer(src),)))
     dst = simulate(mod, params, dst_cfg)
     assert dst.slots[HS].axis is None and dst.slots["c1"].axis == 1
     remapped = remap_qparams(src, qp, dst)

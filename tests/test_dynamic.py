@@ -14,9 +14,9 @@ from tvm import relax
 import autoq
 from autoq import Config, Fallback, Override, QuantSpec, qnn
 from autoq import primitives as P
-from autoq.qnn import runtime_qparams as R
 from autoq.config import AutoFallback
 from autoq.qnn import QnnError
+from autoq.qnn import runtime_qparams as R
 from models import Runner, attention, mlp, run, run_tuple
 
 DYN = QuantSpec(dynamic=True)
@@ -116,7 +116,7 @@ def _mlp_reference(params, x, spec: QuantSpec):
 @pytest.mark.parametrize("spec", [DYN, TOKEN, QuantSpec(dynamic=True, dtype="uint8")])
 def test_mlp_bit_exact_without_data(spec):
     mod, params, data = mlp()
-    res = autoq.Quantizer(Config(activation=spec, progress=False)).run(mod, params, None)
+    res = autoq.Quantizer(Config(recipe="cnn", activation=spec)).run(mod, params, None)
     assert res.int8_layers == ["fc1", "fc2", "fc3"] and res.fp32_layers == {}
     text = res.module["main"].script()
     assert text.count('"qnn.dense"') == 3 and text.count('"qnn.dynamic_quantize"') == 3
@@ -132,7 +132,7 @@ def test_transformer_block(gran):
     """q/k/v/out projections int8 with run-time scales (one dynamic_quantize shared by
     q, k and v), the attention matmuls fp32; the projections match numpy bit for bit."""
     mod, params, data = attention()
-    cfg = Config(activation=QuantSpec(dynamic=True, granularity=gran), progress=False)
+    cfg = Config(recipe="cnn", activation=QuantSpec(dynamic=True, granularity=gran))
     res = autoq.Quantizer(cfg).run(mod, params, None)
     assert res.int8_layers == ["attn.q", "attn.k", "attn.v", "attn.out"]
     assert set(res.fp32_layers.values()) == {autoq.realization.dynamic.NO_DYNAMIC_FORM}
@@ -157,12 +157,7 @@ def test_transformer_block(gran):
 
 def test_override_granularity_and_fallback():
     mod, params, _ = mlp()
-    cfg = Config(
-        activation=DYN,
-        overrides=(Override("fc2", activation=TOKEN),),
-        fallback=Fallback(ids=("fc3",)),
-        progress=False,
-    )
+    cfg = Config(recipe="cnn", activation=DYN, overrides=(Override("fc2", activation=TOKEN),), fallback=Fallback(ids=("fc3",)))
     res = autoq.Quantizer(cfg).run(mod, params, None)
     assert res.int8_layers == ["fc1", "fc2"] and res.fp32_layers == {"fc3": "fallback rule"}
     text = res.module["main"].script()
@@ -170,15 +165,12 @@ def test_override_granularity_and_fallback():
 
 
 def test_json_round_trip():
-    cfg = Config(
-        activation=TOKEN,
-        overrides=(Override("fc*", activation=QuantSpec(dynamic=True, dtype="uint8")),),
-    )
+    cfg = Config(recipe="cnn", activation=TOKEN, overrides=(Override("fc*", activation=QuantSpec(dynamic=True, dtype="uint8")),))
     back = Config.from_json(cfg.to_json())
     assert back == cfg and back.activation.granularity == "token"
     assert back.overrides[0].activation.dynamic
     # documents written before dynamic quantization existed still load (static)
-    d = Config().to_json()
+    d = Config(recipe="cnn").to_json()
     del d["activation"]["dynamic"], d["activation"]["granularity"]
     assert not Config.from_json(d).activation.dynamic
 
@@ -189,13 +181,13 @@ CONFIG_ERRORS = [
     (lambda: QuantSpec(dynamic=True, dtype="int16"), "int8 or uint8"),
     (lambda: QuantSpec(dynamic=True, per_channel=True), "never per channel"),
     (lambda: QuantSpec(dynamic="yes"), "QuantSpec.dynamic must be a bool"),
-    (lambda: Config(weight=QuantSpec(dynamic=True)), "weights are always quantized statically"),
+    (lambda: Config(recipe="cnn", weight=QuantSpec(dynamic=True)), "weights are always quantized statically"),
     (
-        lambda: Config(activation=DYN, overrides=(Override("fc1", activation=QuantSpec()),)),
+        lambda: Config(recipe="cnn", activation=DYN, overrides=(Override("fc1", activation=QuantSpec()),)),
         "a dynamic model has no calibration",
     ),
-    (lambda: Config(activation=DYN, fallback=AutoFallback()), "AutoFallback needs calibration"),
-    (lambda: Config(activation=DYN, int8_outputs=True), "int8_outputs"),
+    (lambda: Config(recipe="cnn", activation=DYN, fallback=AutoFallback()), "AutoFallback needs calibration"),
+    (lambda: Config(recipe="cnn", activation=DYN, int8_outputs=True), "int8_outputs"),
 ]
 
 
@@ -207,7 +199,7 @@ def test_config_errors(make, fragment):
 
 def test_override_must_match_a_dynamic_layer():
     mod, params, _ = attention()
-    cfg = Config(activation=DYN, overrides=(Override("matmul_3", activation=TOKEN),))
+    cfg = Config(recipe="cnn", activation=DYN, overrides=(Override("matmul_3", activation=TOKEN),))
     with pytest.raises(ValueError, match="matches no quantized layer"):
         autoq.Quantizer(cfg).run(mod, params, None)
 

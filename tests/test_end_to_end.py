@@ -29,7 +29,7 @@ def rel_err(got, ref):
 
 
 def check(mod, params, make_data, config=None, layers=None, target=TARGET):
-    config = config or Config(progress=False)
+    config = config or Config(recipe="cnn")
     data = make_data(8, 1)
     sim = simulate(mod, params, config)
     if layers is not None:
@@ -170,24 +170,20 @@ def test_bit_exact_with_the_optimizing_default_target_too():
 
 def test_uint8_activations_and_per_tensor_weights():
     mod, params, make = small_cnn()
-    cfg = Config(
-        activation=autoq.QuantSpec(dtype="uint8", calibrator="percentile"),
-        weight=autoq.QuantSpec(symmetric=True, per_channel=False),
-        progress=False,
-    )
+    cfg = Config(recipe="cnn", activation=autoq.QuantSpec(dtype="uint8", calibrator="percentile"), weight=autoq.QuantSpec(symmetric=True, per_channel=False))
     _sim, qp, _real = check(mod, params, lambda n, s: make(n, s), cfg)
     assert qp["x"].dtype == "uint8" and qp["stem.weight"].scale.ndim == 0
 
 
 def test_fallback_changes_exactly_the_named_layers():
     mod, params, make = small_cnn()
-    base = simulate(mod, params, Config(progress=False))
+    base = simulate(mod, params, Config(recipe="cnn"))
     for fb, gone in [
         (Fallback(ids=("block.conv2",)), {"block.conv2"}),
         (Fallback(op_types=("dense_bias",)), {"fc"}),
         (Fallback(patterns=("re:(stem|dw)",)), {"stem", "dw"}),
     ]:
-        cfg = Config(progress=False, fallback=fb)
+        cfg = Config(recipe="cnn", fallback=fb)
         sim, _, _real = check(mod, params, lambda n, s: make(n, s), cfg)
         assert set(base.layers) - set(sim.layers) == gone
         # everything else keeps its pattern
@@ -198,7 +194,7 @@ def test_fallback_changes_exactly_the_named_layers():
 
 def test_quantize_one_call_and_export(tmp_path):
     mod, params, make = small_cnn()
-    q = autoq.quantize(mod, params, make(4), Config(progress=False), target=TARGET)
+    q = autoq.quantize(mod, params, make(4), Config(recipe="cnn"), target=TARGET)
     qp = autoq.QParams.loads(str(q.attrs["autoq.qparams"]))
     assert "stem.weight" in qp
     path = autoq.export_library(q, tmp_path / "model.so", target=TARGET)
@@ -245,17 +241,17 @@ def test_unbounded_attention_masks_stay_fp32():
     f = Runner(mod, params)
     ref = np.stack([f(s["x"], s["mask"]) for s in test])
     with pytest.warns(UserWarning, match=r"keeping 1 layer\(s\) in fp32 .*add_0"):
-        q = autoq.quantize(mod, params, data, Config(progress=False), target=TARGET)
+        q = autoq.quantize(mod, params, data, Config(recipe="cnn"), target=TARGET)
     assert str(q.attrs["autoq.skipped_unbounded"]) == "add_0"
     # the guard's one-off compile is reported apart, inside the guard's own time
-    run = autoq.Quantizer(Config(progress=False), target=TARGET)
+    run = autoq.Quantizer(Config(recipe="cnn"), target=TARGET)
     with pytest.warns(UserWarning, match="keeping 1 layer"):
         t = run.run(mod, params, data).timings
     assert 0 < t["guard.compile"] < t["guard"], t
     got = np.stack([Runner(q)(s["x"], s["mask"]) for s in test])
     assert rel_err(got, ref) < TOL
     # with the guard off, the scale health check keeps the mask add in fp32 instead
-    caught = autoq.Quantizer(Config(progress=False, skip_unbounded=False), target=TARGET)
+    caught = autoq.Quantizer(Config(recipe="cnn", skip_unbounded=False), target=TARGET)
     caught = caught.run(mod, params, data)
     assert caught.fp32_layers.get("add_0") == "unusable scale (scale health)", caught.fp32_layers
     # quantizing the mask anyway destroys the scores (every score rounds to one value)
@@ -263,7 +259,7 @@ def test_unbounded_attention_masks_stay_fp32():
         mod,
         params,
         data,
-        Config(progress=False, skip_unbounded=False, check_scales=False),
+        Config(recipe="cnn", skip_unbounded=False, check_scales=False),
         target=TARGET,
     )
     worse = np.stack([Runner(bad)(s["x"], s["mask"]) for s in test])
@@ -286,7 +282,7 @@ def test_an_activation_that_is_nan_on_one_sample_is_reported_unbounded():
     mod, params = b.build(body)
     ok = np.abs(np.random.default_rng(0).normal(size=(1, 8))).astype(np.float32)
     data = [{"x": ok}, {"x": -ok}]
-    sim = simulate(mod, params, Config(progress=False))
+    sim = simulate(mod, params, Config(recipe="cnn"))
     bad = unbounded_slots(sim, data, TARGET)
     assert list(bad) == ["sqrt_0"] and np.isnan(bad["sqrt_0"][0])
     assert layers_using(sim, bad) == ["fc"]

@@ -103,7 +103,7 @@ def test_pipeline_on_a_cnn_realizes_the_choice_exactly():
         precision="int16_tensors", min_sqnr=99.0, holdout=4, max_int16_fraction=0.5,
         search="eliminate",
     )  # fmt: skip
-    cfg = Config(progress=False, check_scales=False, fallback=fb)
+    cfg = Config(recipe="cnn", check_scales=False, fallback=fb)
     res = autoq.Quantizer(cfg, target=TARGET).run(mod, params, make_data(10, 0))
     d = res.decision
     sim = simulate(res.matched, None, res.config)
@@ -117,7 +117,7 @@ def test_pipeline_on_a_cnn_realizes_the_choice_exactly():
 
 def test_option_round_trips_and_is_validated():
     fb = AutoFallback(precision="int16_tensors", search="eliminate")
-    cfg = Config(fallback=fb)
+    cfg = Config(recipe="cnn", fallback=fb)
     assert Config.loads(cfg.dumps()) == cfg
     with pytest.raises(ValueError, match=r"AutoFallback\.search"):
         AutoFallback(precision="int16_tensors", search="forward")

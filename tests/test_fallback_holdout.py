@@ -13,7 +13,7 @@ from models import TARGET, small_cnn
 
 
 def test_holdout_round_trips_and_is_validated():
-    cfg = Config(fallback=AutoFallback(holdout=3))
+    cfg = Config(recipe="cnn", fallback=AutoFallback(holdout=3))
     assert Config.from_json(cfg.to_json()) == cfg
     with pytest.raises(ValueError, match="holdout"):
         AutoFallback(holdout=-1)
@@ -26,7 +26,7 @@ def test_kept_layers_improve_the_held_out_samples():
     mod, params, data = small_cnn()
     samples = data(8, 1)
     fb = AutoFallback(min_sqnr=200.0, max_fp32_layers=3, holdout=3)
-    res = Quantizer(Config(progress=False, fallback=fb), target=TARGET).run(mod, params, samples)
+    res = Quantizer(Config(recipe="cnn", fallback=fb), target=TARGET).run(mod, params, samples)
     assert res.qparams.meta["samples"] == 5  # calibrated without the held-out samples
     searched = [t for t in res.decision.trials if "kept" in t]
     assert searched, res.decision.trials

@@ -1,4 +1,4 @@
-"""autoq.accuracy.gptq and autoq.scale_search: against round-to-nearest, an independent OBQ-style
+"""autoq.accuracy.gptq: against round-to-nearest, an independent OBQ-style
 reference (explicit inverse downdates, no Cholesky, no blocks) and brute force."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import pytest
 from reference_ops import conv2d_loops
 
 import autoq.accuracy.gptq as G
-import autoq.scale_search as S
 from autoq.accuracy.gptq import gptq, rtn
 from autoq.accuracy.hessian import ConvGeometry, Hessian, flatten_conv_weight, unflatten_conv_weight
 
@@ -51,7 +50,7 @@ def _obq_reference(w, h, scale, order):
 
 
 def test_doctests():
-    for mod in (G, S):
+    for mod in (G,):
         res = doctest.testmod(mod)
         assert res.attempted >= 3 and res.failed == 0
 
@@ -144,41 +143,3 @@ def test_gptq_rejects_bad_shapes():
         gptq(np.zeros((2, 3)), np.eye(4), 1.0)
     with pytest.raises(ValueError, match="positive"):
         gptq(np.ones((2, 3)), np.eye(3), 0.0)
-
-
-# ------------------------------------------------------------------ scale search
-
-
-def test_scale_search_is_the_brute_force_argmin_of_the_output_mse():
-    x = _correlated(rows=256, k=16, seed=9)
-    rng = np.random.default_rng(10)
-    w = rng.laplace(size=(6, 16))
-    w[:, 0] *= 6  # outliers
-    ratios = np.linspace(1.0, 0.3, 36)
-    res = S.search_scales(w, 2 * x.T @ x / len(x), qmin=-7, qmax=7, ratios=ratios)
-    for r in range(6):
-        errs = []
-        for a in ratios:
-            s = np.float32(np.abs(w[r]).max() * a / 7.0)
-            q = np.clip(np.rint(w[r].astype(np.float32) / s), -7, 7)
-            errs.append(float(((x @ (w[r] - q * np.float64(s))) ** 2).sum()))
-        assert res.ratio[r] == ratios[int(np.argmin(errs))]
-        np.testing.assert_allclose(res.error[r], 2 * min(errs) / len(x), rtol=1e-9)
-    assert np.all(res.error <= res.error_max)
-    assert np.any(res.ratio < 1.0)
-
-
-def test_scale_search_without_h_minimizes_the_weight_mse():
-    rng = np.random.default_rng(11)
-    w = rng.normal(size=(2, 3, 20))  # two groups
-    res = S.search_scales(w, qmin=-7, qmax=7)
-    assert res.scale.shape == (6,) and res.scale.dtype == np.float32
-    for r, row in enumerate(w.reshape(6, 20)):
-        q = np.clip(np.rint(row.astype(np.float32) / res.scale[r]), -7, 7)
-        np.testing.assert_allclose(
-            res.error[r], ((row - q * np.float64(res.scale[r])) ** 2).sum(), rtol=1e-9
-        )
-    # the max scale (ratio 1.0) is never better than the chosen one
-    assert np.all(res.error <= res.error_max)
-    zero = S.search_scales(np.zeros((1, 4)))
-    assert zero.scale.tolist() == [1.0]  # a dead channel gets scale 1, like choose_qparams

@@ -61,7 +61,7 @@ def test_prepare_rejects_unknown_and_misshaped_params():
 
 def test_layer_ids_and_patterns_of_the_cnn():
     mod, params, _ = small_cnn()
-    m = find_matches(prepare(mod, params), Config(progress=False))
+    m = find_matches(prepare(mod, params), Config(recipe="cnn"))
     assert _by_layer(m) == {
         "stem": "conv2d_bias",
         "block.conv1": "conv2d_bias",
@@ -108,14 +108,14 @@ def test_fallback_by_id_type_and_regex():
     mod, params, _ = small_cnn()
     g = prepare(mod, params)
     all_layers = layer_ids(g)
-    by_id = [m.layer for m in find_matches(g, Config(fallback=Fallback(ids=("block.conv1",))))]
+    by_id = [m.layer for m in find_matches(g, Config(recipe="cnn", fallback=Fallback(ids=("block.conv1",))))]
     assert by_id == [x for x in all_layers if x != "block.conv1"]
-    by_type = [m.layer for m in find_matches(g, Config(fallback=Fallback(op_types=("conv2d",))))]
+    by_type = [m.layer for m in find_matches(g, Config(recipe="cnn", fallback=Fallback(op_types=("conv2d",))))]
     assert by_type == ["mean_0", "fc"]
-    by_glob = [m.layer for m in find_matches(g, Config(fallback=Fallback(patterns=("block.*",))))]
+    by_glob = [m.layer for m in find_matches(g, Config(recipe="cnn", fallback=Fallback(patterns=("block.*",))))]
     assert by_glob == ["stem", "dw", "mean_0", "fc"]
     by_re = [
-        m.layer for m in find_matches(g, Config(fallback=Fallback(patterns=(r"re:(stem|fc)",))))
+        m.layer for m in find_matches(g, Config(recipe="cnn", fallback=Fallback(patterns=(r"re:(stem|fc)",))))
     ]
     assert by_re == ["block.conv1", "block.conv2", "dw", "mean_0"]
 
@@ -140,7 +140,7 @@ def test_fallback_by_id_type_and_regex():
 def test_fallback_rule_that_matches_nothing_is_an_error(fb, message):
     mod, params, _ = small_cnn()
     with pytest.raises(ValueError, match=message):
-        find_matches(prepare(mod, params), Config(fallback=fb))
+        find_matches(prepare(mod, params), Config(recipe="cnn", fallback=fb))
 
 
 def test_a_new_pattern_is_one_registration():
@@ -170,6 +170,6 @@ def test_a_new_pattern_is_one_registration():
 def test_unknown_pattern_names_in_config_are_an_error():
     mod, params, _ = small_cnn()
     with pytest.raises(ValueError, match=r"unknown patterns \['conv3d'\]"):
-        find_matches(prepare(mod, params), Config(patterns=("conv3d",)))
-    only_dense = find_matches(prepare(mod, params), Config(patterns=("dense_bias",)))
+        find_matches(prepare(mod, params), Config(recipe="cnn", patterns=("conv3d",)))
+    only_dense = find_matches(prepare(mod, params), Config(recipe="cnn", patterns=("dense_bias",)))
     assert [m.layer for m in only_dense] == ["fc"]

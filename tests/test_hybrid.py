@@ -24,7 +24,7 @@ from models import TARGET, Runner, attention, mlp
 
 TOKEN = QuantSpec(dynamic=True, granularity="token")
 DENSE = "re:^(q|k|v|o|ffn\\..*)$"  # every dense layer of tiny_transformer
-HYBRID = Config(progress=False, check_scales=False, overrides=(Override(DENSE, activation=TOKEN),))
+HYBRID = Config(recipe="cnn", check_scales=False, overrides=(Override(DENSE, activation=TOKEN),))
 
 
 def _simulated_output(sim, qparams, x) -> np.ndarray:
@@ -91,7 +91,7 @@ def test_dynamic_layer_is_per_token_at_run_time(gran):
     does not change when row 1 is scaled 100x; per tensor it does (the shared scale)."""
     mod, params, make = mlp()
     spec = QuantSpec(dynamic=True, granularity=gran)
-    cfg = Config(progress=False, check_scales=False, overrides=(Override("fc1", activation=spec),))
+    cfg = Config(recipe="cnn", check_scales=False, overrides=(Override("fc1", activation=spec),))
     res = autoq.Quantizer(cfg, target=TARGET).run(mod, params, make(8))
     run = Runner(res.module)
     x = make(1, seed=7)[0]
@@ -128,11 +128,11 @@ CONFIG_ERRORS = [
         r"AutoFallback\(precision='fp32'\) with dynamic layers",
     ),
     (
-        lambda: Config(activation=TOKEN, overrides=(Override("q", activation=QuantSpec()),)),
+        lambda: Config(recipe="cnn", activation=TOKEN, overrides=(Override("q", activation=QuantSpec()),)),
         "a dynamic model has no calibration",
     ),
     (
-        lambda: Config(overrides=(Override("q", weight=QuantSpec(dynamic=True)),)),
+        lambda: Config(recipe="cnn", overrides=(Override("q", weight=QuantSpec(dynamic=True)),)),
         "weights are always quantized statically",
     ),
 ]
@@ -146,11 +146,10 @@ def test_config_errors(make, fragment):
 
 def test_a_layer_without_dynamic_form_is_an_error():
     mod, params, make = attention()
-    cfg = Config(progress=False, overrides=(Override("matmul_*", activation=TOKEN),))
+    cfg = Config(recipe="cnn", overrides=(Override("matmul_*", activation=TOKEN),))
     with pytest.raises(ValueError, match=r"layer 'matmul_3' \(pattern 'matmul'\).*matmul_\*"):
         autoq.Quantizer(cfg, target=TARGET).run(mod, params, make(2))
-    cfg = Config(progress=False, fallback=Fallback(ids=("matmul_3", "matmul_4")),
-                 overrides=(Override("attn.*", activation=TOKEN),))  # fmt: skip
+    cfg = Config(recipe="cnn", fallback=Fallback(ids=("matmul_3", "matmul_4")), overrides=(Override("attn.*", activation=TOKEN),))  # fmt: skip
     res = autoq.Quantizer(cfg, target=TARGET).run(mod, params, make(4))
     assert sorted(res.fp32_layers) == ["matmul_3", "matmul_4"]
 

@@ -87,7 +87,7 @@ def test_pt2e_import_partitions_like_autoqs_own_quantization(name):
     _one_region_and_bit_exact(mod, [test[i : i + 1] for i in range(2)])
 
     fmod, params = autoq.from_torch(make_model(name), (torch.from_numpy(test[:1]),))
-    cfg = autoq.Config(progress=False)
+    cfg = autoq.Config(recipe="cnn")
     own = autoq.quantize(fmod, params, [calib[i : i + 1] for i in range(4)], cfg)
     assert npu_backend.host_ops(npu_backend.partition(own)) == {"regions": 1}
     got, want = _qnn_ops(mod), _qnn_ops(own)

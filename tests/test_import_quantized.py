@@ -491,7 +491,7 @@ def test_average_pool_is_an_integer_window_sum_equal_to_onnxruntime_but_at_exact
 
 def _autoq_quantize(model, shape, config=None):
     mod, params = from_onnx(model)
-    config = config or Config(progress=False)
+    config = config or Config(recipe="cnn")
     sim = autoq.simulate(mod, params, config)
     qp = autoq.calibrate(sim, params, _data(shape, 8, 1), config, target=TARGET)
     return autoq.realize(mod, params, qp, config), sim
@@ -537,7 +537,7 @@ def test_residual_layer_follows_the_files_quantization_points(tmp_path):
     from autoq.ir.registry import ordered_patterns
 
     no_add = tuple(sorted(p.name for p in ordered_patterns() if not p.name.endswith("_add")))
-    ours, sim = _autoq_quantize(model, shape, Config(progress=False, patterns=no_add))
+    ours, sim = _autoq_quantize(model, shape, Config(recipe="cnn", patterns=no_add))
     assert report.layers == {m.layer: m.pattern.name for m in sim.matches}
     seq, ref = [op for op, _ in op_sequence(mod)], [op for op, _ in op_sequence(ours)]
     # autoq keeps the relu after the add as its own slot (a requantize add -> relu); ORT
@@ -591,7 +591,7 @@ def test_layer_left_in_float_by_the_file_is_a_reported_fallback(tmp_path):
     got = np.stack(_run(mod, *[[x] for x in xs]))
     np.testing.assert_allclose(got, ref, atol=0.05)
     # a user fallback rule on top: that layer too
-    mod2, _, report2 = import_quantized(q, Config(progress=False, fallback=Fallback(ids=("c3",))))
+    mod2, _, report2 = import_quantized(q, Config(recipe="cnn", fallback=Fallback(ids=("c3",))))
     assert (
         "c3" not in report2.layers and [op for op, _ in op_sequence(mod2)].count("qnn.conv2d") == 1
     )

@@ -18,7 +18,7 @@ from autoq.realization import realize
 from autoq.simulation import simulate
 from models import TARGET, Runner
 
-CFG = Config(progress=False, weight_rounding="nearest")
+CFG = Config(recipe="cnn", weight_rounding="nearest")
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +94,6 @@ def test_pipeline_realizes_what_the_search_measured():
 
 def test_int16_first_options_are_checked():
     fb = AutoFallback(precision="int16_first", holdout=2)
-    assert Config.from_json(Config(fallback=fb).to_json()).fallback == fb
+    assert Config.from_json(Config(recipe="cnn", fallback=fb).to_json()).fallback == fb
     with pytest.raises(ValueError, match="precision must be one of"):
         AutoFallback(precision="int16_last")

@@ -21,7 +21,7 @@ from models import TARGET, mlp
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
     mod, params, data = mlp()
-    r = autoq.Quantizer(autoq.Config(progress=False), target=TARGET).run(mod, params, data(4))
+    r = autoq.Quantizer(autoq.Config(recipe="cnn"), target=TARGET).run(mod, params, data(4))
     path = autoq.export_library(r.module, tmp_path_factory.mktemp("lib") / "model.so", TARGET)
     return path, data(1)[0]
 

@@ -89,7 +89,7 @@ def test_reduction_kernels_get_parallel_vector_loops():
 @pytest.mark.parametrize("mode", ["topological", "fp32"])
 def test_calibration_qparams_unchanged(monkeypatch, mode):
     mod, params, data = small_cnn()
-    config = Config(progress=False, calibration=mode)
+    config = Config(recipe="cnn", calibration=mode)
     sim = simulate(mod, params, config)
     fast = calibrate(sim, params, data(6, 2), config, target=OPT_TARGET)
     monkeypatch.setattr(

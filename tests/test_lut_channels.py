@@ -1,4 +1,4 @@
-"""Per-channel lookup inputs (``autoq/lut_channels.py``, ``Config.lut_input_per_channel``):
+"""Per-channel lookup inputs (``autoq/rules/lut_channels.py``, ``Config.rules`` "lookup_per_channel"):
 which slots go per channel, the realized conv -> per-channel requantize -> per-channel
 table against numpy (generic lowering and the CPU kernels), realized == simulated, the
 per-channel ``qnn.lut`` and its kernels against numpy, per-channel calibration against
@@ -16,12 +16,14 @@ from autoq import Config, QParam, QuantSpec, calibrate, realize, simulate
 from autoq import primitives as P
 from autoq.calibration import samples_for
 from autoq.calibrators.percentile import Percentile
-from autoq.ir.canonicalize import hardswish
 from autoq.cpu.lut import channel_lut_kernel, vbmi_channel_lut_kernel
 from autoq.errors import InputError
 from autoq.fallback.fidelity import compare
-from autoq.rules.lut_channels import per_channel_inputs
+from autoq.ir.canonicalize import hardswish
 from autoq.qnn.lut import lut
+from autoq.rules.lut_channels import per_channel_inputs
+from autoq.config import BiasCorrection
+from autoq.distributed import check_rules_in_process
 from models import TARGET, Builder, Runner, conv2d_nchw, small_cnn
 
 SCALES = np.array([0.1, 0.5, 1.0, 2.0, 4.0, 8.0])  # very different channel ranges
@@ -51,10 +53,10 @@ def conv_bias(b, x, w, bias):
     return b.emit(relax.op.add(y, relax.op.reshape(bias, [1, 6, 1, 1])))
 
 
-def cfg(on=True, **kw):
+def cfg(on=True, more=(), **kw):
     spec = QuantSpec(calibrator=Percentile(percentile=99.9))
     kw.setdefault("weight_rounding", "nearest")
-    return Config(progress=False, activation=spec, lut_input_per_channel=on, **kw)
+    return Config(recipe="cnn", activation=spec, rules=(("lookup_per_channel",) if on else ()) + tuple(more), **kw)
 
 
 def quantize(mod, params, data, config):
@@ -119,7 +121,7 @@ def numpy_lookup_output(params, qp, x):
 
 def test_realized_conv_and_tables_match_numpy_on_both_lowerings():
     mod, params, data = conv_hswish(tail=False)
-    _, qp, real = quantize(mod, params, data, cfg(lut_input_ranges=True))
+    _, qp, real = quantize(mod, params, data, cfg(more=("lookup_input_ranges",)))
     assert qp["c1"].axis == 1 and len(set(qp["c1"].scale.tolist())) == 6
     want = [numpy_lookup_output(params, qp, x) for x in data[:3]]
     generic = Runner(real)
@@ -137,10 +139,10 @@ def test_realized_equals_simulated(rounding, ebc):
     """Also with GPTQ and empirical bias correction (the PP-OCR recipe's weight tuning)."""
     mod, params, data = conv_hswish()
     config = cfg(
-        lut_input_ranges=True,
+        more=("lookup_input_ranges",),
         rounding=rounding,
         weight_rounding="gptq",
-        empirical_bias_correction=ebc,
+        bias_correction=BiasCorrection() if ebc else None,
     )
     sim, qp, real = quantize(mod, params, data, config)
     rep = compare(sim, real, qp, samples_for(data, sim.graph.inputs), target=TARGET)
@@ -150,7 +152,7 @@ def test_realized_equals_simulated(rounding, ebc):
         assert max(rep.max_lsb.values()) <= 1, rep.table()
     assert set(rep.elements) == set(sim.activation_slots())
     if ebc:  # per-channel qparams realized without the option: a clear error
-        with pytest.raises(ValueError, match=r"c1.*per-axis.*lut_input_per_channel"):
+        with pytest.raises(ValueError, match=r"c1.*per-axis.*lookup_per_channel"):
             realize(mod, params, qp, cfg(on=False))
 
 
@@ -158,13 +160,7 @@ def test_per_channel_calibration_matches_numpy():
     """fp32 calibration with ``max``: each channel's [min(0, lo), max(0, hi)] of the conv's
     float output (numpy), as QParam.from_range per channel."""
     mod, params, data = conv_hswish()
-    config = Config(
-        progress=False,
-        activation=QuantSpec(calibrator="max"),
-        calibration="fp32",
-        weight_rounding="nearest",
-        lut_input_per_channel=True,
-    )
+    config = Config(recipe="cnn", activation=QuantSpec(calibrator="max"), calibration="fp32", weight_rounding="nearest", rules=("lookup_per_channel",))
     sim = simulate(mod, params, config)
     qp = calibrate(sim, params, data, config, target=TARGET)
     w, b = params["c1.weight"].astype(np.float64), params["c1.bias"].astype(np.float64)
@@ -214,14 +210,15 @@ def test_per_channel_lut_type_errors_name_the_argument():
 
 
 def test_option_json_round_trip_and_errors():
-    c = Config(lut_input_per_channel=True, progress=False)
-    assert Config.from_json(c.to_json()) == c
-    assert Config.from_json(Config().to_json()).lut_input_per_channel is False
-    with pytest.raises(TypeError, match=r"Config\.lut_input_per_channel"):
-        Config(lut_input_per_channel="yes")
-    with pytest.raises(InputError, match=r"Config\.lut_input_per_channel.*Config\.distributed"):
-        Config(lut_input_per_channel=True, distributed=autoq.config.Distributed(workers=2))
-
+    c = Config(recipe="cnn", rules=("lookup_per_channel",))
+    assert Config.from_json(c.to_json()) == c and c.has_rule("lookup_per_channel")
+    assert not Config.from_json(Config(recipe="cnn").to_json()).has_rule("lookup_per_channel")
+    with pytest.raises(ValueError, match=r"Config\.rules: unknown rule.*lookup_per_chanel"):
+        Config(recipe="cnn", rules=("lookup_per_chanel",))
+    mod, params, data = conv_hswish()
+    sim = simulate(mod, params, c)
+    with pytest.raises(InputError, match=r"lookup_per_channel.*not supported with distributed"):
+        check_rules_in_process(sim.config)
 
 def test_models_without_a_lookup_are_unchanged():
     """small_cnn (conv, relu, residual add, pools, dense; no lookup): the simulated and the

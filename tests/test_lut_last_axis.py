@@ -16,23 +16,20 @@ from tvm import relax
 
 import autoq
 from autoq import Config, Override, QuantSpec, realize, simulate
-from autoq.rules import residual_channels
 from autoq import primitives as P
 from autoq.calibration import samples_for
 from autoq.fallback.fidelity import compare
 from autoq.metrics import sqnr_db
 from autoq.qnn.lut import lut
+from autoq.rules import residual_channels
 from models import TARGET, Builder, Runner
 
 SEQ, DIM, HID = 8, 16, 24
 #: the FFN's intermediate channels' ranges: very different (as MiniLM's GELU inputs)
 GAIN = np.geomspace(0.05, 8.0, HID)
 
-HYBRID = Config(
-    progress=False, check_scales=False, smooth_quant=None, weight_rounding="nearest",
-    overrides=(Override("pattern:dense*", activation=TOKEN),),
-)  # fmt: skip
-ON = HYBRID.replace(lut_input_per_channel=True)
+HYBRID = Config(recipe="cnn", check_scales=False, smooth_quant=None, weight_rounding="nearest", overrides=(Override("pattern:dense*", activation=TOKEN),))  # fmt: skip
+ON = HYBRID.replace(rules=("lookup_per_channel",))
 
 
 def ffn(seed=0):
@@ -109,8 +106,7 @@ def test_realized_lookup_matches_numpy_on_both_lowerings():
     autoq.compile CPU kernels bit for bit."""
     mod, params = gelu_only()
     samples = data(8, 2, HID, GAIN)
-    cfg = Config(progress=False, check_scales=False, activation=QuantSpec(calibrator="max"),
-                 lut_input_per_channel=True)  # fmt: skip
+    cfg = Config(recipe="cnn", check_scales=False, activation=QuantSpec(calibrator="max"), rules=("lookup_per_channel",))  # fmt: skip
     res = autoq.Quantizer(cfg, target=TARGET).run(mod, params, samples)
     qi, qo = res.qparams["x"], res.qparams["gelu_0"]
     assert qi.axis == 2 and qo.axis == 2 and len(set(qo.scale.tolist())) == HID
@@ -225,7 +221,7 @@ def test_a_4d_lookup_written_by_a_float_op_stays_per_tensor():
     b = Builder(3)
     x = b.input("x", (1, 4, 6, 6))
     mod, params = b.build(lambda b: b.emit(relax.op.nn.gelu(b.emit(relax.op.nn.relu(x)))))
-    cfgs = [Config(progress=False, check_scales=False, lut_input_per_channel=on)
+    cfgs = [Config(recipe="cnn", check_scales=False, rules=() + (("lookup_per_channel",) if on else ()))
             for on in (False, True)]  # fmt: skip
     sims = [simulate(mod, params, c) for c in cfgs]
     assert _per_channel(sims[1]) == {}
@@ -238,8 +234,7 @@ def test_headroom_in_both_calibration_modes(mode):
     grid, its range times HEADROOM quantized again, in both calibration modes."""
     mod, params = gelu_only()
     samples = data(8, 2, HID, GAIN)
-    cfg = Config(progress=False, check_scales=False, activation=QuantSpec(calibrator="max"),
-                 lut_input_per_channel=True, calibration=mode)  # fmt: skip
+    cfg = Config(recipe="cnn", check_scales=False, activation=QuantSpec(calibrator="max"), calibration=mode, rules=("lookup_per_channel",))  # fmt: skip
     qp = autoq.Quantizer(cfg, target=TARGET).run(mod, params, samples).qparams["x"]
     xs = np.concatenate(samples).reshape(-1, HID)
     s, z = P.choose_qparams(xs.min(axis=0), xs.max(axis=0), "int8", False, False, False)

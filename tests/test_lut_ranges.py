@@ -12,8 +12,8 @@ from tvm import relax
 import autoq
 from autoq import Config, realize, simulate
 from autoq.calibration import samples_for
-from autoq.ir.canonicalize import hardswish
 from autoq.fallback.fidelity import compare
+from autoq.ir.canonicalize import hardswish
 from autoq.rules.lut_ranges import cut, flat_interval, lut_input_bounds
 from models import TARGET, Builder, Runner, conv2d_nchw
 
@@ -61,16 +61,16 @@ def test_flat_intervals_are_flat():
 
 def test_only_slots_read_only_by_lookups_are_cut():
     mod, params, _ = conv_hswish_conv()
-    sim = simulate(mod, params, Config(progress=False))
+    sim = simulate(mod, params, Config(recipe="cnn"))
     assert lut_input_bounds(sim) == {"c1": (-3.0, None)}
     mod, params, _ = conv_hswish_conv(residual=True)
-    assert lut_input_bounds(simulate(mod, params, Config(progress=False))) == {}
+    assert lut_input_bounds(simulate(mod, params, Config(recipe="cnn"))) == {}
 
 
 def test_cut_requantizes_the_range_with_numpy():
     """[-8, 8] cut at -3: scale 11 / 255, zero point round(-128 + 3 / s) (numpy)."""
     qp = autoq.QParam.from_range(np.float64(-8.0), np.float64(8.0))
-    spec = Config().activation
+    spec = Config(recipe="cnn").activation
     got = cut(qp, (-3.0, None), spec)
     s, z = float(qp.scale), int(qp.zero_point)
     hi = (127 - z) * s  # the grid's top, kept
@@ -85,7 +85,7 @@ def test_cut_calibration_is_exact_and_closer_to_fp32():
     want = np.stack([numpy_model(params, x) for x in data])
     errs = {}
     for on in (True, False):
-        cfg = Config(progress=False, lut_input_ranges=on)
+        cfg = Config(recipe="cnn", rules=() + (("lookup_input_ranges",) if on else ()))
         sim = simulate(mod, params, cfg)
         qp = autoq.calibrate(sim, params, data, cfg, target=TARGET)
         lo = (qp["c1"].qmin - int(qp["c1"].zero_point)) * float(qp["c1"].scale)
@@ -99,10 +99,10 @@ def test_cut_calibration_is_exact_and_closer_to_fp32():
 
 
 def test_config_round_trip():
-    cfg = Config(lut_input_ranges=False)
+    cfg = Config(recipe="cnn")
     assert Config.loads(cfg.dumps()) == cfg
-    with pytest.raises(TypeError, match="lut_input_ranges"):
-        Config(lut_input_ranges="yes")
+    on = Config(recipe="cnn", rules=("lookup_input_ranges",))
+    assert Config.loads(on.dumps()) == on and on.has_rule("lookup_input_ranges")
 
 
 def test_cut_logit_is_not_a_scale_problem():
@@ -126,7 +126,7 @@ def test_cut_logit_is_not_a_scale_problem():
     data = [rng.uniform(0.0, 2.0, (1, 1, 16, 16)).astype(np.float32) for _ in range(10)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        r = autoq.Quantizer(Config(progress=False), target=TARGET).run(mod, params, data)
+        r = autoq.Quantizer(Config(recipe="cnn"), target=TARGET).run(mod, params, data)
     assert not r.fp32_layers
     assert not r.qparams.meta["scale_problems"]
     z = data[0].astype(np.float64) * 30.0 - 40.0

@@ -15,13 +15,13 @@ from test_escalation import data, tiny_transformer
 
 import autoq
 from autoq import Config, Override, QuantSpec
-from autoq.layer_rules import compile_layer_rule
 from autoq.ir.matching import match
+from autoq.layer_rules import compile_layer_rule
 from autoq.simulation import simulate
 from models import TARGET, Runner
 
 TOKEN = QuantSpec(dynamic=True, granularity="token")
-BASE = Config(progress=False, check_scales=False)
+BASE = Config(recipe="cnn", check_scales=False)
 
 
 def _layers_by_pattern(mod, params, glob: str) -> list[str]:

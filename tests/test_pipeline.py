@@ -41,14 +41,11 @@ def matcher_calls(monkeypatch):
 @pytest.mark.parametrize(
     "config, report",
     [
-        (Config(progress=False), False),
-        (Config(progress=False, skip_unbounded=False), True),
-        (Config(progress=False, fallback=AutoFallback(min_sqnr=80.0, max_fp32_layers=2)), False),
+        (Config(recipe="cnn"), False),
+        (Config(recipe="cnn", skip_unbounded=False), True),
+        (Config(recipe="cnn", fallback=AutoFallback(min_sqnr=80.0, max_fp32_layers=2)), False),
         (
-            Config(
-                progress=False,
-                fallback=AutoFallback(min_sqnr=80.0, max_fp32_layers=1, precision="int16"),
-            ),
+            Config(recipe="cnn", fallback=AutoFallback(min_sqnr=80.0, max_fp32_layers=1, precision="int16")),
             False,
         ),
     ],
@@ -68,7 +65,7 @@ def test_patterns_are_matched_once_per_quantization(matcher_calls, config, repor
 
 def test_autoq_quantize_matches_once(matcher_calls):
     mod, params, make = small_cnn()
-    autoq.quantize(mod, params, make(2), Config(progress=False), target=TARGET)
+    autoq.quantize(mod, params, make(2), Config(recipe="cnn"), target=TARGET)
     assert len(matcher_calls) == 1
 
 
@@ -92,13 +89,13 @@ def test_a_generator_is_read_once_and_every_sample_is_used():
             pulled.append(i)
             yield s
 
-    res = Quantizer(Config(progress=False), target=TARGET).run(mod, params, gen(data))
+    res = Quantizer(Config(recipe="cnn"), target=TARGET).run(mod, params, gen(data))
     assert pulled == list(range(10))
     assert res.samples == 10 and res.qparams.meta["samples"] == 10
     # the same qparams as a list of the same samples
-    ref = Quantizer(Config(progress=False), target=TARGET).run(mod, params, data)
+    ref = Quantizer(Config(recipe="cnn"), target=TARGET).run(mod, params, data)
     assert res.qparams.params == ref.qparams.params  # (meta holds timings)
-    one = Quantizer(Config(progress=False), target=TARGET).run(mod, params, gen(data[:1]))
+    one = Quantizer(Config(recipe="cnn"), target=TARGET).run(mod, params, gen(data[:1]))
     assert one.samples == 1
 
 
@@ -156,7 +153,7 @@ def test_cli_keeps_unbounded_mask_adds_in_fp32_like_the_api(tmp_path, capsys):
     # the API's decision
     mod, params = autoq.from_onnx(model)
     samples = [{"x": x[i], "mask": mask[i]} for i in range(6)]
-    res = Quantizer(Config(progress=False), target=TARGET).run(mod, params, samples)
+    res = Quantizer(Config(recipe="cnn"), target=TARGET).run(mod, params, samples)
     guarded = [k for k, v in res.fp32_layers.items() if "unbounded" in v]
     assert guarded, res.fp32_layers
     assert any("unbounded" in w for w in res.warnings)
@@ -192,7 +189,7 @@ def test_cli_auto_fallback_chooses_what_the_api_chooses(tmp_path, capsys):
     mod, params = autoq.from_onnx(model)
     fb = AutoFallback(min_sqnr=200.0, max_fp32_layers=1)
     with pytest.warns(UserWarning, match="not reached"):
-        api = Quantizer(Config(progress=False, fallback=fb), target=TARGET).run(
+        api = Quantizer(Config(recipe="cnn", fallback=fb), target=TARGET).run(
             mod, params, list(x)
         )
     out = tmp_path / "out"

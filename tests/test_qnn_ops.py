@@ -22,8 +22,8 @@ from tvm import relax
 
 from autoq import primitives as P
 from autoq import qnn
-from autoq.qnn import tflite_arith as TA
 from autoq.qnn import QnnError
+from autoq.qnn import tflite_arith as TA
 from models import build_tuple_module as build_module
 from models import run_tuple
 

@@ -19,7 +19,7 @@ ASYM = QuantSpec(dtype="int8", symmetric=False, calibrator="max")
 
 
 def cfg(act=ASYM, **kw):
-    return Config(activation=act, progress=False, **kw)
+    return Config(recipe="cnn", activation=act, **kw)
 
 
 def quantize_all(mod, params, data, config):
@@ -263,7 +263,7 @@ def _float_constants(mod):
 
 def test_no_fp32_weights_and_no_quantize_of_a_constant():
     mod, params, make = small_cnn()
-    _, _, real = quantize_all(mod, params, make(3), Config(progress=False))
+    _, _, real = quantize_all(mod, params, make(3), Config(recipe="cnn"))
     weights = {n: a for n, a in params.items() if n.endswith(".weight")}
     for (op, i), value in _float_constants(real):
         if value.dtype == np.float32:
@@ -283,7 +283,7 @@ def test_no_fp32_weights_and_no_quantize_of_a_constant():
 def test_fallback_layer_runs_fp32_between_dequantize_and_quantize():
     mod, params, make = small_cnn()
     data = make(3)
-    c = Config(progress=False, fallback=__import__("autoq").Fallback(ids=("block.conv1",)))
+    c = Config(recipe="cnn", fallback=__import__("autoq").Fallback(ids=("block.conv1",)))
     sim, qp, real = quantize_all(mod, params, data, c)
     seq = op_sequence(real)
     assert ("nn.conv2d", "float32") in seq
@@ -299,7 +299,7 @@ def test_fallback_layer_runs_fp32_between_dequantize_and_quantize():
 def test_integer_rounding_modes_differ_by_at_most_one_lsb(rounding):
     mod, params, make = small_cnn()
     data = make(3)
-    c = Config(progress=False, rounding=rounding)
+    c = Config(recipe="cnn", rounding=rounding)
     sim, qp, real = quantize_all(mod, params, data, c)
     ops = op_sequence(real)
     assert ("qnn.requantize", "int8") in ops

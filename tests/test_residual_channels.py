@@ -15,23 +15,20 @@ from tvm import relax
 
 import autoq
 from autoq import AutoFallback, Config, Override, QuantSpec
-from autoq.rules import residual_channels
 from autoq import primitives as P
 from autoq.calibration import samples_for
-from autoq.config import Distributed
 from autoq.errors import InputError
 from autoq.fallback.fidelity import compare
 from autoq.metrics import sqnr_db
 from autoq.qnn import add, multiply, subtract
+from autoq.distributed import check_rules_in_process
+from autoq.rules import residual_channels
 from autoq.simulation import simulate
 from models import TARGET, Builder, Runner, run_tuple, small_cnn
 
 #: the block's one dense layer dynamic per token (autoq.rules.hybrid), the rest static int8
-HYBRID = Config(
-    progress=False, check_scales=False, smooth_quant=None,
-    overrides=(Override("pattern:dense*", activation=TOKEN),),
-)  # fmt: skip
-ON = HYBRID.replace(residual_per_channel=True)
+HYBRID = Config(recipe="cnn", check_scales=False, smooth_quant=None, overrides=(Override("pattern:dense*", activation=TOKEN),))  # fmt: skip
+ON = HYBRID.replace(rules=("residual_per_channel",))
 
 
 def residual_block(seed=0):
@@ -231,19 +228,15 @@ def test_qnn_per_channel_errors():
 
 
 def test_option_json_and_errors():
-    assert Config.from_json(ON.to_json()) == ON and ON.to_json()["residual_per_channel"]
-    with pytest.raises(TypeError, match=r"Config\.residual_per_channel must be True or False"):
-        Config(residual_per_channel=1)
-    with pytest.raises(
-        InputError, match=r"Config\.residual_per_channel is not supported with Config\.distributed"
-    ):
-        Config(residual_per_channel=True, distributed=Distributed(scheduler="tcp://x:1"))
+    assert Config.from_json(ON.to_json()) == ON and ON.to_json()["rules"] == ["residual_per_channel"]
+    with pytest.raises(InputError, match=r"residual_per_channel.*not supported with distributed"):
+        check_rules_in_process(ON)
 
 
 def test_per_axis_qparams_without_the_option_are_refused(block):
     """Per-channel qparams realized with the option off: the error names the option."""
     mod, params, res = block
-    with pytest.raises(ValueError, match=r"Config\.residual_per_channel"):
+    with pytest.raises(ValueError, match=r"Config\.rules 'residual_per_channel'"):
         autoq.realize(mod, params, res.qparams, HYBRID)
 
 
@@ -262,14 +255,14 @@ def test_cnn_unchanged():
     (ResNet-50 and PP-OCRv4 det, checked outside the suite: simulated modules and slots
     identical with the option on and off.)"""
     nchw, nchw_params = _nchw_add()
-    assert _per_channel(simulate(nchw, nchw_params, Config(residual_per_channel=True))) == {}
+    assert _per_channel(simulate(nchw, nchw_params, Config(recipe="cnn", rules=("residual_per_channel",)))) == {}
     mod, params, make_data = small_cnn()
-    base = Config(progress=False, check_scales=False)
+    base = Config(recipe="cnn", check_scales=False)
     a = autoq.quantize(mod, params, make_data(2, 0), base)
-    b = autoq.quantize(mod, params, make_data(2, 0), base.replace(residual_per_channel=True))
+    b = autoq.quantize(mod, params, make_data(2, 0), base.replace(rules=("residual_per_channel",)))
     # (the module attributes differ: they record the config)
     tvm.ir.assert_structural_equal(a["main"].body, b["main"].body, map_free_vars=True)
-    assert _per_channel(simulate(mod, params, base.replace(residual_per_channel=True))) == {}
+    assert _per_channel(simulate(mod, params, base.replace(rules=("residual_per_channel",)))) == {}
 
 
 def test_escalation_may_widen_a_per_channel_slot():

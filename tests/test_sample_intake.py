@@ -12,7 +12,7 @@ from models import TARGET, mlp
 
 
 def _run(dataset):
-    return autoq.Quantizer(autoq.Config(progress=False), target=TARGET).run(*MODEL, dataset)
+    return autoq.Quantizer(autoq.Config(recipe="cnn"), target=TARGET).run(*MODEL, dataset)
 
 
 MODEL = mlp()[:2]

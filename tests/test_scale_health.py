@@ -24,7 +24,7 @@ TEST = DATA(8, seed=5)
 
 
 def quantize(data, params=PARAMS, **config):
-    cfg = autoq.Config(progress=False, **config)
+    cfg = autoq.Config(recipe="cnn", **config)
     return autoq.Quantizer(cfg, target=TARGET).run(MOD, params, data)
 
 
@@ -111,7 +111,7 @@ def test_check_can_be_turned_off():
     zeros), and the configuration round-trips through JSON."""
     data = [x.copy() for x in SAMPLES]
     data[9][0, 3] = 1e30
-    cfg = autoq.Config(progress=False, check_scales=False)
+    cfg = autoq.Config(recipe="cnn", check_scales=False)
     assert autoq.Config.loads(cfg.dumps()) == cfg
     r = autoq.Quantizer(cfg, target=TARGET).run(MOD, PARAMS, data)
     assert not r.fp32_layers
@@ -224,7 +224,7 @@ def test_probability_map_output_stays_int8():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "keeping ... in fp32" warning
         # (lut_input_ranges off: the fp32-sigmoid variant below then reads the same logits)
-        cfg = autoq.Config(progress=False, lut_input_ranges=False)
+        cfg = autoq.Config(recipe="cnn")
         r = autoq.Quantizer(cfg, target=TARGET).run(mod, params, calib)
     assert not r.fp32_layers
     out_slot = [s for s in r.qparams if r.qparams.slots[s].kind == "activation"][-1]

@@ -21,7 +21,7 @@ def test_conv2d_bias_simulated_form_is_pinned():
     """The documented simulated form of conv2d + bias (round-to-nearest weights: the
     weights are constants of the graph), written out by hand."""
     mod, params = one_conv_bias()
-    sim = simulate(mod, params, Config(progress=False, weight_rounding="nearest"))
+    sim = simulate(mod, params, Config(recipe="cnn", weight_rounding="nearest"))
 
     f32 = lambda s: relax.TensorType(s, "float32")  # noqa: E731
     i32 = lambda s: relax.TensorType(s, "int32")  # noqa: E731
@@ -61,8 +61,8 @@ def test_conv2d_bias_simulated_form_is_pinned():
 
 def test_slots_of_the_cnn_are_stable_and_meaningful():
     mod, params, _ = small_cnn()
-    a = simulate(mod, params, Config(progress=False))
-    b = simulate(mod, params, Config(progress=False))
+    a = simulate(mod, params, Config(recipe="cnn"))
+    b = simulate(mod, params, Config(recipe="cnn"))
     assert list(a.slots) == list(b.slots)
     assert a.weight_slots() == [
         f"{n}.weight" for n in ("stem", "block.conv1", "block.conv2", "dw", "fc")
@@ -85,7 +85,7 @@ def test_slots_of_the_cnn_are_stable_and_meaningful():
 
 def test_everything_outside_matches_stays_fp32():
     mod, params, _ = attention()
-    sim = simulate(mod, params, Config(progress=False))
+    sim = simulate(mod, params, Config(recipe="cnn"))
     ops = [
         b.value.op.name
         for blk in sim.mod["main"].body.blocks
@@ -106,7 +106,7 @@ def test_everything_outside_matches_stays_fp32():
 
 def test_qparams_are_runtime_inputs_of_the_simulated_module():
     mod, params, _ = small_cnn()
-    sim = simulate(mod, params, Config(progress=False))
+    sim = simulate(mod, params, Config(recipe="cnn"))
     names = [p.name for p in sim.mod["main"].params]
     n_in = 1 + len(params)
     assert names[:n_in] == ["x", *params]
@@ -116,11 +116,7 @@ def test_qparams_are_runtime_inputs_of_the_simulated_module():
 
 def test_per_channel_off_gives_scalar_weight_slots_and_overrides_apply():
     mod, params, _ = small_cnn()
-    cfg = Config(
-        weight=QuantSpec(symmetric=True, per_channel=False),
-        overrides=(Override("fc", activation=QuantSpec(dtype="uint8")),),
-        progress=False,
-    )
+    cfg = Config(recipe="cnn", weight=QuantSpec(symmetric=True, per_channel=False), overrides=(Override("fc", activation=QuantSpec(dtype="uint8")),))
     sim = simulate(mod, params, cfg)
     s, _ = sim.qparam_vars["stem.weight"]
     assert s.ty.ndim == 0
@@ -133,7 +129,7 @@ def test_per_channel_off_gives_scalar_weight_slots_and_overrides_apply():
 
 def test_override_that_matches_nothing_is_an_error():
     mod, params, _ = small_cnn()
-    cfg = Config(overrides=(Override("fc2", weight=QuantSpec(dtype="int8")),), progress=False)
+    cfg = Config(recipe="cnn", overrides=(Override("fc2", weight=QuantSpec(dtype="int8")),))
     with pytest.raises(
         ValueError, match=r"override 'fc2' matches no quantized layer; closest layer ids: fc"
     ):

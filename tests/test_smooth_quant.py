@@ -11,15 +11,15 @@ import pytest
 
 import autoq
 from autoq import Config
+from autoq.accuracy.smooth_quant import find_smoothable, smooth_graph
+from autoq.accuracy.smoothing import smoothing_scales
 from autoq.calibration import samples_for
 from autoq.errors import InputError
 from autoq.fallback.fidelity import compare
 from autoq.ir.matching import match
+from autoq.ir.toolkit import bindings, op_name
 from autoq.metrics import sqnr_db
 from autoq.simulation import simulate
-from autoq.accuracy.smooth_quant import find_smoothable, smooth_graph
-from autoq.accuracy.smoothing import check_alpha, smoothing_scales
-from autoq.ir.toolkit import bindings, op_name
 from models import LN_OUTLIER as OUTLIER
 from models import TARGET, Runner, ln_block, small_cnn
 from models import ln_block_data as data
@@ -37,17 +37,17 @@ def test_scales_follow_the_paper():
     assert np.allclose(s, [16.0**0.75 / 4.0**0.25])
     for bad in (0, 1, 1.5, True, "0.5"):
         with pytest.raises(ValueError, match="smooth_quant"):
-            check_alpha(bad)
+            Config(recipe="cnn", smooth_quant=bad)
     with pytest.raises(ValueError, match="smooth_quant"):
-        Config(smooth_quant=1.0)
-    cfg = Config(smooth_quant=0.6)
+        Config(recipe="cnn", smooth_quant=1.0)
+    cfg = Config(recipe="cnn", smooth_quant=0.6)
     assert Config.loads(cfg.dumps()) == cfg
 
 
 @pytest.fixture(scope="module")
 def smoothed():
     mod, params = block()
-    g = match(mod, params, Config(progress=False)).graph
+    g = match(mod, params, Config(recipe="cnn")).graph
     samples = samples_for(data(8, 1), g.inputs)
     new_mod, new_params, plans = smooth_graph(g, samples, 0.5, TARGET)
     return mod, params, g, new_mod, new_params, plans
@@ -84,7 +84,7 @@ def test_float_function_is_preserved(smoothed):
 
 def test_layer_norm_outputs_lose_the_outlier(smoothed):
     _, _, g, new_mod, new_params, plans = smoothed
-    g2 = match(new_mod, new_params, Config(progress=False)).graph
+    g2 = match(new_mod, new_params, Config(recipe="cnn")).graph
     samples = samples_for(data(8, 1), g2.inputs)
     from autoq.accuracy.smooth_quant import activation_maxima
 
@@ -104,7 +104,7 @@ def test_quantized_model_is_closer_to_fp32():
     fp32 = [ref(x) for x in held]
     sqnr = {}
     for alpha in (None, 0.5):
-        cfg = Config(progress=False, check_scales=False, smooth_quant=alpha)
+        cfg = Config(recipe="cnn", check_scales=False, smooth_quant=alpha)
         res = autoq.Quantizer(cfg, target=TARGET).run(mod, params, data(8, 1))
         run = Runner(res.module)
         sqnr[alpha] = sqnr_db(fp32, [run(x) for x in held])
@@ -125,7 +125,7 @@ def test_a_model_without_layer_norms_is_unchanged():
     mod, params, make = small_cnn()
     got = {}
     for alpha in (None, 0.5):
-        cfg = Config(progress=False, smooth_quant=alpha)
+        cfg = Config(recipe="cnn", smooth_quant=alpha)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             res = autoq.Quantizer(cfg, target=TARGET).run(mod, params, make(4))

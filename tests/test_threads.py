@@ -64,13 +64,33 @@ def test_physical_cores_counts_distinct_package_core_pairs(tmp_path, monkeypatch
     assert physical_cores(tmp_path / "missing") == 4  # unreadable: the usable CPUs
 
 
-def test_an_explicit_tvm_num_threads_wins(monkeypatch):
-    monkeypatch.setenv("TVM_NUM_THREADS", "7")
-    use_machine_cores()
-    assert os.environ["TVM_NUM_THREADS"] == "7"
-    monkeypatch.delenv("TVM_NUM_THREADS")
-    use_machine_cores()
-    assert os.environ["TVM_NUM_THREADS"] == str(physical_cores())
+def _in_a_new_thread(f):
+    """``f()`` in a fresh thread (a fresh TVM pool, sized when it first runs)."""
+    import threading
+
+    out = []
+    t = threading.Thread(target=lambda: out.append(f()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_machine_cores_without_touching_the_environment(monkeypatch):
+    """Without TVM_NUM_THREADS a new thread's pool gets the physical cores (TVM alone: half
+    the logical CPUs), and the variable is not left in the environment; a value the user
+    set wins."""
+
+    def pool():
+        use_machine_cores()
+        return pool_threads(), dict(os.environ)
+
+    monkeypatch.delenv("TVM_NUM_THREADS", raising=False)
+    before = dict(os.environ)
+    threads, env = _in_a_new_thread(pool)
+    assert threads == physical_cores() and env == before
+    monkeypatch.setenv("TVM_NUM_THREADS", "1")
+    threads, env = _in_a_new_thread(pool)
+    assert threads == 1 and env["TVM_NUM_THREADS"] == "1"
 
 
 def test_one_thread_restores_the_pool():

@@ -49,7 +49,7 @@ def test_out_of_range_id_is_refused_before_any_work(bad, monkeypatch):
     data = [np.array([[1, 2, 3, 4]], np.int64), np.array([[0, bad, 9, 1]], np.int64)]
     monkeypatch.setattr(autoq.pipeline, "simulate", lambda *a, **k: pytest.fail("ran"))
     with pytest.raises(autoq.DatasetError) as e:
-        autoq.Quantizer(autoq.Config(progress=False), target=TARGET).run(mod, params, data)
+        autoq.Quantizer(autoq.Config(recipe="cnn"), target=TARGET).run(mod, params, data)
     msg = str(e.value)
     assert "sample 1, input 'ids'" in msg and "'embed.weight' of 10 rows" in msg
     assert f"[0, {VOCAB})" in msg
@@ -60,7 +60,7 @@ def test_in_range_ids_quantize_and_run():
     data = [np.array([[i % VOCAB, 1, 2, 9]], np.int64) for i in range(6)]
     ds = as_dataset(data, input_specs(mod, params))
     assert ds.num_samples == 6
-    r = autoq.Quantizer(autoq.Config(progress=False), target=TARGET).run(mod, params, data)
+    r = autoq.Quantizer(autoq.Config(recipe="cnn"), target=TARGET).run(mod, params, data)
     vm = relax.VirtualMachine(tvm.compile(r.module, TARGET), tvm.cpu())
     got = vm["main"](tvm.runtime.tensor(data[0])).numpy()
     want = params["embed.weight"][data[0].reshape(-1)] @ params["fc.weight"]

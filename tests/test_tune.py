@@ -29,10 +29,10 @@ from tvm import relax
 
 import autoq
 from autoq import Config
-from autoq.errors import InputError
-from autoq.tuning import Tracker, TuningError, tune
 from autoq.build.tuning_database import RECORD_FILE, WORKLOAD_FILE, tuned_kernels
 from autoq.build.tuning_defaults import DEFAULTS_FILE, DefaultSchedules
+from autoq.errors import InputError
+from autoq.tuning import Tracker, TuningError, tune
 from models import Builder, conv, image_data
 
 TUNE_DEPS = ("psutil", "xgboost", "cloudpickle")
@@ -51,7 +51,7 @@ def one_conv():
     b = Builder(5)
     x = b.input("x", (1, 4, 8, 8))
     mod, params = b.build(lambda b: conv(b, x, "c", 4, 8))
-    q = autoq.quantize(mod, params, image_data((1, 4, 8, 8), 1, 8), Config(progress=False))
+    q = autoq.quantize(mod, params, image_data((1, 4, 8, 8), 1, 8), Config(recipe="cnn"))
     return q, image_data((1, 4, 8, 8), 9, 2)
 
 

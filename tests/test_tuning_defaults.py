@@ -8,8 +8,8 @@ import json
 import pytest
 
 import autoq.json_document
-from autoq.errors import InputError
 from autoq.build.tuning_defaults import DEFAULTS_FILE, DefaultSchedules, KernelChoice, keeps_default
+from autoq.errors import InputError
 
 
 def choices() -> DefaultSchedules:

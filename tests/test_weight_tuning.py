@@ -1,5 +1,5 @@
 """Data-aware weights inside calibration (autoq.accuracy.weight_tuning; Config.weight_rounding,
-bias_correction, scale_search): each checked against numpy references on small models, and
+bias_correction): each checked against numpy references on small models, and
 the realized int8 module against the simulated graph, bit for bit."""
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ from tvm import relax
 
 from autoq import Config, calibrate, realize, simulate
 from autoq import primitives as P
-from autoq.calibration import samples_for
-from autoq.fallback.fidelity import compare
 from autoq.accuracy.gptq import rtn
-from autoq.qparams import QParams
 from autoq.accuracy.weight_tuning import layer_tasks, quantize_offset
+from autoq.calibration import samples_for
+from autoq.config import BiasCorrection
+from autoq.fallback.fidelity import compare
+from autoq.qparams import QParams
 from models import TARGET, Runner, conv2d_nchw, small_cnn, two_convs
 
-PLAIN = Config(progress=False, weight_rounding="nearest", bias_correction=False, scale_search=False)
+PLAIN = Config(recipe="cnn", weight_rounding="nearest")
 
 
 def _smooth(n, seed, offset=0.0):
@@ -57,16 +58,16 @@ def _layer_input(sim, qp, layer, samples):
 
 
 def test_config_options_round_trip_and_are_validated():
-    cfg = Config(weight_rounding="gptq", bias_correction=True, scale_search=True)
+    cfg = Config(recipe="cnn", weight_rounding="gptq", bias_correction=BiasCorrection(holdout=2))
     assert Config.from_json(cfg.to_json()) == cfg
-    emp = Config(empirical_bias_correction=True)
+    emp = Config(recipe="cnn", weight_rounding="nearest", bias_correction=BiasCorrection())
     assert Config.from_json(emp.to_json()) == emp and emp.tunes_weights
-    with pytest.raises(TypeError, match="empirical_bias_correction"):
-        Config(empirical_bias_correction=1)
+    with pytest.raises(ValueError, match="BiasCorrection.holdout"):
+        BiasCorrection(holdout=-1)
     with pytest.raises(ValueError, match="weight_rounding"):
-        Config(weight_rounding="adaround")
+        Config(recipe="cnn", weight_rounding="adaround")
     with pytest.raises(TypeError, match="bias_correction"):
-        Config(bias_correction="yes")
+        Config(recipe="cnn", bias_correction="yes")
 
 
 def test_gptq_lowers_the_layer_output_error_versus_round_to_nearest():
@@ -86,30 +87,6 @@ def test_gptq_lowers_the_layer_output_error_versus_round_to_nearest():
     assert errs["gptq"] < 0.8 * errs["nearest"], errs
 
 
-def test_bias_correction_removes_the_mean_output_shift():
-    """Per output channel, the mean of the int8 layer's accumulator (weights and the
-    corrected int32 bias dequantized) equals the float layer's on the same inputs to within
-    half an accumulator step; without correction it does not."""
-
-    def shifted(n, seed):  # inputs with a mean (as after a ReLU): the shift is W error * E[x]
-        return _smooth(n, seed, offset=2.0)
-
-    _, params, data, sim, qp = _calibrated(
-        two_convs, PLAIN.replace(bias_correction=True), data=shifted
-    )
-    x = _layer_input(sim, qp, "c1", data(16, 1))
-    w, b = params["c1.weight"].astype(np.float64), params["c1.bias"].astype(np.float64)
-    wq, sx = qp["c1.weight"], qp[_input_slot(sim, "c1")].scale
-    acc = (np.float32(sx) * wq.scale).astype(np.float64)
-    wd = P.dequantize(P.quantize(w, wq.scale, 0, "int8", 0), wq.scale, 0, axis=0)
-    mean_fp = (conv2d_nchw(x, w, pad=1) + b[:, None, None]).mean(axis=(0, 2, 3))
-    conv_q = conv2d_nchw(x, wd.astype(np.float64), pad=1).mean(axis=(0, 2, 3))
-    corrected = conv_q + qp.values["c1.bias"] * acc
-    plain = conv_q + P.quantize_bias(b, sx, wq.scale).values * acc
-    assert np.all(np.abs(corrected - mean_fp) <= 0.5 * acc + 1e-9)
-    assert np.abs(plain - mean_fp).max() > 10 * acc.max()
-
-
 def test_empirical_bias_correction_matches_the_fp32_mean_output():
     """With ``empirical_bias_correction`` the realized model's output (the last conv's
     accumulator, dequantized) has, per channel, the fp32 model's mean over the calibration
@@ -120,7 +97,7 @@ def test_empirical_bias_correction_matches_the_fp32_mean_output():
         return _smooth(n, seed, offset=2.0)
 
     errors = {}
-    for name, cfg in (("off", PLAIN), ("empirical", PLAIN.replace(empirical_bias_correction=True))):
+    for name, cfg in (("off", PLAIN), ("empirical", PLAIN.replace(bias_correction=BiasCorrection()))):
         mod, params, data, sim, qp = _calibrated(two_convs, cfg, data=shifted)
         x = data(16, 1)
         real, ref = Runner(realize(mod, params, qp, cfg)), Runner(mod, params)
@@ -133,59 +110,15 @@ def test_empirical_bias_correction_matches_the_fp32_mean_output():
     assert errors["off"].mean() > 2 * errors["empirical"].mean(), errors
 
 
-def test_bias_correction_skip_leaves_the_named_layer_bias_and_corrects_the_rest():
-    """``Config.bias_correction_skip=("c1",)``: c1 keeps the model's float bias (no
-    corrected integers in ``QParams.values``), c2 is still corrected, and absorbs the mean
-    error c1 now leaves: the realized output's per-channel mean equals fp32's on the
-    calibration samples (numpy) to within half an accumulator step."""
-
-    def shifted(n, seed):
-        return _smooth(n, seed, offset=2.0)
-
-    ebc = PLAIN.replace(empirical_bias_correction=True)
-    qps = {}
-    for name, cfg in (("all", ebc), ("skip", ebc.replace(bias_correction_skip=("c1",)))):
-        mod, params, data, sim, qps[name] = _calibrated(two_convs, cfg, data=shifted)
-    qp = qps["skip"]
-    assert "c1.bias" in qps["all"].values and "c1.bias" not in qp.values
-    assert "c2.bias" in qp.values and qp.meta["weight_tuning"]["bias_corrected"] == 1
-    np.testing.assert_array_equal(sim.value_input("c1.bias", qp), params["c1.bias"])
-    x = data(16, 1)
-    real, ref = Runner(realize(mod, params, qp, cfg)), Runner(mod, params)
-    got = np.concatenate([real(s) for s in x]).astype(np.float64).mean(axis=(0, 2, 3))
-    want = np.concatenate([ref(s) for s in x]).astype(np.float64).mean(axis=(0, 2, 3))
-    acc = np.float32(qp[_input_slot(sim, "c2")].scale) * qp["c2.weight"].scale
-    assert np.all(np.abs(got - want) / acc.astype(np.float64) <= 0.5 + 1e-3)
-
-
-def test_bias_correction_skip_is_validated_and_round_trips():
-    cfg = Config(empirical_bias_correction=True, bias_correction_skip=("conv*", "re:c[12]"))
-    assert Config.from_json(cfg.to_json()) == cfg
-    assert Config(
-        empirical_bias_correction=True, bias_correction_skip="c1"
-    ).bias_correction_skip == ("c1",)
-    with pytest.raises(ValueError, match=r"bias_correction_skip.*is off"):
-        Config(bias_correction_skip=("c1",))
-    with pytest.raises(TypeError, match="bias_correction_skip"):
-        Config(empirical_bias_correction=True, bias_correction_skip=(1,))
-    with pytest.raises(ValueError, match="invalid regular expression"):
-        Config(empirical_bias_correction=True, bias_correction_skip=("re:(",))
-    bad = PLAIN.replace(empirical_bias_correction=True, bias_correction_skip=("c9",))
-    with pytest.raises(ValueError, match="bias_correction_skip rule 'c9' matches no layer"):
-        _calibrated(two_convs, bad)
-
-
 @pytest.mark.parametrize(
     "changes",
     [
         {"weight_rounding": "gptq"},
-        {"bias_correction": True},
-        {"empirical_bias_correction": True},
-        {"scale_search": True},
-        {"weight_rounding": "gptq", "bias_correction": True, "scale_search": True},
-        {"weight_rounding": "gptq", "empirical_bias_correction": True, "scale_search": True},
+        {"bias_correction": BiasCorrection()},
+        {"weight_rounding": "gptq", "bias_correction": BiasCorrection()},
+        {"weight_rounding": "gptq", "bias_correction": BiasCorrection(holdout=2)},
     ],
-    ids=["gptq", "bias_correction", "empirical", "scale_search", "all", "all_empirical"],
+    ids=["gptq", "empirical", "gptq_empirical", "gptq_empirical_gated"],
 )
 def test_realized_module_equals_the_simulation_bit_for_bit(changes):
     config = PLAIN.replace(**changes)
@@ -199,9 +132,6 @@ def test_realized_module_equals_the_simulation_bit_for_bit(changes):
     x = data(3, 7)
     ref, got = np.stack([f(s) for s in x]), np.stack([q(s) for s in x])
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.04
-    if changes.get("scale_search"):  # the searched scales were realized
-        base = _calibrated(small_cnn, PLAIN, n=8)[4]
-        assert any(not np.array_equal(qp[s].scale, base[s].scale) for s in sim.weight_slots())
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int16"])
@@ -213,7 +143,7 @@ def test_automatic_fallback_keeps_the_tuned_integers(precision):
 
     mod, params, data = small_cnn()
     fb = AutoFallback(min_sqnr=200.0, max_fp32_layers=1, precision=precision)
-    config = PLAIN.replace(weight_rounding="gptq", bias_correction=True, fallback=fb)
+    config = PLAIN.replace(weight_rounding="gptq", bias_correction=BiasCorrection(), fallback=fb)
     res = Quantizer(config, target=TARGET).run(mod, params, data(8, 1))
     assert res.decision.layers
     kept = [m.layer for m in res.matched.active(res.config.fallback)]
@@ -236,8 +166,8 @@ def test_int16_first_keeps_the_tuned_biases_of_layers_reading_an_int16_slot():
     from autoq.metrics import sqnr_db
 
     mod, params, data = small_cnn()
-    fb = AutoFallback(min_sqnr=200.0, max_fp32_layers=2, precision="int16_first", trial_samples=0)
-    config = PLAIN.replace(weight_rounding="gptq", empirical_bias_correction=True, fallback=fb)
+    fb = AutoFallback(min_sqnr=200.0, max_fp32_layers=2, precision="int16_first")
+    config = PLAIN.replace(weight_rounding="gptq", fallback=fb, bias_correction=BiasCorrection())
     res = Quantizer(config, target=TARGET).run(mod, params, data(8, 1))
     assert res.decision.int16_layers, res.decision.summary()
     base_cfg = config.replace(fallback=fb.fixed())
@@ -267,8 +197,8 @@ def test_layers_with_the_same_patches_share_one_exact_hessian():
     import pickle
 
     from autoq.accuracy.hessian import ConvGeometry
-    from autoq.qparams import QParam
     from autoq.accuracy.weight_tuning import InputStats, LayerTask
+    from autoq.qparams import QParam
 
     one = ConvGeometry(kernel=(1, 1), strides=(2, 2))
     three = ConvGeometry(kernel=(3, 3), padding=(1, 1, 1, 1))
@@ -317,17 +247,15 @@ def test_hessians_sum_products_only_for_layers_that_may_read_them():
     x = relax.Var("x", relax.TensorType(list(shape), "float32"))
     sim = SimpleNamespace(plan=SimpleNamespace(tensors={"x": x}))  # what _product_layers reads
     tuner = WeightTuner.__new__(WeightTuner)
-    tuner.sim, tuner.config = sim, Config(progress=False)
+    tuner.sim, tuner.config = sim, Config(recipe="cnn")
     enough = MIN_ROWS_PER_COLUMN * 576 // 36  # samples that give `wide` GPTQ's minimum
     assert tuner._product_layers("x", [small, wide], enough - 1) == {"a"}
     assert tuner._product_layers("x", [small, wide], enough) == {"a", "c"}
     sim.plan.tensors = {}
     assert tuner._product_layers("x", [small, wide], 1) == {"a", "c"}  # shape unknown
     sim.plan.tensors = {"x": x}
-    tuner.config = Config(progress=False, weight_rounding="nearest")
+    tuner.config = Config(recipe="cnn", weight_rounding="nearest")
     assert tuner._product_layers("x", [small, wide], 10**6) == set()
-    tuner.config = Config(progress=False, weight_rounding="nearest", scale_search=True)
-    assert tuner._product_layers("x", [small, wide], 1) == {"a", "c"}
 
 
 def test_input_stats_hessians_equal_those_of_the_whole_quantized_input():
@@ -336,8 +264,8 @@ def test_input_stats_hessians_equal_those_of_the_whole_quantized_input():
     the int64 sums equal those of the reference path, the whole input quantized by
     primitives.quantize minus the zero point, then fed to CodeHessian.update."""
     from autoq.accuracy.hessian import ConvGeometry
-    from autoq.qparams import QParam
     from autoq.accuracy.weight_tuning import InputStats, LayerTask
+    from autoq.qparams import QParam
 
     one = ConvGeometry(kernel=(1, 1))
     three = ConvGeometry(kernel=(3, 3), strides=(2, 2), padding=(1, 1, 1, 1))

@@ -105,7 +105,7 @@ class ValueCache:
         self.spilled = 0
         if cache_dir and Path(cache_dir).exists() and not Path(cache_dir).is_dir():
             raise InputError(
-                f"Resources.cache_dir {str(cache_dir)!r} is a file, not a folder: give a folder "
+                f"cache_dir {str(cache_dir)!r} is a file, not a folder: give a folder "
                 "(created if missing) or None for a temporary one"
             )
         self._dir_arg = cache_dir

@@ -278,7 +278,7 @@ def _tuned_module(path: Path):
     """(module, folder it came from) for ``autoq tune MODEL``."""
     import tvm
 
-    import autoq  # noqa: F401  (registers the qnn.* ops the module uses)
+    import autoq.qnn  # noqa: F401  (registers the qnn.* ops the module uses)
 
     file = path / MODULE if path.is_dir() else path
     if not file.is_file():

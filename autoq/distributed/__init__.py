@@ -73,6 +73,7 @@ from autoq.config import Config, Distributed, Resources
 from autoq.dataset import InputSpec, as_dataset, is_shard_source
 from autoq.distributed.remote_shards import RemoteShard
 from autoq.distributed.shard_actor import ShardActor, shard_name
+from autoq.errors import InputError
 from autoq.ir.toolkit import compile_executable
 from autoq.rules.lut_ranges import cut_lut_inputs
 from autoq.simulation import SimResult
@@ -82,6 +83,7 @@ __all__ = [
     "ShardLostError",
     "ShardSet",
     "calibrate_distributed",
+    "check_rules_in_process",
     "head_samples",
     "input_specs",
     "library_bytes",
@@ -313,6 +315,7 @@ def calibrate_distributed(
     dataset, or a shard source read by the workers. ``shards``: overrides
     ``resources.distributed.shards``. ``meta["stats"]`` adds the per-shard timings."""
     resources = resources or Resources()
+    check_rules_in_process(config)
     for sid in sim.activation_slots():
         calibrators.check_mergeable(sim.plan.specs[sid].calibrator)
     t0 = time.perf_counter()
@@ -344,6 +347,22 @@ def calibrate_distributed(
     warn_untuned(config)
     result.update(acts)
     return make_qparams(sim, result, config, n, stats, health, tuner)
+
+
+#: activation rules whose statistics the workers cannot compute (they are per tensor)
+PER_CHANNEL_RULES = ("lookup_per_channel", "depthwise_per_channel", "residual_per_channel")
+
+
+def check_rules_in_process(config: Config) -> None:
+    """A per-channel activation rule (``Config.rules``, also through a recipe) is an
+    :class:`autoq.errors.InputError` naming it: the workers' statistics are per tensor."""
+    used = [r for r in PER_CHANNEL_RULES if config.has_rule(r)]
+    if used:
+        raise InputError(
+            f"Config.rules {used} (recipe {config.recipe!r}) are not supported with distributed "
+            "calibration (the workers' statistics are per tensor): calibrate in-process, or "
+            "give Config(rules=()) or another recipe"
+        )
 
 
 class AnalysisFanOut:

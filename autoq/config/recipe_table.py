@@ -1,0 +1,102 @@
+"""The named recipes as data: for each model family, the values of the fields a recipe
+decides and the overrides it adds. Where each comes from (the measured tables):
+docs/recipes.md. :mod:`autoq.recipes` picks one from the model's structure.
+
+>>> sorted(RECIPES)
+['cnn', 'depthwise_cnn', 'dynamic', 'transformer']
+>>> RECIPES["transformer"].rounding
+'half_even'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoq.config.specs import Override, QuantSpec
+
+__all__ = ["RECIPES", "RECIPE_FIELDS", "Recipe"]
+
+#: the Config fields a recipe fills when they are None
+RECIPE_FIELDS = ("activation", "rounding", "check_scales", "rules")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What one recipe sets: the values of the recipe fields, the overrides it adds (before
+    the user's), what it is for and where it is measured."""
+
+    summary: str
+    activation: QuantSpec
+    rounding: str = "float"
+    check_scales: bool = True
+    rules: tuple[str, ...] = ()
+    overrides: tuple[Override, ...] = ()
+
+
+def _percentile(p: float) -> QuantSpec:
+    from autoq.calibrators.percentile import Percentile
+
+    return QuantSpec(dtype="int8", calibrator=Percentile(percentile=p))
+
+
+def _table() -> dict[str, Recipe]:
+    mse = QuantSpec(dtype="int8", symmetric=False, calibrator="mse")
+    dense_per_token = Override(
+        "pattern:dense*", activation=QuantSpec(dynamic=True, granularity="token")
+    )
+    return {
+        "cnn": Recipe(
+            "convolutional networks without depthwise convs (ResNet-style): MSE activation "
+            "ranges, per-channel GPTQ weights",
+            activation=mse,
+        ),
+        "depthwise_cnn": Recipe(
+            "depthwise-separable CNNs (MobileNet, EfficientNet, PP-OCR): percentile 99.99 "
+            "ranges, per-channel grids on lookup and depthwise inputs, lookup range cuts",
+            activation=_percentile(99.99),
+            rules=("lookup_input_ranges", "lookup_per_channel", "depthwise_per_channel"),
+        ),
+        "transformer": Recipe(
+            "attention / LayerNorm models: dense layers int8 with per-token run-time "
+            "activation scales, the rest static int8, the residual stream and GELU lookups "
+            "per channel, round half to even",
+            activation=mse,
+            rounding="half_even",
+            check_scales=False,
+            rules=("residual_per_channel", "lookup_per_channel"),
+            overrides=(dense_per_token,),
+        ),
+        "dynamic": Recipe(
+            "no calibration data: dense layers int8 with per-token run-time activation "
+            "scales, everything else fp32",
+            activation=QuantSpec(dynamic=True, granularity="token"),
+        ),
+    }
+
+
+class _Recipes(dict):
+    """The recipe table, built on first use (the percentile calibrator is a plug-in)."""
+
+    def _fill(self):
+        if not dict.__len__(self):
+            self.update(_table())
+
+    def __getitem__(self, name):
+        self._fill()
+        return dict.__getitem__(self, name)
+
+    def __iter__(self):
+        self._fill()
+        return dict.__iter__(self)
+
+    def __len__(self):
+        self._fill()
+        return dict.__len__(self)
+
+    def items(self):
+        self._fill()
+        return dict.items(self)
+
+
+#: name -> :class:`Recipe`
+RECIPES: dict[str, Recipe] = _Recipes()
