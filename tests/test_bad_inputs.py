@@ -156,7 +156,9 @@ def test_dataset(case, tmp_path):
     data, needle = DATASETS[case]
     cfg = autoq.Config(recipe="cnn")
     with pytest.raises(DatasetError, match=re.escape(needle)):
-        autoq.Quantizer(cfg, target=TARGET, cache_dir=str(tmp_path / "cache")).run(MOD, PARAMS, data)
+        autoq.Quantizer(cfg, target=TARGET, cache_dir=str(tmp_path / "cache")).run(
+            MOD, PARAMS, data
+        )
     assert not (tmp_path / "cache").exists()
 
 
@@ -175,7 +177,10 @@ def test_non_finite_weight_named(value):
 def test_cache_dir_is_a_file(tmp_path):
     (tmp_path / "cache").write_text("mine")
     q = autoq.Quantizer(
-        autoq.Config(recipe="cnn"), target=TARGET, cache_dir=str(tmp_path / "cache"), memory_budget_mb=0
+        autoq.Config(recipe="cnn"),
+        target=TARGET,
+        cache_dir=str(tmp_path / "cache"),
+        memory_budget_mb=0,
     )
     with pytest.raises(InputError, match=r"cache_dir .*cache' is a file"):
         q.run(MOD, PARAMS, GOOD)

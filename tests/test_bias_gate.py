@@ -142,8 +142,16 @@ def test_held_out_count_edge_cases():
     sim = simulate(mod, params, EBC)
     samples = _images(3, 1, 2.0)
     with pytest.raises(ValueError, match=r"BiasCorrection.holdout=3 leaves no calib"):
-        calibrate(sim, params, samples, EBC.replace(bias_correction=BiasCorrection(holdout=3)), target=TARGET)
-    qp = calibrate(sim, params, samples, EBC.replace(bias_correction=BiasCorrection(holdout=2)), target=TARGET)
+        calibrate(
+            sim,
+            params,
+            samples,
+            EBC.replace(bias_correction=BiasCorrection(holdout=3)),
+            target=TARGET,
+        )
+    qp = calibrate(
+        sim, params, samples, EBC.replace(bias_correction=BiasCorrection(holdout=2)), target=TARGET
+    )
     assert qp.meta["samples"] == 1  # one calibration sample is enough
     fp32 = EBC.replace(calibration="fp32", bias_correction=BiasCorrection(holdout=2))
     with warnings.catch_warnings(record=True) as w:

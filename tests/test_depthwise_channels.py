@@ -59,7 +59,12 @@ def chain(width=10, kernel=3, stride=1, second_reader=False, lookup=True):
 def cfg(on=True, more=(), **kw):
     spec = QuantSpec(calibrator=Percentile(percentile=99.9))
     kw.setdefault("weight_rounding", "nearest")
-    return Config(recipe="cnn", activation=spec, rules=(("depthwise_per_channel",) if on else ()) + tuple(more), **kw)
+    return Config(
+        recipe="cnn",
+        activation=spec,
+        rules=(("depthwise_per_channel",) if on else ()) + tuple(more),
+        **kw,
+    )
 
 
 HS = "autoq.hardswish_0"

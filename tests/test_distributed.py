@@ -22,7 +22,16 @@ pytest.importorskip(
 )
 
 import autoq
-from autoq import BiasCorrection, Config, Distributed, QParams, QuantSpec, Resources, calibrate, simulate
+from autoq import (
+    BiasCorrection,
+    Config,
+    Distributed,
+    QParams,
+    QuantSpec,
+    Resources,
+    calibrate,
+    simulate,
+)
 from autoq.calibrators.kl import KL
 from autoq.calibrators.mse import MSE
 from autoq.calibrators.percentile import Percentile

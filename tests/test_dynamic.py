@@ -157,7 +157,12 @@ def test_transformer_block(gran):
 
 def test_override_granularity_and_fallback():
     mod, params, _ = mlp()
-    cfg = Config(recipe="cnn", activation=DYN, overrides=(Override("fc2", activation=TOKEN),), fallback=Fallback(ids=("fc3",)))
+    cfg = Config(
+        recipe="cnn",
+        activation=DYN,
+        overrides=(Override("fc2", activation=TOKEN),),
+        fallback=Fallback(ids=("fc3",)),
+    )
     res = autoq.Quantizer(cfg).run(mod, params, None)
     assert res.int8_layers == ["fc1", "fc2"] and res.fp32_layers == {"fc3": "fallback rule"}
     text = res.module["main"].script()
@@ -165,7 +170,11 @@ def test_override_granularity_and_fallback():
 
 
 def test_json_round_trip():
-    cfg = Config(recipe="cnn", activation=TOKEN, overrides=(Override("fc*", activation=QuantSpec(dynamic=True, dtype="uint8")),))
+    cfg = Config(
+        recipe="cnn",
+        activation=TOKEN,
+        overrides=(Override("fc*", activation=QuantSpec(dynamic=True, dtype="uint8")),),
+    )
     back = Config.from_json(cfg.to_json())
     assert back == cfg and back.activation.granularity == "token"
     assert back.overrides[0].activation.dynamic
@@ -181,12 +190,20 @@ CONFIG_ERRORS = [
     (lambda: QuantSpec(dynamic=True, dtype="int16"), "int8 or uint8"),
     (lambda: QuantSpec(dynamic=True, per_channel=True), "never per channel"),
     (lambda: QuantSpec(dynamic="yes"), "QuantSpec.dynamic must be a bool"),
-    (lambda: Config(recipe="cnn", weight=QuantSpec(dynamic=True)), "weights are always quantized statically"),
     (
-        lambda: Config(recipe="cnn", activation=DYN, overrides=(Override("fc1", activation=QuantSpec()),)),
+        lambda: Config(recipe="cnn", weight=QuantSpec(dynamic=True)),
+        "weights are always quantized statically",
+    ),
+    (
+        lambda: Config(
+            recipe="cnn", activation=DYN, overrides=(Override("fc1", activation=QuantSpec()),)
+        ),
         "a dynamic model has no calibration",
     ),
-    (lambda: Config(recipe="cnn", activation=DYN, fallback=AutoFallback()), "AutoFallback needs calibration"),
+    (
+        lambda: Config(recipe="cnn", activation=DYN, fallback=AutoFallback()),
+        "AutoFallback needs calibration",
+    ),
     (lambda: Config(recipe="cnn", activation=DYN, int8_outputs=True), "int8_outputs"),
 ]
 

@@ -170,7 +170,11 @@ def test_bit_exact_with_the_optimizing_default_target_too():
 
 def test_uint8_activations_and_per_tensor_weights():
     mod, params, make = small_cnn()
-    cfg = Config(recipe="cnn", activation=autoq.QuantSpec(dtype="uint8", calibrator="percentile"), weight=autoq.QuantSpec(symmetric=True, per_channel=False))
+    cfg = Config(
+        recipe="cnn",
+        activation=autoq.QuantSpec(dtype="uint8", calibrator="percentile"),
+        weight=autoq.QuantSpec(symmetric=True, per_channel=False),
+    )
     _sim, qp, _real = check(mod, params, lambda n, s: make(n, s), cfg)
     assert qp["x"].dtype == "uint8" and qp["stem.weight"].scale.ndim == 0
 

@@ -108,14 +108,26 @@ def test_fallback_by_id_type_and_regex():
     mod, params, _ = small_cnn()
     g = prepare(mod, params)
     all_layers = layer_ids(g)
-    by_id = [m.layer for m in find_matches(g, Config(recipe="cnn", fallback=Fallback(ids=("block.conv1",))))]
+    by_id = [
+        m.layer
+        for m in find_matches(g, Config(recipe="cnn", fallback=Fallback(ids=("block.conv1",))))
+    ]
     assert by_id == [x for x in all_layers if x != "block.conv1"]
-    by_type = [m.layer for m in find_matches(g, Config(recipe="cnn", fallback=Fallback(op_types=("conv2d",))))]
+    by_type = [
+        m.layer
+        for m in find_matches(g, Config(recipe="cnn", fallback=Fallback(op_types=("conv2d",))))
+    ]
     assert by_type == ["mean_0", "fc"]
-    by_glob = [m.layer for m in find_matches(g, Config(recipe="cnn", fallback=Fallback(patterns=("block.*",))))]
+    by_glob = [
+        m.layer
+        for m in find_matches(g, Config(recipe="cnn", fallback=Fallback(patterns=("block.*",))))
+    ]
     assert by_glob == ["stem", "dw", "mean_0", "fc"]
     by_re = [
-        m.layer for m in find_matches(g, Config(recipe="cnn", fallback=Fallback(patterns=(r"re:(stem|fc)",))))
+        m.layer
+        for m in find_matches(
+            g, Config(recipe="cnn", fallback=Fallback(patterns=(r"re:(stem|fc)",)))
+        )
     ]
     assert by_re == ["block.conv1", "block.conv2", "dw", "mean_0"]
 

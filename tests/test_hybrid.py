@@ -128,7 +128,9 @@ CONFIG_ERRORS = [
         r"AutoFallback\(precision='fp32'\) with dynamic layers",
     ),
     (
-        lambda: Config(recipe="cnn", activation=TOKEN, overrides=(Override("q", activation=QuantSpec()),)),
+        lambda: Config(
+            recipe="cnn", activation=TOKEN, overrides=(Override("q", activation=QuantSpec()),)
+        ),
         "a dynamic model has no calibration",
     ),
     (

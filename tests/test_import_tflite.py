@@ -109,9 +109,7 @@ def test_rounding_modes_other_than_tflite_are_not_exact(inputs):
     """The TFLite kernels are what makes the difference: the same file with one-rounding
     integer requantizes disagrees with LiteRT (a check that the test above can fail)."""
     path = DATA / "tiny_cnn_int8.tflite"
-    mod, _, _ = autoq.import_quantized(
-        str(path), autoq.Config(recipe="cnn", rounding="half_away")
-    )
+    mod, _, _ = autoq.import_quantized(str(path), autoq.Config(recipe="cnn", rounding="half_away"))
     got, ref = _tvm(mod, inputs), _litert(path, inputs)
     assert np.abs(got.astype(np.int64) - ref).max() >= 1
 

@@ -16,14 +16,14 @@ from autoq import Config, QParam, QuantSpec, calibrate, realize, simulate
 from autoq import primitives as P
 from autoq.calibration import samples_for
 from autoq.calibrators.percentile import Percentile
+from autoq.config import BiasCorrection
 from autoq.cpu.lut import channel_lut_kernel, vbmi_channel_lut_kernel
+from autoq.distributed import check_rules_in_process
 from autoq.errors import InputError
 from autoq.fallback.fidelity import compare
 from autoq.ir.canonicalize import hardswish
 from autoq.qnn.lut import lut
 from autoq.rules.lut_channels import per_channel_inputs
-from autoq.config import BiasCorrection
-from autoq.distributed import check_rules_in_process
 from models import TARGET, Builder, Runner, conv2d_nchw, small_cnn
 
 SCALES = np.array([0.1, 0.5, 1.0, 2.0, 4.0, 8.0])  # very different channel ranges
@@ -56,7 +56,12 @@ def conv_bias(b, x, w, bias):
 def cfg(on=True, more=(), **kw):
     spec = QuantSpec(calibrator=Percentile(percentile=99.9))
     kw.setdefault("weight_rounding", "nearest")
-    return Config(recipe="cnn", activation=spec, rules=(("lookup_per_channel",) if on else ()) + tuple(more), **kw)
+    return Config(
+        recipe="cnn",
+        activation=spec,
+        rules=(("lookup_per_channel",) if on else ()) + tuple(more),
+        **kw,
+    )
 
 
 def quantize(mod, params, data, config):
@@ -160,7 +165,13 @@ def test_per_channel_calibration_matches_numpy():
     """fp32 calibration with ``max``: each channel's [min(0, lo), max(0, hi)] of the conv's
     float output (numpy), as QParam.from_range per channel."""
     mod, params, data = conv_hswish()
-    config = Config(recipe="cnn", activation=QuantSpec(calibrator="max"), calibration="fp32", weight_rounding="nearest", rules=("lookup_per_channel",))
+    config = Config(
+        recipe="cnn",
+        activation=QuantSpec(calibrator="max"),
+        calibration="fp32",
+        weight_rounding="nearest",
+        rules=("lookup_per_channel",),
+    )
     sim = simulate(mod, params, config)
     qp = calibrate(sim, params, data, config, target=TARGET)
     w, b = params["c1.weight"].astype(np.float64), params["c1.bias"].astype(np.float64)
@@ -215,10 +226,11 @@ def test_option_json_round_trip_and_errors():
     assert not Config.from_json(Config(recipe="cnn").to_json()).has_rule("lookup_per_channel")
     with pytest.raises(ValueError, match=r"Config\.rules: unknown rule.*lookup_per_chanel"):
         Config(recipe="cnn", rules=("lookup_per_chanel",))
-    mod, params, data = conv_hswish()
+    mod, params, _ = conv_hswish()
     sim = simulate(mod, params, c)
     with pytest.raises(InputError, match=r"lookup_per_channel.*not supported with distributed"):
         check_rules_in_process(sim.config)
+
 
 def test_models_without_a_lookup_are_unchanged():
     """small_cnn (conv, relu, residual add, pools, dense; no lookup): the simulated and the

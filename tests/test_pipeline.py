@@ -45,7 +45,10 @@ def matcher_calls(monkeypatch):
         (Config(recipe="cnn", skip_unbounded=False), True),
         (Config(recipe="cnn", fallback=AutoFallback(min_sqnr=80.0, max_fp32_layers=2)), False),
         (
-            Config(recipe="cnn", fallback=AutoFallback(min_sqnr=80.0, max_fp32_layers=1, precision="int16")),
+            Config(
+                recipe="cnn",
+                fallback=AutoFallback(min_sqnr=80.0, max_fp32_layers=1, precision="int16"),
+            ),
             False,
         ),
     ],
@@ -189,9 +192,7 @@ def test_cli_auto_fallback_chooses_what_the_api_chooses(tmp_path, capsys):
     mod, params = autoq.from_onnx(model)
     fb = AutoFallback(min_sqnr=200.0, max_fp32_layers=1)
     with pytest.warns(UserWarning, match="not reached"):
-        api = Quantizer(Config(recipe="cnn", fallback=fb), target=TARGET).run(
-            mod, params, list(x)
-        )
+        api = Quantizer(Config(recipe="cnn", fallback=fb), target=TARGET).run(mod, params, list(x))
     out = tmp_path / "out"
     code = cli.main(
         ["quantize", str(model), "--calib", str(tmp_path / "calib.npz"), "--out", str(out),

@@ -17,11 +17,11 @@ import autoq
 from autoq import AutoFallback, Config, Override, QuantSpec
 from autoq import primitives as P
 from autoq.calibration import samples_for
+from autoq.distributed import check_rules_in_process
 from autoq.errors import InputError
 from autoq.fallback.fidelity import compare
 from autoq.metrics import sqnr_db
 from autoq.qnn import add, multiply, subtract
-from autoq.distributed import check_rules_in_process
 from autoq.rules import residual_channels
 from autoq.simulation import simulate
 from models import TARGET, Builder, Runner, run_tuple, small_cnn
@@ -228,7 +228,9 @@ def test_qnn_per_channel_errors():
 
 
 def test_option_json_and_errors():
-    assert Config.from_json(ON.to_json()) == ON and ON.to_json()["rules"] == ["residual_per_channel"]
+    assert Config.from_json(ON.to_json()) == ON and ON.to_json()["rules"] == [
+        "residual_per_channel"
+    ]
     with pytest.raises(InputError, match=r"residual_per_channel.*not supported with distributed"):
         check_rules_in_process(ON)
 
@@ -255,7 +257,12 @@ def test_cnn_unchanged():
     (ResNet-50 and PP-OCRv4 det, checked outside the suite: simulated modules and slots
     identical with the option on and off.)"""
     nchw, nchw_params = _nchw_add()
-    assert _per_channel(simulate(nchw, nchw_params, Config(recipe="cnn", rules=("residual_per_channel",)))) == {}
+    assert (
+        _per_channel(
+            simulate(nchw, nchw_params, Config(recipe="cnn", rules=("residual_per_channel",)))
+        )
+        == {}
+    )
     mod, params, make_data = small_cnn()
     base = Config(recipe="cnn", check_scales=False)
     a = autoq.quantize(mod, params, make_data(2, 0), base)

@@ -116,7 +116,11 @@ def test_qparams_are_runtime_inputs_of_the_simulated_module():
 
 def test_per_channel_off_gives_scalar_weight_slots_and_overrides_apply():
     mod, params, _ = small_cnn()
-    cfg = Config(recipe="cnn", weight=QuantSpec(symmetric=True, per_channel=False), overrides=(Override("fc", activation=QuantSpec(dtype="uint8")),))
+    cfg = Config(
+        recipe="cnn",
+        weight=QuantSpec(symmetric=True, per_channel=False),
+        overrides=(Override("fc", activation=QuantSpec(dtype="uint8")),),
+    )
     sim = simulate(mod, params, cfg)
     s, _ = sim.qparam_vars["stem.weight"]
     assert s.ty.ndim == 0

@@ -62,7 +62,7 @@ def test_config_options_round_trip_and_are_validated():
     assert Config.from_json(cfg.to_json()) == cfg
     emp = Config(recipe="cnn", weight_rounding="nearest", bias_correction=BiasCorrection())
     assert Config.from_json(emp.to_json()) == emp and emp.tunes_weights
-    with pytest.raises(ValueError, match="BiasCorrection.holdout"):
+    with pytest.raises(ValueError, match=r"BiasCorrection\.holdout"):
         BiasCorrection(holdout=-1)
     with pytest.raises(ValueError, match="weight_rounding"):
         Config(recipe="cnn", weight_rounding="adaround")
@@ -97,7 +97,10 @@ def test_empirical_bias_correction_matches_the_fp32_mean_output():
         return _smooth(n, seed, offset=2.0)
 
     errors = {}
-    for name, cfg in (("off", PLAIN), ("empirical", PLAIN.replace(bias_correction=BiasCorrection()))):
+    for name, cfg in (
+        ("off", PLAIN),
+        ("empirical", PLAIN.replace(bias_correction=BiasCorrection())),
+    ):
         mod, params, data, sim, qp = _calibrated(two_convs, cfg, data=shifted)
         x = data(16, 1)
         real, ref = Runner(realize(mod, params, qp, cfg)), Runner(mod, params)

@@ -75,8 +75,6 @@ def _default_weight() -> QuantSpec:
     )
 
 
-
-
 @dataclass(frozen=True)
 class Config(JsonDocument):
     """Everything ``autoq.quantize`` can be told about the int8 model it makes.
