@@ -129,7 +129,7 @@ def ppocr_det_config() -> dict:
 
 
 def _minilm_dir() -> Path:
-    from autoq.cli.models import model_path
+    from autoq.models import model_path
 
     return model_path("minilm")
 
@@ -317,7 +317,7 @@ def find_model(
     if key in _MODEL_CACHE:
         return _MODEL_CACHE[key]
     if name == "resnet50":
-        from autoq.cli.models import model_path, model_spec
+        from autoq.models import model_path, model_spec
 
         source = model_path("open_nsfw")
         shapes = dict(model_spec("open_nsfw").input_shapes)  # {"input_0": (1, 224, 224, 3)}

@@ -42,6 +42,7 @@ LEVELS = {
     "json_document": 0,
     "threads": 0,
     "qparams": 1,
+    "models": 1,
     "layer_rules": 1,
     "metrics": 2,
     "calibrators": 2,

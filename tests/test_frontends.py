@@ -554,7 +554,7 @@ def test_batch_norm_written_as_sub_mul_add_is_folded():
 
 
 def test_model_path_names_the_pip_package(monkeypatch):
-    from autoq.cli import models
+    from autoq import models
 
     fake = models.ModelSpec("fake", "fake-models-pkg", "fake_models_pkg_xyz", "m.onnx", "onnx", "")
     monkeypatch.setitem(models.MODELS, "fake", fake)

