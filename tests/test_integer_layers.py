@@ -1,6 +1,6 @@
 """Layers that used to stay fake-quantized and now run on integers (issue 14): windowed
 average pools (patterns/avg_pool2d.py) and elementwise ops with a constant operand
-(patterns/elementwise_const.py; ``x / c`` through canonicalization as ``x * (1/c)``).
+(patterns/elementwise.py; ``x / c`` through canonicalization as ``x * (1/c)``).
 
 Each is checked three ways: the realized graph has the integer form and no float op; the
 simulated graph predicts every realized integer bit for bit (autoq.fallback.fidelity.compare); and
