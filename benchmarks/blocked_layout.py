@@ -16,7 +16,7 @@ packages of ``benchmarks/accuracy.py``):
    with the load average and the commit; ratios against the blocked build without the
    residual epilogue (``BEFORE``).
 
-Run:  .venv/bin/python benchmarks/blocked_layout.py [--models resnet50,ppocr_det] [--calib 8]
+Run:  python benchmarks/blocked_layout.py [--models resnet50,ppocr_det] [--calib 8]
       [--repeats 30] [--profile-runs 5] [--top 6] [--avx2] [--builds all|residual]
 Numbers only: nothing here asserts a timing.
 """
@@ -174,6 +174,7 @@ def main(argv=None) -> int:
         default="all",
         help=f"all four builds, or only {' vs '.join(RESIDUAL_BUILDS)}",
     )
+    common.add_page_option(p)
     args = p.parse_args(argv)
     print("## Blocked int8 activations and residual epilogues, same process\n")
     print(f"(ratios against '{BEFORE}')\n")
@@ -184,4 +185,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(common.run_benchmark(main, __file__))

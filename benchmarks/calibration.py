@@ -13,12 +13,15 @@ the process's VmHWM). Printed, measured in the same run:
   one-off per model and is listed separately);
 * ONNX Runtime ``quantize_static`` (QDQ, per-channel) with MinMax / Percentile / Entropy on
   the same samples: wall time and its ratio to one ORT fp32 pass over them;
+* every row's wall time and peak RSS against ORT ``quantize_static`` MinMax of the same run
+  (same samples; autoq's rows include importing the model and compiling, ORT's the QDQ
+  rewrite);
 * peak RSS of autoq's calibration for 32 vs 128 samples with a small activation budget
   (``--rss-budget-mb``, 256 MB: ResNet-50 keeps ~5 MB of live activations per sample, so the
   default 1 GiB would hold all 128): the cache stays within the budget, the rest goes to
   disk (``spilled``), and peak RSS barely grows with the dataset.
 
-Run: /work/venv/bin/python benchmarks/calibration.py [--quick]
+Run: python benchmarks/calibration.py [--quick]
 """
 
 from __future__ import annotations
@@ -59,9 +62,10 @@ def calibrate_child(model: str, calib_path: str, method: str, mode: str, budget_
 
 def autoq_row(
     label: str, calib_path: Path, n: int, method: str, mode: str, budget_mb: float, unit=None
-) -> list:
+) -> tuple[list, tuple[float, float]]:
     """One table row: ``calibrate_child`` in a measured process; the ratio cell is filled
-    when ``unit`` (one fp32 pass over the samples, s) is given."""
+    when ``unit`` (one fp32 pass over the samples, s) is given. Also (wall s, peak RSS MB)
+    (calibrate's total s, the process's peak RSS MB) for the ratios to ONNX Runtime."""
     r = common.run_measured(
         "calibration:calibrate_child",
         {
@@ -72,7 +76,7 @@ def autoq_row(
             "budget_mb": budget_mb,
         },
     )
-    return [
+    cells = [
         label,
         n,
         common.fmt(r["total_s"]),
@@ -84,6 +88,7 @@ def autoq_row(
         common.fmt(r.get("cache_peak_mb"), 4),
         common.fmt(r.get("spilled_mb"), 4),
     ]
+    return cells, (r["total_s"], r["peak_rss_mb"])
 
 
 def fp32_pass_s(info, samples) -> float:
@@ -122,12 +127,14 @@ def main(argv=None) -> int:
     p.add_argument(
         "--rss-budget-mb", type=float, default=256.0, help="budget for the 32 vs 128 samples rows"
     )
+    common.add_page_option(p)
     args = p.parse_args(argv)
     n = args.samples or (16 if args.quick else 64)
     info = common.find_model(MODEL)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     t_start = time.perf_counter()
-    rows = []
+    rows, measured = [], []  # measured: (calibration s, peak RSS MB) per row, or None
+    peer = None  # ORT quantize_static MinMax's
     with tempfile.TemporaryDirectory(prefix="autoq-bench-calib-") as tmp:
         sizes = [n] if args.quick else [n, 32, 128]
         data = {k: common.make_dataset(info, "calib", k) for k in sorted(set(sizes))}
@@ -143,13 +150,17 @@ def main(argv=None) -> int:
             configs += [("max", "topological"), ("mse", "topological"), ("percentile", "fp32")]
         for method, mode in configs:
             label = f"autoq {mode} {method}"
-            rows.append(autoq_row(label, paths[n], n, method, mode, args.budget_mb, unit))
+            cells, m = autoq_row(label, paths[n], n, method, mode, args.budget_mb, unit)
+            rows.append(cells)
+            measured.append(m)
             log(f"  {rows[-1]}")
         for k in sizes[1:]:
             label = f"autoq topological percentile, budget {args.rss_budget_mb:.0f} MB"
-            rows.append(
-                autoq_row(label, paths[k], k, "percentile", "topological", args.rss_budget_mb)
+            cells, _ = autoq_row(
+                label, paths[k], k, "percentile", "topological", args.rss_budget_mb
             )
+            rows.append(cells)
+            measured.append(None)  # other sample counts than the ORT rows
             log(f"  {rows[-1]}")
         methods = ["minmax"] if args.quick else list(common.ORT_METHODS)
         for method in methods:
@@ -170,9 +181,16 @@ def main(argv=None) -> int:
                         "",
                     ]
                 )
+                measured.append((q["calib_s"], q["peak_rss_mb"]))
+                if method == "minmax":
+                    peer = measured[-1]
             except common.SubprocessFailed as err:
                 rows.append([f"ORT quantize_static {method}", n, f"FAILED: {err}", *[""] * 7])
+                measured.append(None)
             log(f"  {rows[-1]}")
+    for cells, m in zip(rows, measured, strict=True):
+        ok = m is not None and peer is not None
+        cells.append(f"{m[0] / peer[0]:.2f}x / {m[1] / peer[1]:.2f}x" if ok else "")
     print("## Calibration cost: ResNet-50 (open_nsfw), real image crops\n")
     print(common.machine_summary())
     print(
@@ -193,6 +211,7 @@ def main(argv=None) -> int:
                 "peak RSS MB",
                 "cache in RAM MB",
                 "spilled to disk MB",
+                "time / peak RSS vs ORT MinMax",
             ],
             rows,
         )
@@ -202,4 +221,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(common.run_benchmark(main, __file__))

@@ -13,7 +13,8 @@ Printed, measured in the same run:
   (issue 13's target: at most 3x); the calibrate stage alone (minus its compile) is listed
   too.
 
-Run: .venv/bin/python benchmarks/calibration_speed.py [--samples 64] [--threads N]
+Run: python benchmarks/calibration_speed.py [--samples 64] [--calibration fp32]
+     [--weight-rounding nearest]
 """
 
 from __future__ import annotations
@@ -28,24 +29,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
-import numpy as np
 
 MODEL = "resnet50"
 
 
-def autoq_calibration(
-    info, samples, calibration: str, loop_schedule: bool = True, weight_rounding=None
-) -> dict:
-    """autoq.quantize in this process; calibrate's own statistics plus the stage times.
-    ``loop_schedule=False``: the kernels as tvm.compile leaves them (the previous speed)."""
-    import importlib
-
+def autoq_calibration(info, samples, calibration: str, weight_rounding=None) -> dict:
+    """autoq.quantize in this process; calibrate's own statistics plus the stage times."""
     import autoq
     from autoq import frontends
-
-    cal = importlib.import_module("autoq.calibration")
-    original = cal.__dict__.setdefault("original_pipeline", cal.calibration_pipeline)
-    cal.calibration_pipeline = original if loop_schedule else (lambda target: None)
 
     mod, params = frontends.from_onnx(info.path, input_shapes=dict(info.input_shapes))
     # the MinMax calibrator, like the ORT row (autoq's default, mse, adds ~3 s of histograms)
@@ -66,15 +57,11 @@ def main(argv=None) -> int:
         "--calibration", choices=("topological", "fp32"), default="topological", help="autoq mode"
     )
     p.add_argument(
-        "--baseline",
-        action="store_true",
-        help="also run autoq without the loop schedule (and check the qparams are identical)",
-    )
-    p.add_argument(
         "--weight-rounding",
         default=None,
         help="Config.weight_rounding for the autoq rows (default: the Config default, gptq)",
     )
+    common.add_page_option(p)
     args = p.parse_args(argv)
     info = common.find_model(MODEL)
     samples = common.make_dataset(info, "calib", args.samples).samples
@@ -87,19 +74,6 @@ def main(argv=None) -> int:
     calib = a["total_s"] - a["compile_s"]
     compiles = a["compile_s"] + a.get("guard.compile", 0.0)
     whole = a["quantize_s"] - compiles
-    base = None
-    if args.baseline:
-        base = autoq_calibration(
-            info, samples, args.calibration, False, weight_rounding=args.weight_rounding
-        )
-        same = all(
-            np.array_equal(a["qparams"][s].scale, base["qparams"][s].scale)
-            and np.array_equal(a["qparams"][s].zero_point, base["qparams"][s].zero_point)
-            for s in base["qparams"]
-        )
-        log(
-            f"baseline: { {k: v for k, v in base.items() if k != 'qparams'} }, same qparams: {same}"
-        )
     print(f"## Calibration speed: ResNet-50 (open_nsfw), {args.samples} real image crops\n")
     print(common.machine_summary())
     print(f"threads: TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS', 'all cores')}")
@@ -117,12 +91,6 @@ def main(argv=None) -> int:
          f"{a['quantize_s'] / ort['calib_s']:.2f}x"],
         ["ORT quantize_static MinMax", common.fmt(ort["calib_s"]), "", "", "", "1.00x"],
     ]  # fmt: skip
-    if base is not None:
-        b = base["total_s"] - base["compile_s"]
-        rows.insert(1, [f"autoq {args.calibration}, kernels unscheduled (before)", common.fmt(b),
-                        common.fmt(base["compile_s"]), common.fmt(base.get("run_s")),
-                        common.fmt(base.get("observe_s")), f"{b / ort['calib_s']:.2f}x"])  # fmt: skip
-        print(f"qparams identical with and without the loop schedule: {same}\n")
     print(
         common.markdown_table(
             ["", "wall s (no compile)", "compile s", "segment runs s", "observers s", "vs ORT"],
@@ -133,4 +101,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(common.run_benchmark(main, __file__))

@@ -1,6 +1,6 @@
 """Milliseconds per tensor of each registered calibrator (default options, 2048 bins).
 
-    /work/venv/bin/python benchmarks/calibrator_speed.py [--repeat N] [--best]
+    python benchmarks/calibrator_speed.py [--repeat N] [--best]
 
 For an activation (1x64x56x56 float32, per-tensor) and a conv weight (64x64x3x3, per output
 channel), prints the median (or, with ``--best``, the minimum) time of ``observer.update`` on
@@ -11,12 +11,15 @@ separately as "range pass".
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from autoq import calibrators as cal
-from autoq.config import QuantSpec
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
 
 
 def median_ms(fn, repeat: int, best: bool = False) -> float:
@@ -29,9 +32,9 @@ def median_ms(fn, repeat: int, best: bool = False) -> float:
     return 1e3 * float(np.min(times) if best else np.median(times))
 
 
-def bench(
-    name: str, x: np.ndarray, axis: int | None, spec: QuantSpec, repeat: int, best: bool = False
-):
+def bench(name: str, x: np.ndarray, axis: int | None, spec, repeat: int, best: bool = False):
+    from autoq import calibrators as cal
+
     c = cal.get(name)
     if axis is None:
         data_range = (float(x.min()), float(x.max())) if c.needs_range else None
@@ -45,11 +48,15 @@ def bench(
     return update, compute
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--best", action="store_true", help="best of N instead of the median")
-    args = parser.parse_args()
+    common.add_page_option(parser)
+    args = parser.parse_args(argv)
+    from autoq import calibrators as cal
+    from autoq.config import QuantSpec
+
     rng = np.random.default_rng(0)
     cases = [
         (
@@ -65,14 +72,16 @@ def main() -> None:
             QuantSpec(symmetric=True, narrow_range=True),
         ),
     ]
+    stat = "minimum" if args.best else "median"
     for title, x, axis, spec in cases:
         minmax = median_ms(lambda x=x: (x.min(), x.max()), args.repeat, args.best)
-        print(f"\n{title}  (range pass: {minmax:.2f} ms)")
-        print(f"{'calibrator':<16}{'update ms':>11}{'compute ms':>12}{'total ms':>10}")
+        print(f"\n### {title}\n\nrange pass: {minmax:.2f} ms ({stat} of {args.repeat})\n")
+        rows = []
         for name in sorted(cal.REGISTRY):
             update, compute = bench(name, x, axis, spec, args.repeat, args.best)
-            print(f"{name:<16}{update:>11.2f}{compute:>12.2f}{update + compute:>10.2f}")
+            rows.append([name, f"{update:.2f}", f"{compute:.2f}", f"{update + compute:.2f}"])
+        print(common.markdown_table(["calibrator", "update ms", "compute ms", "total ms"], rows))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(common.run_benchmark(main, __file__))

@@ -9,7 +9,10 @@
   sessions with graph optimizations off/on, latency (``ort_latency_ms``);
 * fidelity metrics against fp32 outputs (``fidelity``);
 * a TVM fp32 baseline (``tvm_import_onnx``, ``TvmRunner``);
-* a markdown table printer (``markdown_table``).
+* a markdown table printer (``markdown_table``);
+* the machine (``machine_line``: CPU model and int8 ISA) and each benchmark's results page
+  (``run_benchmark``: what the script prints, written to ``benchmarks/results/<script>.md``
+  with a header naming the command line and the machine, regenerated on every run).
 
 Heavy modules (tvm, torch, onnxruntime.quantization) are imported inside the functions that
 need them, so ``import common`` stays cheap (the calibration subprocess imports it too).
@@ -18,11 +21,15 @@ Benchmarks print numbers; they never assert timings.
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -39,6 +46,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 BENCH_DIR = Path(__file__).resolve().parent
 CACHE_DIR = BENCH_DIR / ".cache"
+RESULTS_DIR = BENCH_DIR / "results"  # one page per benchmark, written by run_benchmark
 
 Sample = dict[str, np.ndarray]  # one model input: input name -> array with batch dimension 1
 
@@ -85,7 +93,7 @@ def _pkg_file(package: str, *parts: str) -> Path:
     (rapidocr_onnxruntime's ``__init__`` imports OpenCV, which only the files are not)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"install it first: /work/venv/bin/pip install {package}")
+        raise RuntimeError(f"install it first: pip install {package}")
     path = Path(spec.submodule_search_locations[0]).joinpath(*parts)
     if not path.exists():
         raise FileNotFoundError(f"{package} does not ship {'/'.join(parts)} (looked at {path})")
@@ -96,7 +104,7 @@ def _dist_version(dist: str) -> str:
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError as err:
-        raise RuntimeError(f"install it first: /work/venv/bin/pip install {dist}") from err
+        raise RuntimeError(f"install it first: pip install {dist}") from err
 
 
 def _sha256_prefix(path: Path, n: int = 16) -> str:
@@ -653,10 +661,9 @@ def make_dataset(
     return Dataset(samples, split, desc)
 
 
-#: positions ``0 .. EVALUATION_POOL`` of :func:`second_sentence_set`'s permutation are its
-#: evaluation and choice sets (sets 2 and 3 at 0 and 64; escalation_search_proxy's selection
-#: set at 192, residual_channels_proxy's dev set at 256); sentences added to the calibration
-#: set come after them
+#: positions ``0 .. EVALUATION_POOL`` of :func:`second_sentence_set`'s permutation are kept
+#: for evaluation and choice sets (sets 2 and 3 at 0 and 64; earlier experiments used 192
+#: and 256); sentences added to the calibration set come after them
 EVALUATION_POOL = 320
 
 
@@ -1118,9 +1125,10 @@ def embedding_setup(name: str, n_calib: int, n_eval: int, log=print):
     return info, calib, evalset, ort_outputs(ort_session(info.path, 2, False), evalset)
 
 
-def autoq_quantize(info: ModelInfo, config, calib):
+def autoq_quantize(info: ModelInfo, config, calib, kernels: bool = False):
     """``autoq.Quantizer(config)`` on the prepared model (warnings silenced): returns the
-    result, its wall time in seconds and a :class:`TvmRunner` of the quantized module."""
+    result, its wall time in seconds and a :class:`TvmRunner` of the quantized module
+    (``kernels``: compiled by ``autoq.compile``)."""
     import warnings
 
     import autoq
@@ -1132,19 +1140,27 @@ def autoq_quantize(info: ModelInfo, config, calib):
         warnings.simplefilter("ignore")
         res = autoq.Quantizer(config).run(mod, params, calib)
     quant_s = time.perf_counter() - t0
-    return res, quant_s, TvmRunner(res.module, [v.name for v in res.matched.graph.inputs])
+    names = [v.name for v in res.matched.graph.inputs]
+    return res, quant_s, TvmRunner(res.module, names, kernels=kernels)
 
 
 class TvmRunner:
-    """A compiled Relax module on the CPU; ``input_names`` order = ``main``'s parameters."""
+    """A compiled Relax module on the CPU; ``input_names`` order = ``main``'s parameters.
+    ``kernels``: compiled by ``autoq.compile`` (autoq's packed int8 CPU kernels, what a user
+    deploys) instead of ``tvm.compile`` (the generic lowering: the same outputs, slower)."""
 
-    def __init__(self, mod, input_names: Sequence[str], target=None):
+    def __init__(self, mod, input_names: Sequence[str], target=None, kernels: bool = False):
         import tvm
         from tvm import relax
 
         self._tvm = tvm
         t0 = time.perf_counter()
-        self.executable = tvm.compile(mod, target or tvm_target())
+        if kernels:
+            import autoq
+
+            self.executable = autoq.compile(mod, target or tvm_target())
+        else:
+            self.executable = tvm.compile(mod, target or tvm_target())
         self.compile_s = time.perf_counter() - t0
         self.dev = tvm.cpu()
         self.vm = relax.VirtualMachine(self.executable, self.dev)
@@ -1251,26 +1267,190 @@ def markdown_table(
     return "\n".join([line(headers), "| " + " | ".join(sep) + " |", *map(line, cells)])
 
 
-def machine_summary() -> str:
-    import platform
-
-    import onnxruntime as ort
-
-    cpu = "?"
+def _cpuinfo() -> tuple[str, set[str]]:
+    """(model name, flags) of the first CPU in /proc/cpuinfo (("?", set()) elsewhere)."""
+    model, flags = "?", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model == "?":
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+                if model != "?" and flags:
                     break
     except OSError:
         pass
-    versions = [f"onnxruntime {ort.__version__}"]
-    for dist in ("apache-tvm", "numpy"):
+    return model, flags
+
+
+def cpu_isa(flags: set[str] | None = None) -> str:
+    """The widest int8 instruction set of this CPU by its /proc/cpuinfo ``flags``: ``amx``
+    (AMX int8 tiles), ``avx512_vnni``, ``avx_vnni`` (VNNI on 256-bit registers), ``avx2``,
+    else ``no avx2``. autoq's kernels follow the same order (``autoq.cpu``)."""
+    if flags is None:
+        flags = _cpuinfo()[1]
+    if {"amx_tile", "amx_int8"} <= flags:
+        return "amx"
+    for isa in ("avx512_vnni", "avx_vnni", "avx2"):
+        if isa in flags:
+            return isa
+    return "no avx2"
+
+
+def machine_line() -> str:
+    """The CPU a run measured: ``Intel(R) Xeon(R) Processor, amx, 2 logical CPUs``."""
+    model, flags = _cpuinfo()
+    return f"{model}, {cpu_isa(flags)}, {os.cpu_count()} logical CPUs"
+
+
+def software_line() -> str:
+    """The Python, ONNX Runtime, TVM and numpy versions."""
+    import platform
+
+    versions = [f"Python {platform.python_version()}"]
+    for dist in ("onnxruntime", "apache-tvm", "numpy"):
         try:
             versions.append(f"{dist} {metadata.version(dist)}")
         except metadata.PackageNotFoundError:
             pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, " + ", ".join(
-        versions
+    return ", ".join(versions)
+
+
+def machine_summary() -> str:
+    """:func:`machine_line` and :func:`software_line`."""
+    return f"{machine_line()}, {software_line()}"
+
+
+def git_commit(where: Path | str = BENCH_DIR) -> str:
+    """Short commit of the checkout holding ``where`` (``+dirty`` with uncommitted changes to
+    tracked files), or ``?`` outside one."""
+    cwd = Path(where)
+    cwd = cwd if cwd.is_dir() else cwd.parent
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "-uno"], cwd=cwd, capture_output=True, text=True
+        )
+    except OSError:
+        return "?"
+    if rev.returncode != 0:
+        return "?"
+    return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def load_average() -> str:
+    return "/".join(f"{v:.1f}" for v in os.getloadavg())
+
+
+# --------------------------------------------------------------------------------------------
+# Results pages
+# --------------------------------------------------------------------------------------------
+
+
+def add_page_option(parser: argparse.ArgumentParser) -> None:
+    """``--page PATH`` on a benchmark's parser (read by :func:`run_benchmark`)."""
+    parser.add_argument(
+        "--page",
+        default=None,
+        metavar="PATH",
+        help="the results page this run writes when it completes (default: "
+        "benchmarks/results/<script>.md, overwritten); 'none': no page",
     )
+
+
+class _Tee(io.TextIOBase):
+    """stdout that also keeps what is written (for the results page)."""
+
+    def __init__(self, stream):
+        self.stream, self.kept = stream, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self.kept.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def encoding(self):
+        return getattr(self.stream, "encoding", "utf-8")
+
+
+def _autoq_source() -> str:
+    """Which autoq the run measured: its version, location and commit."""
+    mod = sys.modules.get("autoq")
+    if mod is None or not getattr(mod, "__file__", None):
+        return "autoq not imported"
+    where = Path(mod.__file__).resolve().parent
+    version = getattr(mod, "__version__", "?")
+    return f"autoq {version} from {where} (commit {git_commit(where)})"
+
+
+def page_header(script: str, argv: Sequence[str], started: float, load_start: str) -> str:
+    name = Path(script).stem
+    try:
+        shown = Path(script).resolve().relative_to(BENCH_DIR.parent)
+    except ValueError:
+        shown = Path(script)
+    command = shlex.join(["python", str(shown), *argv])
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return "\n".join(
+        [
+            f"# {name}",
+            "",
+            f"<!-- written by benchmarks/{name}.py when it completes; the next run overwrites"
+            " this page (see benchmarks/README.md) -->",
+            "",
+            f"- command: `{command}`",
+            f"- machine: {machine_line()}; load average {load_start} at start, "
+            f"{load_average()} at end",
+            f"- software: {_autoq_source()}; benchmarks at commit {git_commit(BENCH_DIR)};"
+            f" {software_line()}",
+            f"- finished {when}, {time.time() - started:.0f} s",
+            "",
+            "",
+        ]
+    )
+
+
+def run_benchmark(main: Callable[[], int | None], script: str) -> int:
+    """A benchmark's entry point: ``main()`` with what it prints on stdout also kept and,
+    when it returns 0 or None, written to its results page (``--page``, default
+    ``benchmarks/results/<script>.md``) under :func:`page_header`: the page is regenerated
+    by every completed run, never appended to; a run that raises leaves the old page.
+    Progress that goes to stderr stays out of the page."""
+    argv = sys.argv[1:]
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--page", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.page == "none":
+        return main() or 0
+    page = Path(known.page) if known.page else RESULTS_DIR / f"{Path(script).stem}.md"
+    started, load_start = time.time(), load_average()
+    tee = _Tee(sys.stdout)
+    sys.stdout = tee
+    try:
+        code = main()
+    finally:
+        sys.stdout = tee.stream
+    if code:
+        print(f"exit code {code}: results page {page} not written", file=sys.stderr)
+        return code
+    page.parent.mkdir(parents=True, exist_ok=True)
+    tmp = page.with_name(page.name + ".tmp")
+    tmp.write_text(page_header(script, argv, started, load_start) + tee.kept.getvalue())
+    tmp.replace(page)
+    print(f"results page: {page}", file=sys.stderr)
+    return 0

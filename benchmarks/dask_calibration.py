@@ -18,9 +18,9 @@ same run:
   ``o`` the measured coordination cost per segment (the loop's time not spent in the slowest
   shard's compute: round trips, merging the states, choosing the qparams).
 
-Run: .venv/bin/python benchmarks/dask_calibration.py [--samples 32] [--method percentile]
-(256 samples take ~4 min of graph runs per pass on one core of this machine; see
-``/work/wt/dask-notes.md`` for the numbers measured).
+Run: python benchmarks/dask_calibration.py [--samples 32] [--method percentile]
+(256 samples take ~4 min of graph runs per pass on one core of a 2-core machine; the
+design and the measured numbers: docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -116,6 +116,7 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=32, help="calibration samples (issue: 256)")
     p.add_argument("--method", default="percentile", help="activation calibrator")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    common.add_page_option(p)
     args = p.parse_args(argv)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     t_start = time.perf_counter()
@@ -170,4 +171,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(common.run_benchmark(main, __file__))

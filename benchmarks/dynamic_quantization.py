@@ -1,28 +1,24 @@
-"""Dynamic quantization and the attention-mask rewrite on all-MiniLM-L6-v2.
+"""Dynamic quantization on all-MiniLM-L6-v2: autoq against ONNX Runtime ``quantize_dynamic``.
 
 Rows (fidelity against ONNX Runtime fp32 with graph optimizations off, on held-out
 pydoc sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime.py):
 
-* autoq static (default config, mse calibrator) **without** the finfo.min mask rewrite: the
-  guard keeps the mask adds in fp32 (what autoq did before autoq.ir.attention_mask). The
-  rewrite is a canonicalization rule; this row runs with its rows removed from
-  ``autoq.ir.canonicalize.RULES`` (benchmark only);
-* autoq static with the mask rewrite at each ``--mask-values`` (the library default is
-  ``autoq.ir.attention_mask.MASK_VALUE``);
+* autoq static (default config, mse calibrator), for reference (``--skip-static``: none);
 * autoq dynamic, ``granularity="tensor"`` and ``"token"`` (no calibration data);
 * ONNX Runtime ``quantize_dynamic`` (its defaults: MatMul/Gemm/Attention..., uint8
   activations, int8 weights per tensor) and with ``per_channel=True``, in the same run.
 
-Latency: median ms over the first eval sample, 1 thread, untuned TVM vs ORT (graph
-optimizations on). Numbers only; nothing asserts a timing.
+Latency: median ms of the first eval sample at 1 thread, autoq's modules compiled by
+``autoq.compile`` (CPU kernels, untuned) against ORT (graph optimizations on); the ratio
+column divides by ORT ``quantize_dynamic`` (per tensor) of the same run. Numbers only;
+nothing asserts a timing.
 
-Run:  HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/dynamic_quantization.py [--calib 32 --eval 64]
+Run:  python benchmarks/dynamic_quantization.py [--calib 32 --eval 64]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import tempfile
@@ -35,29 +31,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import common
 
 HEADERS = ["runtime", "NN@1", "cos mean", "cos min", "fp32 layers", "quantize s", "ms 1T"]
+HEADERS += ["1T vs ORT dynamic"]
+ORT_PEER = "ORT quantize_dynamic"  # the ratio column's denominator
 
 
-@contextlib.contextmanager
-def mask_rewrite(value: float | None):
-    """The attention-mask rows of the canonicalization table off (None) or at ``value``."""
-    import autoq.ir.attention_mask as am
-    import autoq.ir.canonicalize as canon
-
-    saved_rules, saved_value = list(canon.RULES), am.MASK_VALUE
-    try:
-        if value is None:
-            canon.RULES[:] = [r for r in canon.RULES if not r.name.startswith("attention_mask")]
-        else:
-            am.MASK_VALUE = value
-        yield
-    finally:
-        canon.RULES[:] = saved_rules
-        am.MASK_VALUE = saved_value
-
-
-def autoq_row(info, config, calib, evalset, label, mask_value, log) -> dict:
-    with mask_rewrite(mask_value):
-        res, quant_s, runner = common.autoq_quantize(info, config, calib)
+def autoq_row(info, config, calib, evalset, label, log) -> dict:
+    res, quant_s, runner = common.autoq_quantize(info, config, calib, kernels=True)
     outs = [runner.run(s) for s in evalset]
     common.TvmRunner.set_threads(1)
     ms = common.median_ms(lambda: runner.run(evalset[0]), repeats=5, warmup=1)
@@ -85,16 +64,12 @@ def ort_dynamic_row(info, evalset, per_channel: bool, log) -> dict:
 
 
 def configs(args):
-    import autoq
     from autoq import Config, QuantSpec
 
-    base = Config(progress=False)
-    rows = [("autoq static, no mask rewrite (guard: mask adds fp32)", base, True, None)]
-    for v in args.mask_values:
-        rows.append((f"autoq static, mask rewrite {v:g}", base, True, v))
+    rows = [("autoq static (default)", Config(progress=False), True)]
     for gran in ("tensor", "token"):
         dyn = Config(activation=QuantSpec(dynamic=True, granularity=gran), progress=False)
-        rows.append((f"autoq dynamic ({gran})", dyn, False, autoq.ir.attention_mask.MASK_VALUE))
+        rows.append((f"autoq dynamic ({gran})", dyn, False))
     return rows
 
 
@@ -102,16 +77,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calib", type=int, default=32, help="calibration sentences (static rows)")
     p.add_argument("--eval", type=int, default=64, help="held-out evaluation sentences")
-    p.add_argument(
-        "--mask-values",
-        default="-10000,-100,-50",
-        help="mask constants for the static rows with the rewrite, comma-separated",
-    )
     p.add_argument("--skip-static", action="store_true", help="no static autoq rows")
     p.add_argument("--skip-dynamic", action="store_true", help="no dynamic rows (autoq, ORT)")
-    args = p.parse_args(argv)
-    args.mask_values = [float(v) for v in args.mask_values.split(",") if v.strip()]
-    return args
+    common.add_page_option(p)
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -120,14 +89,13 @@ def main(argv=None) -> int:
     log = print
     info, calib, evalset, ref = common.embedding_setup("minilm", args.calib, args.eval, log)
     rows = []
-    for label, cfg, static, mask_value in configs(args):
+    for label, cfg, static in configs(args):
         if (static and args.skip_static) or (not static and args.skip_dynamic):
             continue
-        rows.append(
-            autoq_row(info, cfg, calib if static else None, evalset, label, mask_value, log)
-        )
+        rows.append(autoq_row(info, cfg, calib if static else None, evalset, label, log))
     for per_channel in () if args.skip_dynamic else (False, True):
         rows.append(ort_dynamic_row(info, evalset, per_channel, log))
+    peer = next((r["ms"] for r in rows if r["label"] == ORT_PEER), None)
     table = []
     for r in rows:
         f = common.fidelity("embedding", ref, r["outputs"])
@@ -140,6 +108,7 @@ def main(argv=None) -> int:
                 "" if r["fp32"] is None else str(r["fp32"]),
                 f"{r['quant_s']:.1f}",
                 f"{r['ms']:.1f}",
+                f"{r['ms'] / peer:.2f}x" if peer else "",
             ]
         )
     log(common.markdown_table(HEADERS, table))
@@ -147,4 +116,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(common.run_benchmark(main, __file__))

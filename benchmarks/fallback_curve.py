@@ -16,7 +16,7 @@ For each model (PP-OCRv4 detector, ResNet-50 open_nsfw) this
    computes the same up to float32 rounding in the fp32 layers; ``--realize`` checks the
    pipeline's realized module).
 
-Run:  /work/venv/bin/python benchmarks/fallback_curve.py [--models ppocr_det,resnet50]
+Run:  python benchmarks/fallback_curve.py [--models ppocr_det,resnet50]
       [--calib 8] [--eval 8] [--det-size 320] [--max-k 10] [--min-sqnr 30] [--realize]
 Numbers only: nothing here asserts a timing.
 """
@@ -62,6 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--realize", action="store_true", help="also realize the chosen point")
     p.add_argument("--opt0", action="store_true", help="compile at LLVM opt-level 0")
     p.add_argument("--json", type=Path, default=None, help="write the raw results here")
+    common.add_page_option(p)
     args = p.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     for m in args.models:
@@ -221,4 +222,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     np.set_printoptions(precision=4)
-    main()
+    raise SystemExit(common.run_benchmark(main, __file__))

@@ -18,7 +18,7 @@ difference in LSB of the output scale (PT2E X86 models have a float output: the 
 is then shown in units of the classifier's input scale x max row sum of |W|, what one LSB of
 every classifier input can move an output by). Numbers only.
 
-Run: .venv/bin/python benchmarks/import_pt2e_tflite.py [--repeats 20] [--eval 8]
+Run: python benchmarks/import_pt2e_tflite.py [--repeats 20] [--eval 8]
 Needs torch, torchao, scikit-image (PT2E rows), tflite and ai-edge-litert (TFLite rows).
 """
 
@@ -31,10 +31,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import median_ms
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def _vm(mod):
@@ -83,12 +86,12 @@ def pt2e_row(name: str, kind: str, size: int, n_eval: int, repeats: int) -> dict
         equal = None  # a float output: only the bound is meaningful
     xt = tvm.runtime.tensor(test[:1])
     with torch.no_grad():
-        src_ms = median_ms(lambda: gm(x0), repeats)
+        src_ms = common.median_ms(lambda: gm(x0), repeats)
     return {
         "model": f"PT2E {name} {kind} {size}x{size}",
         "layers": f"{len(report.layers)} int / {len(report.fallback)} fp32",
         "import_s": import_s,
-        "tvm_ms": median_ms(lambda: vm["main"](xt), repeats),
+        "tvm_ms": common.median_ms(lambda: vm["main"](xt), repeats),
         "source": "torch eager",
         "source_ms": src_ms,
         "equal": equal,
@@ -115,7 +118,7 @@ def tflite_row(name: str, repeats: int) -> list[dict]:
     vm = _vm(mod)
     got = np.concatenate([vm["main"](tvm.runtime.tensor(x[None])).numpy() for x in xs])
     xt = tvm.runtime.tensor(xs[:1])
-    tvm_ms = median_ms(lambda: vm["main"](xt), repeats)
+    tvm_ms = common.median_ms(lambda: vm["main"](xt), repeats)
     rows = []
     for label, resolver in (
         ("LiteRT ref", OpResolverType.BUILTIN_REF),
@@ -141,7 +144,7 @@ def tflite_row(name: str, repeats: int) -> list[dict]:
                 "import_s": import_s,
                 "tvm_ms": tvm_ms,
                 "source": label,
-                "source_ms": median_ms(it.invoke, repeats),
+                "source_ms": common.median_ms(it.invoke, repeats),
                 "equal": equal,
                 "max_lsb": worst,
             }
@@ -158,6 +161,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--eval", type=int, default=8, help="held-out images per PT2E model")
     ap.add_argument("--size", type=int, default=64, help="PT2E input height/width")
+    common.add_page_option(ap)
     args = ap.parse_args(argv)
     os.environ.setdefault("TVM_NUM_THREADS", "1")  # one thread everywhere (shared machines)
     import torch
@@ -165,23 +169,24 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(1)
 
-    print(f"CPU: {tvm.target.codegen.llvm_get_system_cpu()}, TVM untuned, 1 sample")
+    print(f"LLVM cpu: {tvm.target.codegen.llvm_get_system_cpu()}, TVM untuned, 1 sample, 1 thread")
     rows = []
     for name in ("resnet", "mobilenet"):
         for kind in ("x86", "xnnpack"):
             rows.append(pt2e_row(name, kind, args.size, args.eval, args.repeats))
     for name in ("one_conv", "tiny_cnn"):
         rows += tflite_row(name, args.repeats)
-    print(
-        "| model | layers | import s | TVM ms | source runtime | source ms | outputs equal | max diff (LSB) |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(
-            f"| {r['model']} | {r['layers']} | {r['import_s']:.2f} | {r['tvm_ms']:.2f} | "
-            f"{r['source']} | {r['source_ms']:.2f} | {_pct(r['equal'])} | {r['max_lsb']:.2f} |"
-        )
+    heads = ["model", "layers", "import s", "TVM ms", "source runtime", "source ms"]
+    heads += ["TVM vs source", "outputs equal", "max diff (LSB)"]
+    cells = [
+        [r["model"], r["layers"], f"{r['import_s']:.2f}", f"{r['tvm_ms']:.2f}", r["source"],
+         f"{r['source_ms']:.2f}", f"{r['tvm_ms'] / r['source_ms']:.2f}x", _pct(r["equal"]),
+         f"{r['max_lsb']:.2f}"]
+        for r in rows
+    ]  # fmt: skip
+    print()
+    print(common.markdown_table(heads, cells, align="llrrlrrrr"))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(common.run_benchmark(main, __file__))

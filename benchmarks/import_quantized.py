@@ -28,7 +28,7 @@ Runtime int8, plus the number of output elements that differ and by how many ste
 output's quantization scale. Latency: median of ``--repeats`` runs of one sample. Numbers
 only; nothing here asserts a timing.
 
-Run: /work/venv/bin/python benchmarks/import_quantized.py [--calib 32] [--eval 32]
+Run: python benchmarks/import_quantized.py [--calib 32] [--eval 32]
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ HEADERS = [
     "top-1 vs fp32",
     "ms 2T",
     "ms 1T",
+    "1T vs ORT opt on",
 ]
+PEER = "ORT int8, graph opt on"  # the ratio column's denominator (ORT's fused int8 kernels)
 
 
 def parse_args(argv=None):
@@ -76,6 +78,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--keep", type=Path, default=None, help="also save the QDQ files in this dir")
     p.add_argument("--json", type=Path, default=None, help="also write the raw results here")
+    common.add_page_option(p)
     return p.parse_args(argv)
 
 
@@ -252,6 +255,7 @@ def main(argv=None) -> int:
     ref_fp32 = common.ort_outputs(common.ort_session(info.path, 2, False), evalset)
     raw = {"args": {k: str(v) for k, v in vars(args).items()}, "notes": list(info.notes)}
     rows, details = [], []
+    ms1 = []  # ms at 1 thread of each row (the ratio column)
 
     def bench(label: str, fp32_path: Path, tmp: Path) -> None:
         qpath = tmp / f"{label.replace(' ', '_')}.qdq.onnx"
@@ -269,9 +273,10 @@ def main(argv=None) -> int:
             lat = {
                 t: common.ort_latency_ms(qpath, evalset[0], t, opt, args.repeats) for t in (2, 1)
             }
-            name = "ORT int8, graph opt on" if opt else "ORT int8 (QDQ as written: reference)"
+            name = PEER if opt else "ORT int8 (QDQ as written: reference)"
             cmp = _compare(outs, ref_off, ref_fp32, lsb, on_outs)
             rows.append([label, *_row(name, cmp=cmp, lat=lat)])
+            ms1.append(lat.get(1))
 
         t0 = time.perf_counter()
         mod, qparams, report = autoq.import_quantized(qpath)
@@ -288,6 +293,7 @@ def main(argv=None) -> int:
         cmp = _compare(outs, ref_off, ref_fp32, lsb, on_outs)
         lat = runner.latency(evalset[0], args.repeats)
         rows.append([label, *_row("autoq.import_quantized", import_s, runner.compile_s, cmp, lat)])
+        ms1.append(lat.get(1))
         float_ops = sorted(set(report.float_ops.values()))
         details.append(
             f"- {label}: quantize_static {q['calib_s']:.1f} s; output LSB {lsb:.3g}; import "
@@ -327,6 +333,7 @@ def main(argv=None) -> int:
         cmp = _compare(outs, ref_off, ref_fp32, lsb, on_outs)
         lat = runner.latency(evalset[0], args.repeats)
         rows.append([label, *_row("TVM stock QDQ import", stock_s, runner.compile_s, cmp, lat)])
+        ms1.append(lat.get(1))
         log(f"{label}: TVM stock QDQ done")
 
     with tempfile.TemporaryDirectory(prefix="autoq-import-") as tmp:
@@ -349,6 +356,7 @@ def main(argv=None) -> int:
         row = _row("TVM fp32 (from_onnx of the fp32 model)", fp32_s, runner.compile_s, None, lat)
         row[8] = f"{f['agree'] * 100:.1f}%"
         rows.append(["fp32", *row])
+        ms1.append(lat.get(1))
         log("TVM fp32 done")
 
     print("## ResNet-50 (open_nsfw) quantized by ONNX Runtime, imported by autoq\n")
@@ -367,7 +375,12 @@ def main(argv=None) -> int:
         print(f"- {note}")
     print("\n".join(details))
     print()
-    print(common.markdown_table(["model", *HEADERS], rows, align="llrrrrrrrrrr"))
+    peer = {r[0]: t for r, t in zip(rows, ms1, strict=True) if r[1] == PEER}
+    first = next(iter(peer.values()), None)  # the fp32 row: against the first variant's
+    for r, t in zip(rows, ms1, strict=True):
+        ref = peer.get(r[0], first)
+        r.append(f"{t / ref:.2f}x" if t and ref else "")
+    print(common.markdown_table(["model", *HEADERS], rows, align="llrrrrrrrrrrr"))
     print(f"\ntotal run time: {time.perf_counter() - t_start:.0f} s")
     if args.json:
         raw["rows"] = [dict(zip(["model", *HEADERS], r, strict=True)) for r in rows]
@@ -376,4 +389,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(common.run_benchmark(main, __file__))

@@ -13,7 +13,7 @@ Rows (median latency in ms, 1 thread and 2 threads, measured in this run):
 * single ops: conv 3x3 256->256 14x14 (autoq ``qnn.conv2d`` vs ORT ``QLinearConv`` u8s8) and
   GEMM 196x2304x256 (autoq ``qnn.dense`` vs ORT ``MatMulInteger`` u8s8).
 
-Run:  .venv/bin/python benchmarks/int8_kernels.py [--calib 16] [--repeats 20] [--skip-model]
+Run:  python benchmarks/int8_kernels.py [--calib 16] [--repeats 20] [--skip-model]
       [--models resnet50,ppocr_det,minilm] [--blocked] [--avx2]
 Numbers only: nothing here asserts a timing.
 """
@@ -367,6 +367,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--models", default="resnet50", help=f"comma-separated, of {','.join(common.MODEL_NAMES)}"
     )
+    common.add_page_option(p)
     args = p.parse_args(argv)
 
     def log(msg):
@@ -395,4 +396,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(common.run_benchmark(main, __file__))

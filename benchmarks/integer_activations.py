@@ -88,6 +88,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     ap.add_argument("--calib", type=int, default=16)
     ap.add_argument("--eval", type=int, default=16)
+    common.add_page_option(ap)
     args = ap.parse_args(argv)
     import autoq
 
@@ -117,4 +118,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(common.run_benchmark(main, __file__))

@@ -15,22 +15,30 @@ Numbers only.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
-import tvm
-from tvm import relax
 
-import autoq
-from autoq import primitives as P
-from autoq.calibration import samples_for
-from autoq.cli.demo import MODEL_FILE, calibration_images, load_digits
-from autoq.fallback.fidelity import compare
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--eval", type=int, default=64)
-    args = ap.parse_args()
+    common.add_page_option(ap)
+    args = ap.parse_args(argv)
+    import tvm
+    from tvm import relax
+
+    import autoq
+    from autoq import primitives as P
+    from autoq.calibration import samples_for
+    from autoq.cli.demo import MODEL_FILE, calibration_images, load_digits
+    from autoq.fallback.fidelity import compare
+
     target = autoq.default_target()
     digits = load_digits()
     mod, params = autoq.from_onnx(MODEL_FILE)
@@ -39,9 +47,8 @@ def main() -> None:
     qp = autoq.calibrate(sim, params, calibration_images(100, digits), base, target=target)
     xs = [x[None] for x in digits.test_x[: args.eval]]
     labels = digits.test_labels[: args.eval]
-    print(f"digits CNN, {len(xs)} test images, CPU {target.attrs.get('mcpu', '')}\n")
-    print("| rounding | slot integers | differing from simulation | max LSB | accuracy |")
-    print("| --- | --- | --- | --- | --- |")
+    print(f"digits CNN, {len(xs)} test images, LLVM cpu {target.attrs.get('mcpu', '')}\n")
+    rows = []
     for mode in P.ROUNDING_MODES:
         real = autoq.realize(mod, params, qp, base.replace(rounding=mode))
         rep = compare(sim, real, qp, samples_for(xs, sim.graph.inputs), target=target)
@@ -50,8 +57,10 @@ def main() -> None:
         pred = [int(np.argmax(vm["main"](tvm.runtime.tensor(x)).numpy())) for x in xs]
         acc = float(np.mean(np.asarray(pred) == labels))
         lsb = max(rep.max_lsb.values(), default=0)
-        print(f"| {mode} | {n} | {d} ({100 * d / max(n, 1):.3f}%) | {lsb} | {acc:.3f} |")
+        rows.append([mode, n, f"{d} ({100 * d / max(n, 1):.3f}%)", lsb, f"{acc:.3f}"])
+    heads = ["rounding", "slot integers", "differing from simulation", "max LSB", "accuracy"]
+    print(common.markdown_table(heads, rows, align="lrrrr"))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(common.run_benchmark(main, __file__))

@@ -1,4 +1,5 @@
-"""Static int8 all-MiniLM-L6-v2 with automatic int16 escalation of sensitive tensors.
+"""all-MiniLM-L6-v2 (static int8, int16 escalation, the static + dynamic hybrid and the
+transformer recipe) against ONNX Runtime, in one run.
 
 Rows (fidelity against ONNX Runtime fp32 with graph optimizations off, on held-out pydoc
 sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime.py):
@@ -8,64 +9,37 @@ sentences; the same prepared ONNX model and samples as benchmarks/vs_onnxruntime
 * autoq static, every layer int8 (``check_scales=False``);
 * autoq ``AutoFallback(precision="int16_tensors", max_int16_fraction=F)`` (every layer
   quantized; the search of :mod:`autoq.fallback.escalation` picks the int16 tensors, with
-  ``holdout`` held-out calibration sentences), for each ``--fractions``;
-* with ``--smooth a,b``: the all-int8 and escalation rows again with ``Config(smooth_quant=a)``
-  (SmoothQuant, :mod:`autoq.accuracy.smooth_quant`);
-* with ``--recalibrate``: every escalation row again with ``AutoFallback(recalibrate=True)``;
-* with ``--token-mask attention_mask``: every static row again with ``Config(token_mask=...)``
-  (statistics over real tokens only, :mod:`autoq.token_mask`);
+  ``holdout`` held-out calibration sentences), for each ``--fractions`` and each
+  ``--rounding`` (weight rounding); ``--search eliminate``: ``AutoFallback.search``;
+* the transformer recipe (every dense layer dynamic per token, the rest static int8,
+  SmoothQuant 0.5, ``rounding="half_even"``, residual stream and GELU lookups per channel);
+* with ``--smooth a,b``: the all-int8 and escalation rows again with ``Config(smooth_quant=a)``;
 * autoq dynamic per token (no data), for reference;
 * with ``--hybrid``: the static + dynamic hybrid (:mod:`autoq.rules.hybrid`): every dense layer
   (``--dense-rule``) quantizes its input per token at run time, the attention matmuls and
   every other layer static int8 (row "rest static"), the same with only the attention
   matmuls static and the other non-MatMul layers fp32 (row "attention static"), and the
-  first with the int16 escalation (<= each ``--fractions``);
-* with ``--hybrid --hybrid-int16 RULE`` (layer ids) and/or ``--int16-slots a,b,...`` (slot
-  ids): the hybrid with those layers' tensors / those tensors int16 (all integer: no fp32
-  layer; ``--int16-headroom``: the layers' int16 ranges widened like the escalation's), the
-  rest static int8, alone and with the escalation (its budget counts them); with
-  ``--hybrid-fp32`` too, the fp32 escalation row in the same run;
-* ``--rounding-mode m``: ``Config.rounding`` of every hybrid row (``half_even``: the
-  elementwise ops and requantizes integer-only instead of float inside their kernels);
-* ``--dynamic-gptq``: the hybrid rows with ``Config.dynamic_gptq`` (the dynamic dense
-  layers' weights rounded by GPTQ on their fp32 inputs, :mod:`autoq.dynamic_gptq`);
-* ``--residual-int16-per-channel``: with it, ``Config.residual_int16_per_channel`` (the
-  escalation's residual-stream picks int16 per channel);
-* ``--residual-per-channel``: the hybrid rows with ``Config.residual_per_channel`` (the
-  residual stream's slots per channel on the hidden axis, :mod:`autoq.rules.residual_channels`);
-  the per-channel slot count is logged; ``--max-calibrator RULE``: the hybrid's layers
-  ``RULE`` names calibrated by min / max instead of the default MSE search;
-* ``--lut-per-channel``: the hybrid rows with ``Config.lut_input_per_channel`` (the GELU
-  lookups' inputs and outputs per channel on the last axis); ``--channel-headroom k``:
-  ``autoq.rules.residual_channels.HEADROOM`` (each last-axis channel's calibrated range times k);
-* ``--trial-samples n``: ``AutoFallback(trial_samples=n)`` for the escalation rows;
-* ``--swap-rounds n``: ``AutoFallback(swap_rounds=n)`` for the escalation rows (swap
-  refinement of the chosen tensors, :mod:`autoq.escalation_swaps`);
-* ``--search eliminate``: ``AutoFallback(search="eliminate")`` for the escalation rows
-  (backward elimination from every tensor int16, :mod:`autoq.fallback.escalation_elimination`);
-* with ``--alphas a,b,...``: the all-int8 and escalation rows again with
-  ``Config(smooth_quant_alphas=(a, b, ...))`` (SmoothQuant's alpha searched per LayerNorm,
-  :mod:`autoq.smooth_alpha`; the chosen alphas are logged);
+  first with the int16 escalation (<= each ``--fractions``); options of the hybrid rows:
+  ``--hybrid-smooth``, ``--rounding-mode`` (``Config.rounding``), ``--residual-per-channel``,
+  ``--lut-per-channel``, ``--max-calibrator RULE`` (those layers calibrated by min / max),
+  ``--hybrid-int16 RULE`` / ``--int16-slots a,b`` (those layers' / tensors int16, alone and
+  with the escalation; ``--int16-headroom``: ranges widened like the escalation's),
+  ``--hybrid-fp32 PATTERN`` (a ``Fallback`` pattern row);
 * with ``--second n``: every row also on ``n`` other sentences of the calibration topic pool
   (``common.second_sentence_set``: disjoint from the calibration and evaluation sentences),
-  columns "NN@1 2nd" / "cos 2nd";
-* ``--second-from k``: the second set starts at position ``k`` of the pool's permutation
-  (``--second 64 --second-from 64``: a third set, disjoint from the default second one);
+  columns "NN@1 2nd" / "cos 2nd"; ``--second-from k``: that set starts at position ``k`` of
+  the pool's permutation (``--second 64 --second-from 64``: a third set);
 * ``--more-calib n``: ``n`` more calibration-pool sentences (after every evaluation set)
-  inserted before the held-out ones, so the search's trial and held-out sentences stay the
-  same while the ranges and GPTQ see more data;
-* with ``--margins``: after each row, its NN@1 failures with their fp32 margins, NN@1 with the
-  row's error scaled down, and what an isotropic error of the same size predicts
-  (:mod:`nn_margins`: how much of a row's NN@1 is the eval set's near-ties);
+  inserted before the held-out ones;
 * ONNX Runtime ``quantize_static`` (QDQ, minmax, per-channel weights, MatMul/Gemm only: what
   keeps it usable on this model, see vs_onnxruntime.md) and ``quantize_dynamic``
   (per-channel), in the same run.
 
 Columns: NN@1 (nearest-neighbour agreement within the eval set), cosine mean/min, the
 activation tensors in int16 (count / all activation tensors), layers left in fp32, the
-quantize wall time (machine shared: load average printed).
+quantize wall time (load average printed).
 
-Run:  HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/transformer_int16.py [--calib 16 --eval 64]
+Run:  python benchmarks/transformer_int16.py [--calib 16 --eval 64] [--second 64]
 """
 
 from __future__ import annotations
@@ -83,7 +57,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import common
 import dynamic_quantization
-import nn_margins
 
 HEADERS = ["runtime", "NN@1", "cos mean", "cos min", "int16 tensors", "fp32 layers", "quantize s"]
 SECOND = ["NN@1 2nd", "cos 2nd"]
@@ -108,8 +81,6 @@ def autoq_row(info, config, calib, evalset, label, log, second=()) -> dict:
         log(f"    {len(dyn)} dynamic layers, {len(static)} static integer layers: {static}")
     if res.decision is not None:
         log("    " + res.decision.summary().replace("\n", "\n    "))
-    if config.smooth_quant_alphas:
-        log(f"    SmoothQuant alphas chosen: {res.smooth_alphas}")
     return {
         "label": label,
         "outputs": outs,
@@ -140,8 +111,7 @@ def escalation(args, fraction: float):
 
     return AutoFallback(
         precision="int16_tensors", max_int16_fraction=fraction, holdout=args.holdout,
-        min_sqnr=args.min_sqnr, trial_samples=args.trial_samples, swap_rounds=args.swap_rounds,
-        search=args.search,
+        min_sqnr=args.min_sqnr, search=args.search,
     )  # fmt: skip
 
 
@@ -166,31 +136,25 @@ def configs(args):
             cfg = Config(progress=False, check_scales=False, fallback=fb, smooth_quant=alpha,
                          weight_rounding=args.rounding[0])  # fmt: skip
             rows.append((f"autoq int16 escalation (<= {f:.0%}), {args.rounding[0]}, {sq}", cfg))
-    rows += alpha_rows(args)
-    rows += variants(args, rows)
+    rows.append(("autoq transformer recipe", transformer_recipe()))
     rows += hybrid_rows(args)
     dyn = Config(activation=QuantSpec(dynamic=True, granularity="token"), progress=False)
     rows.append(("autoq dynamic (token), no data", dyn))
     return rows
 
 
-def alpha_rows(args) -> list:
-    """``--alphas``: the all-int8 and escalation rows with SmoothQuant's alpha searched per
-    LayerNorm (``Config.smooth_quant_alphas``)."""
-    from autoq import Config
+def transformer_recipe():
+    """The transformer recipe of autoq 0.2 (``Config(recipe="transformer")``) spelled out:
+    every dense layer dynamic per token, the rest static int8, SmoothQuant 0.5,
+    ``rounding="half_even"``, ``check_scales`` off, residual stream and GELU lookups per
+    channel."""
+    from autoq import Config, Override, QuantSpec
 
-    if not args.alphas:
-        return []
-    grid = tuple(args.alphas)
-    tag = f"per-LN alpha {','.join(f'{a:g}' for a in grid)}"
-    rows = [(f"autoq static, all layers int8, {tag}",
-             Config(progress=False, check_scales=False, smooth_quant_alphas=grid))]  # fmt: skip
-    for f in args.fractions:
-        fb = escalation(args, f)
-        cfg = Config(progress=False, check_scales=False, fallback=fb, smooth_quant_alphas=grid,
-                     weight_rounding=args.rounding[0])  # fmt: skip
-        rows.append((f"autoq int16 escalation (<= {f:.0%}), {args.rounding[0]}, {tag}", cfg))
-    return rows
+    dense = Override("pattern:dense*", activation=QuantSpec(dynamic=True, granularity="token"))
+    return Config(
+        progress=False, overrides=(dense,), smooth_quant=0.5, rounding="half_even",
+        check_scales=False, residual_per_channel=True, lut_input_per_channel=True,
+    )  # fmt: skip
 
 
 #: the pattern names of MiniLM's layers that are no MatMul (kept fp32 in the "attention
@@ -213,16 +177,12 @@ def hybrid_rows(args) -> list:
     rows = []
     for alpha in args.hybrid_smooth:
         base = Config(progress=False, check_scales=False, overrides=dyn, smooth_quant=alpha,
-                      dynamic_gptq=args.dynamic_gptq, rounding=args.rounding_mode,
+                      rounding=args.rounding_mode,
                       residual_per_channel=args.residual_per_channel,
-                      residual_int16_per_channel=args.residual_int16_per_channel,
                       lut_input_per_channel=args.lut_per_channel)  # fmt: skip
         name = "autoq hybrid: dense dynamic (token), " + ("" if alpha == 0.5 else f"SQ {alpha}, ")
-        name += "GPTQ, " if args.dynamic_gptq else ""
         name += "residual per channel, " if args.residual_per_channel else ""
         name += "GELU per channel, " if args.lut_per_channel else ""
-        name += f"headroom {args.channel_headroom:g}, " if args.channel_headroom else ""
-        name += "int16 per channel, " if args.residual_int16_per_channel else ""
         name += f"max calibrator: {args.max_calibrator}, " if args.max_calibrator else ""
         name += f"rounding {args.rounding_mode}, " if args.rounding_mode != "float" else ""
         rows += [
@@ -284,23 +244,6 @@ def int16_range(batch) -> tuple[float, float]:
     return min(lo, 0.0) * INT16_HEADROOM, max(hi, 0.0) * INT16_HEADROOM
 
 
-def variants(args, rows) -> list:
-    """Extra rows: each static row with ``Config.token_mask`` (``--token-mask``), each
-    escalation row with ``AutoFallback(recalibrate=True)`` (``--recalibrate``)."""
-    from dataclasses import replace
-
-    from autoq import TokenMask
-
-    extra = []
-    if args.recalibrate:
-        extra += [(f"{label}, recalibrated", c.replace(fallback=replace(c.fallback, recalibrate=True)))
-                  for label, c in rows if "escalation" in label]  # fmt: skip
-    if args.token_mask:  # statistics over real tokens only (autoq.token_mask)
-        mask = TokenMask(args.token_mask)
-        extra += [(f"{label}, token mask", c.replace(token_mask=mask)) for label, c in rows]
-    return extra
-
-
 def with_more_calibration(info, calib, args, log) -> list:
     """``calib`` with ``--more-calib`` sentences inserted before its last ``--holdout``
     (the search's held-out sentences; its trial sentences are the first ones). They come
@@ -337,24 +280,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--smooth", default="", help="SmoothQuant alphas for extra rows (comma-separated)"
     )
-    p.add_argument(
-        "--token-mask",
-        default="",
-        help="Config.token_mask input for the static rows (e.g. attention_mask)",
-    )
-    p.add_argument(
-        "--recalibrate", action="store_true", help="AutoFallback(recalibrate=True) escalation rows"
-    )
-    p.add_argument(
-        "--margins", action="store_true", help="NN@1 margin analysis per row (nn_margins.py)"
-    )
-    p.add_argument(
-        "--trial-samples", type=int, default=4, help="AutoFallback.trial_samples (0: all)"
-    )
-    p.add_argument("--alphas", default="", help="smooth_quant_alphas grid for extra rows")
     p.add_argument("--second", type=int, default=0, help="second evaluation set (sentences)")
     p.add_argument("--second-from", type=int, default=0, help="its start (disjoint sets)")
-    p.add_argument("--swap-rounds", type=int, default=0, help="AutoFallback.swap_rounds")
     p.add_argument("--search", default="greedy", help="AutoFallback.search (greedy, eliminate)")
     p.add_argument("--hybrid", action="store_true", help="static + dynamic hybrid rows")
     p.add_argument(
@@ -365,27 +292,20 @@ def parse_args(argv=None):
     p.add_argument("--hybrid-int16", default="", help="hybrid rows with these layers int16")
     p.add_argument("--int16-slots", default="", help="hybrid rows with these tensors int16")
     p.add_argument("--rounding-mode", default="float", help="Config.rounding (hybrid rows)")
-    p.add_argument("--dynamic-gptq", action="store_true", help="Config.dynamic_gptq (hybrid)")
     p.add_argument(
         "--residual-per-channel", action="store_true", help="Config.residual_per_channel (hybrid)"
     )
-    p.add_argument(
-        "--residual-int16-per-channel", action="store_true",
-        help="Config.residual_int16_per_channel (with --residual-per-channel)",
-    )  # fmt: skip
     p.add_argument("--max-calibrator", default="", help="hybrid: these layers calibrated by max")
     p.add_argument("--lut-per-channel", action="store_true", help="Config.lut_input_per_channel")
-    p.add_argument("--channel-headroom", type=float, default=None, help="channels' HEADROOM")
     p.add_argument("--int16-headroom", action="store_true", help="--hybrid-int16 range x4")
     p.add_argument("--more-calib", type=int, default=0, help="calibration sentences added")
     p.add_argument("--min-sqnr", type=float, default=40.0, help="search stops above (dB)")
     p.add_argument("--skip", default="", help="row labels to skip (substrings, comma-separated)")
     p.add_argument("--only", default="autoq", help="run only rows containing one of these")
-    p.add_argument("--out", default="", help="write the table to this markdown file too")
+    common.add_page_option(p)
     args = p.parse_args(argv)
     args.fractions = [float(v) for v in args.fractions.split(",") if v.strip()]
     args.smooth = [float(v) for v in args.smooth.split(",") if v.strip()]
-    args.alphas = [float(v) for v in args.alphas.split(",") if v.strip()]
     args.rounding = [v for v in args.rounding.split(",") if v.strip()]
     args.hybrid_smooth = [None if v == "none" else float(v) for v in args.hybrid_smooth.split(",")]
     args.int16_slots = [v for v in args.int16_slots.split(",") if v]
@@ -396,15 +316,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    lines: list[str] = []
-    from autoq.rules import residual_channels
-
-    if args.channel_headroom is not None:
-        residual_channels.HEADROOM = args.channel_headroom
 
     def log(msg):
         print(msg, flush=True)
-        lines.append(msg)
 
     info, calib, evalset, ref = common.embedding_setup("minilm", args.calib, args.eval, log)
     second, ref2 = [], []
@@ -426,19 +340,12 @@ def main(argv=None) -> int:
         if second:
             f2 = common.fidelity("embedding", ref2, rows[-1]["outputs2"])
             log(f"    second set: NN@1 {f2['agree']:.1%}, cos {f2['cos']:.5f}")
-        if args.margins:
-            for line in nn_margins.summary(ref, rows[-1]["outputs"]):
-                log(line)
     if not any("ORT" in s for s in args.skip):
         rows += ort_rows(info, list(calib), evalset, log)
     log(common.markdown_table(HEADERS + (SECOND if second else []), table_rows(rows, ref, ref2)))
     log(f"load average at end: {os.getloadavg()}")
-    if args.out:
-        from autoq.json_document import write_atomic
-
-        write_atomic(args.out, "\n".join(lines) + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(common.run_benchmark(main, __file__))

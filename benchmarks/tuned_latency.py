@@ -17,7 +17,7 @@ Steps, on one model (ResNet-50 open_nsfw by default):
    minimum of ``--profile-runs`` runs per kernel): where the time goes, split into autoq's
    packed kernels (``autoq_*``, not tuning tasks) and the rest.
 
-Run:  .venv/bin/python benchmarks/tuned_latency.py [--model resnet50|minilm|ppocr_det] [--trials 256]
+Run:  python benchmarks/tuned_latency.py [--model resnet50|minilm|ppocr_det] [--trials 256]
       [--trials-per-task N] [--database DIR] [--calib 16] [--repeats 30]
 Numbers only: nothing here asserts a timing.
 """
@@ -160,10 +160,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=30, help="interleaved rounds per thread count")
     p.add_argument("--profile-runs", type=int, default=5)
     p.add_argument("--top", type=int, default=15, help="kernels listed in the profile")
+    common.add_page_option(p)
     args = p.parse_args(argv)
     run(args, lambda m: print(m, file=sys.stderr, flush=True))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(common.run_benchmark(main, __file__))

@@ -13,7 +13,7 @@ one markdown table row per runtime configuration:
   (default) and percentile calibrators in topological calibration and KL on fp32
   statistics), compiled by TVM, untuned.
 
-Run:  /work/venv/bin/python benchmarks/vs_onnxruntime.py [--quick] [--models a,b] ...
+Run:  python benchmarks/vs_onnxruntime.py [--quick] [--models a,b] ...
 Numbers only: nothing here asserts a timing.
 """
 
@@ -211,6 +211,7 @@ def parse_args(argv=None):
         "untuned TVM takes 1-3 s per sample",
     )
     p.add_argument("--json", type=Path, default=None, help="also write the raw results here")
+    common.add_page_option(p)
     args = p.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     for m in args.models:
@@ -413,6 +414,39 @@ def bench_model(name: str, args, log) -> tuple[list[list[str]], dict]:
     return rows, raw
 
 
+def peer_ratios(raws: list[dict]) -> list[list[str]]:
+    """autoq's rows against ONNX Runtime int8 of the same run, per model: latency at 1 and 2
+    threads / the fastest ORT int8 row (graph optimizations on, any calibration method);
+    calibration time and peak RSS / ORT ``quantize_static`` MinMax (else the first ORT int8
+    row that completed)."""
+
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if a and b else ""
+
+    out = []
+    for raw in raws:
+        rows = [r for r in raw["rows"] if "error" not in r and "todo" not in r]
+        ort = [r for r in rows if r["runtime"].startswith("ORT int8")]
+        fast = [r for r in ort if r["opt"] == "on"]
+        best1 = min((r["ms_1t"] for r in fast if r["ms_1t"]), default=None)
+        best2 = min((r["ms_2t"] for r in fast if r["ms_2t"]), default=None)
+        cal = next((r for r in ort if r["runtime"] == "ORT int8 minmax"), ort[0] if ort else None)
+        for r in rows:
+            if not r["runtime"].startswith("autoq"):
+                continue
+            out.append(
+                [
+                    common.MODEL_TITLES[raw["model"]],
+                    r["runtime"],
+                    ratio(r["ms_1t"], best1),
+                    ratio(r["ms_2t"], best2),
+                    ratio(r["calib_s"], cal and cal["calib_s"]),
+                    ratio(r["peak_rss_mb"], cal and cal["peak_rss_mb"]),
+                ]
+            )
+    return out
+
+
 def main(argv=None) -> int:
     common.use_all_cores()  # the 2-thread rows really run 2 TVM threads
     args = parse_args(argv)
@@ -467,6 +501,18 @@ def main(argv=None) -> int:
         "intra-op threads. speed: ORT fp32 ms (same graph opt; opt on for TVM/autoq) / "
         "row ms, both at 1 thread."
     )
+    ratios = peer_ratios(raws)
+    if ratios:
+        print("\n### autoq against ONNX Runtime int8, same run\n")
+        heads = ["model", "autoq row", "ms 1T vs fastest ORT int8", "ms 2T vs fastest ORT int8"]
+        heads += ["calib s vs ORT MinMax", "peak RSS vs ORT MinMax"]
+        print(common.markdown_table(heads, ratios, align="llrrrr"))
+        print(
+            "\nBelow 1.00x: autoq faster / smaller. Fastest ORT int8: the quickest ORT int8 row "
+            "with graph optimizations on at that thread count; calibration: autoq.calibrate "
+            "alone vs quantize_static (calibration + QDQ rewrite); peak RSS of each "
+            "calibration process (autoq's includes import, compile and export)."
+        )
     total = time.perf_counter() - t_start
     print(f"\ntotal run time: {total:.0f} s")
     if args.json:
@@ -477,4 +523,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(common.run_benchmark(main, __file__))

@@ -28,6 +28,7 @@ from typing import Any
 from tvm import relax
 
 from autoq.config import Config
+from autoq.config.recipe_table import RECIPES
 from autoq.ir.graph import Graph
 from autoq.ir.matching import as_matched, closest
 from autoq.ir.registry import Match
@@ -47,10 +48,14 @@ from autoq.simulation.result import SimResult
 
 
 def validate_overrides(config: Config, matches: list[Match]) -> None:
-    """Every override must match one of the (quantized) ``matches``: else an error naming
-    the closest layer ids."""
+    """Every override the user wrote must match one of the (quantized) ``matches``: else an
+    error naming the closest layer ids (a recipe's own overrides may match nothing: a
+    transformer without dense layers)."""
     layers = [m.layer for m in matches]
+    own = RECIPES[config.recipe].overrides if config.recipe in RECIPES else ()
     for o in config.overrides:
+        if o in own:
+            continue
         rule = compile_layer_rule(o.match)
         if any(rule(m.layer, m.pattern.name) for m in matches):
             continue
