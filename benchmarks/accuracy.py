@@ -50,6 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
+from autoq.config import BiasCorrection
+
 INPUT = "input"
 SHAPE = (1, 3, 224, 224)
 
@@ -311,36 +313,31 @@ def _int16(per_channel: bool):
 def baseline_configs() -> dict[str, tuple[object, str]]:
     """Row name -> (autoq.Config, what it isolates)."""
     import autoq
-    from autoq.calibrators.percentile import Percentile
 
-    base = autoq.Config(progress=False)
+    base = autoq.Config(recipe="cnn")  # the techniques below are isolated on the cnn recipe
     plain = base.replace(weight_rounding="nearest")
     return {
-        "default": (base, "autoq's defaults"),
+        "default": (autoq.Config(), "autoq's default (the recipe the model's structure picks)"),
+        "cnn": (base, "the cnn recipe (the default before recipes)"),
         "nearest": (plain, "w int8 per-channel max, nearest; a int8 mse, topological"),
         "gptq": (plain.replace(weight_rounding="gptq"), "+ GPTQ weight rounding"),
         "empirical_bc": (
-            plain.replace(empirical_bias_correction=True),
+            plain.replace(bias_correction=BiasCorrection()),
             "+ empirical bias correction (mean output matched to fp32)",
         ),
         "default+ebc": (
-            base.replace(empirical_bias_correction=True),
+            base.replace(bias_correction=BiasCorrection()),
             "defaults + empirical bias correction",
         ),
         # the last 8 calibration samples held out: each layer's correction kept only if it
         # lowers the layer's (post-activation) output error on them (autoq.accuracy.bias_gate)
         "default+ebc_gated": (
-            base.replace(empirical_bias_correction=True, bias_correction_holdout=8),
+            base.replace(bias_correction=BiasCorrection(holdout=8)),
             "defaults + empirical bias correction, held-out gate (8 of the samples)",
         ),
         # the depthwise_cnn recipe (PP-OCRv4 det's p_lut_pcdw, benchmarks/ppocr_budget.py)
         "depthwise_cnn": (
-            base.replace(
-                activation=autoq.QuantSpec(calibrator=Percentile(percentile=99.99)),
-                lut_input_ranges=True,
-                lut_input_per_channel=True,
-                depthwise_input_per_channel=True,
-            ),
+            autoq.Config(recipe="depthwise_cnn"),
             "the depthwise_cnn recipe: percentile 99.99, lookup-input cuts, lookup and "
             "depthwise inputs per channel, no bias correction",
         ),

@@ -111,7 +111,7 @@ def bench(name: str, args, log) -> None:
     info, samples, sample = _model(name, args.calib)
     target = tvm.target.Target(int8_kernels.AVX2_TARGET) if args.avx2 else autoq.default_target()
     mod, params = autoq.from_onnx(info.path, input_shapes=dict(info.input_shapes))
-    qmod = autoq.quantize(mod, params, samples, autoq.Config(progress=False))
+    qmod = autoq.quantize(mod, params, samples, autoq.Config())
     title = common.MODEL_TITLES.get(name, "EfficientNet-Lite0" if name == EFFNET else name)
     print(f"\n### {title}, batch 1, target mcpu={target.mcpu}, commit {commit()}\n")
     builds = {k: v for k, v in BUILDS.items() if args.builds == "all" or k in RESIDUAL_BUILDS}

@@ -48,13 +48,8 @@ def calibrate_child(model: str, calib_path: str, method: str, mode: str, budget_
     info = common.find_model(model)
     samples = common.load_samples(Path(calib_path))
     mod, params = frontends.from_onnx(info.path, input_shapes=dict(info.input_shapes))
-    cfg = autoq.Config(
-        activation=autoq.QuantSpec(calibrator=method),
-        calibration=mode,
-        memory_budget_mb=budget_mb,
-        progress=False,
-    )
-    res = autoq.Quantizer(cfg).run(mod, params, samples)
+    cfg = autoq.Config(activation=autoq.QuantSpec(calibrator=method), calibration=mode)
+    res = autoq.Quantizer(cfg, memory_budget_mb=budget_mb, progress=False).run(mod, params, samples)
     qp = res.qparams
     # calibrate's own statistics (run_measured adds wall_s: the whole process, start to exit)
     return {"slots": len(qp), "stage_s": res.timings["calibrate"], **qp.meta["stats"]}

@@ -42,9 +42,9 @@ def autoq_calibration(info, samples, calibration: str, weight_rounding=None) -> 
     # the MinMax calibrator, like the ORT row (autoq's default, mse, adds ~3 s of histograms)
     act = autoq.QuantSpec(dtype="int8", symmetric=False, calibrator="max")
     extra = {} if weight_rounding is None else {"weight_rounding": weight_rounding}
-    cfg = autoq.Config(activation=act, calibration=calibration, progress=False, **extra)
+    cfg = autoq.Config(activation=act, calibration=calibration, **extra)
     t0 = time.perf_counter()
-    res = autoq.Quantizer(cfg).run(mod, params, samples)
+    res = autoq.Quantizer(cfg, progress=False).run(mod, params, samples)
     wall = time.perf_counter() - t0
     qp = res.qparams
     return {"quantize_s": wall, **res.timings, **qp.meta["stats"], "qparams": qp}

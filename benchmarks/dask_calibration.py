@@ -49,7 +49,7 @@ def calibrate_child(folder: str, method: str, workers: int) -> dict:
 
     info = common.find_model(MODEL)
     mod, params = frontends.from_onnx(info.path, input_shapes=dict(info.input_shapes))
-    cfg = autoq.Config(activation=autoq.QuantSpec(calibrator=method), progress=False)
+    cfg = autoq.Config(activation=autoq.QuantSpec(calibrator=method))
     sim = autoq.simulate(mod, params, cfg)
     files = sorted(str(p) for p in Path(folder).glob("*.npz"))
     out: dict = {}

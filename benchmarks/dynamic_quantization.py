@@ -66,9 +66,9 @@ def ort_dynamic_row(info, evalset, per_channel: bool, log) -> dict:
 def configs(args):
     from autoq import Config, QuantSpec
 
-    rows = [("autoq static (default)", Config(progress=False), True)]
+    rows = [("autoq static (default)", Config(recipe="cnn"), True)]
     for gran in ("tensor", "token"):
-        dyn = Config(activation=QuantSpec(dynamic=True, granularity=gran), progress=False)
+        dyn = Config(recipe="cnn", activation=QuantSpec(dynamic=True, granularity=gran))
         rows.append((f"autoq dynamic ({gran})", dyn, False))
     return rows
 

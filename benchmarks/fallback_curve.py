@@ -97,7 +97,7 @@ def bench(name: str, args) -> dict:
     fb = autoq.AutoFallback(
         min_sqnr=args.min_sqnr, max_fp32_layers=args.max_fp32, ranking=args.ranking
     )
-    cfg = autoq.Config(progress=False, fallback=fb)
+    cfg = autoq.Config(fallback=fb)
     res = autoq.Quantizer(cfg, target=target).run(mod, params, calib.samples)
     an, report, decision = res.analysis, res.report, res.decision
     t_calib = res.timings["calibrate"]

@@ -130,7 +130,7 @@ def bench_model(
         common.ort_quantize(info, calib.samples, "minmax", ort_int8)
         t0 = time.perf_counter()
         mod, params = autoq.from_onnx(info.path, input_shapes=dict(info.input_shapes))
-        qmod = autoq.quantize(mod, params, calib.samples, autoq.Config(progress=False))
+        qmod = autoq.quantize(mod, params, calib.samples, autoq.Config())
         log(f"autoq quantize ({calib_n} samples): {time.perf_counter() - t0:.1f} s")
         vms = {}
         for use in (True,) if skip_generic else (True, False):

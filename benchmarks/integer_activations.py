@@ -60,7 +60,7 @@ def measure(info, mod, params, calib, evals, ref, off: tuple[str, ...]) -> dict:
     from autoq.ir.registry import ordered_patterns
 
     names = tuple(p.name for p in ordered_patterns() if p.name not in off)
-    cfg = autoq.Config(progress=False, patterns=names)
+    cfg = autoq.Config(patterns=names)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -9,7 +9,7 @@ false-positive blob every int8 model tends to erase, which alone costs ~1.6 IoU 
 Data: ``--calib`` calibration crops (the photos of ``common.CALIB_IMAGES``, ``--calib-seed``;
 draw another seed to see how much a row owes to one draw), and crops of the *same
 calibration photos* with other seeds that calibration never sees: ``--gate`` crops for the
-empirical bias correction's held-out gate (``Config.bias_correction_holdout``, seed 7) and
+empirical bias correction's held-out gate (``BiasCorrection.holdout``, seed 7) and
 ``--search`` crops (seed 11) on which the automatic fallback rows choose their layers
 (``MapIoU``: IoU@0.3 against ONNX Runtime's fp32 maps of those crops; the held-out
 output-SQNR check of ``AutoFallback.holdout`` runs on them too). The evaluation crops (other
@@ -19,9 +19,9 @@ Rows (``--rows``; default ``default p_lut_pcdw``):
 
 * ``default``: autoq's defaults;
 * ``p_lut``: percentile (99.99) activation ranges + lookup-input range cuts
-  (``Config.lut_input_ranges``); ``p_lut_pclut``: + the lookups' inputs per channel
-  (``Config.lut_input_per_channel``); ``p_lut_pcdw``: + the depthwise convs' inputs per
-  channel (``Config.depthwise_input_per_channel``): **the depthwise_cnn recipe**;
+  (rule ``lookup_input_ranges``); ``p_lut_pclut``: + the lookups' inputs per channel
+  (``lookup_per_channel``); ``p_lut_pcdw``: + the depthwise convs' inputs per
+  channel (``depthwise_per_channel``): **the depthwise_cnn recipe**;
 * ``pe``: ``p_lut`` + empirical bias correction (``pe_pclut``, ``pe_pcdw`` the same ladder;
   ``pe_gate``: with its held-out gate on the ``--gate`` crops; ``pe_p99.9`` /
   ``pe_p99.999``: other percentiles);
@@ -74,19 +74,22 @@ class MapIoU:
         return common.fidelity("detector", self.reference, outs, self.thresh)["agree"]
 
 
-def recipe(percentile: float = 99.99, **changes):
-    """The PP-OCRv4 det recipe (a per-model Config, not autoq's default): percentile
-    (99.99) activation ranges, empirical bias correction, lookup-input range cuts."""
+CUTS = ("lookup_input_ranges",)
+PCLUT = (*CUTS, "lookup_per_channel")
+PCDW = (*PCLUT, "depthwise_per_channel")
+
+
+def recipe(percentile: float = 99.99, ebc: bool = True, rules=CUTS, holdout: int = 0, **changes):
+    """Variants of the PP-OCRv4 det recipe: percentile activation ranges, the ``rules``
+    (default: lookup-input range cuts), empirical bias correction (``ebc``, gated on
+    ``holdout`` held-out crops). ``recipe(ebc=False, rules=PCDW)`` is autoq's
+    ``depthwise_cnn`` recipe."""
     import autoq
     from autoq.calibrators.percentile import Percentile
 
-    base = autoq.Config(
-        progress=False,
-        activation=autoq.QuantSpec(dtype="int8", calibrator=Percentile(percentile=percentile)),
-        empirical_bias_correction=True,
-        lut_input_ranges=True,
-    )
-    return base.replace(**changes)
+    act = autoq.QuantSpec(dtype="int8", calibrator=Percentile(percentile=percentile))
+    bc = autoq.BiasCorrection(holdout=holdout) if ebc else None
+    return autoq.Config(recipe="cnn", activation=act, rules=rules, bias_correction=bc, **changes)
 
 
 def rows(metrics: dict, n_extra: dict) -> dict:
@@ -101,23 +104,25 @@ def rows(metrics: dict, n_extra: dict) -> dict:
         )  # fmt: skip
         return recipe(fallback=fb)
 
-    no_ebc = {"empirical_bias_correction": False}
-    pclut = {"lut_input_per_channel": True}
-    pcdw = {**pclut, "depthwise_input_per_channel": True}
     return {
-        "default": (autoq.Config(progress=False), None, "autoq defaults"),
-        "p_lut": (recipe(**no_ebc), None, "percentile + lookup-input cuts"),
-        "p_lut_pclut": (recipe(**no_ebc, **pclut), None, "p_lut + per-channel lookup inputs"),
+        "default": (autoq.Config(), None, "autoq's default (recipe auto: depthwise_cnn here)"),
+        "cnn": (
+            autoq.Config(recipe="cnn"),
+            None,
+            "the cnn recipe (autoq's default before recipes)",
+        ),
+        "p_lut": (recipe(ebc=False), None, "percentile + lookup-input cuts"),
+        "p_lut_pclut": (recipe(ebc=False, rules=PCLUT), None, "p_lut + per-channel lookup inputs"),
         "p_lut_pcdw": (
-            recipe(**no_ebc, **pcdw),
+            autoq.Config(recipe="depthwise_cnn"),
             None,
             "p_lut_pclut + per-channel depthwise inputs: the depthwise_cnn recipe",
         ),
         "pe": (recipe(), None, "percentile + EBC + lookup-input cuts"),
-        "pe_pclut": (recipe(**pclut), None, "pe + per-channel lookup inputs"),
-        "pe_pcdw": (recipe(**pcdw), None, "pe_pclut + per-channel depthwise inputs"),
+        "pe_pclut": (recipe(rules=PCLUT), None, "pe + per-channel lookup inputs"),
+        "pe_pcdw": (recipe(rules=PCDW), None, "pe_pclut + per-channel depthwise inputs"),
         "pe_gate": (
-            recipe(bias_correction_holdout=8),
+            recipe(holdout=8),
             "gate",
             "pe + EBC held-out gate (8 more crops of the calibration photos)",
         ),

@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     target = autoq.default_target()
     digits = load_digits()
     mod, params = autoq.from_onnx(MODEL_FILE)
-    base = autoq.Config(progress=False)
+    base = autoq.Config()
     sim = autoq.simulate(mod, params, base)
     qp = autoq.calibrate(sim, params, calibration_images(100, digits), base, target=target)
     xs = [x[None] for x in digits.test_x[: args.eval]]

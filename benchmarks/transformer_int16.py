@@ -119,42 +119,37 @@ def configs(args):
     from autoq import Config, QuantSpec
 
     rows = [
-        ("autoq static default", Config(progress=False)),
-        ("autoq static, all layers int8", Config(progress=False, check_scales=False)),
+        ("autoq default (recipe auto)", Config()),
+        ("autoq cnn recipe (static; the default before recipes)", Config(recipe="cnn")),
+        ("autoq static, all layers int8", Config(recipe="cnn", check_scales=False)),
     ]
     for f in args.fractions:
         for rounding in args.rounding:
             fb = escalation(args, f)
-            cfg = Config(progress=False, check_scales=False, fallback=fb, weight_rounding=rounding)
+            cfg = Config(recipe="cnn", check_scales=False, fallback=fb, weight_rounding=rounding)
             rows.append((f"autoq int16 escalation (<= {f:.0%}), {rounding}", cfg))
     for alpha in args.smooth:
         sq = f"SmoothQuant {alpha:g}"
         rows.append((f"autoq static, all layers int8, {sq}",
-                     Config(progress=False, check_scales=False, smooth_quant=alpha)))  # fmt: skip
+                     Config(recipe="cnn", check_scales=False, smooth_quant=alpha)))  # fmt: skip
         for f in args.fractions:
             fb = escalation(args, f)
-            cfg = Config(progress=False, check_scales=False, fallback=fb, smooth_quant=alpha,
-                         weight_rounding=args.rounding[0])  # fmt: skip
+            cfg = Config(recipe="cnn", check_scales=False, fallback=fb, smooth_quant=alpha, weight_rounding=args.rounding[0])  # fmt: skip
             rows.append((f"autoq int16 escalation (<= {f:.0%}), {args.rounding[0]}, {sq}", cfg))
     rows.append(("autoq transformer recipe", transformer_recipe()))
     rows += hybrid_rows(args)
-    dyn = Config(activation=QuantSpec(dynamic=True, granularity="token"), progress=False)
+    dyn = Config(recipe="cnn", activation=QuantSpec(dynamic=True, granularity="token"))
     rows.append(("autoq dynamic (token), no data", dyn))
     return rows
 
 
 def transformer_recipe():
-    """The transformer recipe of autoq 0.2 (``Config(recipe="transformer")``) spelled out:
-    every dense layer dynamic per token, the rest static int8, SmoothQuant 0.5,
-    ``rounding="half_even"``, ``check_scales`` off, residual stream and GELU lookups per
-    channel."""
-    from autoq import Config, Override, QuantSpec
+    """autoq's transformer recipe: every dense layer dynamic per token, the rest static int8,
+    SmoothQuant 0.5, ``rounding="half_even"``, ``check_scales`` off, residual stream and GELU
+    lookups per channel (docs/recipes.md)."""
+    from autoq import Config
 
-    dense = Override("pattern:dense*", activation=QuantSpec(dynamic=True, granularity="token"))
-    return Config(
-        progress=False, overrides=(dense,), smooth_quant=0.5, rounding="half_even",
-        check_scales=False, residual_per_channel=True, lut_input_per_channel=True,
-    )  # fmt: skip
+    return Config(recipe="transformer")
 
 
 #: the pattern names of MiniLM's layers that are no MatMul (kept fp32 in the "attention
@@ -176,10 +171,7 @@ def hybrid_rows(args) -> list:
         dyn += (Override(args.max_calibrator, activation=QuantSpec(calibrator="max")),)
     rows = []
     for alpha in args.hybrid_smooth:
-        base = Config(progress=False, check_scales=False, overrides=dyn, smooth_quant=alpha,
-                      rounding=args.rounding_mode,
-                      residual_per_channel=args.residual_per_channel,
-                      lut_input_per_channel=args.lut_per_channel)  # fmt: skip
+        base = Config(recipe="cnn", check_scales=False, overrides=dyn, smooth_quant=alpha, rounding=args.rounding_mode, rules=() + (("residual_per_channel",) if args.residual_per_channel else ()) + (("lookup_per_channel",) if args.lut_per_channel else ()))  # fmt: skip
         name = "autoq hybrid: dense dynamic (token), " + ("" if alpha == 0.5 else f"SQ {alpha}, ")
         name += "residual per channel, " if args.residual_per_channel else ""
         name += "GELU per channel, " if args.lut_per_channel else ""

@@ -100,7 +100,7 @@ def run(args, log) -> None:
         ort_int8 = Path(tmp) / "int8.onnx"
         common.ort_quantize(info, calib.samples, "minmax", ort_int8)
         mod, params = autoq.from_onnx(info.path, input_shapes=dict(info.input_shapes))
-        qmod = autoq.quantize(mod, params, calib.samples, autoq.Config(progress=False))
+        qmod = autoq.quantize(mod, params, calib.samples, autoq.Config())
         load_before = os.getloadavg()
         log(f"tuning into {db} with a budget of {args.trials} trials, load {load_before}")
         t0 = time.perf_counter()

@@ -94,9 +94,7 @@ def autoq_quantize_child(model: str, calib_path: str, out_dir: str, method: str,
     t0 = time.perf_counter()
     mod, params = frontends.from_onnx(info.path, input_shapes=dict(info.input_shapes))
     t1 = time.perf_counter()
-    cfg = autoq.Config(
-        activation=autoq.QuantSpec(calibrator=method), calibration=mode, progress=False
-    )
+    cfg = autoq.Config(activation=autoq.QuantSpec(calibrator=method), calibration=mode)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # kept in res.warnings
         res = autoq.Quantizer(cfg).run(mod, params, samples)
