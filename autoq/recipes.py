@@ -30,13 +30,14 @@ __all__ = ["RECIPES", "Recipe", "detect", "resolve"]
 
 def detect(mod, params=None) -> tuple[str, str]:
     """``(recipe name, why)`` for a float model: an ``IRModule`` or its ``main`` with
-    ``params`` the weights (by parameter name; the other parameters are the inputs), or an
+    ``params`` the weights (by parameter name; the other parameters are the inputs; without
+    them the module's ``num_input`` attribute says which parameters are inputs), or an
     :class:`autoq.ir.graph.Graph`. A LayerNorm or a matmul of two computed tensors
     (attention) -> ``transformer``; a depthwise conv -> ``depthwise_cnn``; else ``cnn``."""
     if hasattr(mod, "weight_params"):  # a Graph
         mod, params = mod.func, [p.name for p in mod.weight_params]
     func = mod if isinstance(mod, relax.Function) else mod["main"]
-    weights = set(params or ())
+    weights = set(params or ()) or _weights_by_attr(func)
     data = {v for v in func.params if v.name not in weights}
     seen: dict[str, str] = {}
     for var, value in bindings(func):
@@ -68,6 +69,13 @@ def resolve(config: Config | None, mod, params=None) -> tuple[Config, str]:
         return config, "named in Config.recipe"
     name, why = detect(mod, params)
     return config.replace(recipe=name), why
+
+
+def _weights_by_attr(func: relax.Function) -> set[str]:
+    """Without ``params``: the parameters after the first ``num_input`` (Relax's attribute
+    for "the rest are weights", which the importers set), else none."""
+    n = func.attrs.get("num_input") if func.attrs is not None else None
+    return set() if n is None else {p.name for p in list(func.params)[int(n) :]}
 
 
 def _depthwise(call) -> bool:

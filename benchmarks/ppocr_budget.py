@@ -83,7 +83,7 @@ def recipe(percentile: float = 99.99, ebc: bool = True, rules=CUTS, holdout: int
     """Variants of the PP-OCRv4 det recipe: percentile activation ranges, the ``rules``
     (default: lookup-input range cuts), empirical bias correction (``ebc``, gated on
     ``holdout`` held-out crops). ``recipe(ebc=False, rules=PCDW)`` is autoq's
-    ``depthwise_cnn`` recipe."""
+    ``depthwise_cnn`` recipe with the percentile calibrator instead of mse."""
     import autoq
     from autoq.calibrators.percentile import Percentile
 
@@ -114,9 +114,14 @@ def rows(metrics: dict, n_extra: dict) -> dict:
         "p_lut": (recipe(ebc=False), None, "percentile + lookup-input cuts"),
         "p_lut_pclut": (recipe(ebc=False, rules=PCLUT), None, "p_lut + per-channel lookup inputs"),
         "p_lut_pcdw": (
+            recipe(ebc=False, rules=PCDW),
+            None,
+            "p_lut_pclut + per-channel depthwise inputs",
+        ),
+        "depthwise_cnn": (
             autoq.Config(recipe="depthwise_cnn"),
             None,
-            "p_lut_pclut + per-channel depthwise inputs: the depthwise_cnn recipe",
+            "the depthwise_cnn recipe: p_lut_pcdw with the mse calibrator",
         ),
         "pe": (recipe(), None, "percentile + EBC + lookup-input cuts"),
         "pe_pclut": (recipe(rules=PCLUT), None, "pe + per-channel lookup inputs"),
@@ -161,7 +166,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.ppocr_data_args(ap)
     ap.add_argument("--gate", type=int, default=8)
-    ap.add_argument("--rows", nargs="*", default=["default", "p_lut_pcdw"])
+    ap.add_argument("--rows", nargs="*", default=["default", "cnn", "p_lut_pcdw"])
     ap.add_argument(
         "--latency",
         type=int,

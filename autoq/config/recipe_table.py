@@ -33,12 +33,6 @@ class Recipe:
     overrides: tuple[Override, ...] = ()
 
 
-def _percentile(p: float) -> QuantSpec:
-    from autoq.calibrators.percentile import Percentile
-
-    return QuantSpec(dtype="int8", calibrator=Percentile(percentile=p))
-
-
 def _table() -> dict[str, Recipe]:
     mse = QuantSpec(dtype="int8", symmetric=False, calibrator="mse")
     dense_per_token = Override(
@@ -51,9 +45,9 @@ def _table() -> dict[str, Recipe]:
             activation=mse,
         ),
         "depthwise_cnn": Recipe(
-            "depthwise-separable CNNs (MobileNet, EfficientNet, PP-OCR): percentile 99.99 "
-            "ranges, per-channel grids on lookup and depthwise inputs, lookup range cuts",
-            activation=_percentile(99.99),
+            "depthwise-separable CNNs (MobileNet, EfficientNet, PP-OCR): as cnn, with "
+            "per-channel grids on the lookup and depthwise inputs and lookup range cuts",
+            activation=mse,
             rules=("lookup_input_ranges", "lookup_per_channel", "depthwise_per_channel"),
         ),
         "transformer": Recipe(
@@ -74,29 +68,5 @@ def _table() -> dict[str, Recipe]:
     }
 
 
-class _Recipes(dict):
-    """The recipe table, built on first use (the percentile calibrator is a plug-in)."""
-
-    def _fill(self):
-        if not dict.__len__(self):
-            self.update(_table())
-
-    def __getitem__(self, name):
-        self._fill()
-        return dict.__getitem__(self, name)
-
-    def __iter__(self):
-        self._fill()
-        return dict.__iter__(self)
-
-    def __len__(self):
-        self._fill()
-        return dict.__len__(self)
-
-    def items(self):
-        self._fill()
-        return dict.items(self)
-
-
 #: name -> :class:`Recipe`
-RECIPES: dict[str, Recipe] = _Recipes()
+RECIPES: dict[str, Recipe] = _table()

