@@ -7,8 +7,7 @@ features) of ``W (out, in)`` one after the other and, after each, moves the not 
 columns to compensate the error just made, so that the layer *output* on the calibration
 inputs ``X`` stays close: it minimizes ``||X W^T - X Q^T||^2`` greedily, using only
 ``H = 2 X^T X / n`` (:class:`autoq.accuracy.hessian.Hessian`). The scales and zero points are fixed
-before (per output channel, e.g. by :func:`autoq.primitives.choose_qparams` or
-:func:`autoq.scale_search.search_scales`): GPTQ only picks the integers, so the result
+before (per output channel, e.g. by :func:`autoq.primitives.choose_qparams`): GPTQ only picks the integers, so the result
 drops into ``QParams.values[<layer>.weight]`` with the calibrated ``QParams``.
 
 The algorithm (their Algorithm 1), per group ``g`` of a grouped convolution (one group for

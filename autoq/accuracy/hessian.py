@@ -1,6 +1,6 @@
 """Layer-input second moments for data-aware weight rounding: ``H = 2 X^T X / n``.
 
-GPTQ (:mod:`autoq.accuracy.gptq`) and the output-MSE scale search (:mod:`autoq.scale_search`) need,
+GPTQ (:mod:`autoq.accuracy.gptq`) needs,
 for each quantized layer, the matrix ``H`` of its *inputs* such that the layer's output
 error on the calibration data is ``||X dW^T||^2 = tr(dW H dW^T) * n / 2`` for a weight
 error ``dW`` (Frantar et al. 2022, "GPTQ", eq. 1; the factor 2 is theirs). Pure numpy.

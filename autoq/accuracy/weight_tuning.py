@@ -334,9 +334,9 @@ class WeightTuner:
         self.weights: dict[str, np.ndarray] = {}
         self.biases: dict[str, np.ndarray] = {}
         self.stats = {"tune_s": 0.0, "gptq": 0, "nearest": 0, "bias_corrected": 0}
-        #: ``empirical_bias_correction``: layer -> mean patch of its fp32 input
+        #: ``Config.bias_correction``: layer -> mean patch of its fp32 input
         self.fp32_means: dict[str, PatchMean] = {}
-        #: ``bias_correction_holdout``: layer -> its fp32 output on the held-out rows
+        #: ``BiasCorrection.holdout``: layer -> its fp32 output on the held-out rows
         self.held_fp32: dict[str, np.ndarray | None] = {}
         #: layer -> the activation that alone reads its output (the gate's error after it)
         gated = config.bias_holdout
@@ -349,7 +349,7 @@ class WeightTuner:
 
     def fp32_slots(self) -> list[str]:
         """The activation slots whose fp32 values :meth:`observe_fp32` needs (none unless
-        ``empirical_bias_correction``)."""
+        ``Config.bias_correction``)."""
         return list(self.tasks) if self.config.bias_correction is not None else []
 
     def fp32_tables(self) -> dict[str, dict[str, PatchMean]]:
@@ -482,7 +482,7 @@ class WeightTuner:
 
     def _gate(self, task: LayerTask, wq, b, shift, held: HeldRows) -> bool:
         """Whether ``task``'s empirical correction ``shift`` is kept (always without
-        ``bias_correction_holdout``; else :func:`autoq.accuracy.bias_gate.decide` on ``held``)."""
+        ``BiasCorrection.holdout``; else :func:`autoq.accuracy.bias_gate.decide` on ``held``)."""
         if not self.config.bias_holdout:
             return True
         rows = held.rows(task.layer)

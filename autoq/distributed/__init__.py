@@ -18,16 +18,16 @@
    :mod:`autoq.calibrators`), picks the qparams and sends them back with the segment to run.
    In ``fp32`` mode each shard streams its samples through the float graph once (twice for
    histogram calibrators) and sends its states.
-4. weight tuning (``Config.weight_rounding="gptq"``, ``bias_correction``, ``scale_search``,
+4. weight tuning (``Config.weight_rounding="gptq"``, ``bias_correction``,
    :mod:`autoq.accuracy.weight_tuning`) runs in the same loop: before a segment, every shard sums
    the Hessian ``X^T X`` and the mean input of the layers reading the segment's heads over
    its samples (in int64 over the input's integer codes: exact, so the merged sums do not
    depend on the split or the merge order, :class:`autoq.accuracy.hessian.CodeHessian`); the
-   coordinator merges them, runs GPTQ / the scale search / the bias correction (all three
-   need only these sums) and sends the tuned weights, biases and weight scales to the
+   coordinator merges them, runs GPTQ and the bias correction (both need only these sums)
+   and sends the tuned weights and biases to the
    shards, which recompute their prologue before the segment runs. Empirical bias
    correction's fp32 mean patches come from one float-graph pass on the shards, per-sample
-   sums added in dataset order (the in-process bits); with ``bias_correction_holdout`` the
+   sums added in dataset order (the in-process bits); with ``BiasCorrection.holdout`` the
    last samples go to a shard of their own that runs every segment but gives no
    statistics, whose rows the held-out gate reads (:mod:`autoq.accuracy.bias_gate`).
 
