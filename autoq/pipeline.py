@@ -50,6 +50,7 @@ from autoq.calibration.scale_health import HealthCheck
 from autoq.config import AutoFallback, Config, Distributed, Resources
 from autoq.dataset import is_shard_source
 from autoq.distributed import (
+    PER_CHANNEL_RULES,
     AnalysisFanOut,
     calibrate_distributed,
     head_samples,
@@ -202,9 +203,26 @@ class Quantizer:
             result = self._run_dynamic(mod, params, config)
         else:
             with self._client() as client:
+                if client is not None:
+                    config = self._rules_for_a_cluster(config)
                 result = self._run_on(mod, params, dataset, client, config)
         result.recipe = (config.recipe, why)
         return result
+
+    def _rules_for_a_cluster(self, config: Config) -> Config:
+        """A recipe's per-channel rules cannot be calibrated on a cluster (its workers'
+        statistics are per tensor): left out with a warning when the recipe chose them, an
+        error naming them when the user did (``Config.rules``)."""
+        used = [r for r in PER_CHANNEL_RULES if config.has_rule(r)]
+        if not used or self.config.rules is not None:
+            return config  # none, or the user's own choice: calibrate_distributed says why
+        warnings.warn(
+            f"the {config.recipe} recipe's per-channel rules {used} do not run on a cluster "
+            "(the workers' statistics are per tensor): calibrating without them; calibrate "
+            "in-process for the recipe's full accuracy",
+            stacklevel=4,
+        )
+        return config.replace(rules=tuple(r for r in config.rules if r not in used))
 
     def _run_on(self, mod, params, dataset, client, config: Config) -> QuantizeResult:
         timings: dict[str, float] = {}

@@ -382,3 +382,19 @@ def test_scale_health_merges_across_shards(client, model):
     got = calibrate_distributed(sim, data, cfg, TARGET, client, shards=2)
     assert want.meta["scale_problems"] and "x" in want.meta["scale_problems"]
     assert got.meta["scale_problems"] == want.meta["scale_problems"]
+
+
+def test_a_recipes_per_channel_rules_are_left_out_on_a_cluster(client, model):
+    """small_cnn has a depthwise conv: ``auto`` picks depthwise_cnn, whose per-channel rules
+    the workers cannot calibrate; on a cluster they are left out with a warning (and the
+    qparams are those of the recipe without them, in-process); named by the user, they are
+    an error naming them."""
+    mod, params, data = model
+    with pytest.warns(UserWarning, match=r"depthwise_cnn recipe's per-channel rules"):
+        res = autoq.Quantizer(target=TARGET, cluster=client).run(mod, params, data)
+    assert res.recipe[0] == "depthwise_cnn" and res.config.rules == ("lookup_input_ranges",)
+    want = autoq.Quantizer(res.config, target=TARGET).run(mod, params, data)
+    assert_identical(want.qparams, res.qparams)
+    mine = Config(recipe="depthwise_cnn", rules=("depthwise_per_channel",))
+    with pytest.raises(autoq.InputError, match=r"depthwise_per_channel.*not supported with distr"):
+        autoq.Quantizer(mine, target=TARGET, cluster=client).run(mod, params, data)

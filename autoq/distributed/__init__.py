@@ -79,6 +79,7 @@ from autoq.rules.lut_ranges import cut_lut_inputs
 from autoq.simulation import SimResult
 
 __all__ = [
+    "PER_CHANNEL_RULES",
     "AnalysisFanOut",
     "ShardLostError",
     "ShardSet",
