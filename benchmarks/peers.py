@@ -14,7 +14,8 @@ For each model, on the same calibration samples and the same evaluation inputs:
 * **autoq int8**: ``autoq.Quantizer().run(mod, params, samples)`` (``autoq.quantize``: the
   recipe the model's structure calls for, named in the table), then
   ``autoq.export_library`` (``autoq.compile`` with the CPU kernels) as ``autoq quantize``
-  does, loaded with ``autoq.load_library``.
+  does, loaded with ``autoq.load_library`` (``--recipes auto cnn``: also a row per named
+  recipe, e.g. ``cnn``, static int8 everywhere; the ratios stay the default's).
 
 The ONNX file ORT and NNCF quantize is the prepared model after ONNX Runtime's
 ``quant_pre_process`` (what both recommend; without it OpenVINO keeps layout transposes);
@@ -61,7 +62,6 @@ import common
 
 MODELS = ("resnet50", "ppocr_det", "minilm", "efficientnet_lite0")
 TITLES = {**common.MODEL_TITLES, "efficientnet_lite0": "EfficientNet-Lite0"}
-RUNTIMES = ("ORT fp32", "ORT int8", "OpenVINO int8", "autoq int8")
 
 
 def log(*args) -> None:
@@ -141,9 +141,10 @@ def _nncf_child(model: str, output: str, samples: str, transformer: bool) -> dic
     return {"cpu_s": cpu, "quant_wall_s": wall, "nncf": nncf.__version__}
 
 
-def _autoq_child(model: str, shapes: dict, samples: str, library: str) -> dict:
-    """Runs in a fresh process: ``autoq.Quantizer().run`` (the default config: the recipe
-    the model calls for), then ``autoq.export_library`` (compile with the CPU kernels)."""
+def _autoq_child(model: str, shapes: dict, samples: str, library: str, recipe: str) -> dict:
+    """Runs in a fresh process: ``autoq.Quantizer().run`` (``recipe`` "auto": the default
+    config, the recipe the model calls for; else ``Config(recipe=recipe)``), then
+    ``autoq.export_library`` (compile with the CPU kernels)."""
     import autoq
 
     mod, params = autoq.from_onnx(model, input_shapes={k: tuple(v) for k, v in shapes.items()})
@@ -151,7 +152,8 @@ def _autoq_child(model: str, shapes: dict, samples: str, library: str) -> dict:
     target = autoq.default_target()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # kept in result.warnings
-        res, q_cpu, q_wall = _timed(lambda: autoq.Quantizer().run(mod, params, data))
+        config = None if recipe == "auto" else autoq.Config(recipe=recipe)
+        res, q_cpu, q_wall = _timed(lambda: autoq.Quantizer(config).run(mod, params, data))
         _, c_cpu, c_wall = _timed(lambda: autoq.export_library(res.module, library, target))
     return {
         "cpu_s": q_cpu + c_cpu,
@@ -180,9 +182,12 @@ def load_model(name: str, n_calib: int, n_eval: int):
     """(info, calibration samples, evaluation samples) from ``common`` (or ``accuracy`` for
     EfficientNet-Lite0), calibration and evaluation drawn from disjoint sources."""
     if name == "efficientnet_lite0":
+        import contextlib
+
         import accuracy
 
-        info = accuracy.find_model()
+        with contextlib.redirect_stdout(sys.stderr):  # "Loaded pretrained weights ..."
+            info = accuracy.find_model()
         calib, evals = accuracy.make_data("calib", n_calib), accuracy.make_data("eval", n_eval)
         desc = (
             f"{n_calib} / {n_eval} 224x224 crops of disjoint photos (skimage, sklearn, "
@@ -261,28 +266,37 @@ def interleaved(fns: dict, rounds: int, warmup: int = 2) -> dict[str, float]:
     return {key: float(np.median(ts) * 1e3) for key, ts in times.items()}
 
 
+def _autoq_key(recipe: str) -> str:
+    return "autoq int8" if recipe == "auto" else f"autoq int8, recipe={recipe}"
+
+
 def bench_model(name: str, args) -> tuple[list[list], list[str]]:
     """One model: its table rows and its notes."""
     info, calib, evals, desc = load_model(name, args.calib, args.eval)
     log(f"== {name}: {desc}")
     ref = common.ort_outputs(common.ort_session(info.path, 2, optimize=False), evals)
     pre, how = pre_processed(info)
+    autoq_keys = [_autoq_key(r) for r in args.recipes]
+    runtimes = ["ORT fp32", "ORT int8", "OpenVINO int8", *autoq_keys]
     res: dict[str, dict] = {}
     outs: dict[str, list[np.ndarray]] = {}
     with tempfile.TemporaryDirectory(prefix="autoq-peers-") as tmp:
         npz = Path(tmp) / "calib.npz"
         common.save_samples(calib, npz)
-        ort_int8, ov_xml, lib = Path(tmp) / "ort.onnx", Path(tmp) / "ov.xml", Path(tmp) / "m.so"
+        ort_int8, ov_xml = Path(tmp) / "ort.onnx", Path(tmp) / "ov.xml"
+        libs = {key: Path(tmp) / f"autoq{i}.so" for i, key in enumerate(autoq_keys)}
         jobs = {
             "ORT int8": ("_ort_child", {"model": str(pre), "output": str(ort_int8),
                                         "samples": str(npz), "per_channel": args.ort_per_channel}),
             "OpenVINO int8": ("_nncf_child", {"model": str(pre), "output": str(ov_xml),
                                               "samples": str(npz),
                                               "transformer": info.kind == "embedding"}),
-            "autoq int8": ("_autoq_child", {"model": str(info.path), "samples": str(npz),
-                                            "shapes": {k: list(v) for k, v in info.input_shapes.items()},
-                                            "library": str(lib)}),
         }  # fmt: skip
+        shapes = {k: list(v) for k, v in info.input_shapes.items()}
+        for recipe, key in zip(args.recipes, autoq_keys, strict=True):
+            jobs[key] = ("_autoq_child", {"model": str(info.path), "samples": str(npz),
+                                          "shapes": shapes, "library": str(libs[key]),
+                                          "recipe": recipe})  # fmt: skip
         for key, (child, kwargs) in jobs.items():
             load0 = common.load_average()
             try:
@@ -295,37 +309,39 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
             log(f"{name} {key}: quantize {r['cpu_s']:.1f} CPU s ({r['quant_wall_s']:.1f} s wall, "
                 f"process {r['wall_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB); load "
                 f"{load0} -> {common.load_average()}")  # fmt: skip
+        ok = {key for key in runtimes if "error" not in res.get(key, {})}
 
         threads = list(args.threads)
         sample = evals[0]
-        calls: dict[str, dict[int, object]] = {key: {} for key in RUNTIMES}
-        for n in threads:
-            sess = common.ort_session(info.path, n, optimize=True, spinning=False)
-            calls["ORT fp32"][n] = functools.partial(sess.run, None, sample)
-            if "error" not in res["ORT int8"]:
-                sess = common.ort_session(ort_int8, n, optimize=True, spinning=False)
-                calls["ORT int8"][n] = functools.partial(sess.run, None, sample)
-        outs["ORT fp32"] = common.ort_outputs(common.ort_session(info.path, 2, True), evals)
-        if "error" not in res["ORT int8"]:
-            outs["ORT int8"] = common.ort_outputs(common.ort_session(ort_int8, 2, True), evals)
+        calls: dict[str, dict[int, object]] = {key: {} for key in runtimes}
+        ort_models = {"ORT fp32": info.path, "ORT int8": ort_int8}
+        for key, path in ort_models.items():
+            if key not in ok:
+                continue
+            outs[key] = common.ort_outputs(common.ort_session(path, 2, True), evals)
+            for n in threads:
+                sess = common.ort_session(path, n, optimize=True, spinning=False)
+                calls[key][n] = functools.partial(sess.run, None, sample)
         ov_precision = ""
-        if "error" not in res["OpenVINO int8"]:
+        if "OpenVINO int8" in ok:
             ov = OpenVinoRunner(ov_xml, threads, args.ov_precision)
             ov_precision = ov.precision
             outs["OpenVINO int8"] = [ov.run(s, threads[-1]) for s in evals]
             for n in threads:
                 calls["OpenVINO int8"][n] = ov.call(sample, n)
-        if "error" not in res["autoq int8"]:
+        for key in autoq_keys:
+            if key not in ok:
+                continue
             import tvm
 
-            names = res["autoq int8"]["inputs"]
-            runner = common.TvmRunner.from_library(lib, names)
-            outs["autoq int8"] = [runner.run(s) for s in evals]
+            names = res[key]["inputs"]
+            runner = common.TvmRunner.from_library(libs[key], names)
+            outs[key] = [runner.run(s) for s in evals]
             tvm_args = [tvm.runtime.tensor(sample[n]) for n in names]
             for n in threads:
-                calls["autoq int8"][n] = functools.partial(runner.vm["main"], *tvm_args)
+                calls[key][n] = functools.partial(runner.vm["main"], *tvm_args)
 
-        ms: dict[str, dict[int, float]] = {key: {} for key in RUNTIMES}
+        ms: dict[str, dict[int, float]] = {key: {} for key in runtimes}
         load0 = common.load_average()
         for n in threads:
             common.TvmRunner.set_threads(n)
@@ -337,43 +353,45 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
         common.TvmRunner.set_threads(max(threads))
         load_timed = f"{load0} -> {common.load_average()}"
 
-    auto = res["autoq int8"]
+    main_key = autoq_keys[0]
+    auto = res[main_key]
     rows = []
-    for key in RUNTIMES:
+    for key in runtimes:
         r = res.get(key, {})
-        if "error" in r:
+        if key not in ok:
             rows.append(
                 [TITLES[name], key, f"FAILED: {r['error'][:80]}", *[""] * (4 + 2 * len(threads))]
             )
-            continue  # fmt: skip
+            continue
         f = common.fidelity(info.kind, ref, outs[key], info.extra.get("thresh", 0.3))
-        label = key
-        if key == "autoq int8" and "recipe" in auto:
-            label = f"autoq int8 ({auto['recipe'][0]})"
+        label = f"autoq int8 ({r['recipe'][0]})" if key == main_key else key
         cells = [TITLES[name], label, f"{f['agree_name']} {100 * f['agree']:.1f}%",
                  f"{f['cos']:.5f}", f"{f['cos_min']:.5f}", common.fmt(r.get("cpu_s"))]  # fmt: skip
         cells += [f"{ms[key][n]:.2f}" if n in ms[key] else "" for n in threads]
         for n in threads:
-            ok = n in ms[key] and n in ms["autoq int8"]
-            cells.append(f"{ms['autoq int8'][n] / ms[key][n]:.2f}" if ok else "")
-        ok = "cpu_s" in r and "cpu_s" in auto
-        cells.append(f"{auto['cpu_s'] / r['cpu_s']:.2f}" if ok else "")
+            both = n in ms[key] and n in ms[main_key]
+            cells.append(f"{ms[main_key][n] / ms[key][n]:.2f}" if both else "")
+        both = "cpu_s" in r and "cpu_s" in auto
+        cells.append(f"{auto['cpu_s'] / r['cpu_s']:.2f}" if both else "")
         rows.append(cells)
 
     notes = [f"{TITLES[name]}: {desc}; ORT and NNCF quantize the {how} file"]
-    if "recipe" in auto:
-        notes.append(
-            f"autoq: recipe {auto['recipe'][0]} ({auto['recipe'][1]}); "
-            f"{auto['int8_layers']} int8 layers, {auto['fp32_layers']} left in fp32; quantize "
-            f"{auto['quantize_cpu_s']:.1f} + compile {auto['compile_cpu_s']:.1f} CPU s; "
-            f"target {auto['target']}; {len(auto['warnings'])} warnings"
-            + (f" (first: {auto['warnings'][0]})" if auto["warnings"] else "")
-        )
+    for key in autoq_keys:
+        a = res[key]
+        if key in ok:
+            notes.append(
+                f"{key}: recipe {a['recipe'][0]} ({a['recipe'][1]}); {a['int8_layers']} int8 "
+                f"layers, {a['fp32_layers']} left in fp32; quantize {a['quantize_cpu_s']:.1f} + "
+                f"compile {a['compile_cpu_s']:.1f} CPU s; target {a['target']}; "
+                f"{len(a['warnings'])} warnings"
+                + (f" (first: {a['warnings'][0]})" if a["warnings"] else "")
+            )
     walls = ", ".join(f"{k} {r['quant_wall_s']:.1f}" for k, r in res.items() if "quant_wall_s" in r)
     peaks = ", ".join(f"{k} {r['peak_rss_mb']:.0f}" for k, r in res.items() if "peak_rss_mb" in r)
     notes.append(f"quantize wall s: {walls}; peak RSS MB of each quantize process: {peaks}")
     if ov_precision:
-        notes.append(f"OpenVINO inference precision: {ov_precision}; timed with load {load_timed}")
+        notes.append(f"OpenVINO inference precision: {ov_precision}")
+    notes.append(f"load average during the timed rounds: {load_timed}")
     return rows, notes
 
 
@@ -396,8 +414,20 @@ def main(argv=None) -> int:
         choices=["default", "f32", "bf16"],
         help="OpenVINO INFERENCE_PRECISION_HINT (default: the plugin's own choice)",
     )
+    ap.add_argument(
+        "--recipes",
+        nargs="+",
+        default=["auto"],
+        help="autoq rows: 'auto' (the default config) and/or recipe names (e.g. cnn: static "
+        "int8 everywhere); the ratios are the first row's",
+    )
     common.add_page_option(ap)
     args = ap.parse_args(argv)
+    import autoq
+
+    unknown = [r for r in args.recipes if r != "auto" and r not in autoq.recipes.RECIPES]
+    if unknown:
+        ap.error(f"unknown recipes {unknown}; known: auto {' '.join(autoq.recipes.RECIPES)}")
     small, full = (4, 4, 3), (64, 64, 30)
     for key, q, d in zip(("calib", "eval", "rounds"), small, full, strict=True):
         if getattr(args, key) is None:

@@ -355,14 +355,12 @@ def old_default():
 
 
 def old_depthwise_cnn():
-    """benchmarks/ppocr_budget.py's ``p_lut_pcdw``: percentile 99.99 activations, lookup
+    """The depthwise_cnn recipe in 091472e's flags: the default (mse) activations, lookup
     input cuts, per-channel lookup and depthwise inputs, no bias correction."""
     import autoq
-    from autoq.calibrators.percentile import Percentile
 
     return autoq.Config(
         progress=False,
-        activation=autoq.QuantSpec(dtype="int8", calibrator=Percentile(percentile=99.99)),
         lut_input_ranges=True,
         lut_input_per_channel=True,
         depthwise_input_per_channel=True,
@@ -408,15 +406,35 @@ def old_transformer_dynamic_gptq():
     return old_transformer().replace(dynamic_gptq=True)
 
 
-DEFAULT = {"old": old_default}
+def new(recipe: str | None):
+    """A builder of the current API: ``Config(recipe=recipe)`` (None: ``Config()``, auto)."""
+
+    def build():
+        import autoq
+
+        return autoq.Config() if recipe is None else autoq.Config(recipe=recipe)
+
+    return build
+
+
+#: 091472e's default is the cnn recipe, on every model
+DEFAULT = {"old": old_default, "new": new("cnn")}
+DEPTHWISE = {"old": old_depthwise_cnn, "new": new("depthwise_cnn")}
+TRANSFORMER = {"old": old_transformer, "new": new("transformer")}
 CONFIGS: dict[str, dict[str, dict]] = {
-    "digits": {"default": DEFAULT},
-    "resnet50": {"default": DEFAULT},
-    "ppocr_det": {"default": DEFAULT, "depthwise_cnn": {"old": old_depthwise_cnn}},
+    # "auto": today's default Config(), against the old flags of the recipe it picks
+    "digits": {"default": DEFAULT, "auto": {**DEFAULT, "new": new(None)}},
+    "resnet50": {"default": DEFAULT, "auto": {**DEFAULT, "new": new(None)}},
+    "ppocr_det": {
+        "default": DEFAULT,
+        "depthwise_cnn": DEPTHWISE,
+        "auto": {**DEPTHWISE, "new": new(None)},
+    },
     "minilm": {
         "default": DEFAULT,
-        "transformer": {"old": old_transformer},
-        "dynamic": {"old": old_dynamic, "data": False},
+        "transformer": TRANSFORMER,
+        "auto": {**TRANSFORMER, "new": new(None)},
+        "dynamic": {"old": old_dynamic, "new": new("dynamic"), "data": False},
     },
 }
 #: configs ``evaluate`` knows besides CONFIGS (not part of the identity reference)
