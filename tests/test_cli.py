@@ -196,20 +196,8 @@ def test_bundled_model_without_calib(tmp_path, capsys):
     assert "\n  int8:      conv1, conv2, conv3, res, mean_0, fc\n" in report
 
 
-def test_report_hook(files, capsys, monkeypatch):
+def test_report_writes_the_per_layer_analysis(files, capsys):
     d, model = files
-    # without autoq.analyze: a note, the quantization still succeeds
-    monkeypatch.delattr(autoq, "analyze", raising=False)
-    code, stdout, err = run(
-        capsys, "quantize", model, "--calib", d / "calib.npz", "--out", d / "rep0", "--report",
-        "--no-progress", "--target", TARGET,
-    )  # fmt: skip
-    assert code == 0, err
-    assert "report not available" in stdout
-    assert not (d / "rep0" / "analysis.txt").exists()
-    monkeypatch.undo()
-    if not hasattr(autoq, "analyze"):
-        pytest.skip("autoq.analyze is not in this version")
     code, stdout, err = run(
         capsys, "quantize", model, "--calib", d / "calib.npz", "--out", d / "rep1", "--report",
         "--no-progress", "--target", TARGET,

@@ -88,3 +88,17 @@ def test_the_checker_catches_upward_arrows_forbidden_reaches_and_plugin_imports(
     assert "forbidden reach: autoq.calibration.run -> autoq.build" in out
     assert "calibration must not import cpu" in out  # through build, transitively
     assert "plug-in imports outside the plug-in API: autoq.patterns.p -> autoq.calibration" in out
+
+
+def test_pyproject_packages_every_package():
+    """A package missing from ``[tool.setuptools] packages`` is silently left out of a
+    non-editable install (``pip install .``, the README's first command)."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    on_disk = {
+        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "autoq").rglob("__init__.py")
+    } | {"autoq.calibrators", "autoq.patterns"}
+    assert on_disk == listed, (sorted(on_disk - listed), sorted(listed - on_disk))

@@ -190,7 +190,7 @@ def quantize_report(
 
 def _analysis_line(report) -> str:
     if report is None:
-        return "analysis     per-layer report not available: this autoq has no autoq.analyze"
+        return "analysis     per-layer report not computed"
     sq = report.output_sqnr
     if sq is not None and np.isfinite(sq):
         return f"analysis     model output SQNR {sq:.2f} dB (see analysis.txt)"
