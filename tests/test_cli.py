@@ -198,7 +198,7 @@ def test_bundled_model_without_calib(tmp_path, capsys):
 
 def test_report_writes_the_per_layer_analysis(files, capsys):
     d, model = files
-    code, stdout, err = run(
+    code, _stdout, err = run(
         capsys, "quantize", model, "--calib", d / "calib.npz", "--out", d / "rep1", "--report",
         "--no-progress", "--target", TARGET,
     )  # fmt: skip
