@@ -84,7 +84,7 @@ def test_eliminate_search_on_the_tiny_transformer(calibrated):  # noqa: F811
     first = [t for t in found["trials"] if t["kind"] == "eliminate"][: len(eg.candidates) + 1]
     assert {x for t in first for x in t["layers"]} == set(eg.candidates)
     # every kept tensor: back in int8 (the rest int16) the trial and held-out SQNR drop
-    some = trial_set(eg, fb)
+    some = trial_set(eg)
     for samples in (some, held):
         ref = eg.run_fp32(samples)
         full = sqnr_db(ref, eg.run(chosen, samples))
