@@ -156,7 +156,7 @@ def test_cli_keeps_unbounded_mask_adds_in_fp32_like_the_api(tmp_path, capsys):
     # the API's decision
     mod, params = autoq.from_onnx(model)
     samples = [{"x": x[i], "mask": mask[i]} for i in range(6)]
-    res = Quantizer(Config(recipe="cnn"), target=TARGET).run(mod, params, samples)
+    res = Quantizer(Config(), target=TARGET).run(mod, params, samples)  # the CLI's default
     guarded = [k for k, v in res.fp32_layers.items() if "unbounded" in v]
     assert guarded, res.fp32_layers
     assert any("unbounded" in w for w in res.warnings)

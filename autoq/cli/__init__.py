@@ -343,6 +343,14 @@ COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     cleanup_on_signals()
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: clean-up ran in the finally blocks
+        print(MESSAGE, file=sys.stderr)
+        return exit_code(e)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -356,9 +364,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserError, AutoqError) as e:
         print(f"autoq: error: {one_line(e)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: clean-up ran in the finally blocks
-        print(MESSAGE, file=sys.stderr)
-        return exit_code(e)
     except Exception as e:
         traceback.print_exc()
         print(
