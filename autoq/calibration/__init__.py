@@ -226,7 +226,7 @@ def calibrate(
 
 def warn_untuned(config: Config) -> None:
     """Weight tuning asked for with ``calibration="fp32"``: say it does not apply."""
-    if config.calibration == "fp32" and config.weight_tuning:
+    if config.calibration == "fp32" and config.tunes_weights:
         warnings.warn(
             "Config.weight_rounding/bias_correction run inside topological "
             "calibration only; calibration='fp32' leaves the weights rounded to nearest",
@@ -474,7 +474,7 @@ def _calibrate_topological(
     stats["compile_s"] = time.perf_counter() - t0
     stats["segments"] = len(plan.segments)
     budget = resources.memory_budget_mb * 2**20
-    tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None
+    tuner = WeightTuner(sim, config, weight_qp, plan) if config.tunes_weights else None
     static = static_values(sim, plan, weight_qp)
 
     runners = [

@@ -208,11 +208,6 @@ class Config(JsonDocument):
         return self.weight_rounding != "nearest" or self.bias_correction is not None
 
     @property
-    def weight_tuning(self) -> bool:
-        """Any data-aware weight step is on (:mod:`autoq.accuracy.weight_tuning`)."""
-        return self.tunes_weights
-
-    @property
     def bias_holdout(self) -> int:
         """Held-out samples of the bias-correction gate (0: none, or no bias correction)."""
         return 0 if self.bias_correction is None else self.bias_correction.holdout

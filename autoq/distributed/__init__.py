@@ -489,7 +489,7 @@ def _topological(sim, sets: tuple, weight_qp, settings, target, stats, health) -
     for r in [*remotes, *held]:
         r.wait()
     stats["start_s"] = time.perf_counter() - t0
-    tuner = WeightTuner(sim, config, weight_qp, plan) if config.weight_tuning else None
+    tuner = WeightTuner(sim, config, weight_qp, plan) if config.tunes_weights else None
     if tuner is not None and tuner.fp32_slots():
         _fp32_means(sim, tuner, plan, sets, config, target, stats)
     t0 = time.perf_counter()
