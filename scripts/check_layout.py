@@ -41,6 +41,7 @@ LEVELS = {
     "primitives": 0,
     "json_document": 0,
     "threads": 0,
+    "files": 0,
     "qparams": 1,
     "models": 1,
     "layer_rules": 1,

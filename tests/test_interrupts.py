@@ -147,3 +147,53 @@ def test_kill_while_writing_leaves_the_old_result(tmp_path, capsys):
     assert [x for x in tmp_path.iterdir() if "autoq-tmp" in x.name]  # the killed run's
     assert run(capsys, *args)[0] == 0
     assert [x for x in tmp_path.iterdir() if "autoq-tmp" in x.name] == []
+
+
+_KILLED_WHILE_LINKING = textwrap.dedent("""
+    import os, sys, time
+    from tvm.support import cc
+    from autoq import cli
+    link = cc.create_shared
+    def link_then_wait(output, objects, *a, **k):
+        link(output, objects, *a, **k)
+        print("linked", os.environ["TMPDIR"], *objects, flush=True)
+        time.sleep(120)
+    cc.create_shared = link_then_wait
+    sys.exit(cli.main(sys.argv[1:]))
+""")
+
+
+def test_kill_during_the_link_leaves_nothing_in_tmpdir(tmp_path):
+    """SIGKILL while the library is linked (issue 38, item 13): TVM's object files and the
+    compiler's temporary files were in a folder inside the staging folder, not in $TMPDIR;
+    the next run on the same --out removes it."""
+    from autoq.cli.output_dir import OutputDir
+
+    model = tiny_onnx(tmp_path / "tiny.onnx")
+    np.savez(
+        tmp_path / "calib.npz", x=np.random.default_rng(0).normal(size=(2, 3, 8, 8)).astype("f4")
+    )
+    (tmp_path / "tmp").mkdir()
+    out = tmp_path / "out"
+    args = ["quantize", str(model), "--calib", str(tmp_path / "calib.npz"), "--out", str(out),
+            "--target", TARGET, "--no-progress"]  # fmt: skip
+    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))
+    p = subprocess.Popen([sys.executable, "-c", _KILLED_WHILE_LINKING, *args],
+                         stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    for line in p.stdout:
+        if line.startswith("linked "):
+            break
+    p.kill()
+    p.wait()
+    compiler_tmp, *objects = [Path(x) for x in line.split()[1:]]
+    (staged,) = [x for x in tmp_path.iterdir() if x.name.startswith(".out.autoq-tmp-")]
+    assert compiler_tmp.parent == staged and objects
+    assert all(o.is_file() and o.parent == compiler_tmp for o in objects)
+    # TVM's workspace is a folder (tmp*), the compiler's files are cc*; a file another tool
+    # of this machine keeps in $TMPDIR is not ours to judge
+    left = [x.name for x in (tmp_path / "tmp").iterdir()]
+    assert [x for x in left if x.startswith(("tmp", "cc")) or x.endswith(".o")] == [], left
+    with OutputDir(out):  # the next run
+        pass
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["calib.npz", "tiny.onnx", "tmp"]
+    assert not out.exists()

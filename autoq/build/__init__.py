@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import shutil
 from pathlib import Path
 
+import numpy as np
 import tvm
 from tvm import relax
 
@@ -13,9 +18,13 @@ from autoq.threads import use_machine_cores
 from autoq.cpu.injective import ScheduleFused
 from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.errors import LibraryError
-from autoq.build.library_file import check_library, write_stamp
+from autoq.build.library_file import check_library, stamp_path, write_stamp
+from autoq.files import pid_dir, remove_dead_dirs
 
-__all__ = ["compile", "default_target", "export_library", "load_library"]
+__all__ = ["compile", "default_target", "export_library", "load_library", "weight_bytes"]
+
+#: free space an export needs besides twice the weights (object file and library)
+_SPARE_BYTES = 16 << 20
 
 
 def compile(
@@ -87,13 +96,70 @@ def export_library(
     mod: tvm.IRModule, path: str | Path, target=None, cpu_kernels: bool = True, database=None
 ) -> Path:
     """Compile ``mod`` (with the tuning ``database`` folder, if given) and write a shared
-    library loadable with :func:`load_library`, with its stamp ``<path>.autoq.json`` (size
-    and SHA-256, see :mod:`autoq.build.library_file`)."""
+    library loadable with :func:`load_library`, with its stamp ``<path>.autoq.json`` (id,
+    size and SHA-256, see :mod:`autoq.build.library_file`).
+
+    The link runs in a work folder ``.<name>.autoq-build-<pid>-*`` next to ``path`` (TVM's
+    object files and the compiler's temporary files: ``TMPDIR`` points there while it
+    runs); the library and its stamp are moved into place when complete, and the folder is
+    removed. A work folder left by a killed process is removed by the next export to the
+    same name."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    compile(mod, target, cpu_kernels=cpu_kernels, database=database).export_library(str(path))
-    write_stamp(path)
+    lib = compile(mod, target, cpu_kernels=cpu_kernels, database=database)
+    # LLVM ends the process when it cannot write an object file: check the space first
+    need, st = 2 * sum(weight_bytes(mod).values()) + _SPARE_BYTES, os.statvfs(path.parent)
+    if st.f_bavail * st.f_frsize < need:
+        free = st.f_bavail * st.f_frsize
+        raise OSError(errno.ENOSPC, f"{free} bytes free, {need} needed", str(path.parent))
+    prefix = f".{path.name}.autoq-build-"
+    remove_dead_dirs(path.parent, prefix)
+    work = pid_dir(path.parent, prefix, 0o700)
+    try:
+        with _temp_folder(work):
+            lib.export_library(str(work / path.name), workspace_dir=str(work))
+        stamp = write_stamp(work / path.name)
+        os.replace(work / path.name, path)
+        os.replace(stamp, stamp_path(path))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return path
+
+
+@contextlib.contextmanager
+def _temp_folder(folder: Path):
+    """``TMPDIR`` (the C compiler's temporary files) set to ``folder`` meanwhile."""
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+
+
+def weight_bytes(mod, params=None) -> dict[str, int]:
+    """Bytes of the constant tensors of ``mod``'s Relax functions plus ``params``, by dtype
+    (each distinct constant counted once): the weights a compiled module carries."""
+    seen: dict[int, object] = {}
+
+    def visit(e):
+        if isinstance(e, tvm.ir.GenericConst) and isinstance(e.value, tvm.runtime.Tensor):
+            seen[hash(e.value)] = e.value
+
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func.body, visit)
+    out: dict[str, int] = {}
+    for t in seen.values():
+        n = int(np.prod(t.shape)) * np.dtype(str(t.dtype)).itemsize
+        out[str(t.dtype)] = out.get(str(t.dtype), 0) + n
+    for a in (params or {}).values():
+        a = np.asarray(a)
+        out[str(a.dtype)] = out.get(str(a.dtype), 0) + a.nbytes
+    return out
 
 
 def load_library(path: str | Path, device=None) -> relax.VirtualMachine:

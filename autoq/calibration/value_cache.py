@@ -11,7 +11,6 @@ spill in the same parent removes folders whose pid no longer runs.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 import tvm
 
 from autoq.errors import InputError
+from autoq.files import pid_dir, remove_dead_dirs
 
 __all__ = [
     "ALIGN",
@@ -34,26 +34,10 @@ __all__ = [
 SPILL_PREFIX = "autoq-calib-"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
 def remove_stale_spill_dirs(parent: Path) -> list[Path]:
     """Remove the spill folders in ``parent`` left by processes that no longer run (killed
     during calibration: SIGKILL, or SIGTERM outside the command line); returns them."""
-    removed = []
-    for d in parent.glob(f"{SPILL_PREFIX}*"):
-        pid = d.name[len(SPILL_PREFIX) :].split("-", 1)[0]
-        if d.is_dir() and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed
+    return remove_dead_dirs(parent, SPILL_PREFIX)
 
 
 #: byte alignment of the cached arrays: TVM takes a numpy array as a tensor without a copy
@@ -117,7 +101,7 @@ class ValueCache:
             parent = Path(self._dir_arg) if self._dir_arg else Path(tempfile.gettempdir())
             parent.mkdir(parents=True, exist_ok=True)
             remove_stale_spill_dirs(parent)
-            self._dir = Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{os.getpid()}-", dir=parent))
+            self._dir = pid_dir(parent, SPILL_PREFIX, 0o700)  # calibration data: private
             self._own_dir = True
         return self._dir / f"v{abs(hash(key))}_{len(self.disk)}.npy"
 

@@ -49,8 +49,6 @@ LIBRARY, QPARAMS, SCRIPT, REPORT, CONFIG, MODULE = (
 )
 #: the tuning database folder ``autoq tune`` writes next to the model
 TUNING = "tuning"
-OUTPUT_FILES = (LIBRARY, LIBRARY + ".autoq.json", QPARAMS, SCRIPT, MODULE, REPORT, CONFIG, TUNING,
-                "analysis.txt", "analysis.json", "fallback.json")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- quantize
@@ -202,7 +200,7 @@ def cmd_quantize(args) -> int:
     out = args.out or Path(f"{model_path.stem}_int8")
     target = target_of(args.target)
     config = _config(args)
-    with OutputDir(out, args.force, OUTPUT_FILES) as staging:  # checked and locked first
+    with OutputDir(out, args.force) as staging:  # checked and locked first
         return _quantize_into(args, staging, model_path, input_shapes, image_options, bundled,
                               target, config, t_start)  # fmt: skip
 
@@ -232,6 +230,10 @@ def _quantize_into(
     )  # fmt: skip
     (staging.path / REPORT).write_text(text)
     staging.commit(files)
+    if staging.removed:
+        shown = ", ".join(staging.removed[:10]) + (", ..." if len(staging.removed) > 10 else "")
+        print(f"autoq: note: --force removed {len(staging.removed)} entries autoq had not "
+              f"written from {str(out)!r}: {shown}", file=sys.stderr)  # fmt: skip
     print("")
     print(text, end="")
     print(f"done in {time.perf_counter() - t_start:.1f} s")

@@ -142,7 +142,7 @@ def _compare(mod, params, qmod, target, test, latency: bool, seconds: dict):
     from tvm import relax
 
     from autoq.build import compile as autoq_compile
-    from autoq.cli.summary import weight_bytes
+    from autoq.build import weight_bytes
 
     test_x, test_y = test
     t = time.perf_counter()

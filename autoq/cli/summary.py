@@ -7,39 +7,16 @@ import json
 import textwrap
 
 import numpy as np
-import tvm
-from tvm import relax
+
+from autoq.build import weight_bytes
 
 __all__ = [
     "fmt_bytes",
     "format_qparams",
     "quantize_report",
     "target_str",
-    "weight_bytes",
     "wrap",
 ]
-
-
-def weight_bytes(mod, params=None) -> dict[str, int]:
-    """Bytes of the constant tensors of ``mod``'s Relax functions plus ``params``, by dtype
-    (each distinct constant counted once): the weights a compiled module carries."""
-    seen: dict[int, object] = {}
-
-    def visit(e):
-        if isinstance(e, tvm.ir.GenericConst) and isinstance(e.value, tvm.runtime.Tensor):
-            seen[hash(e.value)] = e.value
-
-    for _, func in mod.functions_items():
-        if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(func.body, visit)
-    out: dict[str, int] = {}
-    for t in seen.values():
-        n = int(np.prod(t.shape)) * np.dtype(str(t.dtype)).itemsize
-        out[str(t.dtype)] = out.get(str(t.dtype), 0) + n
-    for a in (params or {}).values():
-        a = np.asarray(a)
-        out[str(a.dtype)] = out.get(str(a.dtype), 0) + a.nbytes
-    return out
 
 
 def fmt_bytes(by_dtype: dict[str, int]) -> str:
