@@ -301,3 +301,30 @@ def test_full_disk_leaves_old_result_and_user_files(files, tmp_path, capsys, mon
         )
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_rerun_keeps_and_uses_the_tuning_database(files, tmp_path, capsys, monkeypatch):
+    """A tuning database 'autoq tune' left in --out is compiled with and carried into the
+    new result (the swap used to drop it, and the compile looked for it in the staging
+    folder)."""
+    import autoq.build
+    from autoq.build.tuning_database import RECORD_FILE, WORKLOAD_FILE
+
+    out = tmp_path / "res"
+    (out / "tuning").mkdir(parents=True)
+    (out / MARKER).write_text("{}")
+    for name in (WORKLOAD_FILE, RECORD_FILE):
+        (out / "tuning" / name).write_text("")
+    used = []
+    export = autoq.build.export_library
+
+    def spy(*a, database=None, **k):
+        used.append(database)
+        return export(*a, database=database, **k)
+
+    monkeypatch.setattr(autoq.build, "export_library", spy)
+    code, _, err = quantize(capsys, files, out)
+    assert code == 0, err
+    assert used and used[0] == out / "tuning"
+    assert sorted(p.name for p in (out / "tuning").iterdir()) == [RECORD_FILE, WORKLOAD_FILE]
+    assert "tuning" in json.loads((out / MARKER).read_text())["files"]

@@ -28,6 +28,16 @@ def _dead_pid() -> int:
     return p.pid
 
 
+def test_files_doctests():
+    """autoq.files: only the exact prefix's folders of dead pids are removed."""
+    import doctest
+
+    import autoq.files
+
+    res = doctest.testmod(autoq.files)
+    assert res.attempted > 0 and res.failed == 0
+
+
 def test_stale_spill_folders_of_dead_processes_are_removed(tmp_path):
     dead = tmp_path / f"{SPILL_PREFIX}{_dead_pid()}-abc"
     dead.mkdir()

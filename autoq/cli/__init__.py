@@ -163,21 +163,27 @@ def _database_in(folder: Path) -> Path | None:
     return folder / TUNING if (folder / TUNING / RECORD_FILE).is_file() else None
 
 
-def _write(out: Path, result, config, target) -> tuple[list[str], float]:
+def _write(out: Path, result, config, target, database: Path | None) -> tuple[list[str], float]:
+    """Write the result into the folder ``out`` (compiled with the tuning ``database``,
+    which is copied along); returns the files written and the compile time."""
+    import shutil
+
     import tvm
 
     from autoq.build import export_library
     from autoq.json_document import write_atomic
 
     t = time.perf_counter()
-    # a tuning database left by 'autoq tune' in this folder is reused
-    export_library(result.module, out / LIBRARY, target=target, database=_database_in(out))
+    export_library(result.module, out / LIBRARY, target=target, database=database)
     t_compile = time.perf_counter() - t
+    if database is not None:
+        shutil.copytree(database, out / TUNING, symlinks=True)
     result.qparams.save(out / QPARAMS)
     (out / SCRIPT).write_text(result.module.script())
     write_atomic(out / MODULE, tvm.ir.save_json(result.module))
     (out / CONFIG).write_text(config.dumps())
     files = [LIBRARY, LIBRARY + ".autoq.json", QPARAMS, SCRIPT, MODULE, CONFIG, REPORT]
+    files += [TUNING] if database is not None else []
     if result.report is not None:
         (out / "analysis.txt").write_text(result.report.table() + "\n")
         (out / "analysis.json").write_text(result.report.dumps())
@@ -222,7 +228,9 @@ def _quantize_into(
     result = _run_pipeline(
         config, target, args.report, mod, params, dataset, data_name, _resources(args)
     )
-    files, t_compile = _write(staging.path, result, result.config, target)
+    # a tuning database left by 'autoq tune' in --out is used and kept
+    database = _database_in(staging.target)
+    files, t_compile = _write(staging.path, result, result.config, target, database)
     text = quantize_report(
         result, model_path, specs, args.calib or data_name, result.config, target, skip=args.skip,
         times={"import": t_import, **result.timings, "compile": t_compile},

@@ -192,7 +192,8 @@ def _add_quantize(sub) -> None:
     q.add_argument(
         "--force",
         action="store_true",
-        help="replace --out even if it holds files autoq did not write",
+        help="replace --out even if it is a folder autoq did not write (no .autoq-result "
+        "marker); the entries removed are listed",
     )
     q.add_argument(
         "--samples",

@@ -59,8 +59,9 @@ class OutputDir:
         self.path: Path | None = None
         #: entries of a folder autoq did not write that the commit removes (``force``)
         self.removed: list[str] = []
+        #: the folder the result replaces (``out`` with symbolic links followed; on entry)
+        self.target: Path | None = None
         self._shown = repr(str(out))
-        self._target: Path | None = None
         self._lock_fd: int | None = None
 
     # ------------------------------------------------------------------ entry, exit
@@ -127,7 +128,7 @@ class OutputDir:
                 f"--out {shown} is {what}; --out is replaced as a whole: name a folder "
                 "inside it, e.g. --out ./model_int8"
             )
-        self._target = target
+        self.target = target
         return target
 
     def _check_target(self, target: Path) -> None:
@@ -147,8 +148,8 @@ class OutputDir:
             self.removed = entries
 
     def _prefix(self, kind: str) -> str:
-        assert self._target is not None
-        return f".{self._target.name}.autoq-{kind}-"
+        assert self.target is not None
+        return f".{self.target.name}.autoq-{kind}-"
 
     def _unwritable(self, e: OSError) -> OutputError:
         where = f": {e.filename!r}" if e.filename else ""
@@ -160,8 +161,8 @@ class OutputDir:
     # ------------------------------------------------------------------ lock
 
     def _lock_file(self) -> Path:
-        assert self._target is not None
-        return self._target.parent / f".{self._target.name}.autoq-lock"
+        assert self.target is not None
+        return self.target.parent / f".{self.target.name}.autoq-lock"
 
     def _lock(self, target: Path) -> None:
         import fcntl
@@ -215,9 +216,9 @@ class OutputDir:
 
     def commit(self, files: list[str]) -> None:
         """Make the staged folder ``--out`` (atomically where the OS allows)."""
-        assert self.path is not None and self._target is not None
+        assert self.path is not None and self.target is not None
         (self.path / MARKER).write_text(json.dumps({"files": files}) + "\n")
-        staged, out = self.path, self._target
+        staged, out = self.path, self.target
         if out.is_dir() and _exchange(staged, out):
             shutil.rmtree(staged, ignore_errors=True)  # now holds the old result
         elif out.is_dir():
