@@ -103,7 +103,8 @@ def export_library(
     object files and the compiler's temporary files: ``TMPDIR`` points there while it
     runs); the library and its stamp are moved into place when complete, and the folder is
     removed. A work folder left by a killed process is removed by the next export to the
-    same name."""
+    same name. Less free space than twice the weights plus 16 MiB is an ``OSError``
+    (ENOSPC) before LLVM writes anything (LLVM ends the process when a write fails)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lib = compile(mod, target, cpu_kernels=cpu_kernels, database=database)
@@ -164,7 +165,8 @@ def weight_bytes(mod, params=None) -> dict[str, int]:
 
 def load_library(path: str | Path, device=None) -> relax.VirtualMachine:
     """A VirtualMachine over a library written by :func:`export_library`; a missing,
-    truncated, modified or foreign file is a :class:`autoq.errors.LibraryError` naming it."""
+    truncated, modified or foreign file, one without its stamp or under another library's
+    stamp is a :class:`autoq.errors.LibraryError` naming it."""
     use_machine_cores()
     path = check_library(path)
     request_amx()  # a library built for an AMX target needs it; harmless elsewhere
