@@ -8,6 +8,10 @@ refuses, with :class:`autoq.errors.LibraryError` naming the file, a missing file
 not an ELF shared object, one whose ELF headers point past its end (truncated), or one whose
 stamp does not match (truncated or replaced since the export). A library without a stamp
 (exported by plain TVM) is checked structurally only.
+
+The stamp also records the signature of the library's ``main`` (``inputs`` and ``outputs``:
+name, shape, dtype each), which :func:`autoq.load` checks calls against
+(:func:`read_signature`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 from autoq.errors import LibraryError
 from autoq.json_document import write_atomic
 
-__all__ = ["check_library", "stamp_path", "write_stamp"]
+__all__ = ["check_library", "read_signature", "stamp_path", "write_stamp"]
 
 _ELF_MAGIC = b"\x7fELF"
 
@@ -37,11 +41,26 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_stamp(library: Path) -> Path:
-    """Write ``<library>.autoq.json`` (format, size, sha256) next to ``library``."""
+def write_stamp(library: Path, signature: dict | None = None) -> Path:
+    """Write ``<library>.autoq.json`` (format, size, sha256 and the ``signature``
+    ``{"inputs": [...], "outputs": [...]}``, if given) next to ``library``."""
     library = Path(library)
     doc = {"format": "autoq.library", "size": library.stat().st_size, "sha256": _digest(library)}
+    doc.update(signature or {})
     return write_atomic(stamp_path(library), json.dumps(doc, indent=1) + "\n")
+
+
+def read_signature(library: str | Path) -> dict | None:
+    """``{"inputs": [...], "outputs": [...]}`` (each ``{"name", "shape", "dtype"}``) recorded
+    by :func:`write_stamp` for ``library``; None when the stamp has none (an older export)."""
+    stamp = stamp_path(Path(library))
+    try:
+        doc = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
+        return None
+    return {"inputs": doc["inputs"], "outputs": doc.get("outputs") or []}
 
 
 def _elf_extent(head: bytes) -> int:
