@@ -97,7 +97,7 @@ def _pillow():
         from PIL import Image
     except ImportError:
         raise ImportError(
-            "from_image_folder needs Pillow: pip install pillow (or autoq[images])"
+            "reading images needs Pillow, a dependency of autoq: pip install pillow"
         ) from None
     return Image
 
