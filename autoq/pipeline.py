@@ -291,7 +291,8 @@ class Quantizer:
             with clock("report"):
                 analysis = Analysis(matched, None, samples, qparams, config, self.target)
                 if client is None:
-                    report = analysis.report()
+                    report = analysis.report(progress=self.resources.show_progress)
+                    clock.detail = f"{report.samples} samples"
                 else:  # the samples' work on the workers, the same report
                     report = report_distributed(
                         analysis, *model, samples, client, resources=self.resources
