@@ -50,6 +50,8 @@ _EXPORTS = {
     "load_qparams": "autoq.qparams",
     "realize": "autoq.realization",
     "Report": "autoq.fallback.report",
+    "load": "autoq.session",
+    "Session": "autoq.session",
     "SimResult": "autoq.simulation",
     "simulate": "autoq.simulation",
     "set_threads": "autoq.threads",

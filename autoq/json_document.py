@@ -23,9 +23,9 @@ __all__ = [
 ]
 
 
-def write_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` all at once (temporary file + rename); the file's mode
-    follows the umask, as ``open`` does (0644 under umask 022)."""
+def write_atomic(path: str | Path, text: str | bytes) -> Path:
+    """Write ``text`` (or bytes) to ``path`` all at once (temporary file + rename); the
+    file's mode follows the umask, as ``open`` does (0644 under umask 022)."""
     path = Path(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(100):
@@ -38,7 +38,7 @@ def write_atomic(path: str | Path, text: str) -> Path:
     else:
         raise FileExistsError(f"no free temporary name next to {str(path)!r}")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -73,7 +74,9 @@ from autoq.recipes import resolve
 from autoq.simulation import simulate
 from autoq.threads import use_machine_cores
 
-__all__ = ["QuantizeResult", "Quantizer", "check_scales", "quantize"]
+__all__ = ["QuantizeResult", "Quantizer", "check_scales", "quantize", "realize_like"]
+
+_log = logging.getLogger("autoq")
 
 #: ``AutoFallback.precision`` -> its search (the others: :func:`auto_fallback`)
 SEARCHES = {"int16_tensors": escalate, "int16_first": int16_first}
@@ -229,6 +232,7 @@ class Quantizer:
         clock = _Clock(timings)
         with clock("match"):
             matched = match(mod, params, config)
+            clock.detail = f"{len(matched.layers)} layers"
             check_weights(matched.graph.params)
 
             matched.active(config.fallback)  # fallback rules checked before any data work
@@ -276,16 +280,19 @@ class Quantizer:
                     matched, sim, samples, config, client
                 )
             reasons.update(dict.fromkeys(unusable, "unusable scale (scale health)"))
+        _log.info("calibrated on %d samples", qparams.meta.get("samples") or 0)
         tuning = qparams.meta.get("weight_tuning")
         if tuning:  # part of "calibrate", shown on its own
             timings["calibrate.weight_tuning"] = tuning["tune_s"]
         with clock("realize"):
             module = realize(matched, None, qparams, config)
+            clock.detail = f"{len(matched.active(config.fallback))} int8 layers"
         if self.want_report and report is None:
             with clock("report"):
                 analysis = Analysis(matched, None, samples, qparams, config, self.target)
                 if client is None:
-                    report = analysis.report()
+                    report = analysis.report(progress=self.resources.show_progress)
+                    clock.detail = f"{report.samples} samples"
                 else:  # the samples' work on the workers, the same report
                     report = report_distributed(
                         analysis, *model, samples, client, resources=self.resources
@@ -403,6 +410,29 @@ def _fixed(config: Config) -> Config:
     return config.replace(fallback=fb.fixed()) if isinstance(fb, AutoFallback) else config
 
 
+def realize_like(result: QuantizeResult, mod: tvm.IRModule, params: dict | None) -> tvm.IRModule:
+    """The int8 module of ``result`` for another import of the same model with other static
+    input shapes (``mod, params``: e.g. ``from_onnx`` with another batch size): the same
+    qparams, fallback and rules (layer ids and slots do not depend on the shapes), realized
+    on ``mod``. A model that ``Config.smooth_quant`` rewrote is refused (the rewrite is of
+    the calibrated import): an :class:`autoq.errors.InputError`."""
+    from autoq.errors import InputError
+
+    if result.smoothed:
+        raise InputError(
+            f"the model was rewritten by SmoothQuant ({len(result.smoothed)} LayerNorms): its "
+            "int8 form cannot be realized on another import; quantize the model at the input "
+            "shapes it will run with, or set Config(smooth_quant=None)"
+        )
+    config = result.config
+    if config.activation.dynamic:
+        module, qparams, _ = realize_dynamic(match(mod, params, config), config)
+        return _attach(module, qparams, None, [])
+    skipped = [k for k, v in result.fp32_layers.items() if "guard" in v]
+    module = realize(mod, params, result.qparams, config)
+    return _attach(module, result.qparams, result.decision, skipped)
+
+
 def _attach(module, qparams: QParams, decision, skipped: list[str]) -> tvm.IRModule:
     module = module.with_attr("autoq.qparams", qparams.dumps())
     if decision is not None:
@@ -419,17 +449,22 @@ class _Clock:
         self.timings = timings
         self._stage = ""
         self._t0 = 0.0
+        self.detail = ""
 
     def __call__(self, stage: str) -> _Clock:
         self._stage = stage
+        self.detail = ""  # what the stage counted, logged with its time
         return self
 
     def __enter__(self):
+        _log.debug("%s ...", self._stage)
         self._t0 = time.perf_counter()
 
     def __exit__(self, *exc):
         dt = time.perf_counter() - self._t0
         self.timings[self._stage] = self.timings.get(self._stage, 0.0) + dt
+        if exc[0] is None:
+            _log.info(f"{self._stage:<14} {dt:6.1f} s  {self.detail}".rstrip())
         return False
 
 

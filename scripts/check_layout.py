@@ -63,6 +63,7 @@ LEVELS = {
     # the stages
     "simulation": 8,
     "tuning": 8,
+    "session": 8,
     "accuracy": 9,
     "calibration": 10,
     "realization": 11,

@@ -207,3 +207,27 @@ def test_kill_during_the_link_leaves_nothing_in_tmpdir(tmp_path):
         pass
     assert sorted(x.name for x in tmp_path.iterdir()) == ["calib.npz", "tiny.onnx", "tmp"]
     assert not out.exists()
+
+
+def test_ctrl_c_during_the_library_build_exits_130_and_leaves_nothing(tmp_path):
+    """SIGINT while TVM compiles the library (``-v`` prints ``compile ...`` just before the
+    build): an interrupt raised in a Python pass that TVM's C++ called comes back out of TVM
+    as another error; it is still the one-line interrupt, and the staged folder is gone."""
+    model = tiny_onnx(tmp_path / "tiny.onnx")
+    np.savez(
+        tmp_path / "calib.npz",
+        x=np.random.default_rng(0).normal(size=(2, 3, 8, 8)).astype(np.float32),
+    )
+    argv = [str(AUTOQ), "quantize", str(model), "--calib", str(tmp_path / "calib.npz"),
+            "--out", str(tmp_path / "out"), "-v"]  # fmt: skip
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if line.strip() == "compile ...":
+            break
+    time.sleep(0.3)  # inside tvm.compile's passes
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "autoq: interrupted", err
+    assert "Traceback" not in err and "compile " not in out  # the build never finished
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["calib.npz", "tiny.onnx"]

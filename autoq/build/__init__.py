@@ -21,7 +21,14 @@ from autoq.errors import LibraryError
 from autoq.build.library_file import check_library, stamp_path, write_stamp
 from autoq.files import pid_dir, remove_dead_dirs
 
-__all__ = ["compile", "default_target", "export_library", "load_library", "weight_bytes"]
+__all__ = [
+    "compile",
+    "default_target",
+    "export_library",
+    "load_library",
+    "main_signature",
+    "weight_bytes",
+]
 
 #: free space an export needs besides twice the weights (object file and library)
 _SPARE_BYTES = 16 << 20
@@ -93,11 +100,18 @@ def _kernel_pipeline(target: tvm.target.Target):
 
 
 def export_library(
-    mod: tvm.IRModule, path: str | Path, target=None, cpu_kernels: bool = True, database=None
+    mod: tvm.IRModule,
+    path: str | Path,
+    target=None,
+    cpu_kernels: bool = True,
+    database=None,
+    output_names: list[str] | None = None,
 ) -> Path:
     """Compile ``mod`` (with the tuning ``database`` folder, if given) and write a shared
-    library loadable with :func:`load_library`, with its stamp ``<path>.autoq.json`` (id,
-    size and SHA-256, see :mod:`autoq.build.library_file`).
+    library loadable with :func:`load_library` or :func:`autoq.load`, with its stamp
+    ``<path>.autoq.json`` (id, size, SHA-256 and the inputs and outputs of ``main``, see
+    :mod:`autoq.build.library_file`). ``output_names``: names of ``main``'s outputs in order
+    (e.g. the ONNX model's; default ``output_0``, ``output_1``, ...).
 
     The link runs in a work folder ``.<name>.autoq-build-<pid>-*`` next to ``path`` (TVM's
     object files and the compiler's temporary files: ``TMPDIR`` points there while it
@@ -107,6 +121,7 @@ def export_library(
     (ENOSPC) before LLVM writes anything (LLVM ends the process when a write fails)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    signature = main_signature(mod, output_names)
     lib = compile(mod, target, cpu_kernels=cpu_kernels, database=database)
     # LLVM ends the process when it cannot write an object file: check the space first
     need, st = 2 * sum(weight_bytes(mod).values()) + _SPARE_BYTES, os.statvfs(path.parent)
@@ -119,7 +134,7 @@ def export_library(
     try:
         with _temp_folder(work):
             lib.export_library(str(work / path.name), workspace_dir=str(work))
-        stamp = write_stamp(work / path.name)
+        stamp = write_stamp(work / path.name, signature)
         os.replace(work / path.name, path)
         os.replace(stamp, stamp_path(path))
     finally:
@@ -161,6 +176,41 @@ def weight_bytes(mod, params=None) -> dict[str, int]:
         a = np.asarray(a)
         out[str(a.dtype)] = out.get(str(a.dtype), 0) + a.nbytes
     return out
+
+
+def _tensor_info(name: str, sinfo) -> dict | None:
+    if not isinstance(sinfo, relax.TensorType) or sinfo.shape is None:
+        return None
+    dims = []
+    for d in sinfo.shape.values:
+        try:
+            dims.append(int(d))
+        except (TypeError, ValueError):
+            dims.append(None)  # a symbolic dimension
+    return {"name": name, "shape": dims, "dtype": str(sinfo.dtype)}
+
+
+def _flat(sinfo) -> list:
+    if isinstance(sinfo, relax.TupleType):
+        return [t for f in sinfo.fields for t in _flat(f)]
+    return [sinfo]
+
+
+def main_signature(mod: tvm.IRModule, output_names: list[str] | None = None) -> dict | None:
+    """``{"inputs": [...], "outputs": [...]}`` of ``mod["main"]``: name, shape (None for a
+    symbolic dimension) and dtype of each parameter and of each output (a tuple flattened);
+    ``output_names`` when there are as many as outputs, else ``output_<k>``. None when a
+    parameter or an output is not a tensor of known rank."""
+    func = mod["main"]
+    outs = _flat(func.ret_ty)
+    names = list(output_names or [])
+    if len(names) != len(outs) or len(set(names)) != len(names):
+        names = [f"output_{k}" for k in range(len(outs))]
+    inputs = [_tensor_info(p.name, p.ty) for p in func.params]
+    outputs = [_tensor_info(n, s) for n, s in zip(names, outs, strict=True)]
+    if None in inputs or None in outputs:
+        return None
+    return {"inputs": inputs, "outputs": outputs}
 
 
 def load_library(path: str | Path, device=None) -> relax.VirtualMachine:

@@ -17,6 +17,10 @@ end (truncated); one without the trailer (not written by ``export_library``, or 
 whose content does not match its trailer (modified); a missing stamp (integrity cannot be
 checked without it); a stamp of another library (another id: a library replaced by another
 autoq library, or a stamp copied from elsewhere); a stamp whose size or SHA-256 differ.
+
+The stamp also records the signature of the library's ``main`` (``inputs`` and ``outputs``:
+name, shape, dtype each), which :func:`autoq.load` checks calls against
+(:func:`read_signature`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pathlib import Path
 from autoq.errors import LibraryError
 from autoq.json_document import write_atomic
 
-__all__ = ["check_library", "stamp_path", "write_stamp"]
+__all__ = ["check_library", "read_signature", "stamp_path", "write_stamp"]
 
 _ELF_MAGIC = b"\x7fELF"
 _TRAILER_MAGIC = b"AUTOQLIB"
@@ -55,9 +59,10 @@ def _hash(path: Path, size: int):
     return h
 
 
-def write_stamp(library: Path) -> Path:
+def write_stamp(library: Path, signature: dict | None = None) -> Path:
     """Append the trailer (id, SHA-256) to ``library`` and write ``<library>.autoq.json``
-    (id, size, SHA-256 of the whole file) next to it; returns the stamp's path."""
+    (id, size, SHA-256 of the whole file and the ``signature`` ``{"inputs": [...],
+    "outputs": [...]}``, if given) next to it; returns the stamp's path."""
     library = Path(library)
     lib_id = secrets.token_hex(16)
     h = _hash(library, library.stat().st_size)
@@ -67,6 +72,7 @@ def write_stamp(library: Path) -> Path:
         f.write(trailer)
     h.update(trailer)
     doc = {"format": _FORMAT, "id": lib_id, "size": library.stat().st_size, "sha256": h.hexdigest()}
+    doc.update(signature or {})
     return write_atomic(stamp_path(library), json.dumps(doc, indent=1) + "\n")
 
 
@@ -93,6 +99,19 @@ def _trailer(path: Path, size: int) -> tuple[dict, int] | None:
     if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
         return None
     return doc, start
+
+
+def read_signature(library: str | Path) -> dict | None:
+    """``{"inputs": [...], "outputs": [...]}`` (each ``{"name", "shape", "dtype"}``) recorded
+    by :func:`write_stamp` for ``library``; None when the stamp has none (an older export)."""
+    stamp = stamp_path(Path(library))
+    try:
+        doc = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
+        return None
+    return {"inputs": doc["inputs"], "outputs": doc.get("outputs") or []}
 
 
 def _elf_extent(head: bytes) -> int:

@@ -1,4 +1,5 @@
-"""The ``autoq`` command: ``autoq quantize``, ``autoq inspect``, ``autoq demo``, ``autoq tune``.
+"""The ``autoq`` command: ``autoq quantize``, ``autoq run``, ``autoq inspect``, ``autoq demo``,
+``autoq tune``.
 
 Exit codes: 0 success; 2 bad input (a missing file, an unknown option value, a ``--skip``
 rule that matches no layer, calibration data that does not fit the model, a missing optional
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from autoq.cli.args import METHODS, ROUNDINGS, build_parser
+from autoq.cli.console import LOGGER, console
 from autoq.cli.inputs import (
     BUNDLED,
     UserError,
@@ -32,20 +34,21 @@ from autoq.cli.inputs import (
     resolve_model,
     target_of,
 )
-from autoq.cli.interrupts import MESSAGE, cleanup_on_signals, exit_code
+from autoq.cli.interrupts import MESSAGE, cleanup_on_signals, exit_code, received
 from autoq.cli.output_dir import OutputDir
 from autoq.errors import AutoqError
 
 __all__ = ["BUNDLED", "METHODS", "ROUNDINGS", "UserError", "main"]
 
 # files written by ``autoq quantize`` into --out
-LIBRARY, QPARAMS, SCRIPT, REPORT, CONFIG, MODULE = (
+LIBRARY, QPARAMS, SCRIPT, REPORT, CONFIG, MODULE, PREPROCESS = (
     "model.so",
     "qparams.json",
     "model.py",
     "report.txt",
     "config.json",
     "module.json",
+    "preprocess.json",
 )
 #: the tuning database folder ``autoq tune`` writes next to the model
 TUNING = "tuning"
@@ -84,35 +87,71 @@ def _config(args):
         raise UserError(one_line(e)) from None
 
 
-def _import(model_path: Path, input_shapes: dict, optimize: bool):
+def _batched(model_path: Path, batch: int):
+    """The ONNX model with every data input's first dimension set to ``batch`` (the
+    outputs' and intermediate shapes left to be inferred again)."""
+    import onnx
+
+    model = onnx.load(str(model_path))
+    weights = {t.name for t in model.graph.initializer}
+    for value in [*model.graph.input, *model.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        if value.name in weights or not dims:
+            continue
+        dims[0].Clear()
+        if value in model.graph.input:
+            dims[0].dim_value = batch
+        else:
+            dims[0].dim_param = "batch"
+    del model.graph.value_info[:]
+    return model
+
+
+def _import(model_path: Path, input_shapes: dict, optimize: bool, batch: int | None = None):
     import importlib.util
 
     from autoq.frontends import FrontendError, from_onnx
 
     if optimize and importlib.util.find_spec("onnxruntime") is None:
-        print(
-            "autoq: note: onnxruntime is not installed, importing the model without "
-            "constant folding (pip install onnxruntime if the import fails)",
-            file=sys.stderr,
+        LOGGER.warning(
+            "onnxruntime is not installed, importing the model without constant folding "
+            "(pip install onnxruntime if the import fails)"
         )
         optimize = False
+    if batch is not None:
+        input_shapes = {k: (batch, *v[1:]) for k, v in input_shapes.items()}
     try:
         from google.protobuf.message import DecodeError
     except ImportError:  # pragma: no cover (onnx depends on protobuf)
         DecodeError = ValueError
     try:
-        return from_onnx(model_path, input_shapes or None, optimize=optimize)
+        model = model_path if batch is None else _batched(model_path, batch)
+        return from_onnx(model, input_shapes or None, optimize=optimize)
     except DecodeError:
         raise UserError(f"{str(model_path)!r} is not a valid ONNX file") from None
     except (FrontendError, FileNotFoundError, ImportError, ValueError) as e:
         msg = one_line(e)  # an error that names the file already says where
+        if batch is not None:
+            raise UserError(
+                f"--batch {batch}: {model_path} does not import at batch {batch}: {msg}"
+            ) from None
         raise UserError(
             msg if str(model_path) in msg else f"cannot import {str(model_path)!r}: {msg}"
         ) from None
 
 
+def _output_names(model_path: Path) -> list[str]:
+    import onnx
+
+    try:
+        return [o.name for o in onnx.load(str(model_path), load_external_data=False).graph.output]
+    except Exception:  # the import read it already; names are a nicety
+        return []
+
+
 def _dataset(args, specs, image_options: dict):
-    """(validated dataset, description) for --calib (or the bundled digits images)."""
+    """(validated dataset, description, image preprocessing or None) for --calib (or the
+    bundled digits images)."""
     from autoq import dataset as D
 
     if args.calib is None:
@@ -122,7 +161,11 @@ def _dataset(args, specs, image_options: dict):
     else:
         data, name = load_calibration(args, specs, image_options)
     try:
-        return D.as_dataset(data, specs, limit=args.samples), name
+        return (
+            D.as_dataset(data, specs, limit=args.samples),
+            name,
+            getattr(data, "preprocessing", None),
+        )
     except D.DatasetError as e:
         raise UserError(f"calibration data {args.calib or name}: {one_line(e)}") from None
 
@@ -153,7 +196,7 @@ def _run_pipeline(config, target, report: bool, mod, params, dataset, data_name:
     except ValueError as e:  # a --skip rule that matches nothing, a bad model
         raise UserError(one_line(e)) from None
     for w in result.warnings:
-        print(f"autoq: warning: {one_line(w)}", file=sys.stderr)
+        LOGGER.warning(one_line(w))
     return result
 
 
@@ -163,9 +206,12 @@ def _database_in(folder: Path) -> Path | None:
     return folder / TUNING if (folder / TUNING / RECORD_FILE).is_file() else None
 
 
-def _write(out: Path, result, config, target, database: Path | None) -> tuple[list[str], float]:
+def _write(
+    out: Path, result, config, target, database: Path | None, extra=None
+) -> tuple[list[str], float]:
     """Write the result into the folder ``out`` (compiled with the tuning ``database``,
-    which is copied along); returns the files written and the compile time."""
+    which is copied along); ``extra``: (output names, image preprocessing). Returns the files
+    written and the compile time."""
     import shutil
 
     import tvm
@@ -173,9 +219,13 @@ def _write(out: Path, result, config, target, database: Path | None) -> tuple[li
     from autoq.build import export_library
     from autoq.json_document import write_atomic
 
+    output_names, preprocessing = extra or ([], None)
     t = time.perf_counter()
-    export_library(result.module, out / LIBRARY, target=target, database=database)
+    LOGGER.debug("compile ...")
+    export_library(result.module, out / LIBRARY, target=target, database=database,
+                   output_names=output_names)  # fmt: skip
     t_compile = time.perf_counter() - t
+    LOGGER.info("%-14s %6.1f s  %s", "compile", t_compile, LIBRARY)
     if database is not None:
         shutil.copytree(database, out / TUNING, symlinks=True)
     result.qparams.save(out / QPARAMS)
@@ -191,6 +241,9 @@ def _write(out: Path, result, config, target, database: Path | None) -> tuple[li
     if result.decision is not None:
         (out / "fallback.json").write_text(result.decision.dumps())
         files.append("fallback.json")
+    if preprocessing is not None:
+        (out / PREPROCESS).write_text(preprocessing.dumps())
+        files.append(PREPROCESS)
     return files, t_compile
 
 
@@ -222,15 +275,18 @@ def _quantize_into(
     mod, params = _import(model_path, input_shapes, args.onnx_optimize and not bundled)
     t_import = time.perf_counter() - t
     specs = D.input_specs(mod, params)
-    print(f"model       {model_path} ({', '.join(str(s) for s in specs)})")
-    dataset, data_name = _dataset(args, specs, image_options)
-    print(f"calibrating on {data_name} ...")
+    LOGGER.info(f"model       {model_path} ({', '.join(str(s) for s in specs)})")
+    dataset, data_name, preprocessing = _dataset(args, specs, image_options)
+    LOGGER.info(f"calibrating on {data_name} ...")
     result = _run_pipeline(
         config, target, args.report, mod, params, dataset, data_name, _resources(args)
     )
+    if args.batch is not None and [s.shape[:1] for s in specs] != [(args.batch,)] * len(specs):
+        result = _rebatched(result, args, model_path, specs, bundled)
     # a tuning database left by 'autoq tune' in --out is used and kept
     database = _database_in(staging.target)
-    files, t_compile = _write(staging.path, result, result.config, target, database)
+    extra = (_output_names(model_path), preprocessing)
+    files, t_compile = _write(staging.path, result, result.config, target, database, extra)
     text = quantize_report(
         result, model_path, specs, args.calib or data_name, result.config, target, skip=args.skip,
         times={"import": t_import, **result.timings, "compile": t_compile},
@@ -242,10 +298,25 @@ def _quantize_into(
         shown = ", ".join(staging.removed[:10]) + (", ..." if len(staging.removed) > 10 else "")
         print(f"autoq: note: --force removed {len(staging.removed)} entries autoq had not "
               f"written from {str(out)!r}: {shown}", file=sys.stderr)  # fmt: skip
-    print("")
-    print(text, end="")
-    print(f"done in {time.perf_counter() - t_start:.1f} s")
+    LOGGER.info("")
+    LOGGER.info(text.rstrip("\n"))
+    LOGGER.info(f"done in {time.perf_counter() - t_start:.1f} s")
     return 0
+
+
+def _rebatched(result, args, model_path, specs, bundled):
+    """``result`` with its module realized on the model imported at ``--batch`` (the same
+    qparams: they do not depend on the batch)."""
+    import dataclasses
+
+    from autoq.pipeline import realize_like
+
+    shapes = {s.name: s.shape for s in specs}
+    t = time.perf_counter()
+    mod, params = _import(model_path, shapes, args.onnx_optimize and not bundled, args.batch)
+    module = realize_like(result, mod, params)
+    LOGGER.info("%-14s %6.1f s  batch %d", "batch", time.perf_counter() - t, args.batch)
+    return dataclasses.replace(result, module=module)
 
 
 # --------------------------------------------------------------------------- inspect, demo
@@ -319,7 +390,7 @@ def cmd_tune(args) -> int:
     mod, folder = _tuned_module(args.model)
     target = target_of(args.target)
     database = args.database or folder / TUNING
-    print(f"tuning the kernels of {folder} into {database} ({args.trials} trials) ...")
+    LOGGER.info(f"tuning the kernels of {folder} into {database} ({args.trials} trials) ...")
     try:
         result = tune(
             mod,
@@ -334,16 +405,66 @@ def cmd_tune(args) -> int:
         raise UserError(one_line(e)) from None
     except TuningError as e:
         raise UserError(f"tuning failed: {one_line(e)}") from None
-    print(result.summary())
+    LOGGER.info(result.summary())
     if (folder / LIBRARY).is_file() or args.model.is_dir():
-        export_library(mod, folder / LIBRARY, target=target, database=database)
-        print(f"rebuilt {folder / LIBRARY} with the tuned kernels")
-    print(f"done in {time.perf_counter() - t_start:.1f} s")
+        export_library(mod, folder / LIBRARY, target=target, database=database,
+                       output_names=_recorded_outputs(folder / LIBRARY))  # fmt: skip
+        LOGGER.info(f"rebuilt {folder / LIBRARY} with the tuned kernels")
+    LOGGER.info(f"done in {time.perf_counter() - t_start:.1f} s")
     return 0
+
+
+def _recorded_outputs(library: Path) -> list[str]:
+    from autoq.build.library_file import read_signature
+
+    signature = read_signature(library)
+    return [o["name"] for o in signature["outputs"]] if signature else []
+
+
+def cmd_run(args) -> int:
+    from autoq.cli.summary import format_outputs
+    from autoq.session import load
+
+    sess = load(args.folder)
+    files = list(args.inputs)
+    if len(files) == 1 and files[0].suffix.lower() == ".npz":
+        import numpy as np
+
+        if not files[0].is_file():
+            raise UserError(f"no such file: {str(files[0])!r}")
+        with np.load(files[0]) as z:
+            outputs = sess.run({k: z[k] for k in z.files})
+        names = [f"{files[0].name}[{i}]" for i in range(len(next(iter(outputs.values()))))]
+    else:
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise UserError(f"no such image file: {missing[0]!r}")
+        outputs = sess.run_images(files)
+        names = [f.name for f in files]
+    LOGGER.info(format_outputs(outputs, names, args.top))
+    if args.save is not None:
+        _save_npz(args.save, outputs)
+        LOGGER.info(f"outputs written to {args.save}")
+    return 0
+
+
+def _save_npz(path: Path, arrays: dict) -> None:
+    """``arrays`` into ``path`` whole or not at all."""
+    import io
+
+    import numpy as np
+
+    from autoq.json_document import write_atomic
+
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, buf.getvalue())
 
 
 COMMANDS = {
     "quantize": cmd_quantize,
+    "run": cmd_run,
     "inspect": cmd_inspect,
     "demo": cmd_demo,
     "tune": cmd_tune,
@@ -370,11 +491,16 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return COMMANDS[args.command](args)
+        with console(getattr(args, "quiet", False), getattr(args, "verbose", False)):
+            return COMMANDS[args.command](args)
     except (UserError, AutoqError) as e:
+        if received() is not None:  # a KeyboardInterrupt that TVM turned into an error
+            raise received() from None
         print(f"autoq: error: {one_line(e)}", file=sys.stderr)
         return 2
     except Exception as e:
+        if received() is not None:
+            raise received() from None
         traceback.print_exc()
         print(
             f"autoq: internal error: {type(e).__name__}: {one_line(e)} (this is a bug in "

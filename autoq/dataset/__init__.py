@@ -29,9 +29,9 @@ vs given); NaN or Inf values (input name and sample index). In-memory datasets (
 tuples, stacked arrays) are checked entirely up front; streamed ones have their first sample
 checked up front and every later sample checked as it arrives, before the model sees it.
 
-**Loaders.** :func:`from_image_folder` (Pillow, optional extra ``autoq[images]``: the most
-common imaging library, and the one real preprocessing pipelines such as the ONNX model
-packages use), :func:`from_npz`, :func:`from_npy`.
+**Loaders.** :func:`from_image_folder` (Pillow: the most common imaging library, and the
+one real preprocessing pipelines such as the ONNX model packages use; its choices are an
+:class:`ImagePreprocessing`, saved with a quantized model), :func:`from_npz`, :func:`from_npy`.
 
 **Modules.** :mod:`.contract` (input specs, per-sample validation, :class:`DatasetError`),
 :mod:`.arrays` (stacked arrays, ``.npz``/``.npy``), :mod:`.images` (image folders) and
@@ -52,7 +52,12 @@ from autoq.dataset.contract import (
     input_specs,
     validate_sample,
 )
-from autoq.dataset.images import IMAGE_EXTENSIONS, ImageFolder, from_image_folder
+from autoq.dataset.images import (
+    IMAGE_EXTENSIONS,
+    ImageFolder,
+    ImagePreprocessing,
+    from_image_folder,
+)
 from autoq.dataset.shards import (
     CallableShards,
     ImageFolderShards,
@@ -69,6 +74,7 @@ __all__ = [
     "DatasetError",
     "ImageFolder",
     "ImageFolderShards",
+    "ImagePreprocessing",
     "InputSpec",
     "NpzShards",
     "ShardSource",

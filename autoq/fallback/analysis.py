@@ -302,12 +302,20 @@ class Analysis:
         disabled = tuple(disabled)
         return lambda samples: self.run(disabled, samples)
 
-    def report(self) -> Report:
-        """Run the analysis over the dataset (see the module docstring)."""
+    def report(self, progress: bool = False) -> Report:
+        """Run the analysis over the dataset (see the module docstring); ``progress``: a
+        progress bar over the samples (standard error)."""
+        from tqdm.auto import tqdm
+
         t0 = time.perf_counter()
         tally = self._tally()
         fp32_outs = []
-        for sample in self._own():
+        own = self._own()
+        total = len(own) if hasattr(own, "__len__") else None
+        bar = tqdm(
+            own, total=total, desc="report", unit="sample", disable=not progress, leave=False
+        )
+        for sample in bar:
             fp32_outs.append(self._report_sample(sample, tally))
         self._fp32_outputs = fp32_outs
         return self._finish(tally, len(fp32_outs), t0)

@@ -326,8 +326,8 @@ def _load(source):
         import tflite
     except ImportError:
         raise ImportError(
-            "importing .tflite files needs the flatbuffer reader: pip install tflite==2.18.0 "
-            "(or autoq[tflite])"
+            "importing .tflite files needs the flatbuffer reader: pip install 'autoq[tflite]' "
+            "(tflite)"
         ) from None
     data = source if isinstance(source, bytes | bytearray) else open(source, "rb").read()
     model = tflite.Model.GetRootAsModel(bytearray(data), 0)
