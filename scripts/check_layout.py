@@ -74,6 +74,7 @@ LEVELS = {
     "pipeline": 14,
     "__init__": 15,
     "cli": 16,
+    "command": 17,
 }
 #: (importer, imported) packages that must not reach each other, directly or through others
 FORBIDDEN = [
