@@ -4,6 +4,7 @@ quantizes around it (the unbounded-activation guard no longer crashes) and build
 ``quantize`` never returns a module that would not build (autoq.build.module_check)."""
 
 import numpy as np
+import onnx
 import pytest
 import tvm
 from onnx import TensorProto, helper, numpy_helper
@@ -143,3 +144,21 @@ def test_a_module_that_would_not_build_is_refused_naming_the_binding():
         check_builds(mod)
     with pytest.raises(Exception, match="ghost"):  # what the check spares the user
         tvm.compile(mod, "llvm")
+
+
+def test_cli_constant_input_and_its_errors(tmp_path, capsys):
+    from autoq import cli
+
+    path = tmp_path / "if.onnx"
+    onnx.save(if_model(), str(path))
+    np.savez(tmp_path / "calib.npz", x=np.stack(_data(4, 1))[:, 0])
+    base = ["quantize", str(path), "--calib", str(tmp_path / "calib.npz"), "--no-progress"]
+    code = cli.main([*base, "--out", str(tmp_path / "out"), "--constant-input", "sr=16000"])
+    assert code == 0, capsys.readouterr().err
+    assert (tmp_path / "out" / "model.so").is_file()
+    capsys.readouterr()
+    # without it the If is data-dependent: one line naming the node and the CLI fix
+    code = cli.main([*base, "--out", str(tmp_path / "out2")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "rate_branch" in err[0], err
+    assert "--constant-input NAME=VALUE" in err[0] and "constant_inputs" not in err[0], err

@@ -86,7 +86,7 @@ def _config(args):
         raise UserError(one_line(e)) from None
 
 
-def _import(model_path: Path, input_shapes: dict, optimize: bool):
+def _import(model_path: Path, input_shapes: dict, optimize: bool, constant_inputs: dict):
     import importlib.util
 
     from autoq.frontends import FrontendError, from_onnx
@@ -103,7 +103,9 @@ def _import(model_path: Path, input_shapes: dict, optimize: bool):
     except ImportError:  # pragma: no cover (onnx depends on protobuf)
         DecodeError = ValueError
     try:
-        return from_onnx(model_path, input_shapes or None, optimize=optimize)
+        return from_onnx(
+            model_path, input_shapes or None, optimize=optimize, constant_inputs=constant_inputs
+        )
     except DecodeError:
         raise UserError(f"{str(model_path)!r} is not a valid ONNX file") from None
     except (FrontendError, FileNotFoundError, ImportError, ValueError) as e:
@@ -215,7 +217,9 @@ def _quantize_into(
 
     out = staging.out
     t = time.perf_counter()
-    mod, params = _import(model_path, input_shapes, args.onnx_optimize and not bundled)
+    mod, params = _import(
+        model_path, input_shapes, args.onnx_optimize and not bundled, dict(args.constant_input)
+    )
     t_import = time.perf_counter() - t
     specs = D.input_specs(mod, params)
     print(f"model       {model_path} ({', '.join(str(s) for s in specs)})")
