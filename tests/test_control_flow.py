@@ -106,6 +106,30 @@ def test_data_dependent_if_is_a_clear_error():
         autoq.from_onnx(if_model(data_dependent=True))
 
 
+def test_loop_is_a_clear_error():
+    """A Loop (trip count from the data) is named with the fix, not an importer crash."""
+    body = helper.make_graph(
+        [helper.make_node("Add", ["acc_in", "x"], ["acc_out"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, [2])],
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["n", "", "x"], ["y"], name="repeat", body=body)],
+        "loop",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+         helper.make_tensor_value_info("n", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(FrontendError, match=r"Loop node .repeat.*does not unroll Loop"):
+        autoq.from_onnx(model)
+
+
 @pytest.mark.parametrize(
     "bad,match",
     [

@@ -183,14 +183,16 @@ def check_no_control_flow(model) -> None:
         if node.op_type not in CONTROL_FLOW_OPS:
             continue
         name = node.name or f"{node.op_type}#{k}"
-        what = (
-            f"its condition {node.input[0]!r} depends on the model's data"
-            if node.op_type == "If"
-            else "its trip count or sequence depends on the model's data"
-        )
+        if node.op_type != "If":
+            raise FrontendError(
+                f"{node.op_type} node {name!r}: autoq quantizes only graphs without control "
+                f"flow and does not unroll {node.op_type}; export the model with the loop "
+                "unrolled (a fixed-length trace), or keep this part outside the model"
+            )
         raise FrontendError(
-            f"{node.op_type} node {name!r}: {what}, and autoq quantizes only graphs without "
-            "control flow. If it depends on an input you can fix (a sample rate, a mode flag), "
-            "pass constant_inputs={name: value} (CLI: --constant-input name=value); if it "
-            "depends on a dynamic dimension, fix it with input_shapes."
+            f"If node {name!r}: its condition {node.input[0]!r} depends on the model's data, "
+            "and autoq quantizes only graphs without control flow. If it depends on an input "
+            "you can fix (a sample rate, a mode flag), pass constant_inputs={name: value} "
+            "(CLI: --constant-input name=value); if it depends on a dynamic dimension, fix it "
+            "with input_shapes."
         )
