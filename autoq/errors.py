@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "AutoqError",
+    "BuildCheckError",
     "CalibrationError",
     "CalibratorError",
     "DatasetError",
@@ -58,6 +59,12 @@ class OutputError(InputError, OSError):
 class PlatformError(InputError, OSError):
     """The target asks for something this machine or process cannot run (e.g. AMX tiles the
     operating system refuses); the message names the feature and how to compile without it."""
+
+
+class BuildCheckError(AutoqError, RuntimeError):
+    """The module autoq would return fails TVM's structural checks, so it would not build;
+    the message names the function, the binding (layer) and its op. Keep that layer in fp32
+    (``Config(fallback=Fallback(ids=[...]))``) and report the model."""
 
 
 class SmoothQuantSkipped(UserWarning):

@@ -39,6 +39,7 @@ import numpy as np
 import tvm
 
 from autoq.accuracy.smooth_quant import find_smoothable, smooth_graph
+from autoq.build.module_check import check_builds
 from autoq.calibration import (
     calibrate,
     cut_slots,
@@ -210,6 +211,8 @@ class Quantizer:
                     config = self._rules_for_a_cluster(config)
                 result = self._run_on(mod, params, dataset, client, config)
         result.recipe = (config.recipe, why)
+        with _Clock(result.timings)("build_check"):
+            check_builds(result.module)  # never hand back a module that does not build
         return result
 
     def _rules_for_a_cluster(self, config: Config) -> Config:

@@ -12,14 +12,14 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from autoq.build.library_file import check_library, stamp_path, write_stamp
 from autoq.cpu.amx import request_amx, require_amx
-from autoq.ir.target import default_target
-from autoq.threads import use_machine_cores
 from autoq.cpu.injective import ScheduleFused
 from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.errors import LibraryError
-from autoq.build.library_file import check_library, stamp_path, write_stamp
 from autoq.files import pid_dir, remove_dead_dirs
+from autoq.ir.target import default_target
+from autoq.threads import use_machine_cores
 
 __all__ = [
     "compile",

@@ -17,8 +17,8 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-from autoq.ir.cpu_pipeline import cpu_pipeline, fused
 from autoq.build.tuning_defaults import DefaultSchedules
+from autoq.ir.cpu_pipeline import cpu_pipeline, fused
 
 __all__ = [
     "MODULE_EQUALITY",

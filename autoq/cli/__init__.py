@@ -107,7 +107,13 @@ def _batched(model_path: Path, batch: int):
     return model
 
 
-def _import(model_path: Path, input_shapes: dict, optimize: bool, batch: int | None = None):
+def _import(
+    model_path: Path,
+    input_shapes: dict,
+    optimize: bool,
+    constant_inputs: dict,
+    batch: int | None = None,
+):
     import importlib.util
 
     from autoq.frontends import FrontendError, from_onnx
@@ -126,7 +132,9 @@ def _import(model_path: Path, input_shapes: dict, optimize: bool, batch: int | N
         DecodeError = ValueError
     try:
         model = model_path if batch is None else _batched(model_path, batch)
-        return from_onnx(model, input_shapes or None, optimize=optimize)
+        return from_onnx(
+            model, input_shapes or None, optimize=optimize, constant_inputs=constant_inputs
+        )
     except DecodeError:
         raise UserError(f"{str(model_path)!r} is not a valid ONNX file") from None
     except (FrontendError, FileNotFoundError, ImportError, ValueError) as e:
@@ -272,7 +280,9 @@ def _quantize_into(
 
     out = staging.out
     t = time.perf_counter()
-    mod, params = _import(model_path, input_shapes, args.onnx_optimize and not bundled)
+    mod, params = _import(
+        model_path, input_shapes, args.onnx_optimize and not bundled, dict(args.constant_input)
+    )
     t_import = time.perf_counter() - t
     specs = D.input_specs(mod, params)
     LOGGER.info(f"model       {model_path} ({', '.join(str(s) for s in specs)})")
@@ -313,7 +323,13 @@ def _rebatched(result, args, model_path, specs, bundled):
 
     shapes = {s.name: s.shape for s in specs}
     t = time.perf_counter()
-    mod, params = _import(model_path, shapes, args.onnx_optimize and not bundled, args.batch)
+    mod, params = _import(
+        model_path,
+        shapes,
+        args.onnx_optimize and not bundled,
+        dict(args.constant_input),
+        args.batch,
+    )
     module = realize_like(result, mod, params)
     LOGGER.info("%-14s %6.1f s  batch %d", "batch", time.perf_counter() - t, args.batch)
     return dataclasses.replace(result, module=module)

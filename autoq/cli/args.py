@@ -44,6 +44,14 @@ def _input_shape(text: str) -> tuple[str, tuple[int, ...]]:
     return name, _ints(dims)
 
 
+def _constant_input(text: str) -> tuple[str, float | tuple[float, ...]]:
+    name, sep, value = text.rpartition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE like sr=16000, got {text!r}")
+    vals = _floats(value)
+    return name, vals[0] if len(vals) == 1 else vals
+
+
 def _floats(text: str) -> tuple[float, ...]:
     try:
         vals = tuple(float(t) for t in text.split(",") if t.strip())
@@ -316,6 +324,15 @@ def _add_import_args(q) -> None:
         help="build model.so for batches of N rows (default: the model's first dimension, "
         "calibrated as it is; autoq.load(...).run takes any number of rows either way, in "
         "chunks of N)",
+    )
+    m.add_argument(
+        "--constant-input",
+        metavar="NAME=VALUE",
+        type=_constant_input,
+        action="append",
+        default=[],
+        help="fix an input to a value (it leaves the inputs; an If on it is folded), e.g. "
+        "--constant-input sr=16000 (repeatable; VALUE may be a comma list)",
     )
     m.add_argument(
         "--no-onnx-optimize",

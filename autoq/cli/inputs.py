@@ -32,6 +32,12 @@ CLI_FIXES = (
     (r"input_shapes=", "--input-shape "),
     (r"input_shapes\[('[^']*')\]", r"--input-shape \1"),
     (r"input_shapes (gives|names)", r"--input-shape \1"),
+    (
+        r"pass constant_inputs=\{name: value\} \(CLI: --constant-input name=value\)",
+        "pass --constant-input NAME=VALUE",
+    ),
+    (r"constant_inputs\[('[^']*')\]", r"--constant-input \1"),
+    (r"constant_inputs names", "--constant-input names"),
     (r"[Pp]ass optimize=False", "pass --no-onnx-optimize"),
     (r"\(optimize=False\)", "(--no-onnx-optimize)"),
     (r"try optimize=True", "try without --no-onnx-optimize"),

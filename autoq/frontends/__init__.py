@@ -44,7 +44,9 @@ Decisions (see also the function docstrings):
 
 Modules: :mod:`.errors` (the exceptions both importers raise), :mod:`.onnx_model` (the ONNX
 file before TVM sees it: loading, static shapes, ONNX Runtime's folding, operator support,
-which initializers are weights), :mod:`.onnx` (:func:`from_onnx`), :mod:`.clip` (ONNX
+which initializers are weights), :mod:`.control_flow` (``constant_inputs``, ``If`` folding,
+the error for control flow left), :mod:`.recurrent` (ONNX LSTM / GRU / RNN unrolled into
+standard ops), :mod:`.onnx` (:func:`from_onnx`), :mod:`.clip` (ONNX
 ``Clip`` back to ``relax.clip``), :mod:`.torch` (:func:`from_torch`) and :mod:`.weights` (the
 naming and folding every importer ends with).
 """

@@ -14,6 +14,7 @@ import tvm
 from tvm import relax
 
 from autoq.frontends.clip import raise_clip
+from autoq.frontends.control_flow import apply_constant_inputs, check_no_control_flow, fold_ifs
 from autoq.frontends.errors import FrontendError, warnings_quiet
 from autoq.frontends.onnx_model import (
     check_not_quantized,
@@ -25,6 +26,7 @@ from autoq.frontends.onnx_model import (
     resolve_input_shapes,
     strip_ort_fusion_prefix,
 )
+from autoq.frontends.recurrent import rewrite_recurrent
 from autoq.frontends.weights import finish_import
 
 __all__ = ["from_onnx"]
@@ -157,6 +159,7 @@ def from_onnx(
     fold_bn: bool = True,
     verbose: bool = False,
     allow_quantized: bool = False,
+    constant_inputs: Mapping[str, object] | None = None,
 ) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
     """Import an ONNX model as ``(mod, params)``.
 
@@ -181,15 +184,26 @@ def from_onnx(
             print(f"[from_onnx] {step}: {time.perf_counter() - t0:.2f} s")
 
     model = load_onnx(path_or_model)
+    apply_constant_inputs(model, constant_inputs)
     shapes = resolve_input_shapes(model, input_shapes)
     check_supported(model)
     check_not_quantized(model, allow_quantized)
     fix_input_shapes(model, shapes)
+    fold_ifs(model)
     if optimize:
         with tempfile.TemporaryDirectory(prefix="autoq_onnx_") as tmp:
             model = ort_optimize(model, Path(tmp))
+            # an inlined branch brings shape arithmetic (and maybe more If) to fold again
+            while any(n.op_type == "If" for n in model.graph.node) and fold_ifs(model):
+                model = ort_optimize(model, Path(tmp))
         log("onnxruntime basic optimization")
         check_supported(model)
+    check_no_control_flow(model)
+    if rewrite_recurrent(model):
+        log("recurrent layers unrolled")
+        if optimize:  # fold what reads only constants (a constant initial state's terms)
+            with tempfile.TemporaryDirectory(prefix="autoq_onnx_") as tmp:
+                model = ort_optimize(model, Path(tmp))
     inline_non_weights(model)
     with warnings_quiet():
         mod = _tvm_import(model, shapes, optimize)

@@ -12,12 +12,14 @@ from pathlib import Path
 import numpy as np
 import tvm
 
+from autoq.frontends.control_flow import CONTROL_FLOW_OPS
 from autoq.frontends.errors import (
     FrontendError,
     ModelFileError,
     QuantizedModelError,
     UnsupportedOpsError,
 )
+from autoq.frontends.recurrent import RECURRENT_OPS
 
 __all__ = [
     "EXTERNAL_DATA_BYTES",
@@ -283,14 +285,16 @@ def _walk_nodes(graph):
 
 
 def unsupported_onnx_ops(path_or_model) -> dict[str, list[str]]:
-    """Operator types (with ``domain.`` prefix when not the default) that TVM cannot import.
+    """Operator types (with ``domain.`` prefix when not the default) that TVM cannot import
+    and autoq does not rewrite (recurrent layers) or reject itself (control flow).
 
     Maps each type to the names of the nodes that use it (``<op>#<index>`` when unnamed).
     """
     from tvm.relax.frontend.onnx import onnx_frontend
 
     model = load_onnx(path_or_model)
-    supported = set(onnx_frontend._get_convert_map()) | {"Constant", "If"}
+    supported = set(onnx_frontend._get_convert_map()) | {"Constant"}
+    supported |= set(CONTROL_FLOW_OPS) | set(RECURRENT_OPS)
     out: dict[str, list[str]] = {}
     for k, node in enumerate(_walk_nodes(model.graph)):
         if node.op_type not in supported:

@@ -21,6 +21,7 @@ import tvm
 from tvm import relax
 
 from autoq.ir.canonicalize import canonicalize
+from autoq.ir.prepare import outline_control_flow
 from autoq.ir.toolkit import (
     bindings,
     const_array,
@@ -169,7 +170,8 @@ def prepare(mod: tvm.IRModule, params: dict | None = None, func_name: str = "mai
             relax.transform.FoldConstant(),
         ]
     )
-    mod = canonicalize(seq(with_main(mod, func, func_name)), func_name, set(params))
+    mod = outline_control_flow(seq(with_main(mod, func, func_name)), func_name)
+    mod = canonicalize(mod, func_name, set(params))
     return index_function(mod[func_name], params, mod)
 
 

@@ -35,7 +35,14 @@ from tvm import relax
 
 from autoq.ir.toolkit import bindings, const_array, op_name, shape_of, with_main
 
-__all__ = ["drop_unused_params", "fold_affine", "fold_batch_norm", "rebind", "rename_params"]
+__all__ = [
+    "drop_unused_params",
+    "fold_affine",
+    "fold_batch_norm",
+    "outline_control_flow",
+    "rebind",
+    "rename_params",
+]
 
 _CONV_OPS = {
     "relax.nn.conv1d": False,
@@ -590,3 +597,38 @@ def _chain_bindings(scan: _Scan, chain: list[relax.Var]) -> set[relax.Var]:
     for v in chain:
         out.update(a for a in scan.value_of[v].args if scan.is_reshape(a))
     return out
+
+
+def outline_control_flow(mod: tvm.IRModule, func_name: str = "main") -> tvm.IRModule:
+    """``mod`` with every ``If`` binding of ``func_name`` moved into a private function of
+    its own (``<func>_branch_<k>``, called with the ``If``'s free variables), so that the
+    function is a straight list of calls: the quantizer then sees one opaque fp32 layer
+    where the control flow was, quantizes around it, and the module still builds (an
+    ``If`` left inline would be cut apart by the binding slices). ``mod`` itself when there
+    is none. An ``If`` whose condition the user can fix is better folded at import
+    (``from_onnx(..., constant_inputs=...)``)."""
+    func = mod[func_name]
+    body = func.body
+    if not isinstance(body, relax.SeqExpr) or not any(
+        isinstance(b.value, relax.If) for block in body.blocks for b in block.bindings
+    ):
+        return mod
+    bb = relax.BlockBuilder(mod)
+    blocks, k = [], 0
+    for block in body.blocks:
+        new = []
+        for b in block.bindings:
+            if isinstance(b, relax.VarBinding) and isinstance(b.value, relax.If):
+                free = list(relax.analysis.free_vars(b.value))
+                branch = relax.utils.copy_with_new_vars(relax.Function(free, b.value, b.var.ty))
+                gv = bb.add_func(branch, f"{func_name}_branch_{k}")
+                k += 1
+                new.append(relax.VarBinding(b.var, relax.Call(gv, free)))
+            else:
+                new.append(b)
+        blocks.append(relax.BindingBlock(new))
+    out = bb.get()
+    out[func_name] = relax.Function(
+        func.params, relax.SeqExpr(blocks, body.body), func.ret_ty, func.is_pure, func.attrs
+    )
+    return relax.transform.Normalize()(out)
