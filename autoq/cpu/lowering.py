@@ -274,11 +274,32 @@ def _dense_operands(call):
     return a, w, dt, za
 
 
+def _runtime_zero_point_operands(call):
+    """(data, weight [N, K], data dtype, zero point expression) of a ``qnn.dense`` whose
+    activation zero point is a run-time tensor (``qnn.dynamic_quantize``: a scalar or one per
+    row) and whose weight the kernels cover, or None."""
+    data, weight, _s_x, z_x, _s_w, z_w = call.args
+    if const_array(z_x) is not None:
+        return None
+    ops = _operands(data, weight, relax.const(0, "int32"), z_w)
+    return None if ops is None else (data, ops[2], ops[0], z_x)
+
+
+def _runtime_zero_point_dense(isa: Isa, bb, data, w: np.ndarray, dt: str, z_x):
+    """``(x - z_x) @ w.T`` for a run-time ``z_x``: the kernel's ``x @ w.T`` minus
+    ``z_x * sum_k(w)``, the same int32 terms as the ``qnn.dense`` legalization."""
+    acc = bb.emit(_dense_call(isa, bb, data, w, dt, 0))
+    wsum = relax.const(w.astype(np.int64).sum(axis=1).astype(np.int32))
+    return relax.op.subtract(acc, relax.op.multiply(z_x, wsum))
+
+
 def _dense(isa: Isa, fallback, bb, call):
     ops = _dense_operands(call)
-    if ops is None:
-        return fallback(bb, call)
-    return _dense_call(isa, bb, *ops)
+    if ops is not None:
+        return _dense_call(isa, bb, *ops)
+    if is_call(call, "qnn.dense") and (runtime := _runtime_zero_point_operands(call)):
+        return _runtime_zero_point_dense(isa, bb, *runtime)
+    return fallback(bb, call)
 
 
 def _with_epilogue(isa: Isa, bb, call, epilogue: Epilogue, fed=None, out_layout=None, res=None):
