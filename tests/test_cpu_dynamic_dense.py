@@ -7,6 +7,7 @@ quantization and of the kernel pipeline's fused multiply-add tail."""
 
 from __future__ import annotations
 
+import doctest
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,9 @@ import tvm
 from tvm import relax
 
 import autoq
-from autoq import Config, QuantSpec, qnn
+from autoq import Config, qnn
 from autoq.cpu import amx
+from autoq.cpu import dynamic_quantize as dq_kernel
 from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.ir.toolkit import const_array, is_call
 from autoq.qnn.runtime_qparams import dynamic_quantize
@@ -158,3 +160,53 @@ def test_realized_dynamic_layer(attrs, kind):
         np.testing.assert_array_equal(_run(qmod, target, x, cpu_kernels=False), twice)
         assert np.all((got == once) | (got == twice))
         assert np.any(once != twice)  # the inputs tell the two roundings apart
+
+
+def _quantize_module(shape, spec: dict):
+    """main(x float32 of ``shape``) = the tuple (q, scale, zero_point) of
+    ``qnn.dynamic_quantize`` per token."""
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(qnn.dynamic_quantize(x, "token", **spec))
+        bb.emit_func_output(out)
+    return tvm.IRModule({"main": bb.get()["main"]})
+
+
+QUANTIZE_CASES = [
+    ((3, 20), {}),  # K: one 16-lane block and a tail
+    ((2, 5, 7), {"out_dtype": "uint8"}),  # K below the lanes
+    ((1, 9, 48), {"symmetric": True, "narrow_range": True}),
+    ((4, 33), {"reduce_range": True}),
+]
+
+
+@pytest.mark.parametrize(("shape", "spec"), QUANTIZE_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("mcpu", [HOST, "haswell"])
+def test_dynamic_quantize_kernel_bit_exact(mcpu, shape, spec):
+    """The row-parallel per-token quantize kernel against numpy's dynamic_quantize and the
+    generic lowering: q, scale and zero point bit for bit (rows of mixed signs, a positive
+    row, an all-zero row)."""
+    rng = np.random.default_rng(len(shape) * 100 + shape[-1])
+    x = (rng.normal(size=shape) * rng.uniform(0.01, 5.0, size=(*shape[:-1], 1))).astype(np.float32)
+    flat = x.reshape(-1, shape[-1])
+    flat[0] = 0.0
+    flat[-1] = np.abs(flat[-1]) + 0.5
+    mod, target = _quantize_module(shape, spec), _target({"mcpu": mcpu})
+    assert "autoq_dynamic_quantize" in _kernels(mod, target)
+    dt = spec.get("out_dtype", "int8")
+    options = {k: v for k, v in spec.items() if k != "out_dtype"}
+    ref = dynamic_quantize(x, "token", dt, **options)
+    outs = []
+    for use in (True, False):
+        vm = relax.VirtualMachine(autoq.compile(mod, target, cpu_kernels=use), tvm.cpu())
+        outs.append([t.numpy() for t in vm["main"](tvm.runtime.tensor(x))])
+    for got, generic, want in zip(*outs, ref, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(generic, want)
+
+
+def test_doctests():
+    assert doctest.testmod(dq_kernel).failed == 0

@@ -38,6 +38,7 @@ from autoq.cpu.conv2d import ConvShape, conv2d_kernel
 from autoq.cpu.conv_transpose import conv2d_transpose_kernel
 from autoq.cpu.dense import dense_kernel
 from autoq.cpu.depthwise import blocked, depthwise_kernel, depthwise_weight, zero_point_input
+from autoq.cpu.dynamic_quantize import dynamic_quantize_kernel
 from autoq.cpu.epilogue import Epilogue
 from autoq.cpu.fuse_epilogue import fuse_epilogues
 from autoq.cpu.isa import VNNI, Isa, kernel_isa
@@ -52,6 +53,7 @@ from autoq.cpu.packing import compensation, pack_conv_weight, pack_dense_weight,
 from autoq.cpu.softmax import softmax_kernel, softmax_table
 from autoq.ir.toolkit import const_array, dtype_of, is_call, shape_of
 from autoq.qnn.accumulate import depthwise_shape
+from autoq.qnn.dynamic_quantize import qparam_range
 
 __all__ = ["lower_to_cpu_kernels"]
 
@@ -386,6 +388,33 @@ def _softmax(_isa: Isa, fallback, bb, call):
     return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, "float32"))
 
 
+def _dynamic_quantize(_isa: Isa, fallback, bb, call):
+    """Per-token ``qnn.dynamic_quantize`` of a static shape -> the row-parallel kernel of
+    :mod:`autoq.cpu.dynamic_quantize` on ``[rows, K]``; anything else -> ``fallback``."""
+    (data,) = call.args
+    shape = shape_of(data)
+    a = call.attrs
+    if shape is None or not shape or 0 in shape or str(a["granularity"]) != "token":
+        return fallback(bb, call)
+    rows, k = math.prod(shape[:-1]), shape[-1]
+    out_dtype = str(a["out_dtype"])
+    func = dynamic_quantize_kernel(rows, k, out_dtype, qparam_range(call), bool(a["symmetric"]))
+    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_dynamic_quantize")
+    x2 = bb.emit(relax.op.reshape(data, [rows, k])) if len(shape) != 2 else data
+    types = [
+        relax.TensorType((rows, k), out_dtype),
+        relax.TensorType((rows, 1), "float32"),
+        relax.TensorType((rows, 1), "int32"),
+    ]
+    out = bb.emit(relax.call_tir(gv, [x2], out_ty=types))
+    qparams = [*shape[:-1], 1]
+    shapes = [list(shape), qparams, qparams]
+    parts = [relax.TupleGetItem(out, i) for i in range(3)]
+    if len(shape) != 2:
+        parts = [bb.emit(relax.op.reshape(p, s)) for p, s in zip(parts, shapes, strict=True)]
+    return relax.Tuple(parts)
+
+
 def _lut(_isa: Isa, fallback, bb, call):
     """``qnn.lut`` -> :func:`autoq.cpu.lut.vbmi_lut_kernel` on targets with AVX-512 VBMI
     (8-bit tables), else :func:`autoq.cpu.lut.lut_kernel` (static shapes)."""
@@ -417,6 +446,7 @@ _LOWERINGS = {
     "relax.nn.conv2d_transpose": _conv2d_transpose,
     "relax.nn.softmax": _softmax,
     "qnn.lut": _lut,
+    "qnn.dynamic_quantize": _dynamic_quantize,
 }
 
 
