@@ -4,10 +4,13 @@ packed CPU kernels (a target-chosen lowering; the canonical ``qnn.*`` graph is u
 :func:`lower_to_cpu_kernels` legalizes the module with these ops mapped to ``call_tir`` of
 the scheduled PrimFuncs of :mod:`autoq.cpu.conv2d` / :mod:`autoq.cpu.dense`, their weights
 packed into constants once (depthwise conv: :mod:`autoq.cpu.depthwise`); every call the
-kernels do not cover (grouped conv other than depthwise,
-non-constant or asymmetric weights, per-axis or runtime activation zero points, dynamic
-shapes, uint8 weights) keeps the op's own legalization. float32 softmax over the last axis
-becomes :mod:`autoq.cpu.softmax` (row-parallel, denormal probabilities flushed to 0); a
+kernels do not cover (grouped conv other than depthwise, non-constant or asymmetric weights,
+per-axis activation zero points, run-time ones other than a dense layer's, dynamic shapes,
+uint8 weights) keeps the op's own legalization. A ``qnn.dense`` with a run-time activation
+zero point (the dynamic layers, per token or per tensor) runs the kernel on the raw codes
+and subtracts ``z_x * sum(w)`` after it; per-token ``qnn.dynamic_quantize`` becomes
+:mod:`autoq.cpu.dynamic_quantize`. float32 softmax over the last axis becomes
+:mod:`autoq.cpu.softmax` (row-parallel, denormal probabilities flushed to 0); a
 ``qnn.matmul`` of two activations (int8 rhs, same batch axes) :mod:`autoq.cpu.batch_matmul`.
 On targets with AMX int8 tiles, dense (>= ``AMX_MIN_ROWS`` rows) and the convs
 :func:`autoq.cpu.amx_conv2d.amx_conv_applies` accepts run on :mod:`autoq.cpu.amx_dense` /
