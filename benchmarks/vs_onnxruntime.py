@@ -9,6 +9,9 @@ one markdown table row per runtime configuration:
 * ORT int8 (QDQ, per-channel int8 weights, asymmetric uint8/int8 activations) calibrated with
   MinMax, Entropy and Percentile on the same calibration samples, run with graph
   optimizations off (the QDQ graph as written) and on (ORT fuses it into integer kernels);
+* OpenVINO int8: NNCF's defaults on the same calibration samples, run by OpenVINO's CPU
+  plugin (``benchmarks/peers.py``'s quantize and runner; skipped with ``--no-openvino`` or
+  when nncf / openvino are not installed);
 * autoq int8 (``AUTOQ_CONFIGS``: per-channel int8 weights, int8 activations with the mse
   (default) and percentile calibrators in topological calibration and KL on fp32
   statistics), compiled by TVM, untuned.
@@ -201,6 +204,7 @@ def parse_args(argv=None):
         f"memory available at that moment minus {common.RSS_RESERVE_MB / 1024:g} GB",
     )
     p.add_argument("--no-tvm", action="store_true", help="skip the TVM fp32 baseline")
+    p.add_argument("--no-openvino", action="store_true", help="skip the OpenVINO int8 row")
     p.add_argument(
         "--tvm-eval",
         type=int,
@@ -253,6 +257,26 @@ def _latencies(path, sample, repeats) -> dict[tuple[int, bool], float]:
         for threads in (1, 2)
         for opt in (False, True)
     }
+
+
+def openvino_int8(info, calib: common.Dataset, evalset: common.Dataset, repeats: int) -> dict:
+    """NNCF + OpenVINO int8 (``peers.py``'s child process and runner) on the prepared model
+    after ``quant_pre_process``: its outputs on ``evalset``, quantize CPU seconds, peak RSS
+    and the median ms at 1 and 2 threads."""
+    import peers
+
+    model, _ = peers.pre_processed(info)
+    with tempfile.TemporaryDirectory(prefix="autoq-openvino-int8-") as tmp:
+        samples, xml = Path(tmp) / "calib.npz", Path(tmp) / "int8.xml"
+        common.save_samples(calib.samples, samples)
+        transformer = info.kind == "embedding"
+        q = peers.measured("_nncf_child", {"model": str(model), "output": str(xml),
+                                           "samples": str(samples), "transformer": transformer})  # fmt: skip
+        ov = peers.OpenVinoRunner(xml, (1, 2), "default")
+        outs = [ov.run(x, 2) for x in evalset]
+        ms = {n: common.median_ms(ov.call(evalset[0], n), repeats) for n in (1, 2)}
+    return {"outputs": outs, "calib_s": q["cpu_s"], "peak_rss_mb": q["peak_rss_mb"],
+            "ms_1t": ms[1], "ms_2t": ms[2], "precision": ov.precision}  # fmt: skip
 
 
 def bench_model(name: str, args, log) -> tuple[list[list[str]], dict]:
@@ -388,6 +412,18 @@ def bench_model(name: str, args, log) -> tuple[list[list[str]], dict]:
                 f"quantize_static, peak {q['peak_rss_mb']:.0f} MB"
             )
             log(f"  {name}: {label} done ({time.perf_counter() - t_model:.0f} s)")
+
+    if not args.no_openvino:
+        try:
+            ov = openvino_int8(info, calib, evalset, args.repeats)
+        except (ImportError, common.SubprocessFailed) as err:
+            raw["notes"].append(f"OpenVINO int8: not run ({type(err).__name__}: {err})")
+        else:
+            fid = common.fidelity(info.kind, ref, ov["outputs"], thresh)
+            add("OpenVINO int8 (NNCF)", "default", fid, ov["calib_s"], ov["peak_rss_mb"],
+                ov["ms_1t"], ov["ms_2t"], ref1[True])  # fmt: skip
+            raw["notes"].append(f"OpenVINO int8: inference precision {ov['precision']}")
+            log(f"  {name}: OpenVINO int8 done ({time.perf_counter() - t_model:.0f} s)")
 
     # autoq (hook)
     try:

@@ -4,10 +4,13 @@ packed CPU kernels (a target-chosen lowering; the canonical ``qnn.*`` graph is u
 :func:`lower_to_cpu_kernels` legalizes the module with these ops mapped to ``call_tir`` of
 the scheduled PrimFuncs of :mod:`autoq.cpu.conv2d` / :mod:`autoq.cpu.dense`, their weights
 packed into constants once (depthwise conv: :mod:`autoq.cpu.depthwise`); every call the
-kernels do not cover (grouped conv other than depthwise,
-non-constant or asymmetric weights, per-axis or runtime activation zero points, dynamic
-shapes, uint8 weights) keeps the op's own legalization. float32 softmax over the last axis
-becomes :mod:`autoq.cpu.softmax` (row-parallel, denormal probabilities flushed to 0); a
+kernels do not cover (grouped conv other than depthwise, non-constant or asymmetric weights,
+per-axis activation zero points, run-time ones other than a dense layer's, dynamic shapes,
+uint8 weights) keeps the op's own legalization. A ``qnn.dense`` with a run-time activation
+zero point (the dynamic layers, per token or per tensor) runs the kernel on the raw codes
+and subtracts ``z_x * sum(w)`` after it; per-token ``qnn.dynamic_quantize`` becomes
+:mod:`autoq.cpu.dynamic_quantize`. float32 softmax over the last axis becomes
+:mod:`autoq.cpu.softmax` (row-parallel, denormal probabilities flushed to 0); a
 ``qnn.matmul`` of two activations (int8 rhs, same batch axes) :mod:`autoq.cpu.batch_matmul`.
 On targets with AMX int8 tiles, dense (>= ``AMX_MIN_ROWS`` rows) and the convs
 :func:`autoq.cpu.amx_conv2d.amx_conv_applies` accepts run on :mod:`autoq.cpu.amx_dense` /
@@ -38,6 +41,7 @@ from autoq.cpu.conv2d import ConvShape, conv2d_kernel
 from autoq.cpu.conv_transpose import conv2d_transpose_kernel
 from autoq.cpu.dense import dense_kernel
 from autoq.cpu.depthwise import blocked, depthwise_kernel, depthwise_weight, zero_point_input
+from autoq.cpu.dynamic_quantize import dynamic_quantize_kernel
 from autoq.cpu.epilogue import Epilogue
 from autoq.cpu.fuse_epilogue import fuse_epilogues
 from autoq.cpu.isa import VNNI, Isa, kernel_isa
@@ -52,6 +56,7 @@ from autoq.cpu.packing import compensation, pack_conv_weight, pack_dense_weight,
 from autoq.cpu.softmax import softmax_kernel, softmax_table
 from autoq.ir.toolkit import const_array, dtype_of, is_call, shape_of
 from autoq.qnn.accumulate import depthwise_shape
+from autoq.qnn.dynamic_quantize import qparam_range
 
 __all__ = ["lower_to_cpu_kernels"]
 
@@ -274,11 +279,32 @@ def _dense_operands(call):
     return a, w, dt, za
 
 
+def _runtime_zero_point_operands(call):
+    """(data, weight [N, K], data dtype, zero point expression) of a ``qnn.dense`` whose
+    activation zero point is a run-time tensor (``qnn.dynamic_quantize``: a scalar or one per
+    row) and whose weight the kernels cover, or None."""
+    data, weight, _s_x, z_x, _s_w, z_w = call.args
+    if const_array(z_x) is not None:
+        return None
+    ops = _operands(data, weight, relax.const(0, "int32"), z_w)
+    return None if ops is None else (data, ops[2], ops[0], z_x)
+
+
+def _runtime_zero_point_dense(isa: Isa, bb, data, w: np.ndarray, dt: str, z_x):
+    """``(x - z_x) @ w.T`` for a run-time ``z_x``: the kernel's ``x @ w.T`` minus
+    ``z_x * sum_k(w)``, the same int32 terms as the ``qnn.dense`` legalization."""
+    acc = bb.emit(_dense_call(isa, bb, data, w, dt, 0))
+    wsum = relax.const(w.astype(np.int64).sum(axis=1).astype(np.int32))
+    return relax.op.subtract(acc, relax.op.multiply(z_x, wsum))
+
+
 def _dense(isa: Isa, fallback, bb, call):
     ops = _dense_operands(call)
-    if ops is None:
-        return fallback(bb, call)
-    return _dense_call(isa, bb, *ops)
+    if ops is not None:
+        return _dense_call(isa, bb, *ops)
+    if is_call(call, "qnn.dense") and (runtime := _runtime_zero_point_operands(call)):
+        return _runtime_zero_point_dense(isa, bb, *runtime)
+    return fallback(bb, call)
 
 
 def _with_epilogue(isa: Isa, bb, call, epilogue: Epilogue, fed=None, out_layout=None, res=None):
@@ -365,6 +391,33 @@ def _softmax(_isa: Isa, fallback, bb, call):
     return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, "float32"))
 
 
+def _dynamic_quantize(_isa: Isa, fallback, bb, call):
+    """Per-token ``qnn.dynamic_quantize`` of a static shape -> the row-parallel kernel of
+    :mod:`autoq.cpu.dynamic_quantize` on ``[rows, K]``; anything else -> ``fallback``."""
+    (data,) = call.args
+    shape = shape_of(data)
+    a = call.attrs
+    if shape is None or not shape or 0 in shape or str(a["granularity"]) != "token":
+        return fallback(bb, call)
+    rows, k = math.prod(shape[:-1]), shape[-1]
+    out_dtype = str(a["out_dtype"])
+    func = dynamic_quantize_kernel(rows, k, out_dtype, qparam_range(call), bool(a["symmetric"]))
+    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_dynamic_quantize")
+    x2 = bb.emit(relax.op.reshape(data, [rows, k])) if len(shape) != 2 else data
+    types = [
+        relax.TensorType((rows, k), out_dtype),
+        relax.TensorType((rows, 1), "float32"),
+        relax.TensorType((rows, 1), "int32"),
+    ]
+    out = bb.emit(relax.call_tir(gv, [x2], out_ty=types))
+    qparams = [*shape[:-1], 1]
+    shapes = [list(shape), qparams, qparams]
+    parts = [relax.TupleGetItem(out, i) for i in range(3)]
+    if len(shape) != 2:
+        parts = [bb.emit(relax.op.reshape(p, s)) for p, s in zip(parts, shapes, strict=True)]
+    return relax.Tuple(parts)
+
+
 def _lut(_isa: Isa, fallback, bb, call):
     """``qnn.lut`` -> :func:`autoq.cpu.lut.vbmi_lut_kernel` on targets with AVX-512 VBMI
     (8-bit tables), else :func:`autoq.cpu.lut.lut_kernel` (static shapes)."""
@@ -396,6 +449,7 @@ _LOWERINGS = {
     "relax.nn.conv2d_transpose": _conv2d_transpose,
     "relax.nn.softmax": _softmax,
     "qnn.lut": _lut,
+    "qnn.dynamic_quantize": _dynamic_quantize,
 }
 
 

@@ -17,7 +17,14 @@ from autoq.qnn.checks import attr, check_dtype, check_out_dtype, dims, fail, ten
 from autoq.qnn.registration import make_call, register
 from autoq.qnn.tensor_exprs import quantize_value
 
-__all__ = ["GRANULARITIES", "dynamic_quantize", "runtime_qparam_dims"]
+__all__ = [
+    "GRANULARITIES",
+    "dynamic_quantize",
+    "qparam_range",
+    "runtime_qparam_dims",
+    "runtime_scale",
+    "runtime_zero_point",
+]
 
 GRANULARITIES = ("tensor", "token")
 _OUT_DTYPES = ("int8", "uint8")
@@ -71,12 +78,6 @@ def _infer(op, call):
     )
 
 
-def _qrange(call) -> tuple[int, int]:
-    return P.qrange(
-        attr(call, "out_dtype"), bool(attr(call, "narrow_range")), bool(attr(call, "reduce_range"))
-    )
-
-
 def _reduce(x, per_token: bool, reducer, name: str):
     """min or max over the last axis (keepdims) or over everything (0-d)."""
     shape = list(x.shape)
@@ -87,38 +88,56 @@ def _reduce(x, per_token: bool, reducer, name: str):
     return te.compute((), lambda: reducer(x[tuple(ks)], axis=ks), name=name)
 
 
-def _qparams(lo, hi, qmin: int, qmax: int, symmetric: bool):
-    """TE scale and zero point from the reduced min/max (runtime_qparams, same order)."""
+def runtime_scale(lo, hi, qmin: int, qmax: int, symmetric: bool):
+    """The float32 scale (a PrimExpr) from the reduced min ``lo`` and max ``hi``
+    (runtime_qparams, same order); shared with the CPU kernel
+    (:mod:`autoq.cpu.dynamic_quantize`)."""
     f32 = "float32"
     zero, one = tirx.const(0.0, f32), tirx.const(1.0, f32)
     tiny = tirx.const(1.1754943508222875e-38, f32)
+    rmin, rmax = te.min(lo, zero), te.max(hi, zero)
+    if symmetric:
+        s = te.max(-rmin, rmax) / tirx.const((qmax - qmin) / 2, f32)
+    else:
+        s = (rmax - rmin) / tirx.const(float(qmax - qmin), f32)
+    return tirx.Select(s < tiny, one, s)
 
-    def scale_at(*i):
-        rmin, rmax = te.min(lo[i], zero), te.max(hi[i], zero)
-        if symmetric:
-            s = te.max(-rmin, rmax) / tirx.const((qmax - qmin) / 2, f32)
-        else:
-            s = (rmax - rmin) / tirx.const(float(qmax - qmin), f32)
-        return tirx.Select(s < tiny, one, s)
 
-    scale = te.compute(lo.shape, scale_at, name="scale")
-    mid = (qmin + qmax + 1) // 2
+def runtime_zero_point(lo, scale, qmin: int, qmax: int, symmetric: bool):
+    """The int32 zero point (a PrimExpr) from the reduced min ``lo`` and the ``scale``."""
+    f32 = "float32"
+    if symmetric:
+        return tirx.const((qmin + qmax + 1) // 2, "int32")
+    rmin = te.min(lo, tirx.const(0.0, f32))
+    z = tirx.const(float(qmin), f32) - te.round(rmin / scale)
+    z = te.max(te.min(z, tirx.const(float(qmax), f32)), tirx.const(float(qmin), f32))
+    return z.astype("int32")
 
-    def zp_at(*i):
-        if symmetric:
-            return tirx.const(mid, "int32")
-        rmin = te.min(lo[i], zero)
-        z = tirx.const(float(qmin), f32) - te.round(rmin / scale[i])
-        z = te.max(te.min(z, tirx.const(float(qmax), f32)), tirx.const(float(qmin), f32))
-        return z.astype("int32")
 
-    return scale, te.compute(lo.shape, zp_at, name="zero_point")
+def qparam_range(call) -> tuple[int, int]:
+    """``(qmin, qmax)`` of the run-time qparams of the ``qnn.dynamic_quantize`` ``call``."""
+    return P.qrange(
+        attr(call, "out_dtype"), bool(attr(call, "narrow_range")), bool(attr(call, "reduce_range"))
+    )
+
+
+def _qparams(lo, hi, qmin: int, qmax: int, symmetric: bool):
+    """TE scale and zero point tensors from the reduced min/max."""
+    scale = te.compute(
+        lo.shape, lambda *i: runtime_scale(lo[i], hi[i], qmin, qmax, symmetric), name="scale"
+    )
+    zp = te.compute(
+        lo.shape,
+        lambda *i: runtime_zero_point(lo[i], scale[i], qmin, qmax, symmetric),
+        name="zero_point",
+    )
+    return scale, zp
 
 
 def _legalize(bb, call):
     out_dtype = attr(call, "out_dtype")
     per_token = attr(call, "granularity") == "token"
-    qmin, qmax = _qrange(call)
+    qmin, qmax = qparam_range(call)
     symmetric = bool(attr(call, "symmetric"))
 
     def f(x):
