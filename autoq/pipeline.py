@@ -143,9 +143,9 @@ class Quantizer:
         self.cluster = cluster
 
     def run(self, mod: tvm.IRModule, params: dict | None, dataset) -> QuantizeResult:
-        use_machine_cores()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            use_machine_cores()  # a TVM_NUM_THREADS capped to the CPUs: in the warnings
             result = self._run(mod, params, dataset)
         for w in caught:  # re-raise for the caller's filters, after the run is complete
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

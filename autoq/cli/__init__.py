@@ -360,6 +360,9 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        from autoq.threads import requested_threads
+
+        requested_threads()  # a bad TVM_NUM_THREADS: refused before any work
         return COMMANDS[args.command](args)
     except (UserError, AutoqError) as e:
         print(f"autoq: error: {one_line(e)}", file=sys.stderr)
