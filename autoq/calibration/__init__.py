@@ -210,7 +210,9 @@ def calibrate(
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
     health: dict[str, SlotHealth] = {}
     tuner = None
-    if config.calibration == "fp32":
+    if not sim.activation_slots():  # no layer left to quantize: nothing to run
+        acts = dict(fixed or {})
+    elif config.calibration == "fp32":
         acts = _calibrate_fp32(sim, samples, config, target, stats, health)
         acts.update(fixed or {})
         warn_untuned(config)
