@@ -111,6 +111,31 @@ def test_qparams_nested_100000_deep(tmp_path):
         autoq.QParams.loads("{" + '"a": {' * 100_000 + "}" * 100_001)
 
 
+def test_qdq_file_scale_1e_45_names_the_node(tmp_path):
+    """A pre-quantized ONNX file with a denormal scale: an InputError naming the node and
+    the scale's initializer (it was a bare ValueError naming neither)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [
+        numpy_helper.from_array(np.array(1e-45, np.float32), "x_scale"),
+        numpy_helper.from_array(np.array(0, np.int8), "x_zp"),
+        numpy_helper.from_array(np.ones((8, 4), np.float32), "w"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zp"], ["xq"], name="q_x"),
+        helper.make_node("DequantizeLinear", ["xq", "x_scale", "x_zp"], ["xd"], name="dq_x"),
+        helper.make_node("MatMul", ["xd", "w"], ["y"]),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", [x], [y], inits), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    onnx.save(model, tmp_path / "qdq.onnx")
+    with pytest.raises(InputError, match=r"q_x \(QuantizeLinear\): scale 'x_scale' = \[1.4"):
+        autoq.import_quantized(tmp_path / "qdq.onnx")
+
+
 # ----------------------------------------------------------------------------- ONNX files
 
 
