@@ -177,22 +177,20 @@ def test_a_bad_value_is_a_one_line_error_in_the_cli(value, tmp_path, capsys, mon
     assert not (tmp_path / "out").exists()
 
 
-def test_a_bad_value_is_an_input_error_in_the_api(tmp_path):
-    from test_cli import tiny_onnx
+def test_a_bad_value_is_an_input_error_in_the_api(monkeypatch):
+    """In a new thread (its pool is not made yet, as in a fresh process): the API call
+    fails before any work, naming the variable."""
+    from models import TARGET, mlp
 
-    code = (
-        "import sys, autoq, numpy as np\n"
-        "mod, params = autoq.from_onnx(sys.argv[1])\n"
-        "data = [np.ones((1, 3, 8, 8), np.float32)]\n"
-        "try:\n"
-        "    autoq.quantize(mod, params, data)\n"
-        "except autoq.InputError as e:\n"
-        "    print(type(e).__name__, e)\n"
-    )
-    env = {**os.environ, "TVM_NUM_THREADS": "abc"}
-    model = str(tiny_onnx(tmp_path / "m.onnx"))
-    r = subprocess.run(
-        [sys.executable, "-c", code, model], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("InputError TVM_NUM_THREADS='abc' is not a number of threads")
+    mod, params, data = mlp()
+    monkeypatch.setenv("TVM_NUM_THREADS", "abc")
+    monkeypatch.setattr("autoq.pipeline.match", lambda *a, **k: pytest.fail("ran"))
+
+    def run():
+        try:
+            autoq.quantize(mod, params, data(2), target=TARGET)
+        except autoq.InputError as e:
+            return str(e)
+
+    msg = _in_a_new_thread(run)
+    assert msg.startswith("TVM_NUM_THREADS='abc' is not a number of threads: set it to a whole")
