@@ -19,6 +19,7 @@ __all__ = [
     "callable_to_json",
     "check_keys",
     "drop_removed",
+    "parse_json",
     "write_atomic",
 ]
 
@@ -47,6 +48,25 @@ def write_atomic(path: str | Path, text: str | bytes) -> Path:
     return path
 
 
+def parse_json(text: str, what: str = "the JSON text"):
+    """``json.loads(text)``; a document nested too deeply for Python's parser (a hostile
+    ``[[[[...]]]]``) is a ``ValueError`` naming ``what`` like a syntax error is, not a
+    ``RecursionError``.
+
+    >>> parse_json("[" * 100_000 + "]" * 100_000, "q.json")
+    Traceback (most recent call last):
+    ...
+    ValueError: q.json is not a JSON document autoq reads: nested too deeply (more levels than Python's parser takes)
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(
+            f"{what} is not a JSON document autoq reads: nested too deeply (more levels than "
+            "Python's parser takes)"
+        ) from None
+
+
 class JsonDocument:
     """``dumps``/``loads``/``save`` on top of ``to_json``/``from_json``."""
 
@@ -55,7 +75,7 @@ class JsonDocument:
 
     @classmethod
     def loads(cls, text: str):
-        return cls.from_json(json.loads(text))
+        return cls.from_json(parse_json(text, f"the {cls.__name__} JSON text"))
 
     def save(self, path: str | Path) -> Path:
         return write_atomic(path, self.dumps())

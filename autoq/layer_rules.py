@@ -14,23 +14,49 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from autoq.errors import InputError
 from autoq.json_document import callable_from_json, callable_to_json, check_keys, drop_removed
 
 __all__ = [
     "AUTO_PRECISIONS",
     "AUTO_RANKINGS",
     "FALLBACK_TYPES",
+    "MAX_RULE_CHARS",
     "PATTERN_RULE",
     "AutoFallback",
     "Fallback",
+    "check_rule_length",
     "compile_layer_rule",
     "compile_rule",
     "str_tuple",
 ]
 
 
+#: the longest layer id, op type or rule autoq takes (a longer one is a mistake: matching a
+#: 100,000-character glob of ``[`` took minutes, a deeply nested regex overflowed the parser)
+MAX_RULE_CHARS = 1024
+
+
+def check_rule_length(rule: str, where: str) -> None:
+    """Refuse a rule longer than :data:`MAX_RULE_CHARS`, naming ``where`` and its start.
+
+    >>> check_rule_length("x" * 2000, "Fallback.ids")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    autoq.errors.InputError: Fallback.ids: a rule of 2000 characters ('xxxxxxxxxxxxxxxxxxxx'...) is longer ...
+    """
+    if len(rule) > MAX_RULE_CHARS:
+        raise InputError(
+            f"{where}: a rule of {len(rule)} characters ({rule[:20]!r}...) is longer than the "
+            f"{MAX_RULE_CHARS} characters a layer id, op type, glob or regex may have: name "
+            "the layers by their ids (report.txt or QuantizeResult.int8_layers list them) or "
+            "a shorter glob"
+        )
+
+
 def str_tuple(obj, name: str) -> None:
-    """Normalize the field ``name`` of a frozen dataclass to a tuple of non-empty strings."""
+    """Normalize the field ``name`` of a frozen dataclass to a tuple of non-empty strings
+    (each at most :data:`MAX_RULE_CHARS` long)."""
     v = getattr(obj, name)
     if isinstance(v, str):
         v = (v,)
@@ -39,6 +65,8 @@ def str_tuple(obj, name: str) -> None:
         raise TypeError(
             f"{type(obj).__name__}.{name} must be a sequence of non-empty strings, got {v!r}"
         )
+    for x in v:
+        check_rule_length(x, f"{type(obj).__name__}.{name}")
     object.__setattr__(obj, name, v)
 
 
@@ -47,11 +75,16 @@ def compile_rule(rule: str):
     ``[...]``), or an exact id."""
     import fnmatch
 
+    check_rule_length(rule, "layer rule")
     if rule.startswith("re:"):
         try:
             rx = re.compile(rule[3:])
         except re.error as e:
-            raise ValueError(f"invalid regular expression in rule {rule!r}: {e}") from None
+            raise InputError(f"invalid regular expression in rule {rule!r}: {e}") from None
+        except RecursionError:
+            raise InputError(
+                f"invalid regular expression in rule {rule[:40]!r}...: nested too deeply"
+            ) from None
         return lambda s: rx.fullmatch(s) is not None
     if any(c in rule for c in "*?["):
         return lambda s: fnmatch.fnmatchcase(s, rule)

@@ -147,9 +147,9 @@ class Quantizer:
         self.cluster = cluster
 
     def run(self, mod: tvm.IRModule, params: dict | None, dataset) -> QuantizeResult:
-        use_machine_cores()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            use_machine_cores()  # a TVM_NUM_THREADS capped to the CPUs: in the warnings
             result = self._run(mod, params, dataset)
         for w in caught:  # re-raise for the caller's filters, after the run is complete
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -211,6 +211,8 @@ class Quantizer:
                     config = self._rules_for_a_cluster(config)
                 result = self._run_on(mod, params, dataset, client, config)
         result.recipe = (config.recipe, why)
+        if not result.int8_layers:
+            warn_nothing_quantized(result.fp32_layers)
         with _Clock(result.timings)("build_check"):
             check_builds(result.module)  # never hand back a module that does not build
         return result
@@ -372,6 +374,26 @@ class Quantizer:
         module = _attach(module, qparams, None, [])
         int8 = [m for m in matched.layers if m not in reasons]
         return QuantizeResult(module, qparams, config, matched, int8, reasons, timings=timings)
+
+
+def warn_nothing_quantized(fp32_layers: dict[str, str]) -> None:
+    """No layer is left in int8 (no quantizable layer, or every one kept in fp32): the
+    result is the float model, said in a warning naming why."""
+    if not fp32_layers:
+        why = "none of the model's ops matches a pattern autoq quantizes"
+    else:
+        by_reason: dict[str, list[str]] = {}
+        for layer, reason in fp32_layers.items():
+            by_reason.setdefault(reason, []).append(layer)
+        why = (
+            f"all {len(fp32_layers)} layer(s) are kept in fp32 ("
+            + "; ".join(
+                f"{r}: {', '.join(ls[:5])}{', ...' if len(ls) > 5 else ''}"
+                for r, ls in by_reason.items()
+            )
+            + ")"
+        )
+    warnings.warn(f"no layer is quantized: {why}; the result is the fp32 model", stacklevel=4)
 
 
 def _widen_bad_slots(config: Config, bad: dict) -> Config | None:

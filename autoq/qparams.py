@@ -27,7 +27,7 @@ import numpy as np
 
 from autoq import primitives as P
 from autoq.errors import QParamsError
-from autoq.json_document import JsonDocument
+from autoq.json_document import JsonDocument, parse_json
 
 __all__ = ["QParam", "QParams", "SlotInfo", "load_qparams"]
 
@@ -75,6 +75,12 @@ class QParam:
                 )
         if not (np.all(np.isfinite(scale)) and np.all(scale > 0)):
             raise ValueError(f"scale must be positive and finite, got {scale.ravel()[:4].tolist()}")
+        if np.any(scale < np.finfo(np.float32).tiny):  # x / scale overflows float32
+            bad = scale[scale < np.finfo(np.float32).tiny].ravel()[:4].tolist()
+            raise ValueError(
+                f"scale must be at least {np.finfo(np.float32).tiny:.4g} (the smallest normal "
+                f"float32; a smaller one overflows every value it divides), got {bad}"
+            )
         qmin, qmax = P.qrange(self.dtype)
         if np.any(zp < qmin) or np.any(zp > qmax):
             raise ValueError(
@@ -345,7 +351,7 @@ def load_qparams(path: str | Path) -> QParams:
     :class:`autoq.errors.QParamsError` naming the file and the slot."""
     path = Path(path)
     try:
-        return QParams.from_json(json.loads(path.read_text()))
+        return QParams.from_json(parse_json(path.read_text(), "the file"))
     except json.JSONDecodeError as e:
         raise QParamsError(f"{str(path)!r} is not JSON: {e}") from None
     except (ValueError, KeyError, TypeError) as e:

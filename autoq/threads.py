@@ -10,6 +10,11 @@ model it first gives the calling thread a pool of the machine's physical cores
 nothing, and the environment is the same after the call. :func:`set_threads` resizes the
 calling thread's pool within that size.
 
+A ``TVM_NUM_THREADS`` that is not a whole number >= 1 is an error (TVM alone ignores it
+silently); one above the CPUs the process may use is capped to them with a warning (TVM
+alone starts that many spinning threads per pool: with 512 on 2 CPUs a quantization
+finished, then its 1027 threads kept the process from exiting for minutes).
+
 Resizing a pool to one thread makes TVM pin the calling thread to the first CPU
 (measured, TVM 0.27: with ``TVM_NUM_THREADS=1``, ``set_threads(1)`` left the thread on CPU 0
 only, and every thread it started after inherited that; two test processes then shared one
@@ -21,17 +26,23 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
 from pathlib import Path
 
 import tvm
+
+from autoq.errors import InputError
 
 __all__ = [
     "configure_pool",
     "keep_affinity",
     "one_thread",
     "physical_cores",
+    "pool_size",
     "pool_threads",
+    "requested_threads",
     "set_threads",
+    "usable_cpus",
     "use_machine_cores",
 ]
 
@@ -54,25 +65,95 @@ def physical_cores(sys_cpu: Path = Path("/sys/devices/system/cpu")) -> int:
     return len(cores) or len(cpus) or os.cpu_count() or 1
 
 
+def usable_cpus() -> int:
+    """The logical CPUs this process may run on.
+
+    >>> usable_cpus() >= physical_cores()
+    True
+    """
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+_capped_warned = []  # the TVM_NUM_THREADS values already warned about (once per process)
+
+
+def requested_threads(environ=os.environ) -> int | None:
+    """``TVM_NUM_THREADS`` (of ``environ``) as a number of threads, ``None`` unset;
+    anything but a whole number >= 1 is an ``InputError`` naming it.
+
+    >>> requested_threads({"TVM_NUM_THREADS": " 3"}), requested_threads({})
+    (3, None)
+    >>> requested_threads({"TVM_NUM_THREADS": "abc"})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    autoq.errors.InputError: TVM_NUM_THREADS='abc' is not a number of threads: set it to ...
+    """
+    raw = environ.get("TVM_NUM_THREADS")
+    if raw is None:
+        return None
+    try:
+        n = int(raw.strip())
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise InputError(
+            f"TVM_NUM_THREADS={raw!r} is not a number of threads: set it to a whole number "
+            f"from 1 to {usable_cpus()} (the CPUs this process may use), or unset it (autoq "
+            f"then uses the {physical_cores()} physical core(s))"
+        )
+    return n
+
+
+_capped_warned = []  # the TVM_NUM_THREADS values already warned about (once per process)
+
+
+def pool_size(environ=os.environ) -> int:
+    """The threads of a new TVM pool: :func:`requested_threads`, at most the usable CPUs
+    (above them: a warning, once per value, then the cap); without it the physical cores.
+
+    >>> pool_size({"TVM_NUM_THREADS": "1"}), pool_size({}) == physical_cores()
+    (1, True)
+    """
+    n = requested_threads(environ)
+    if n is None:
+        return physical_cores()
+    cpus = usable_cpus()
+    if n > cpus:
+        if n not in _capped_warned:
+            _capped_warned.append(n)
+            warnings.warn(
+                f"TVM_NUM_THREADS={n} is above the {cpus} CPU(s) this process may use: "
+                f"TVM's thread pools get {cpus} thread(s) (more would only spin and slow the "
+                "run and its exit)",
+                stacklevel=2,
+            )
+        return cpus
+    return n
+
+
 _pool_made = threading.local()
 
 
 def use_machine_cores() -> None:
-    """Give the calling thread's TVM pool the physical cores (or ``TVM_NUM_THREADS`` when
-    the environment sets it), if this thread has no pool yet; the environment is left as
-    it was. A no-op after the first call in a thread."""
+    """Give the calling thread's TVM pool :func:`pool_size` threads (the physical cores, or
+    ``TVM_NUM_THREADS`` checked and capped), if this thread has no pool yet; the environment
+    is left as it was. A no-op after the first call in a thread."""
     if getattr(_pool_made, "done", False):
         return
+    size = pool_size()  # an invalid TVM_NUM_THREADS: an error, before any pool exists
     _pool_made.done = True
     name = "TVM_NUM_THREADS"
-    if name in os.environ:
-        pool_threads()
-        return
-    os.environ[name] = str(physical_cores())
+    user = os.environ.get(name)
+    os.environ[name] = str(size)
     try:
         pool_threads()  # the pool is sized now, from the variable
     finally:
-        os.environ.pop(name, None)
+        if user is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = user
 
 
 @contextlib.contextmanager
@@ -121,6 +202,11 @@ def set_threads(n: int) -> None:
     """
     if int(n) < 1:
         raise ValueError(f"set_threads: n must be >= 1 thread, got {n}")
+    if int(n) > usable_cpus():
+        raise ValueError(
+            f"set_threads({n}): this process may use {usable_cpus()} CPU(s); ask for at most "
+            "that many threads"
+        )
     use_machine_cores()
     configure_pool(n)
     got = pool_threads()
@@ -140,6 +226,7 @@ def one_thread(active: bool = True):
     if not active:
         yield
         return
+    use_machine_cores()  # a new thread's pool: sized by autoq, not TVM's raw variable
     before = pool_threads()
     set_threads(1)
     try:

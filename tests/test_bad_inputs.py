@@ -54,6 +54,9 @@ QPARAMS_EDITS = {
     "scale 0": ("x", "scale", 0.0, "scale must be positive and finite"),
     "negative scale": ("x", "scale", -1.0, "scale must be positive and finite"),
     "NaN scale": ("x", "scale", float("nan"), "scale must be positive and finite"),
+    # issue 38, item 12b: a denormal scale loaded, then overflowed every value it divided
+    "scale 1e-45": ("x", "scale", 1e-45, "scale must be at least 1.175e-38"),
+    "one channel 1e-40": ("fc1.weight", "scale", [0.1, 0.1, 1e-40, 0.1], "at least 1.175e-38"),
     "text scale": ("x", "scale", "abc", "must be numbers"),
     "unknown dtype": ("x", "dtype", "int7", "unsupported quantized dtype 'int7'"),
     "zero point out of range": ("x", "zero_point", 200, "inside the int8 range"),
@@ -97,6 +100,40 @@ def test_qparams_not_json(tmp_path):
     (tmp_path / "q.json").write_text("{not json")
     with pytest.raises(QParamsError, match=r"q.json' is not JSON"):
         autoq.load_qparams(tmp_path / "q.json")
+
+
+def test_qparams_nested_100000_deep(tmp_path):
+    """Issue 38, item 12b: Python's JSON parser raised RecursionError."""
+    (tmp_path / "q.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(QParamsError, match=r"q.json': .* nested too deeply"):
+        autoq.load_qparams(tmp_path / "q.json")
+    with pytest.raises(ValueError, match="QParams JSON text is not a JSON document"):
+        autoq.QParams.loads("{" + '"a": {' * 100_000 + "}" * 100_001)
+
+
+def test_qdq_file_scale_1e_45_names_the_node(tmp_path):
+    """A pre-quantized ONNX file with a denormal scale: an InputError naming the node and
+    the scale's initializer (it was a bare ValueError naming neither)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [
+        numpy_helper.from_array(np.array(1e-45, np.float32), "x_scale"),
+        numpy_helper.from_array(np.array(0, np.int8), "x_zp"),
+        numpy_helper.from_array(np.ones((8, 4), np.float32), "w"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zp"], ["xq"], name="q_x"),
+        helper.make_node("DequantizeLinear", ["xq", "x_scale", "x_zp"], ["xd"], name="dq_x"),
+        helper.make_node("MatMul", ["xd", "w"], ["y"]),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", [x], [y], inits), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    onnx.save(model, tmp_path / "qdq.onnx")
+    with pytest.raises(InputError, match=r"q_x \(QuantizeLinear\): scale 'x_scale' = \[1.4"):
+        autoq.import_quantized(tmp_path / "qdq.onnx")
 
 
 # ----------------------------------------------------------------------------- ONNX files
@@ -160,6 +197,64 @@ def test_dataset(case, tmp_path):
             MOD, PARAMS, data
         )
     assert not (tmp_path / "cache").exists()
+
+
+def _npz_declaring(path, shape, dtype="<f4", data=bytes(64)):
+    """An .npz whose member 'x' declares ``shape`` in its header but holds ``data``."""
+    import io
+    import zipfile
+
+    from numpy.lib import format as npformat
+
+    head = io.BytesIO()
+    npformat.write_array_header_1_0(head, {"descr": dtype, "fortran_order": False, "shape": shape})
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("x.npy", head.getvalue() + data)
+    return path
+
+
+def test_npz_member_declaring_2_8_tib_is_refused_before_allocating(tmp_path):
+    """Issue 38, item 12b: np.load tried to allocate the 2.8 TiB (MemoryError)."""
+    path = _npz_declaring(tmp_path / "huge.npz", (750_000, 1024, 1024))
+    with pytest.raises(DatasetError, match=r"member 'x' declares shape \(750000, 1024, 1024\) "
+                       r"float32 \(2.9 TiB\) but holds 64 bytes"):  # fmt: skip
+        autoq.dataset.from_npz(path)
+
+
+def test_npz_larger_than_memory_is_refused_before_reading(tmp_path):
+    from autoq.dataset.arrays import check_npz_sizes
+
+    path = tmp_path / "calib.npz"
+    np.savez(path, x=np.zeros((4, 2, 16), np.float32))
+    check_npz_sizes(path)  # fits: no error; the same file against a 100-byte machine
+    with pytest.raises(DatasetError, match="holds 512 bytes of arrays, more than this machine's"):
+        check_npz_sizes(path, memory=100)
+    assert len(autoq.dataset.from_npz(path)) == 4
+
+
+# ----------------------------------------------------------------------------- layer rules
+
+
+@pytest.mark.parametrize(
+    ("rule", "needle"),
+    [
+        ({"ids": ("a" * 100_000,)}, "Fallback.ids: a rule of 100000 characters ('aaaa"),
+        ({"patterns": ("[" * 100_000,)}, "Fallback.patterns: a rule of 100000 characters"),
+        ({"op_types": ("d" * 2000,)}, "Fallback.op_types: a rule of 2000 characters"),
+        ({"patterns": ("re:" + "(" * 510 + ")" * 510,)}, "nested too deeply"),
+    ],
+)
+def test_overlong_fallback_rule(rule, needle):
+    """Issue 38, item 12b: a 100,000-character glob of '[' took minutes to match, a deep
+    regex raised RecursionError, a long id was echoed whole in a one-million-character line."""
+    with pytest.raises(InputError) as e:
+        autoq.Fallback(**rule)
+    assert needle in str(e.value) and len(str(e.value)) < 400
+
+
+def test_overlong_override_match():
+    with pytest.raises(InputError, match="layer rule: a rule of 5000 characters"):
+        autoq.Override("x" * 5000, activation=autoq.QuantSpec(calibrator="max"))
 
 
 # ----------------------------------------------------------------------------- weights, config

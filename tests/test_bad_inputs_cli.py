@@ -99,3 +99,36 @@ def test_inspect_bad_qparams(tmp_path, capsys, slot, edit, needle):
     (tmp_path / "q.json").write_text(json.dumps(doc))
     code, _, err = run(capsys, "inspect", tmp_path / "q.json")
     assert_user_error(code, err, "q.json", f"qparams slot {slot!r}", needle)
+
+
+# ------------------------------------------------- issue 38, item 12b: exit 2, not exit 1
+
+
+def test_inspect_qparams_nested_100000_deep(tmp_path, capsys):
+    (tmp_path / "q.json").write_text("[" * 100_000 + "]" * 100_000)
+    code, _, err = run(capsys, "inspect", tmp_path / "q.json")
+    assert_user_error(code, err, "q.json", "nested too deeply")
+
+
+def test_inspect_qparams_scale_1e_45_names_the_slot(tmp_path, capsys):
+    doc = qparams_doc()
+    doc["qparams"]["x"]["scale"] = 1e-45
+    (tmp_path / "q.json").write_text(json.dumps(doc))
+    code, _, err = run(capsys, "inspect", tmp_path / "q.json")
+    assert_user_error(code, err, "q.json", "qparams slot 'x'", "scale must be at least")
+
+
+def test_npz_member_declaring_2_8_tib(d, tmp_path, capsys):
+    from test_bad_inputs import _npz_declaring
+
+    _npz_declaring(tmp_path / "huge.npz", (750_000, 1024, 1024))
+    code, _, err = quantize(capsys, d, "tiny.onnx", tmp_path / "out", calib=tmp_path / "huge.npz")
+    assert_user_error(code, err, "huge.npz", "member 'x' declares shape", "2.9 TiB")
+    assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def test_overlong_skip_rule(d, tmp_path, capsys):
+    code, _, err = quantize(capsys, d, "tiny.onnx", tmp_path / "out", "--skip", "[" * 100_000)
+    assert_user_error(code, err, "--skip", "a rule of 100000 characters", "1024")
+    assert len(err) < 500
+    assert_nothing_written(tmp_path, tmp_path / "out")

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import autoq
@@ -16,7 +17,11 @@ from autoq.threads import one_thread, physical_cores, pool_threads, use_machine_
 
 
 def test_more_threads_than_the_pool_is_an_error_naming_the_variable():
-    with pytest.raises(ValueError, match=r"TVM_NUM_THREADS=4096 before"):
+    cpus = len(os.sched_getaffinity(0))
+    if int(os.environ["TVM_NUM_THREADS"]) < cpus:
+        with pytest.raises(ValueError, match=rf"TVM_NUM_THREADS={cpus} before"):
+            autoq.set_threads(cpus)
+    with pytest.raises(ValueError, match=rf"may use {cpus} CPU\(s\); ask for at most"):
         autoq.set_threads(4096)
     # the failed request left the whole pool in use (sized from the variable conftest set)
     assert pool_threads() == int(os.environ["TVM_NUM_THREADS"])
@@ -127,3 +132,65 @@ def test_a_one_thread_pool_leaves_the_threads_on_every_cpu():
         "print(*seen)\n"
     )
     assert python_prints(code, tvm_threads=1) == ["True", "False", "True", "True"]
+
+
+# --------------------------------------------- TVM_NUM_THREADS checked (issue 38, item 8)
+
+_CLI_THEN_THREADS = (
+    "import os, sys\n"
+    "import autoq.cli\n"
+    "code = autoq.cli.main(sys.argv[1:])\n"
+    "print('threads', len(os.listdir('/proc/self/task')), file=sys.stderr)\n"
+    "sys.exit(code)\n"
+)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_too_many_threads_are_capped_with_a_warning(tmp_path):
+    """TVM_NUM_THREADS=512 on a 2-CPU machine: TVM alone starts 512 threads per pool (1027
+    in a quantization), which spun for minutes after the result was written."""
+    from test_cli import tiny_onnx
+
+    model = tiny_onnx(tmp_path / "m.onnx")
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(4, 1, 3, 8, 8)).astype("f4"))
+    argv = ["quantize", model, "--calib", tmp_path / "x.npy", "--out", tmp_path / "out"]
+    env = {**os.environ, "TVM_NUM_THREADS": "512"}
+    r = subprocess.run(
+        [sys.executable, "-c", _CLI_THEN_THREADS, *map(str, argv), "--no-progress"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out" / "model.so").is_file()
+    cpus = len(os.sched_getaffinity(0))
+    assert f"autoq: warning: TVM_NUM_THREADS=512 is above the {cpus} CPU(s)" in r.stderr
+    threads = int(r.stderr.split("threads ")[-1].split()[0])
+    assert threads < 16 + 4 * cpus, r.stderr  # a few pools of `cpus` threads, not 2 x 512
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "abc", ""])
+def test_a_bad_value_is_a_one_line_error_in_the_cli(value, tmp_path, capsys, monkeypatch):
+    from test_cli import assert_user_error, run
+
+    monkeypatch.setenv("TVM_NUM_THREADS", value)
+    code, _, err = run(capsys, "quantize", tmp_path / "m.onnx", "--out", tmp_path / "out")
+    assert_user_error(code, err, f"TVM_NUM_THREADS={value!r}", "whole number from 1 to")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_value_is_an_input_error_in_the_api(monkeypatch):
+    """In a new thread (its pool is not made yet, as in a fresh process): the API call
+    fails before any work, naming the variable."""
+    from models import TARGET, mlp
+
+    mod, params, data = mlp()
+    monkeypatch.setenv("TVM_NUM_THREADS", "abc")
+    monkeypatch.setattr("autoq.pipeline.match", lambda *a, **k: pytest.fail("ran"))
+
+    def run():
+        try:
+            autoq.quantize(mod, params, data(2), target=TARGET)
+        except autoq.InputError as e:
+            return str(e)
+
+    msg = _in_a_new_thread(run)
+    assert msg.startswith("TVM_NUM_THREADS='abc' is not a number of threads: set it to a whole")

@@ -161,9 +161,10 @@ def _fit_zero_weights(sim: SimResult, result: dict[str, QParam]) -> None:
         else:
             zero = ~np.any(np.moveaxis(arr, axis, 0).reshape(arr.shape[axis], -1), axis=1)
             want = np.broadcast_to(bias, zero.shape) / 2**15
-        if not np.any(zero & (want > 0)):
+        fit = zero & (want >= np.finfo(np.float32).tiny)  # (a scale is a normal float32)
+        if not np.any(fit):
             continue
-        fitted = np.where(zero & (want > 0), want, qp.scale).astype(np.float32)
+        fitted = np.where(fit, want, qp.scale).astype(np.float32)
         result[wsid] = QParam(fitted, qp.zero_point, qp.dtype, qp.axis, qp.rmin, qp.rmax)
 
 
@@ -210,7 +211,9 @@ def calibrate(
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
     health: dict[str, SlotHealth] = {}
     tuner = None
-    if config.calibration == "fp32":
+    if not sim.activation_slots():  # no layer left to quantize: nothing to run
+        acts = dict(fixed or {})
+    elif config.calibration == "fp32":
         acts = _calibrate_fp32(sim, samples, config, target, stats, health)
         acts.update(fixed or {})
         warn_untuned(config)

@@ -12,22 +12,46 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["PendingObserver", "PendingResult", "ShardLostError", "result_of"]
+from autoq.errors import AutoqError
+
+__all__ = [
+    "LostCall",
+    "PendingObserver",
+    "PendingResult",
+    "ShardLostError",
+    "is_lost",
+    "lost_error",
+    "result_of",
+]
 
 
-class ShardLostError(RuntimeError):
+class ShardLostError(AutoqError, RuntimeError):
     """A shard's worker died or could not be reached (and no restart was left, or possible):
-    the run cannot go on without its samples."""
+    the run cannot go on without its samples (a fault of the cluster, not a bug of autoq:
+    the command line reports it in one line)."""
 
 
-def _is_lost(e: BaseException) -> bool:
+def is_lost(e: BaseException) -> bool:
     """An error of the cluster (worker gone, connection closed, cancelled), not of the
     code that ran in the worker (a missing file there is an OSError too: not lost)."""
     mod = type(e).__module__ or ""
     return (
         mod.startswith(("distributed", "tornado"))
         or (isinstance(e, OSError) and "Actor's worker" in str(e))  # dask's actor proxy
+        # the scheduler's answer for an actor whose worker died (dask's actor handle raises
+        # it too when a method is called on it)
+        or (isinstance(e, RuntimeError) and "Worker holding Actor was lost" in str(e))
         or type(e).__name__ in ("CancelledError", "FutureCancelledError", "KilledWorker")
+    )
+
+
+def lost_error(e: BaseException, shard: str, what: str) -> ShardLostError:
+    """The :class:`ShardLostError` for the cluster error ``e`` of ``shard`` during ``what``."""
+    return ShardLostError(
+        f"{shard} was lost during {what}: its worker died or became unreachable "
+        f"({type(e).__name__}: {str(e)[:200]}). Calibration stops rather than go on "
+        "without its samples; restart the run (check the worker's memory: "
+        "Resources.memory_budget_mb is per shard)"
     )
 
 
@@ -37,14 +61,21 @@ def result_of(future, shard: str, what: str, timeout: float | None = None):
     try:
         return future.result(timeout=timeout)
     except Exception as e:
-        if _is_lost(e):
-            raise ShardLostError(
-                f"{shard} was lost during {what}: its worker died or became unreachable "
-                f"({type(e).__name__}: {str(e)[:200]}). Calibration stops rather than go on "
-                "without its samples; restart the run (check the worker's memory: "
-                "Resources.memory_budget_mb is per shard)"
-            ) from e
+        if is_lost(e):
+            raise lost_error(e, shard, what) from e
         raise
+
+
+class LostCall:
+    """A call that could not even be started on a shard's actor (its worker is gone): a
+    future whose ``result`` raises ``error``, so the caller recovers from it like from a
+    loss while the call ran."""
+
+    def __init__(self, error: ShardLostError):
+        self.error = error
+
+    def result(self, timeout: float | None = None):
+        raise self.error
 
 
 class PendingResult:

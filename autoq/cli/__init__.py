@@ -507,7 +507,10 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        from autoq.threads import requested_threads
+
         with console(getattr(args, "quiet", False), getattr(args, "verbose", False)):
+            requested_threads()  # a bad TVM_NUM_THREADS: refused before any work
             return COMMANDS[args.command](args)
     except (UserError, AutoqError) as e:
         if received() is not None:  # a KeyboardInterrupt that TVM turned into an error

@@ -23,7 +23,8 @@ class Distributed:
     for a local cluster of ``workers`` processes started for the run (one thread each).
     ``shards``: how many shards the samples are split into (default: one per worker; shard
     ``i`` lives on worker ``i % workers``). ``timeout_s``: how long to wait for the workers
-    to appear. Each shard caches its activations within ``Resources.memory_budget_mb``.
+    to appear (connecting to ``scheduler`` takes at most 5 s of it). Each shard caches its
+    activations within ``Resources.memory_budget_mb``.
     ``retries``: restarts of a lost shard on another worker (:mod:`autoq.distributed.remote_shards`).
 
     >>> Distributed.from_json(Distributed(workers=2).to_json()) == Distributed(workers=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -117,9 +118,90 @@ def from_npz(path: str | Path) -> ArrayDataset:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no .npz file at {str(path)!r}")
+    check_npz_sizes(path)
     with np.load(path, allow_pickle=False) as npz:
-        arrays = {k: npz[k] for k in npz.files}
+        try:
+            arrays = {k: npz[k] for k in npz.files}
+        except MemoryError:
+            raise DatasetError(
+                f"{str(path)!r} does not fit in this process's memory: split it into several "
+                "files (autoq.dataset.NpzShards) or save one input as .npy (memory-mapped)"
+            ) from None
     return ArrayDataset(arrays)
+
+
+def check_npz_sizes(path: Path, memory: int | None = None) -> None:
+    """Refuse, before anything is allocated, an ``.npz`` member whose header declares more
+    bytes than the member holds (a corrupt or hostile header: a 2.8 TiB shape), or members
+    that together declare more than ``memory`` bytes (default: the machine's physical
+    memory); headers are read with :mod:`numpy.lib.format`. Not a zip file: left to
+    ``np.load``, which names the problem.
+
+    >>> import io, tempfile, zipfile
+    >>> from numpy.lib import format as npformat
+    >>> head = io.BytesIO()
+    >>> npformat.write_array_header_1_0(head, {"descr": "<f4", "fortran_order": False,
+    ...                                        "shape": (750_000, 1024, 1024)})
+    >>> f = Path(tempfile.mkdtemp()) / "x.npz"
+    >>> with zipfile.ZipFile(f, "w") as z:
+    ...     z.writestr("x.npy", head.getvalue() + bytes(64))
+    >>> check_npz_sizes(f)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    autoq.errors.DatasetError: '...x.npz': member 'x' declares shape (750000, 1024, 1024) float32 (2.9 TiB) but holds 64 bytes: the file is truncated or corrupt; write it again with np.savez
+    """
+    import zipfile
+
+    from numpy.lib import format as npformat
+
+    if not zipfile.is_zipfile(path):
+        return
+    total = 0
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            name = info.filename[: -len(".npy")]
+            with z.open(info) as f:
+                try:
+                    version = npformat.read_magic(f)
+                    read = npformat.read_array_header_1_0 if version == (1, 0) else None
+                    shape, _, dtype = (read or npformat.read_array_header_2_0)(f)
+                except ValueError as e:
+                    raise DatasetError(f"{str(path)!r}: member {name!r}: {e}") from None
+                held = info.file_size - f.tell()
+            declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
+            if declared > held and not dtype.hasobject:
+                raise DatasetError(
+                    f"{str(path)!r}: member {name!r} declares shape {tuple(shape)} {dtype} "
+                    f"({_size(declared)}) but holds {held} bytes: the file is truncated or "
+                    "corrupt; write it again with np.savez"
+                )
+            total += declared
+    memory = _physical_memory() if memory is None else memory
+    if memory and total > memory:
+        raise DatasetError(
+            f"{str(path)!r} holds {_size(total)} of arrays, more than this machine's "
+            f"{_size(memory)} of memory: split it into several files "
+            "(autoq.dataset.NpzShards) or save one input as .npy (memory-mapped)"
+        )
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
+def _size(n: int) -> str:
+    """``2.9 TiB``: bytes in the largest binary unit that keeps a number >= 1."""
+    value, unit = float(n), "bytes"
+    for u in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, u
+    return f"{n} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
 
 
 def from_npy(path: str | Path, input_name: str | None = None) -> ArrayDataset:

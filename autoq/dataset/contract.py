@@ -27,13 +27,15 @@ __all__ = [
 class InputSpec:
     """One data input of a model: name, shape (``None`` for a symbolic dim), dtype.
     ``index``: for an integer input that indexes a table (token ids into an embedding),
-    ``(table name, rows)``: every value must lie in ``[0, rows)`` (see :func:`index_bounds`).
+    ``(table name, low, rows)``: every value must lie in ``[low, rows)``, ``low`` 0 or
+    ``-rows`` where the model wraps negative ids as ONNX Gather does (see
+    :func:`index_bounds`).
     """
 
     name: str
     shape: tuple[int | None, ...]
     dtype: str
-    index: tuple[str, int] | None = field(default=None, compare=False)
+    index: tuple[str, int, int] | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         return f"{self.name!r} {format_shape(self.shape)} {self.dtype}"
@@ -80,17 +82,20 @@ _SAME_VALUES = ("relax.reshape", "relax.astype", "relax.expand_dims", "relax.squ
                 "relax.permute_dims", "relax.flatten")  # fmt: skip
 
 
-def index_bounds(func) -> dict[str, tuple[str, int]]:
+def index_bounds(func) -> dict[str, tuple[str, int, int]]:
     """Integer inputs of ``func`` used as the indices of a ``take`` (ONNX Gather, an
     embedding lookup), directly or through reshapes/casts: input name -> (table name,
-    number of rows along the take's axis). Out-of-range ids would read outside the table
-    (TVM's gather does not check; a large id crashes the process)."""
+    lowest valid id, number of rows along the take's axis). Out-of-range ids would read
+    outside the table (TVM's gather does not check; a large id crashes the process). The
+    lowest id is 0, or ``-rows`` where the ids pass ONNX Gather's negative-index wrap
+    (``where(less(x, 0), add(x, n), x)``, what TVM's ONNX importer emits)."""
     import tvm
     from tvm import relax
 
-    origin = {p: p.name for p in func.params}  # var -> the input its values come from
+    origin = {p: (p.name, 0) for p in func.params}  # var -> (input, lowest valid id)
     names = {p: p.name for p in func.params}
-    out: dict[str, tuple[str, int]] = {}
+    calls: dict = {}  # var -> the op call bound to it
+    out: dict[str, tuple[str, int, int]] = {}
     blocks = func.body.blocks if isinstance(func.body, relax.SeqExpr) else []
     for block in blocks:
         for b in block.bindings:
@@ -98,8 +103,11 @@ def index_bounds(func) -> dict[str, tuple[str, int]]:
             if not isinstance(v, relax.Call) or not isinstance(v.op, tvm.ir.Op):
                 continue
             op = v.op.name
+            calls[b.var] = v
             if op in _SAME_VALUES and v.args[0] in origin:
                 origin[b.var] = origin[v.args[0]]
+            elif op == "relax.where" and _wraps_negative(v, calls) and v.args[2] in origin:
+                origin[b.var] = (origin[v.args[2]][0], -1)
             elif op == "relax.take" and v.args[1] in origin:
                 table, shape = v.args[0], v.args[0].ty.shape
                 axis = int(v.attrs.axis) if v.attrs.axis is not None else 0
@@ -108,10 +116,20 @@ def index_bounds(func) -> dict[str, tuple[str, int]]:
                 except (AttributeError, TypeError, ValueError, IndexError):
                     continue
                 name = names.get(table, getattr(table, "name_hint", "a constant table"))
-                prev = out.get(origin[v.args[1]])
-                if prev is None or rows < prev[1]:
-                    out[origin[v.args[1]]] = (str(name), rows)
+                source, low = origin[v.args[1]]
+                prev = out.get(source)
+                if prev is None or rows < prev[2]:
+                    out[source] = (str(name), -rows if low else 0, rows)
     return out
+
+
+def _wraps_negative(where, calls) -> bool:
+    """``where(less(x, 0), add(x, n), x)``: negative ids counted from the table's end."""
+    cond, wrapped, x = calls.get(where.args[0]), calls.get(where.args[1]), where.args[2]
+    return all(
+        c is not None and c.op.name == name and c.args[0].same_as(x)
+        for c, name in ((cond, "relax.less"), (wrapped, "relax.add"))
+    )
 
 
 def describe_inputs(specs: Sequence[InputSpec]) -> str:
@@ -145,12 +163,12 @@ def _check_array(arr: np.ndarray, spec: InputSpec, where: str) -> np.ndarray:
             f"(convert it with .astype(np.{spec.dtype}))"
         )
     if spec.index is not None and arr.size:
-        table, rows = spec.index
-        bad = (arr < 0) | (arr >= rows)
+        table, low, rows = spec.index
+        bad = (arr < low) | (arr >= rows)
         if bad.any():
             pos = tuple(int(i) for i in np.argwhere(bad)[0])
             raise DatasetError(
-                f"{where}: {int(bad.sum())} value(s) outside [0, {rows}) (e.g. {arr[pos]} at "
+                f"{where}: {int(bad.sum())} value(s) outside [{low}, {rows}) (e.g. {arr[pos]} at "
                 f"index {list(pos)}), but the input indexes table {table!r} of {rows} rows "
                 f"(range {arr.min()}..{arr.max()}): fix the ids or the tokenizer/vocabulary"
             )

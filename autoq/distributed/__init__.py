@@ -79,6 +79,7 @@ from autoq.rules.lut_ranges import cut_lut_inputs
 from autoq.simulation import SimResult
 
 __all__ = [
+    "CONNECT_TIMEOUT_S",
     "PER_CHANNEL_RULES",
     "AnalysisFanOut",
     "ShardLostError",
@@ -94,6 +95,9 @@ __all__ = [
 
 #: samples sent to a shard per call when the coordinator streams the dataset
 PUSH_CHUNK = 8
+#: seconds to connect to a scheduler by its address (at most ``Distributed.timeout_s``): a
+#: running scheduler answers in milliseconds, a wrong address should fail fast
+CONNECT_TIMEOUT_S = 5.0
 
 
 def _dask():
@@ -133,7 +137,18 @@ def open_client(dist: Distributed | None, cluster=None):
             )
             stack.enter_context(local)
             address = local
-        client = stack.enter_context(distributed.Client(address, timeout=timeout))
+        if isinstance(address, str):
+            wait = min(timeout, CONNECT_TIMEOUT_S)
+            try:
+                client = stack.enter_context(distributed.Client(address, timeout=wait))
+            except (OSError, TimeoutError) as e:
+                raise InputError(
+                    f"cannot reach the Dask scheduler at {address!r} within {wait:g} s "
+                    f"({type(e).__name__}: {str(e)[:120]}): check the address and that the "
+                    "scheduler is running, or calibrate in-process"
+                ) from None
+        else:
+            client = stack.enter_context(distributed.Client(address, timeout=timeout))
         if dist is not None and dist.workers is not None:
             client.wait_for_workers(dist.workers, timeout=timeout)
         yield client
@@ -322,6 +337,8 @@ def calibrate_distributed(
     t0 = time.perf_counter()
     result = calibrate_weights(sim)
     stats: dict[str, float] = {"weights_s": time.perf_counter() - t0}
+    if not sim.activation_slots():  # no layer left to quantize: nothing for the workers
+        return make_qparams(sim, result, config, None, stats, {}, None)
     specs = input_specs(sim.graph.inputs)
     dataset, held = _split_held(dataset, config)
     t1 = time.perf_counter()

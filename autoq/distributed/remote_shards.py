@@ -26,7 +26,15 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
-from autoq.calibration.pending import PendingObserver, PendingResult, ShardLostError, result_of
+from autoq.calibration.pending import (
+    LostCall,
+    PendingObserver,
+    PendingResult,
+    ShardLostError,
+    is_lost,
+    lost_error,
+    result_of,
+)
 
 __all__ = ["RemoteShard"]
 
@@ -63,7 +71,17 @@ class RemoteShard:
         it changes the shard's state, so it is logged for a restart."""
         self.wait()
         self.log.append((method, args, what))
-        self._pending = (getattr(self.actor, method)(*args), what)
+        self._pending = (self._start(method, args, what), what)
+
+    def _start(self, method: str, args: tuple, what: str):
+        """The future of ``method(*args)`` on the actor; a :class:`LostCall` when the call
+        cannot start because the actor's worker is gone (dask's handle raises then)."""
+        try:
+            return getattr(self.actor, method)(*args)
+        except Exception as e:
+            if is_lost(e):
+                return LostCall(lost_error(e, self.label, what))
+            raise
 
     def wait(self) -> None:
         """Block until the last submitted call has finished (its errors raised; a lost
@@ -95,7 +113,8 @@ class RemoteShard:
             try:
                 self.actor = self.restart()
                 for method, args, what in self.log:
-                    result_of(getattr(self.actor, method)(*args), self.label, f"replay: {what}")
+                    replay = f"replay: {what}"
+                    result_of(self._start(method, args, replay), self.label, replay)
                 return
             except ShardLostError as e:
                 error = e
@@ -107,9 +126,9 @@ class RemoteShard:
 
         def again(error: ShardLostError):
             self.recover(error)
-            return result_of(getattr(self.actor, method)(*args), self.label, what)
+            return result_of(self._start(method, args, what), self.label, what)
 
-        fut = getattr(self.actor, method)(*args)
+        fut = self._start(method, args, what)
         if make is None:
             return PendingResult(fut, self.label, what, again)
         return PendingObserver(fut, make, self.label, what, again)

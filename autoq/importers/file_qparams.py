@@ -119,6 +119,13 @@ def qdq_params(node, consts, in_dtype: str | None) -> FileQ:
                 "and zero points can be imported (dynamic quantization is not supported)"
             )
     scale = np.asarray(consts[ins[1]]).astype(np.float32)
+    tiny = np.finfo(np.float32).tiny
+    if not (np.all(np.isfinite(scale)) and np.all(scale >= tiny)):
+        raise QuantizedImportError(
+            f"{label}: scale {ins[1]!r} = {scale.ravel()[:4].tolist()} is not a usable scale "
+            f"(it must be finite and at least {tiny:.4g}, the smallest normal float32): fix "
+            "the file's quantization of this tensor"
+        )
     if ins[2]:
         zp = np.asarray(consts[ins[2]])
         dtype = zp.dtype.name

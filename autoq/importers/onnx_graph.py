@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from autoq.errors import InputError
 from autoq.frontends import load_onnx
 
 __all__ = [
@@ -31,8 +32,9 @@ __all__ = [
 ]
 
 
-class QuantizedImportError(ValueError):
-    """The quantized file uses something the importer cannot represent exactly."""
+class QuantizedImportError(InputError):
+    """The quantized file uses something the importer cannot represent exactly (an
+    :class:`autoq.errors.InputError`, so a ``ValueError``)."""
 
 
 MS_DOMAIN = "com.microsoft"
