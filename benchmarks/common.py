@@ -1207,18 +1207,21 @@ def fidelity(
     agreement (for each sample, the most similar other sample is the same as in fp32);
     boxes (a YOLO-style (1, 4 + C, N) output) -> box F1 of the test model's detections
     against the reference's (``detections`` at score > thresh, same class, IoU >= 0.5), with
-    ``cos`` / ``cos_min`` of the score rows and ``box_cos`` of the box rows.
+    ``cos`` / ``cos_min`` of the score rows (as a detector's maps, below) and ``box_cos``
+    of the box rows.
 
-    Detector: a map without text is ~0 everywhere (sigmoid ~1e-4), and its cosine measures
+    Detector (and the score rows of boxes): a map without text is ~0 everywhere (sigmoid ~1e-4), and its cosine measures
     noise (a uint8 output quantized to all zeros has cosine 0), so ``cos`` is the cosine of
     all maps concatenated and ``cos_min`` the minimum over maps with fp32 pixels > thresh.
     """
     if len(ref) != len(test) or not ref:
         raise ValueError("need the same non-zero number of reference and test outputs")
+    boxes_ref, boxes_test = ref, test
     cos = [_cos(r, t) for r, t in zip(ref, test, strict=True)]
-    if kind == "boxes":  # the cosine of the score rows (the box rows: box_cos)
-        cos = [_cos(r[:, 4:], t[:, 4:]) for r, t in zip(ref, test, strict=True)]
-    if kind == "detector":
+    if kind == "boxes":  # the score rows, as a detector's maps (the box rows: box_cos)
+        ref, test = [r[:, 4:] for r in ref], [t[:, 4:] for t in test]
+        cos = [_cos(r, t) for r, t in zip(ref, test, strict=True)]
+    if kind in ("detector", "boxes"):
         with_text = [c for c, r in zip(cos, ref, strict=True) if np.any(r > thresh)]
         cos_mean = _cos(
             np.concatenate([r.ravel() for r in ref]), np.concatenate([t.ravel() for t in test])
@@ -1248,14 +1251,14 @@ def fidelity(
         out["positive_frac"] = float(np.mean([np.mean(r > thresh) for r in ref]))
     elif kind == "boxes":
         hits = n_ref = n_test = 0
-        for r, t in zip(ref, test, strict=True):
+        for r, t in zip(boxes_ref, boxes_test, strict=True):
             dr, dt = detections(r, thresh), detections(t, thresh)
             hits += box_matches(dr, dt)
             n_ref, n_test = n_ref + len(dr[0]), n_test + len(dt[0])
         f1 = 2 * hits / (n_ref + n_test) if n_ref + n_test else 1.0
         out.update(agree=f1, agree_name="box F1", n_ref_boxes=n_ref, n_test_boxes=n_test)
         out["box_cos"] = float(
-            np.mean([_cos(r[:, :4], t[:, :4]) for r, t in zip(ref, test, strict=True)])
+            np.mean([_cos(r[:, :4], t[:, :4]) for r, t in zip(boxes_ref, boxes_test, strict=True)])
         )
     elif kind == "embedding":
 

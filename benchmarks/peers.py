@@ -28,7 +28,8 @@ cosine for the classifiers; IoU@0.3 of the text maps for PP-OCRv4 det, as
 ``ppocr_budget.py`` computes it; nearest-neighbour agreement and the cosine of the sentence
 embeddings for MiniLM; for YOLOv8n the box F1 of the int8 model's detections against
 fp32's (best class score > 0.25, per-class NMS at IoU 0.45 as nudenet does, a match: same
-class, IoU >= 0.5) and the cosine of the score rows, with the box rows' cosine and the
+class, IoU >= 0.5) and the cosine of the score rows (all inputs together; the minimum over
+inputs with an fp32 detection, as for PP-OCR's maps), with the box rows' cosine and the
 detection counts in the notes: ``common.fidelity``), quantize CPU seconds (user + system time of a
 fresh process around the quantize call alone: ``quantize_static``; ``nncf.quantize``;
 ``Quantizer.run`` plus autoq's compile, since the library is what autoq deploys, while
@@ -478,7 +479,8 @@ def main(argv=None) -> int:
         "(classifiers), IoU@0.3 of the text maps (PP-OCRv4 det; its cosine is of all maps "
         "together, its min over maps with text), nearest-neighbour agreement NN@1 (MiniLM; "
         "the cosine of the sentence embeddings), box F1 (YOLOv8n: detections at score > "
-        "0.25 after NMS matched to fp32's at IoU >= 0.5; its cosine is of the score rows). "
+        "0.25 after NMS matched to fp32's at IoU >= 0.5; its cosine is of the score rows, "
+        "its min over inputs with a detection). "
         "quantize CPU s: user + system seconds of "
         "the quantize call (autoq: with its compile). ms: median of interleaved rounds. "
         "autoq / row: autoq's number divided by the row's (below 1: autoq is faster). ORT "
