@@ -42,7 +42,6 @@ from autoq.accuracy.smooth_quant import find_smoothable, smooth_graph
 from autoq.build.module_check import check_builds
 from autoq.calibration import (
     calibrate,
-    cut_slots,
     feed_observers,
     fp32_slot_runner,
     samples_for,
@@ -354,8 +353,7 @@ class Quantizer:
                 f"keeping {len(layers)} layer(s) in fp32 because a chosen int8 scale cannot "
                 f"represent their calibration data: {', '.join(layers)}; "
                 + "; ".join(f"slot {s}: {why}" for s, why in bad.items())
-                + ". An extreme value in one sample? Remove it or use a percentile calibrator "
-                "(Config(check_scales=False) quantizes them anyway).",
+                + " (Config(check_scales=False) quantizes them anyway).",
                 stacklevel=4,
             )
             fb = config.fallback
@@ -523,7 +521,7 @@ def check_scales(
         run(samples_for(dataset, sim.graph.inputs)),
     )
     health = {s: o.compute() for s, o in zip(slots, checks, strict=True)}
-    bad = scale_problems(health, qparams, cut_slots(sim, config))
+    bad = scale_problems(health, qparams, sim, config)
     if bad:
         raise CalibrationError(
             "the qparams do not fit the data: "

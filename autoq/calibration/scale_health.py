@@ -61,6 +61,7 @@ __all__ = [
     "HealthCheck",
     "HealthObserver",
     "SlotHealth",
+    "collapse_cause",
     "problem",
 ]
 
@@ -228,11 +229,12 @@ class HealthCheck:
         return HealthObserver(scale, zp, qp.qmin, qp.qmax)
 
 
-def problem(h: SlotHealth, scale: float) -> str | None:
-    """Why the scale is unusable on these values, or None.
+def problem(h: SlotHealth, scale: float, bounded: bool = False) -> str | None:
+    """Why the scale is unusable on these values, or None; the text names the cause the
+    counts point to (:func:`collapse_cause`).
 
-    >>> problem(SlotHealth(100, 100, 99, 0, -1.0, 1e30), 3.9e27)
-    '99% of its non-zero values round to the zero point (range [-1, 1e+30], scale 3.9e+27)'
+    >>> problem(SlotHealth(100, 100, 99, 0, -1.0, 1e30, 16, 1, 10), 3.9e27)
+    '99% of its non-zero values round to the zero point (range [-1, 1e+30], scale 3.9e+27): the range is set by the values of 1 of 10 samples (an extreme value? remove it from the data or use a percentile calibrator)'
     >>> problem(SlotHealth(100, 100, 1, 0, -1.0, 1.0), 0.0078) is None
     True
 
@@ -241,10 +243,52 @@ def problem(h: SlotHealth, scale: float) -> str | None:
 
     >>> problem(SlotHealth(1000, 1000, 960, 0, 1e-5, 1.0, 16, 32, 40), 1 / 255) is None
     True
+
+    ``bounded``: the slot is the output of a bounded lookup (a class-score sigmoid,
+    :func:`autoq.rules.lut_ranges.bounded_lut_outputs`) on a grid inside the activation's
+    output range. Nothing can widen that grid, so a value on the zero point is within half
+    a step of at most ``1 / 255`` of it: collapse is the data (nearly every anchor's score
+    near 0), not a defect. Clipping is still one:
+
+    >>> scores = SlotHealth(1000, 1000, 990, 0, 1e-8, 0.8, 14, 12, 32)
+    >>> problem(scores, 0.8 / 255).split(": ")[-1]
+    'nearly all its values lie near zero and only 12 of 32 samples reach a quarter of the grid (a sparse score or probability map?)'
+    >>> problem(scores, 0.8 / 255, bounded=True) is None
+    True
     """
     where = f"range [{h.lo:.3g}, {h.hi:.3g}], scale {scale:.3g}"
-    if h.nonzero and h.collapsed > COLLAPSED_LIMIT * h.nonzero and not h.grid_used:
-        return f"{100 * h.collapsed // h.nonzero}% of its non-zero values round to the zero point ({where})"
+    collapsed = h.nonzero and h.collapsed > COLLAPSED_LIMIT * h.nonzero and not h.grid_used
+    if collapsed and not bounded:
+        return (
+            f"{100 * h.collapsed // h.nonzero}% of its non-zero values round to the zero point "
+            f"({where}): {collapse_cause(h)}"
+        )
     if h.count and h.clipped > CLIPPED_LIMIT * h.count:
         return f"{100 * h.clipped // h.count}% of its values fall outside the int8 grid ({where})"
     return None
+
+
+def collapse_cause(h: SlotHealth) -> str:
+    """What the counts of a collapsed slot say set its range: few samples reach the grid
+    (an extreme value), few bands hold values (a distant constant), or neither: the values
+    sit near zero in every sample and the grid's far end is reached in too few of them.
+
+    >>> collapse_cause(SlotHealth(100, 100, 99, 0, 0.0, 9.0, 2, 10, 10))
+    'its values occupy 2 of the 16 bands of the grid (a few distant values in every sample: a channel with a large constant bias?)'
+    >>> collapse_cause(SlotHealth(100, 100, 99, 0, 0.0, 9.0, 12, 3, 10))
+    'nearly all its values lie near zero and only 3 of 10 samples reach a quarter of the grid (a sparse score or probability map?)'
+    """
+    if h.reaching <= 1 < h.batches:
+        return (
+            f"the range is set by the values of {h.reaching} of {h.batches} samples (an extreme "
+            "value? remove it from the data or use a percentile calibrator)"
+        )
+    if h.occupied < OCCUPIED_LIMIT:
+        return (
+            f"its values occupy {h.occupied} of the {BANDS} bands of the grid (a few distant "
+            "values in every sample: a channel with a large constant bias?)"
+        )
+    return (
+        f"nearly all its values lie near zero and only {h.reaching} of {h.batches} samples "
+        "reach a quarter of the grid (a sparse score or probability map?)"
+    )

@@ -30,7 +30,15 @@ from autoq.ir.activations import LUT_DTYPES, Activation
 from autoq.qparams import QParam
 from autoq.rules import lut_channels
 
-__all__ = ["FLAT", "cut", "cut_lut_inputs", "flat_interval", "lut_input_bounds"]
+__all__ = [
+    "BOUNDED",
+    "FLAT",
+    "bounded_lut_outputs",
+    "cut",
+    "cut_lut_inputs",
+    "flat_interval",
+    "lut_input_bounds",
+]
 
 #: activation -> (below this the output is constant, above this it is constant); None: no
 #: such point (within 5e-8 of the limit, see the module docstring)
@@ -42,6 +50,15 @@ FLAT: dict[str, tuple[float | None, float | None]] = {
     "silu": (-20.0, None),
     "gelu": (-6.0, None),
     "gelu_tanh": (-6.0, None),
+}
+
+
+#: activation -> the interval its output lies in, for the bounded ones (a plain row only: an
+#: affine row ``f(x) * a + b`` has its own)
+BOUNDED: dict[str, tuple[float, float]] = {
+    "sigmoid": (0.0, 1.0),
+    "hardsigmoid": (0.0, 1.0),
+    "tanh": (-1.0, 1.0),
 }
 
 
@@ -78,6 +95,19 @@ def lut_input_bounds(sim) -> dict[str, tuple[float | None, float | None]]:
         hi = None if any(v is None for v in his) else max(his)
         if lo is not None or hi is not None:
             out[sid] = (lo, hi)
+    return out
+
+
+def bounded_lut_outputs(sim) -> dict[str, tuple[float, float]]:
+    """slot -> the output interval of its activation (:data:`BOUNDED`), for every 8-bit
+    output slot of an 8-bit lookup layer whose activation is bounded: a class-score or
+    probability sigmoid, whose grid can never be wider than ``[0, 1]`` (scale health judges
+    these without the collapse count: :mod:`autoq.calibration.scale_health`)."""
+    out = {}
+    for _, out_sid, act in sim.plan.tables.values():  # a table: both slots are 8-bit
+        name = act.name if isinstance(act, Activation) else str(act)
+        if name in BOUNDED:
+            out[out_sid] = BOUNDED[name]
     return out
 
 
