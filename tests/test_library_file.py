@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import autoq
-from autoq.build.library_file import stamp_path
+from autoq.ir.library_file import stamp_path
 from autoq.errors import LibraryError
 from models import TARGET, mlp
 
