@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tvm
 from tvm import relax
 
 import autoq
@@ -26,7 +27,11 @@ def delta(before: dict) -> dict:
     return {k: now[k] - before[k] for k in now}
 
 
-def dense_vm():
+#: another target: another entry
+OTHER = tvm.target.Target({"kind": "llvm", "opt-level": 1})
+
+
+def dense_vm(target=TARGET):
     """A VM of ``main(x, w) = x @ w.T`` through :func:`compile_vm`, and its numpy reference."""
     x = relax.Var("x", relax.TensorType([2, 8], "float32"))
     w = relax.Var("w", relax.TensorType([4, 8], "float32"))
@@ -35,14 +40,12 @@ def dense_vm():
         with bb.dataflow():
             y = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0])))
         bb.emit_func_output(y)
-    return compile_vm({"main": bb.get()["main"]}, TARGET)
+    return compile_vm({"main": bb.get()["main"]}, target)
 
 
 def check_dense(vm):
     rng = np.random.default_rng(0)
     x, w = rng.normal(size=(2, 8)).astype("f4"), rng.normal(size=(4, 8)).astype("f4")
-    import tvm
-
     got = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w)).numpy()
     np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-5)
 
@@ -84,11 +87,14 @@ def test_off_and_unwritable(tmp_path, monkeypatch):
     before = compile_cache.counts()
     check_dense(dense_vm())
     assert compile_cache.cache_folder() is None and delta(before) == {"hits": 0, "misses": 0}
+    check_dense(dense_vm())  # the module compiled last is reused in the process
+    assert delta(before) == {"hits": 1, "misses": 0}
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     monkeypatch.setenv(compile_cache.ENV, str(blocker / "compiled"))  # cannot be created
-    check_dense(dense_vm())
-    assert delta(before) == {"hits": 0, "misses": 0}
+    check_dense(dense_vm(OTHER))
+    assert delta(before) == {"hits": 1, "misses": 0}
+    assert list(tmp_path.rglob("*.so")) == []
 
 
 def test_least_recently_used_entries_go(folder, monkeypatch):
@@ -131,8 +137,6 @@ def test_second_quantization_compiles_nothing(folder, tmp_path):
     assert r1.qparams.dumps() != "" and _qp_bits(r1) == _qp_bits(r2)
     x = data(1, seed=5)[0]
     vm = autoq.load_library(p2)
-    import tvm
-
     got = vm["main"](tvm.runtime.tensor(x)).numpy()
     np.testing.assert_array_equal(got, Runner(r1.module, target=TARGET)(x))
 

@@ -135,16 +135,30 @@ def cached_module(
 ):
     """A runtime module of ``mod`` to run here: the cached library loaded, or ``build()``'s
     executable (compiled now, stored in the cache first when it is on). An entry that does
-    not load (a damaged file whose stamp matches) is deleted and compiled again."""
+    not load (a damaged file whose stamp matches) is deleted and compiled again. Without a
+    usable cache folder the module compiled last in this process is still reused when the
+    same one is asked for again (the guard's, then calibration's)."""
+    key = cache_key(mod, target, kind)
+    if key in _LOADED:
+        _COUNTS["hits"] += 1
+        return _LOADED[key]
     path, executable = cached_library(mod, target, kind, build)
-    if path is None:
-        return executable.jit()
-    try:
-        return _load_quietly(path)
-    except Exception:  # (dlopen errors, a library without a Relax executable)
-        forget(path)
-        path, executable = cached_library(mod, target, kind, build)
-        return executable.jit() if path is None else _load_quietly(path)
+    if path is not None:
+        try:
+            return _load_quietly(path)
+        except Exception:  # (dlopen errors, a library without a Relax executable)
+            forget(path)
+            path, executable = cached_library(mod, target, kind, build)
+            if path is not None:
+                return _load_quietly(path)
+    module = executable.jit()
+    _LOADED.clear()
+    _LOADED[key] = module
+    return module
+
+
+#: without a cache folder: key -> the runtime module compiled last in this process
+_LOADED: dict[str, object] = {}
 
 
 #: what TVM FFI prints on standard error for every library loaded after the first one (each
