@@ -142,13 +142,13 @@ def cached_module(
     if key in _LOADED:
         _COUNTS["hits"] += 1
         return _LOADED[key]
-    path, executable = cached_library(mod, target, kind, build)
+    path, executable = cached_library(mod, target, kind, build, space)
     if path is not None:
         try:
             return _load_quietly(path)
         except Exception:  # (dlopen errors, a library without a Relax executable)
             forget(path)
-            path, executable = cached_library(mod, target, kind, build)
+            path, executable = cached_library(mod, target, kind, build, space)
             if path is not None:
                 return _load_quietly(path)
     module = executable.jit()
