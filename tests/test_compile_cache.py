@@ -174,3 +174,13 @@ def test_guard_and_calibration_share_one_module(folder):
     before = compile_cache.counts()
     calibrate(sim, params, data(4), target=TARGET)
     assert delta(before) == {"hits": 1, "misses": 0}
+
+
+def test_a_killed_stores_work_folder_goes_with_the_next_store(folder):
+    folder.mkdir(parents=True)
+    dead = folder / ".autoq-store-999999999-dead"  # (no such pid)
+    dead.mkdir()
+    (dead / "half.so").write_bytes(b"\x7fELF")
+    check_dense(dense_vm())
+    assert not dead.exists()
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []

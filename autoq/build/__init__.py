@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import shutil
@@ -21,7 +20,7 @@ from autoq.errors import LibraryError
 from autoq.ir.compile_cache import cached_library
 from autoq.ir.library_file import check_library, stamp_path, write_stamp
 from autoq.ir.toolkit import weight_bytes
-from autoq.files import pid_dir, remove_dead_dirs
+from autoq.files import pid_dir, remove_dead_dirs, temp_folder
 
 __all__ = [
     "cached_compile",
@@ -134,7 +133,7 @@ def export_library(
         if cached is not None:  # (its integrity data stays inside; the new one is last)
             shutil.copyfile(cached, work / path.name)
         else:
-            with _temp_folder(work):
+            with temp_folder(work):
                 lib.export_library(str(work / path.name), workspace_dir=str(work))
         stamp = write_stamp(work / path.name)
         os.replace(work / path.name, path)
@@ -159,20 +158,6 @@ def cached_compile(mod: tvm.IRModule, target=None, cpu_kernels: bool = True):
     space = 2 * sum(weight_bytes(mod).values())  # (as export_library checks)
     build = lambda: compile(mod, target, cpu_kernels=cpu_kernels)  # noqa: E731
     return cached_library(code, target, kind, build, space)
-
-
-@contextlib.contextmanager
-def _temp_folder(folder: Path):
-    """``TMPDIR`` (the C compiler's temporary files) set to ``folder`` meanwhile."""
-    before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(folder)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = before
 
 
 def load_library(path: str | Path, device=None) -> relax.VirtualMachine:

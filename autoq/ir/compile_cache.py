@@ -29,7 +29,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +36,7 @@ import tvm
 import tvm_ffi
 
 from autoq.errors import LibraryError
+from autoq.files import pid_dir, remove_dead_dirs, temp_folder
 from autoq.ir.library_file import check_library, stamp_path, write_stamp
 
 __all__ = [
@@ -214,36 +214,34 @@ def _usable(path: Path) -> bool:
     return True
 
 
+#: the work folders of stores (``<prefix><pid>-<random>``, :mod:`autoq.files`)
+_WORK = ".autoq-store-"
+
+
 def _store(executable, path: Path) -> None:
-    """Write ``executable``'s library and its stamp next to ``path`` under temporary names,
-    then move the stamp, then the library into place (a reader never finds a library
-    without its stamp, except after an interrupted store: then it is compiled again)."""
+    """Export ``executable``'s library and its stamp in a work folder of this process next
+    to ``path`` (TVM's object files and, through ``TMPDIR``, the compiler's temporary files
+    there too), then move the stamp, then the library into place: a reader never finds a
+    library without its stamp, except after an interrupted move (it is compiled again).
+    Work folders of processes that died are removed first."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".so", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
+    remove_dead_dirs(path.parent, _WORK)
+    work = pid_dir(path.parent, _WORK, 0o700)
     try:
-        with tempfile.TemporaryDirectory(prefix=f".{path.stem}.work.", dir=path.parent) as work:
-            executable.export_library(str(tmp), workspace_dir=work)
-        os.replace(write_stamp(tmp), stamp_path(path))
-        os.replace(tmp, path)
+        lib = work / path.name
+        with temp_folder(work):
+            executable.export_library(str(lib), workspace_dir=str(work))
+        os.replace(write_stamp(lib), stamp_path(path))
+        os.replace(lib, path)
     finally:
-        forget(tmp)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _evict(folder: Path, keep: Path) -> None:
     """Delete the least recently used entries while the folder holds more than
-    :data:`LIMIT_BYTES` (never ``keep``), and what interrupted stores left over an hour ago."""
-    now = time.time()
+    :data:`LIMIT_BYTES` (never ``keep``)."""
     try:
-        entries = []
-        for p in folder.iterdir():
-            st = p.stat()
-            if not p.name.startswith("."):
-                if p.suffix == ".so":
-                    entries.append((st.st_mtime, st.st_size, p))
-            elif now - st.st_mtime > 3600:
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        entries = [(p.stat().st_mtime, p.stat().st_size, p) for p in folder.glob("[!.]*.so")]
     except OSError:  # (another process deleted one meanwhile)
         return
     total = sum(size for _, size, _ in entries)
