@@ -21,13 +21,14 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
 import shutil
 from pathlib import Path
 
-__all__ = ["alive", "pid_dir", "remove_dead_dirs"]
+__all__ = ["alive", "pid_dir", "remove_dead_dirs", "temp_folder"]
 
 _OWNED = re.compile(r"(\d+)-[0-9a-z_]+")
 
@@ -72,3 +73,17 @@ def remove_dead_dirs(parent: str | Path, prefix: str) -> list[Path]:
             shutil.rmtree(e.path, ignore_errors=True)
             removed.append(Path(e.path))
     return removed
+
+
+@contextlib.contextmanager
+def temp_folder(folder: Path):
+    """``TMPDIR`` (the C compiler's temporary files) set to ``folder`` meanwhile."""
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before

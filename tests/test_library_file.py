@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import autoq
-from autoq.build.library_file import stamp_path
 from autoq.errors import LibraryError
+from autoq.ir.library_file import stamp_path
 from models import TARGET, mlp
 
 

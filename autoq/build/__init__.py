@@ -2,26 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 import tvm
 from tvm import relax
 
-from autoq.build.library_file import check_library, stamp_path, write_stamp
 from autoq.cpu.amx import request_amx, require_amx
 from autoq.cpu.injective import ScheduleFused
 from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.errors import LibraryError
-from autoq.files import pid_dir, remove_dead_dirs
+from autoq.files import pid_dir, remove_dead_dirs, temp_folder
+from autoq.ir.compile_cache import cached_library
+from autoq.ir.library_file import check_library, stamp_path, write_stamp
 from autoq.ir.target import default_target
+from autoq.ir.toolkit import weight_bytes
 from autoq.threads import use_machine_cores
 
 __all__ = [
+    "cached_compile",
     "compile",
     "default_target",
     "export_library",
@@ -110,7 +111,7 @@ def export_library(
     """Compile ``mod`` (with the tuning ``database`` folder, if given) and write a shared
     library loadable with :func:`load_library` or :func:`autoq.load`, with its stamp
     ``<path>.autoq.json`` (id, size, SHA-256 and the inputs and outputs of ``main``, see
-    :mod:`autoq.build.library_file`). ``output_names``: names of ``main``'s outputs in order
+    :mod:`autoq.ir.library_file`). ``output_names``: names of ``main``'s outputs in order
     (e.g. the ONNX model's; default ``output_0``, ``output_1``, ...).
 
     The link runs in a work folder ``.<name>.autoq-build-<pid>-*`` next to ``path`` (TVM's
@@ -118,11 +119,16 @@ def export_library(
     runs); the library and its stamp are moved into place when complete, and the folder is
     removed. A work folder left by a killed process is removed by the next export to the
     same name. Less free space than twice the weights plus 16 MiB is an ``OSError``
-    (ENOSPC) before LLVM writes anything (LLVM ends the process when a write fails)."""
+    (ENOSPC) before LLVM writes anything (LLVM ends the process when a write fails).
+    Without a ``database`` the library comes from the compile cache when the same module
+    was compiled before (:func:`cached_compile`): it is copied, nothing is compiled."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     signature = main_signature(mod, output_names)
-    lib = compile(mod, target, cpu_kernels=cpu_kernels, database=database)
+    if database is None:
+        cached, lib = cached_compile(mod, target, cpu_kernels)
+    else:
+        cached, lib = None, compile(mod, target, cpu_kernels=cpu_kernels, database=database)
     # LLVM ends the process when it cannot write an object file: check the space first
     need, st = 2 * sum(weight_bytes(mod).values()) + _SPARE_BYTES, os.statvfs(path.parent)
     if st.f_bavail * st.f_frsize < need:
@@ -132,8 +138,11 @@ def export_library(
     remove_dead_dirs(path.parent, prefix)
     work = pid_dir(path.parent, prefix, 0o700)
     try:
-        with _temp_folder(work):
-            lib.export_library(str(work / path.name), workspace_dir=str(work))
+        if cached is not None:  # (its integrity data stays inside; the new one is last)
+            shutil.copyfile(cached, work / path.name)
+        else:
+            with temp_folder(work):
+                lib.export_library(str(work / path.name), workspace_dir=str(work))
         stamp = write_stamp(work / path.name, signature)
         os.replace(work / path.name, path)
         os.replace(stamp, stamp_path(path))
@@ -142,40 +151,21 @@ def export_library(
     return path
 
 
-@contextlib.contextmanager
-def _temp_folder(folder: Path):
-    """``TMPDIR`` (the C compiler's temporary files) set to ``folder`` meanwhile."""
-    before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(folder)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = before
-
-
-def weight_bytes(mod, params=None) -> dict[str, int]:
-    """Bytes of the constant tensors of ``mod``'s Relax functions plus ``params``, by dtype
-    (each distinct constant counted once): the weights a compiled module carries."""
-    seen: dict[int, object] = {}
-
-    def visit(e):
-        if isinstance(e, tvm.ir.GenericConst) and isinstance(e.value, tvm.runtime.Tensor):
-            seen[hash(e.value)] = e.value
-
-    for _, func in mod.functions_items():
-        if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(func.body, visit)
-    out: dict[str, int] = {}
-    for t in seen.values():
-        n = int(np.prod(t.shape)) * np.dtype(str(t.dtype)).itemsize
-        out[str(t.dtype)] = out.get(str(t.dtype), 0) + n
-    for a in (params or {}).values():
-        a = np.asarray(a)
-        out[str(a.dtype)] = out.get(str(a.dtype), 0) + a.nbytes
-    return out
+def cached_compile(mod: tvm.IRModule, target=None, cpu_kernels: bool = True):
+    """:func:`compile` (default options) through the compile cache
+    (:mod:`autoq.ir.compile_cache`): ``(path of the cached library, None)``, or ``(None,
+    the executable)`` when the cache is off or cannot be written. Whatever compiles a
+    quantized module for this CPU (the export, a check of the result) shares one entry."""
+    target = target or default_target()
+    if isinstance(target, dict | str):
+        target = tvm.target.Target(target)
+    kind = f"autoq.build.compile(cpu_kernels={bool(cpu_kernels)})"
+    code = mod  # the key: without autoq's own attributes (qparams, run statistics)
+    for key in [k for k in (mod.attrs.keys() if mod.attrs else ()) if k.startswith("autoq.")]:
+        code = code.without_attr(key)
+    space = 2 * sum(weight_bytes(mod).values())  # (as export_library checks)
+    build = lambda: compile(mod, target, cpu_kernels=cpu_kernels)  # noqa: E731
+    return cached_library(code, target, kind, build, space)
 
 
 def _tensor_info(name: str, sinfo) -> dict | None:

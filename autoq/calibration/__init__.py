@@ -55,9 +55,12 @@ from autoq.simulation import SimResult
 from autoq.threads import use_machine_cores
 
 __all__ = [
+    "FP32_SLOTS",
     "bias_holdout_count",
     "calibrate",
     "calibrate_weights",
+    "calibration_functions",
+    "calibration_vms",
     "choose_qparams",
     "cut_slots",
     "feed_observers",
@@ -481,9 +484,9 @@ def _calibrate_topological(
     """``samples``: (calibration samples, held-out samples or None); ``settings``:
     (config, resources)."""
     (samples, held), (config, resources) = samples, settings
-    plan, functions = build_plan(sim)
+    plan, functions = calibration_functions(sim)
     t0 = time.perf_counter()
-    vm, twin = compile_vms(functions, target, sim.mod, calibration_pipeline(target), 2)
+    vm, twin = calibration_vms(sim, functions, target, 2)
     stats["compile_s"] = time.perf_counter() - t0
     stats["segments"] = len(plan.segments)
     budget = resources.memory_budget_mb * 2**20
@@ -496,7 +499,7 @@ def _calibrate_topological(
     ]
     if tuner is not None and tuner.fp32_slots():  # empirical bias correction's fp32 means
         t0 = time.perf_counter()
-        outs = fp32_slot_runner(sim, tuner.fp32_slots(), target)
+        outs = _fp32_slots_runner(sim, vm, tuner.fp32_slots())
         tuner.observe_fp32(outs(samples), () if held is None else outs(held))
         stats["fp32_means_s"] = time.perf_counter() - t0
     try:
@@ -526,10 +529,49 @@ def fp32_slot_functions(sim: SimResult, slots: list[str], tensors=()) -> dict:
     return {"main": make_function("main", [*g.inputs, *g.weight_params], g.bindings, tensors)}
 
 
-def fp32_slot_runner(sim: SimResult, slots: list[str], target):
+def fp32_slot_runner(sim: SimResult, slots: list[str], target, shared: bool = False):
     """``run(samples)``: for each sample, the fp32 values of the tensors that the
-    activation ``slots`` quantize (one compiled float graph with those tensors as outputs)."""
-    return fp32_tensor_runner(sim, [sim.plan.tensors[s] for s in slots], target)
+    activation ``slots`` quantize (one compiled float graph with those tensors as outputs;
+    ``shared``: the ``fp32_slots`` function of the topological calibration module,
+    :func:`calibration_functions`, which calibration then finds in the compile cache)."""
+    if not shared:
+        return fp32_tensor_runner(sim, [sim.plan.tensors[s] for s in slots], target)
+    _, functions = calibration_functions(sim)
+    return _fp32_slots_runner(sim, calibration_vms(sim, functions, target)[0], slots)
+
+
+def _fp32_slots_runner(sim: SimResult, vm, slots: list[str]):
+    """``run(samples)`` of the ``fp32_slots`` function of a compiled calibration module:
+    the values of ``slots`` (of :meth:`SimResult.activation_slots`)."""
+    g, index = sim.graph, {s: i for i, s in enumerate(sim.activation_slots())}
+    weights = [g.params[p.name] for p in g.weight_params]
+    pick = [index[s] for s in slots]
+    return fp32_runner(vm, [v.name for v in g.inputs], weights, FP32_SLOTS, pick)
+
+
+#: the float graph in the calibration module (:func:`calibration_functions`)
+FP32_SLOTS = "fp32_slots"
+
+
+def calibration_functions(sim: SimResult) -> tuple[CalibrationPlan, dict]:
+    """The plan of ``sim``'s topological calibration and its module's functions: the
+    prologue, the segments and :data:`FP32_SLOTS`, the float graph
+    ``fp32_slots(*inputs, *weights)`` returning every activation slot's tensor (in
+    :meth:`SimResult.activation_slots` order). The guard, the bias correction's fp32 means
+    and calibration all run this one module: compiled once, then a compile-cache hit
+    (:mod:`autoq.ir.compile_cache`); legalization gives the float graph's ops the kernels
+    of the simulated graph's identical ones, so it adds few."""
+    plan, functions = build_plan(sim)
+    g = sim.graph
+    tensors = [sim.plan.tensors[s] for s in sim.activation_slots()]
+    inputs = [*g.inputs, *g.weight_params]
+    functions[FP32_SLOTS] = make_function(FP32_SLOTS, inputs, g.bindings, tensors)
+    return plan, functions
+
+
+def calibration_vms(sim: SimResult, functions: dict, target, count: int = 1) -> list:
+    """``count`` VMs over the compiled calibration module (:func:`calibration_functions`)."""
+    return compile_vms(functions, target, sim.mod, calibration_pipeline(target), count)
 
 
 def fp32_tensor_runner(sim: SimResult, tensors: list, target):

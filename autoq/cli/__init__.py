@@ -431,7 +431,7 @@ def cmd_tune(args) -> int:
 
 
 def _recorded_outputs(library: Path) -> list[str]:
-    from autoq.build.library_file import read_signature
+    from autoq.ir.library_file import read_signature
 
     signature = read_signature(library)
     return [o["name"] for o in signature["outputs"]] if signature else []

@@ -34,18 +34,25 @@ UNBOUNDED = 1e30
 
 
 def unbounded_slots(
-    sim: SimResult, dataset, target=None, samples: int = 2, stats: dict | None = None
+    sim: SimResult,
+    dataset,
+    target=None,
+    samples: int = 2,
+    stats: dict | None = None,
+    shared: bool = False,
 ) -> dict[str, tuple[float, float]]:
     """Activation slots whose fp32 values reach ``UNBOUNDED`` on the first ``samples``
     samples, with their observed range. ``stats`` (a dict) receives ``compile_s``, the
-    one-off compile of the fp32 graph the check runs."""
+    one-off compile of the fp32 graph the check runs. ``shared``: run the float graph of
+    the calibration module (:func:`autoq.calibration.calibration_functions`: topological
+    calibration of ``sim`` then compiles nothing again)."""
     from autoq.ir.target import default_target
 
     slots = sim.activation_slots()
     if not slots:
         return {}
     t0 = time.perf_counter()
-    run = fp32_slot_runner(sim, slots, target or default_target())
+    run = fp32_slot_runner(sim, slots, target or default_target(), shared)
     if stats is not None:
         stats["compile_s"] = time.perf_counter() - t0
     data = itertools.islice(samples_for(dataset, sim.graph.inputs), samples)
@@ -81,12 +88,17 @@ def layers_using(sim: SimResult, slots) -> list[str]:
 
 
 def keep_unbounded_in_fp32(
-    sim: SimResult, dataset, config: Config, target=None, stats: dict | None = None
+    sim: SimResult,
+    dataset,
+    config: Config,
+    target=None,
+    stats: dict | None = None,
+    shared: bool = False,
 ) -> tuple[Config, list[str]]:
     """``config`` with the layers reading or writing unbounded activations of ``sim`` added
     to its fallback ids (with a warning naming them and their ranges), and those layers.
-    ``stats``: see :func:`unbounded_slots`."""
-    bad = unbounded_slots(sim, dataset, target, stats=stats)
+    ``stats``, ``shared``: see :func:`unbounded_slots`."""
+    bad = unbounded_slots(sim, dataset, target, stats=stats, shared=shared)
     layers = [x for x in layers_using(sim, bad) if x not in config.fallback.ids]
     if not layers:
         return config, []

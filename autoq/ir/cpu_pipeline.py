@@ -52,14 +52,17 @@ def cpu_pipeline(target, after_fusion: Callable[[tvm.IRModule], tvm.IRModule]):
     return _pipeline
 
 
-def unfused_pipeline(target, after_legalize: Callable[[tvm.IRModule], tvm.IRModule]):
+def unfused_pipeline(
+    target, after_legalize: Callable[[tvm.IRModule], tvm.IRModule], name: str = "_pipeline"
+):
     """``tvm.compile``'s default pipeline (``relax.pipeline.default_build_pipeline``: one
     kernel per op, no fusion) with ``after_legalize(module)`` applied once the ops are
-    kernels."""
+    kernels. ``name``: the pass's name (``autoq.*`` names key the compile cache,
+    :mod:`autoq.ir.compile_cache`: one name per ``after_legalize``)."""
     from tvm.relax import backend
     from tvm.relax import transform as T
 
-    @tvm.transform.module_pass(opt_level=0)
+    @tvm.transform.module_pass(opt_level=0, name=name)
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
             mod = tvm.transform.Sequential(

@@ -146,4 +146,4 @@ def pipeline_with_loop_schedule(target):
     :func:`schedule_reductions` applied to every kernel: the same kernels, the same
     arithmetic, faster (a module pass for ``tvm.compile(..., relax_pipeline=...)``)."""
     rows = rows_for(target)
-    return unfused_pipeline(target, lambda mod: schedule_module(mod, rows))
+    return unfused_pipeline(target, lambda mod: schedule_module(mod, rows), "autoq.LoopSchedule")

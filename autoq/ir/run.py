@@ -21,15 +21,16 @@ def calibration_pipeline(target):
     return pipeline_with_loop_schedule(target)
 
 
-def fp32_runner(vm, input_names: list[str], weights: list[np.ndarray]):
-    """``run(samples)`` over a compiled float graph ``main(*inputs, *weights)`` (e.g.
+def fp32_runner(vm, input_names: list[str], weights: list[np.ndarray], function="main", pick=None):
+    """``run(samples)`` over a compiled float graph ``function(*inputs, *weights)`` (e.g.
     :func:`autoq.calibration.fp32_slot_functions`): for each sample, the
-    slots' fp32 values."""
+    slots' fp32 values (``pick``: only the outputs at these indices)."""
     weights = [tvm.runtime.tensor(np.ascontiguousarray(w)) for w in weights]
 
     def run(samples):
         for sample in samples:
             feeds = [tvm.runtime.tensor(np.ascontiguousarray(sample[n])) for n in input_names]
-            yield [o.numpy() for o in as_list(vm["main"](*feeds, *weights))]
+            outs = as_list(vm[function](*feeds, *weights))
+            yield [o.numpy() for o in (outs if pick is None else [outs[i] for i in pick])]
 
     return run

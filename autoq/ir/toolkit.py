@@ -8,6 +8,7 @@ Reading expressions::
 
     >>> import numpy as np
     >>> from tvm import relax
+
     >>> x = relax.Var("x", relax.TensorType([1, 4], "float32"))
     >>> call = relax.op.nn.relu(x)
     >>> op_name(call), short_op_name(call), is_call(call, "relax.nn.relu")
@@ -25,6 +26,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import tvm
 from tvm import relax
+
+from autoq.ir.compile_cache import cached_module
 
 __all__ = [
     "BindingWriter",
@@ -256,11 +259,19 @@ def compile_executable(
     PrimFuncs of an imported model's ``call_tir`` bindings), compiled (a Relax executable:
     run it in a ``VirtualMachine`` or ``export_library`` it for another process) with the
     Relax ``pipeline`` pass (default ``tvm.compile``'s)."""
+    return _compile(_module(functions, base), target, pipeline)
+
+
+def _module(functions: dict[str, relax.Function], base: tvm.IRModule | None) -> tvm.IRModule:
     mod = tvm.IRModule(functions)
     if base is not None:
         for gv, f in base.functions_items():
             if gv.name_hint != "main" and gv.name_hint not in functions:
                 mod[gv] = f
+    return mod
+
+
+def _compile(mod: tvm.IRModule, target, pipeline):
     if pipeline is None:
         return tvm.compile(mod, target)
     return tvm.compile(mod, target, relax_pipeline=pipeline)
@@ -284,9 +295,39 @@ def compile_vms(
     count: int = 1,
 ) -> list[relax.VirtualMachine]:
     """``count`` VMs on this CPU over one :func:`compile_executable`: the same code (loaded
-    once), each with its own state, so two threads can call them at once."""
-    lib = compile_executable(functions, target, base, pipeline).jit()
+    once), each with its own state, so two threads can call them at once. The library comes
+    from the compile cache (:mod:`autoq.ir.compile_cache`) when ``pipeline`` is None or one
+    of autoq's named pipelines (``autoq.*``)."""
+    mod = _module(functions, base)
+    kind = "tvm.default" if pipeline is None else pipeline.info.name
+    if kind.startswith("autoq.") or pipeline is None:
+        space = 2 * sum(weight_bytes(mod).values())
+        lib = cached_module(mod, target, kind, lambda: _compile(mod, target, pipeline), space)
+    else:  # an anonymous pipeline: nothing to key the cache on
+        lib = _compile(mod, target, pipeline).jit()
     return [relax.VirtualMachine(lib, tvm.cpu()) for _ in range(count)]
+
+
+def weight_bytes(mod, params=None) -> dict[str, int]:
+    """Bytes of the constant tensors of ``mod``'s Relax functions plus ``params``, by dtype
+    (each distinct constant counted once): the weights a compiled module carries."""
+    seen: dict[int, object] = {}
+
+    def visit(e):
+        if isinstance(e, tvm.ir.GenericConst) and isinstance(e.value, tvm.runtime.Tensor):
+            seen[hash(e.value)] = e.value
+
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func.body, visit)
+    out: dict[str, int] = {}
+    for t in seen.values():
+        n = int(np.prod(t.shape)) * np.dtype(str(t.dtype)).itemsize
+        out[str(t.dtype)] = out.get(str(t.dtype), 0) + n
+    for a in (params or {}).values():
+        a = np.asarray(a)
+        out[str(a.dtype)] = out.get(str(a.dtype), 0) + a.nbytes
+    return out
 
 
 def as_list(result) -> list:

@@ -54,8 +54,8 @@ def load(folder: str | Path, device=None) -> Session:
     """The model in ``folder`` (an ``autoq quantize --out`` folder, or a library file
     written by :func:`autoq.export_library`) as a :class:`Session`."""
     from autoq.build import load_library
-    from autoq.build.library_file import read_signature
     from autoq.dataset.images import ImagePreprocessing
+    from autoq.ir.library_file import read_signature
 
     folder = Path(folder)
     library = folder / LIBRARY if folder.is_dir() else folder
