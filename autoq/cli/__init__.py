@@ -39,8 +39,9 @@ from autoq.errors import AutoqError
 __all__ = ["BUNDLED", "METHODS", "ROUNDINGS", "UserError", "main"]
 
 # files written by ``autoq quantize`` into --out
-LIBRARY, QPARAMS, SCRIPT, REPORT, CONFIG, MODULE = (
+LIBRARY, ONNX_FILE, QPARAMS, SCRIPT, REPORT, CONFIG, MODULE = (
     "model.so",
+    "model.onnx",
     "qparams.json",
     "model.py",
     "report.txt",
@@ -49,7 +50,7 @@ LIBRARY, QPARAMS, SCRIPT, REPORT, CONFIG, MODULE = (
 )
 #: the tuning database folder ``autoq tune`` writes next to the model
 TUNING = "tuning"
-OUTPUT_FILES = (LIBRARY, LIBRARY + ".autoq.json", QPARAMS, SCRIPT, MODULE, REPORT, CONFIG, TUNING,
+OUTPUT_FILES = (LIBRARY, LIBRARY + ".autoq.json", ONNX_FILE, QPARAMS, SCRIPT, MODULE, REPORT, CONFIG, TUNING,
                 "analysis.txt", "analysis.json", "fallback.json")  # fmt: skip
 
 
@@ -165,21 +166,55 @@ def _database_in(folder: Path) -> Path | None:
     return folder / TUNING if (folder / TUNING / RECORD_FILE).is_file() else None
 
 
-def _write(out: Path, result, config, target) -> tuple[list[str], float]:
+def _onnx_output_names(model_path: Path) -> list[str] | None:
+    """The output names of an ONNX model file (kept by the exported model), else None."""
+    if model_path.suffix != ".onnx":
+        return None
+    import onnx
+
+    return [o.name for o in onnx.load(str(model_path), load_external_data=False).graph.output]
+
+
+def _write_onnx(out: Path, result, fmt: str, model_path: Path) -> list[str]:
+    """``model.onnx`` (``--format onnx`` / ``both``). With ``both``, a model the export
+    cannot write gets a warning and the library alone; with ``onnx`` it is the error."""
+    from autoq.errors import ExportError
+    from autoq.export import export_onnx
+
+    names = _onnx_output_names(model_path)
+    n_out = len(getattr(result.module["main"].body.body.ty, "fields", [None]))
+    try:
+        export_onnx(result, out / ONNX_FILE, names if names and len(names) == n_out else None)
+    except ExportError as err:
+        if fmt == "onnx":
+            raise
+        print(f"warning: {ONNX_FILE} not written: {err}", file=sys.stderr)
+        return []
+    return [ONNX_FILE]
+
+
+def _write(
+    out: Path, result, config, target, fmt: str = "both", model_path: Path = Path("model")
+) -> tuple[list[str], float]:
     import tvm
 
     from autoq.build import export_library
     from autoq.json_document import write_atomic
 
-    t = time.perf_counter()
-    # a tuning database left by 'autoq tune' in this folder is reused
-    export_library(result.module, out / LIBRARY, target=target, database=_database_in(out))
-    t_compile = time.perf_counter() - t
+    files, t_compile = [], 0.0
+    if fmt in ("so", "both"):
+        t = time.perf_counter()
+        # a tuning database left by 'autoq tune' in this folder is reused
+        export_library(result.module, out / LIBRARY, target=target, database=_database_in(out))
+        t_compile = time.perf_counter() - t
+        files += [LIBRARY, LIBRARY + ".autoq.json"]
+    if fmt in ("onnx", "both"):
+        files += _write_onnx(out, result, fmt, model_path)
     result.qparams.save(out / QPARAMS)
     (out / SCRIPT).write_text(result.module.script())
     write_atomic(out / MODULE, tvm.ir.save_json(result.module))
     (out / CONFIG).write_text(config.dumps())
-    files = [LIBRARY, LIBRARY + ".autoq.json", QPARAMS, SCRIPT, MODULE, CONFIG, REPORT]
+    files += [QPARAMS, SCRIPT, MODULE, CONFIG, REPORT]
     if result.report is not None:
         (out / "analysis.txt").write_text(result.report.table() + "\n")
         (out / "analysis.json").write_text(result.report.dumps())
@@ -224,7 +259,7 @@ def _quantize_into(
     result = _run_pipeline(
         config, target, args.report, mod, params, dataset, data_name, _resources(args)
     )
-    files, t_compile = _write(staging.path, result, result.config, target)
+    files, t_compile = _write(staging.path, result, result.config, target, args.format, model_path)
     text = quantize_report(
         result, model_path, specs, args.calib or data_name, result.config, target, skip=args.skip,
         times={"import": t_import, **result.timings, "compile": t_compile},
