@@ -70,9 +70,7 @@ def to_onnx(result, output_names=None) -> onnx.ModelProto:
 def export_onnx(result, path, output_names=None) -> Path:
     """Write the ONNX QDQ model of ``result`` (see :func:`to_onnx`) to ``path``, atomically
     (a temporary file renamed over the target once complete). Returns the path."""
-    model = to_onnx(result, output_names)
-    data = model.SerializeToString()
     path = Path(path)
     if not path.parent.is_dir():
         raise ExportError(f"ONNX export: folder '{path.parent}' does not exist; create it first")
-    return write_atomic(path, data)
+    return write_atomic(path, to_onnx(result, output_names).SerializeToString())

@@ -191,9 +191,9 @@ def layer_norm(w, call, var):
     return Float(out)
 
 
-def _pool_attrs(call):
+def _pool_attrs(w, call):
     if attr(call, "layout") != "NCHW":
-        raise ValueError("pool layout")
+        raise w.error("a pool in a layout other than NCHW")
     return {
         "kernel_shape": attr(call, "pool_size"),
         "strides": attr(call, "strides"),
@@ -205,13 +205,13 @@ def _pool_attrs(call):
 
 def max_pool2d(w, call, var):
     x = w.value(call.args[0])
-    out = w.g.node("MaxPool", [x.name], hint=var.name, **_pool_attrs(call))
+    out = w.g.node("MaxPool", [x.name], hint=var.name, **_pool_attrs(w, call))
     return _like(x, out)
 
 
 def avg_pool2d(w, call, var):
     x = w.real(w.value(call.args[0]), "the average pool input")
-    attrs = _pool_attrs(call)
+    attrs = _pool_attrs(w, call)
     attrs["count_include_pad"] = int(attr(call, "count_include_pad"))
     return Float(w.g.node("AveragePool", [x], hint=var.name, **attrs))
 
