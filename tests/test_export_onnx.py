@@ -274,3 +274,29 @@ def test_cli_format_onnx_writes_the_onnx_model_with_the_files_names(tmp_path, ca
     theirs = np.stack([sess.run(None, {"x": s[None]})[0] for s in x])
     agree, cos = _agreement(ours, theirs)
     assert agree >= 0.99 and cos >= 0.999, (agree, cos)
+
+
+@pytest.mark.parametrize("method, mode", [("nearest_neighbor", "asymmetric"),
+                                          ("linear", "half_pixel")])  # fmt: skip
+def test_resize_and_transposed_conv_are_the_onnx_ops(method, mode):
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(1, 2, 4, 5)).astype(np.float32)
+    w = rng.normal(size=(2, 3, 2, 2)).astype(np.float32)  # IOHW
+
+    def body(x):
+        y = relax.op.image.resize2d(x, (8, 10), method=method, rounding_method="floor",
+                                    coordinate_transformation_mode=mode)  # fmt: skip
+        return [y, relax.op.nn.conv2d_transpose(x, relax.const(w), strides=(2, 2))]
+
+    y, t = _run_rule({"x": x}, body)
+    if method == "nearest_neighbor":  # asymmetric, floor: index // 2
+        np.testing.assert_array_equal(y, x.repeat(2, axis=2).repeat(2, axis=3))
+    else:  # half-pixel bilinear at scale 2: the corners are the input's corners
+        assert y.shape == (1, 2, 8, 10) and y[0, 0, 0, 0] == x[0, 0, 0, 0]
+    ref = np.zeros((1, 3, 8, 10), np.float32)
+    for i in range(4):
+        for j in range(5):
+            ref[0, :, 2 * i : 2 * i + 2, 2 * j : 2 * j + 2] += np.einsum(
+                "c,cokl->okl", x[0, :, i, j], w
+            )
+    np.testing.assert_allclose(t, ref, rtol=1e-5, atol=1e-5)

@@ -237,6 +237,50 @@ def conv2d(w, call, var):
     return Float(out)
 
 
+def conv2d_transpose(w, call, var):
+    if attr(call, "data_layout") != "NCHW" or attr(call, "kernel_layout") != "IOHW":
+        raise w.error("conv2d_transpose in a layout other than NCHW / IOHW")
+    x, weight = (w.real(w.value(a), "a transposed conv operand") for a in call.args[:2])
+    pads = attr(call, "padding")
+    if len(pads) == 2:
+        pads = [pads[0], pads[1], pads[0], pads[1]]
+    out = w.g.node(
+        "ConvTranspose", [x, weight], hint=var.name, strides=attr(call, "strides"), pads=pads,
+        output_padding=attr(call, "output_padding"), dilations=attr(call, "dilation"),
+        group=attr(call, "groups"),
+    )  # fmt: skip
+    return Float(out)
+
+
+#: Relax resize2d method -> ONNX Resize mode; rounding method -> nearest_mode
+_RESIZE_MODES = {"nearest_neighbor": "nearest", "linear": "linear", "cubic": "cubic"}
+_NEAREST = {"": "round_prefer_floor", "round": "round_prefer_ceil", "floor": "floor",
+            "ceil": "ceil", "round_prefer_floor": "round_prefer_floor",
+            "round_prefer_ceil": "round_prefer_ceil"}  # fmt: skip
+
+
+def resize2d(w, call, var):
+    """``image.resize2d`` as ``Resize`` to the output's size; nearest on an integer tensor
+    stays integer (data movement), the other modes run on floats."""
+    method = attr(call, "method")
+    if attr(call, "layout") != "NCHW" or method not in _RESIZE_MODES:
+        raise w.error(f"a resize2d in layout {attr(call, 'layout')} / method {method}")
+    x = w.value(call.args[0])
+    if isinstance(x, Int) and method != "nearest_neighbor":
+        raise w.error("an integer tensor resized by interpolation")
+    attrs = {
+        "mode": _RESIZE_MODES[method],
+        "coordinate_transformation_mode": attr(call, "coordinate_transformation_mode"),
+    }
+    if method == "nearest_neighbor":
+        attrs["nearest_mode"] = _NEAREST.get(attr(call, "rounding_method") or "", "floor")
+    if method == "cubic":
+        attrs["cubic_coeff_a"] = float(attr(call, "cubic_alpha"))
+        attrs["exclude_outside"] = int(attr(call, "cubic_exclude"))
+    sizes = w.ints(shape_of(var), hint="sizes")
+    return _like(x, w.g.node("Resize", [x.name, "", "", sizes], hint=var.name, **attrs))
+
+
 def _reduce(onnx_op: str):
     def rule(w, call, var):
         x = w.real(w.value(call.args[0]), "a reduction input")
@@ -390,6 +434,8 @@ RULES = {
     "relax.nn.avg_pool2d": avg_pool2d,
     "relax.nn.adaptive_avg_pool2d": adaptive_avg_pool2d,
     "relax.nn.conv2d": conv2d,
+    "relax.nn.conv2d_transpose": conv2d_transpose,
+    "relax.image.resize2d": resize2d,
     "relax.mean": _reduce("ReduceMean"),
     "relax.sum": _reduce("ReduceSum"),
     "relax.max": _reduce("ReduceMax"),
