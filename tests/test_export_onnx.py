@@ -300,3 +300,19 @@ def test_resize_and_transposed_conv_are_the_onnx_ops(method, mode):
                 "c,cokl->okl", x[0, :, i, j], w
             )
     np.testing.assert_allclose(t, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_ops_comparisons_static_shapes_and_broadcast():
+    rng = np.random.default_rng(6)
+    a, b = rng.normal(size=(2, 4)).astype(np.float32), rng.normal(size=(2, 4)).astype(np.float32)
+
+    def body(a, b):
+        m = relax.op.logical_and(relax.op.less(a, b), relax.op.less(b, relax.const(1.0)))
+        n = relax.op.shape_to_tensor(relax.op.shape_of(a))
+        wide = relax.op.broadcast_to(relax.op.reshape(a, (1, 2, 4)), (3, 2, 4))
+        return [m, n, wide]
+
+    m, n, wide = _run_rule({"a": a, "b": b}, body)
+    np.testing.assert_array_equal(m, (a < b) & (b < 1.0))
+    np.testing.assert_array_equal(n, [2, 4])
+    np.testing.assert_array_equal(wide, np.broadcast_to(a, (3, 2, 4)))

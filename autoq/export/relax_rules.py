@@ -103,6 +103,39 @@ def _fuse_bias(w, acc: Acc, bias: np.ndarray) -> None:
     acc.bias_node.input.append(b)
 
 
+def _compare(onnx_op: str):
+    """Comparisons and logical ops (attention masks): a bool tensor."""
+
+    def rule(w, call, var):
+        a, b = (w.value(arg) for arg in call.args[:2])
+        if any(isinstance(v, Acc) or (isinstance(v, Int) and v.shift) for v in (a, b)):
+            raise w.error(f"'{onnx_op}' on quantized operands")
+        return Int(w.g.node(onnx_op, [a.name, b.name], hint=var.name), "bool")
+
+    return rule
+
+
+def static_shape(w, call, var):
+    """``shape_of`` a static shape: the ints themselves (``shape_to_tensor`` makes them a
+    constant)."""
+    shape = shape_of(call.args[0])
+    if shape is None:
+        raise w.error("shape_of a tensor without a static shape")
+    return shape
+
+
+def shape_to_tensor(w, call, var):
+    shape = w.values.get(call.args[0])
+    if not isinstance(shape, tuple) or not all(isinstance(d, int) for d in shape):
+        raise w.error("shape_to_tensor of a shape that is not static")
+    return Int(w.ints(shape), "int64")
+
+
+def broadcast_to(w, call, var):
+    x = w.value(call.args[0])
+    return _like(x, w.g.node("Expand", [x.name, w.ints(shape_of(var))], hint=var.name))
+
+
 def _unary(onnx_op: str, **attrs):
     def rule(w, call, var):
         x = w.value(call.args[0])
@@ -414,6 +447,16 @@ RULES = {
         w.g.node("Where", [w.value(a).name for a in call.args], hint=var.name)
     ),
     "relax.astype": astype,
+    "relax.less": _compare("Less"),
+    "relax.greater": _compare("Greater"),
+    "relax.equal": _compare("Equal"),
+    "relax.less_equal": _compare("LessOrEqual"),
+    "relax.greater_equal": _compare("GreaterOrEqual"),
+    "relax.logical_and": _compare("And"),
+    "relax.logical_or": _compare("Or"),
+    "relax.shape_of": static_shape,
+    "relax.shape_to_tensor": shape_to_tensor,
+    "relax.broadcast_to": broadcast_to,
     "relax.nn.relu": _unary("Relu"),
     "relax.negative": _unary("Neg"),
     "relax.abs": _unary("Abs"),
