@@ -316,3 +316,25 @@ def test_mask_ops_comparisons_static_shapes_and_broadcast():
     np.testing.assert_array_equal(m, (a < b) & (b < 1.0))
     np.testing.assert_array_equal(n, [2, 4])
     np.testing.assert_array_equal(wide, np.broadcast_to(a, (3, 2, 4)))
+
+
+def test_a_transposed_accumulator_dequantizes_to_numpys_product():
+    rng = np.random.default_rng(7)
+    a, b = (
+        rng.normal(size=(1, 4, 8)).astype(np.float32),
+        rng.normal(size=(1, 8, 3)).astype(np.float32),
+    )
+    sa, sb = np.float32(0.02), np.float32(0.03)
+
+    def body(a, b):
+        qa = qnn.quantize(a, _c(sa, "float32"), _c(0, "int32"))
+        qb = qnn.quantize(b, _c(sb, "float32"), _c(0, "int32"))
+        acc = qnn.matmul(qa, qb, _c(sa, "float32"), _c(0, "int32"), _c(sb, "float32"),
+                         _c(0, "int32"))  # fmt: skip
+        moved = relax.op.permute_dims(acc, [0, 2, 1])
+        return [qnn.dequantize(moved, _c(sa * sb, "float32"), _c(0, "int32"))]
+
+    (out,) = _run_rule({"a": a, "b": b}, body)
+    acc = P.quantize(a, sa, 0).astype(np.int64) @ P.quantize(b, sb, 0).astype(np.int64)
+    ref = P.dequantize(acc.transpose(0, 2, 1), np.float32(sa * sb), 0)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)

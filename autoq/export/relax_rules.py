@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper
 
+from autoq.errors import ExportError
 from autoq.ir.toolkit import const_array, shape_of
 
 from .graph import Acc, Float, Int
@@ -178,11 +179,18 @@ def _reshape(w, call, var):
 
 
 def _like(x, name: str):
+    """The value of a data-movement op's output: the input's kind (an accumulator keeps its
+    per-tensor scale; a per-channel one would need its axis moved)."""
     if isinstance(x, Int):
         return Int(name, x.dtype, x.shift)
     if isinstance(x, Float):
         return Float(name)
-    raise TypeError(x)
+    if isinstance(x, Acc) and np.asarray(x.scale).size == 1:
+        return Acc(name, x.scale, 0, x.rank)
+    raise ExportError(
+        f"ONNX export: a data-movement op on '{name}' reads a per-channel int32 accumulator; "
+        "use the TVM library (--format so) for this model"
+    )
 
 
 def permute_dims(w, call, var):
