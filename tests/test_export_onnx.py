@@ -338,3 +338,15 @@ def test_a_transposed_accumulator_dequantizes_to_numpys_product():
     acc = P.quantize(a, sa, 0).astype(np.int64) @ P.quantize(b, sb, 0).astype(np.int64)
     ref = P.dequantize(acc.transpose(0, 2, 1), np.float32(sa * sb), 0)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_concat_of_int8_tensors_keeps_the_integers():
+    x = np.random.default_rng(8).normal(size=(1, 2, 3, 3)).astype(np.float32)
+
+    def body(x):
+        q = qnn.quantize(x, _c(0.05, "float32"), _c(-3, "int32"))
+        return [relax.op.concat([q, relax.op.nn.max_pool2d(q, (1, 1))], axis=1)]
+
+    (out,) = _run_rule({"x": x}, body)
+    q = P.quantize(x, 0.05, -3)
+    np.testing.assert_array_equal(out, np.concatenate([q, q], axis=1))

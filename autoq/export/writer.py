@@ -131,6 +131,8 @@ class Writer:
         """What a call argument is in the ONNX graph (a constant becomes an initializer)."""
         if isinstance(expr, relax.Var):
             return self.values[expr]
+        if isinstance(expr, relax.Tuple):
+            return tuple(self.value(f) for f in expr.fields)
         arr = const_array(expr)
         if arr is None:
             raise self.error(f"an argument of kind '{op_name(expr)}' is not supported")
