@@ -14,6 +14,7 @@ __all__ = [
     "CalibrationError",
     "CalibratorError",
     "DatasetError",
+    "ExportError",
     "InputError",
     "LibraryError",
     "OutputError",
@@ -46,6 +47,11 @@ class CalibrationError(InputError):
 class CalibratorError(InputError, TypeError):
     """A user calibrator (function or object) breaks the calibrator contract; the message
     names the contract and what the calibrator returned."""
+
+
+class ExportError(InputError):
+    """A quantized module holds something the ONNX export cannot write (the message names
+    the binding and the op, and what to use instead)."""
 
 
 class LibraryError(InputError, OSError):

@@ -17,7 +17,11 @@ For each model, on the same calibration samples and the same evaluation inputs:
   recipe the model's structure calls for, named in the table), then
   ``autoq.export_library`` (``autoq.compile`` with the CPU kernels) as ``autoq quantize``
   does, loaded with ``autoq.load_library`` (``--recipes auto cnn``: also a row per named
-  recipe, e.g. ``cnn``, static int8 everywhere; the ratios stay the default's).
+  recipe, e.g. ``cnn``, static int8 everywhere; the ratios stay the default's);
+* **autoq ONNX in ORT / in OpenVINO**: the default recipe's result written by
+  ``autoq.export_onnx`` (ONNX QDQ, docs/export.md) and run by ONNX Runtime (graph
+  optimizations on: its QDQ fusions) and by OpenVINO's CPU plugin (``read_model`` of the
+  ONNX file, default hints); their quantize column is autoq's, with the export.
 
 The ONNX file ORT and NNCF quantize is the prepared model after ONNX Runtime's
 ``quant_pre_process`` (what both recommend; without it OpenVINO keeps layout transposes);
@@ -156,10 +160,13 @@ def _nncf_child(model: str, output: str, samples: str, transformer: bool) -> dic
     return {"cpu_s": cpu, "quant_wall_s": wall, "nncf": nncf.__version__}
 
 
-def _autoq_child(model: str, shapes: dict, samples: str, library: str, recipe: str) -> dict:
+def _autoq_child(
+    model: str, shapes: dict, samples: str, library: str, recipe: str, onnx_out: str = ""
+) -> dict:
     """Runs in a fresh process: ``autoq.Quantizer().run`` (``recipe`` "auto": the default
     config, the recipe the model calls for; else ``Config(recipe=recipe)``), then
-    ``autoq.export_library`` (compile with the CPU kernels)."""
+    ``autoq.export_library`` (compile with the CPU kernels) and, with ``onnx_out``,
+    ``autoq.export_onnx``."""
     import autoq
 
     mod, params = autoq.from_onnx(model, input_shapes={k: tuple(v) for k, v in shapes.items()})
@@ -170,7 +177,15 @@ def _autoq_child(model: str, shapes: dict, samples: str, library: str, recipe: s
         config = None if recipe == "auto" else autoq.Config(recipe=recipe)
         res, q_cpu, q_wall = _timed(lambda: autoq.Quantizer(config).run(mod, params, data))
         _, c_cpu, c_wall = _timed(lambda: autoq.export_library(res.module, library, target))
+    export = {}
+    if onnx_out:
+        try:
+            _, e_cpu, _ = _timed(lambda: autoq.export_onnx(res, onnx_out))
+            export = {"export_cpu_s": e_cpu}
+        except autoq.AutoqError as err:
+            export = {"export_error": str(err)}
     return {
+        **export,
         "cpu_s": q_cpu + c_cpu,
         "quantize_cpu_s": q_cpu,
         "compile_cpu_s": c_cpu,
@@ -292,7 +307,8 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
     ref = common.ort_outputs(common.ort_session(info.path, 2, optimize=False), evals)
     pre, how = pre_processed(info)
     autoq_keys = [_autoq_key(r) for r in args.recipes]
-    runtimes = ["ORT fp32", "ORT int8", "OpenVINO int8", *autoq_keys]
+    onnx_keys = ["autoq ONNX in ORT", "autoq ONNX in OpenVINO"]
+    runtimes = ["ORT fp32", "ORT int8", "OpenVINO int8", *autoq_keys, *onnx_keys]
     res: dict[str, dict] = {}
     outs: dict[str, list[np.ndarray]] = {}
     with tempfile.TemporaryDirectory(prefix="autoq-peers-") as tmp:
@@ -300,6 +316,7 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
         common.save_samples(calib, npz)
         ort_int8, ov_xml = Path(tmp) / "ort.onnx", Path(tmp) / "ov.xml"
         libs = {key: Path(tmp) / f"autoq{i}.so" for i, key in enumerate(autoq_keys)}
+        exported = Path(tmp) / "autoq.onnx"
         jobs = {
             "ORT int8": ("_ort_child", {"model": str(pre), "output": str(ort_int8),
                                         "samples": str(npz), "per_channel": args.ort_per_channel}),
@@ -311,7 +328,9 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
         for recipe, key in zip(args.recipes, autoq_keys, strict=True):
             jobs[key] = ("_autoq_child", {"model": str(info.path), "samples": str(npz),
                                           "shapes": shapes, "library": str(libs[key]),
-                                          "recipe": recipe})  # fmt: skip
+                                          "recipe": recipe,
+                                          "onnx_out": str(exported) if key == autoq_keys[0]
+                                          else ""})  # fmt: skip
         for key, (child, kwargs) in jobs.items():
             load0 = common.load_average()
             try:
@@ -324,12 +343,18 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
             log(f"{name} {key}: quantize {r['cpu_s']:.1f} CPU s ({r['quant_wall_s']:.1f} s wall, "
                 f"process {r['wall_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB); load "
                 f"{load0} -> {common.load_average()}")  # fmt: skip
+        main_res = res.get(autoq_keys[0], {})
+        for key in onnx_keys:  # the default recipe's result, exported
+            if "error" in main_res or "export_error" in main_res:
+                res[key] = {"error": main_res.get("export_error", "autoq failed")}
+            else:
+                res[key] = {"cpu_s": main_res["cpu_s"] + main_res["export_cpu_s"]}
         ok = {key for key in runtimes if "error" not in res.get(key, {})}
 
         threads = list(args.threads)
         sample = evals[0]
         calls: dict[str, dict[int, object]] = {key: {} for key in runtimes}
-        ort_models = {"ORT fp32": info.path, "ORT int8": ort_int8}
+        ort_models = {"ORT fp32": info.path, "ORT int8": ort_int8, onnx_keys[0]: exported}
         for key, path in ort_models.items():
             if key not in ok:
                 continue
@@ -344,6 +369,16 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
             outs["OpenVINO int8"] = [ov.run(s, threads[-1]) for s in evals]
             for n in threads:
                 calls["OpenVINO int8"][n] = ov.call(sample, n)
+        if onnx_keys[1] in ok:
+            try:
+                ov_autoq = OpenVinoRunner(exported, threads, args.ov_precision)
+                outs[onnx_keys[1]] = [ov_autoq.run(s, threads[-1]) for s in evals]
+                for n in threads:
+                    calls[onnx_keys[1]][n] = ov_autoq.call(sample, n)
+            except RuntimeError as err:  # OpenVINO cannot compile the file
+                log(f"{name} {onnx_keys[1]}: FAILED: {str(err).splitlines()[0]}")
+                res[onnx_keys[1]] = {"error": str(err).replace(chr(10), " ")}
+                ok.discard(onnx_keys[1])
         for key in autoq_keys:
             if key not in ok:
                 continue
@@ -405,6 +440,13 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
                 f"compile {a['compile_cpu_s']:.1f} CPU s; target {a['target']}; "
                 f"{len(a['warnings'])} warnings"
                 + (f" (first: {a['warnings'][0]})" if a["warnings"] else "")
+            )
+    for key in onnx_keys:
+        if key in ok and main_key in ok:
+            f = common.fidelity(info.kind, outs[main_key], outs[key], info.extra.get("thresh", 0.3))
+            notes.append(
+                f"{key} against autoq int8 (the library, same inputs): {f['agree_name']} "
+                f"{100 * f['agree']:.1f}%, cosine mean {f['cos']:.5f}, min {f['cos_min']:.5f}"
             )
     walls = ", ".join(f"{k} {r['quant_wall_s']:.1f}" for k, r in res.items() if "quant_wall_s" in r)
     peaks = ", ".join(f"{k} {r['peak_rss_mb']:.0f}" for k, r in res.items() if "peak_rss_mb" in r)

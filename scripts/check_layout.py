@@ -59,6 +59,7 @@ LEVELS = {
     "patterns": 7,
     "byoc": 7,
     "build": 7,
+    "export": 7,
     "recipes": 7,
     # the stages
     "simulation": 8,

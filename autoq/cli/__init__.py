@@ -41,8 +41,9 @@ from autoq.errors import AutoqError
 __all__ = ["BUNDLED", "METHODS", "ROUNDINGS", "UserError", "main"]
 
 # files written by ``autoq quantize`` into --out
-LIBRARY, QPARAMS, SCRIPT, REPORT, CONFIG, MODULE, PREPROCESS = (
+LIBRARY, ONNX_FILE, QPARAMS, SCRIPT, REPORT, CONFIG, MODULE, PREPROCESS = (
     "model.so",
+    "model.onnx",
     "qparams.json",
     "model.py",
     "report.txt",
@@ -214,12 +215,30 @@ def _database_in(folder: Path) -> Path | None:
     return folder / TUNING if (folder / TUNING / RECORD_FILE).is_file() else None
 
 
+def _write_onnx(out: Path, result, fmt: str, names: list[str]) -> list[str]:
+    """``model.onnx`` (``--format onnx`` / ``both``). With ``both``, a model the export
+    cannot write gets a warning and the library alone; with ``onnx`` it is the error."""
+    from autoq.errors import ExportError
+    from autoq.export import export_onnx
+
+    n_out = len(getattr(result.module["main"].body.body.ty, "fields", [None]))
+    try:
+        export_onnx(result, out / ONNX_FILE, names if names and len(names) == n_out else None)
+    except ExportError as err:
+        if fmt == "onnx":
+            raise
+        LOGGER.warning(f"{ONNX_FILE} not written: {err}")
+        return []
+    return [ONNX_FILE]
+
+
 def _write(
-    out: Path, result, config, target, database: Path | None, extra=None
+    out: Path, result, config, target, database: Path | None, extra=None, fmt: str = "both"
 ) -> tuple[list[str], float]:
-    """Write the result into the folder ``out`` (compiled with the tuning ``database``,
-    which is copied along); ``extra``: (output names, image preprocessing). Returns the files
-    written and the compile time."""
+    """Write the result into the folder ``out``: the library (compiled with the tuning
+    ``database``, which is copied along) and / or the ONNX file as ``fmt`` says;
+    ``extra``: (output names, image preprocessing). Returns the files written and the
+    compile time."""
     import shutil
 
     import tvm
@@ -228,20 +247,25 @@ def _write(
     from autoq.json_document import write_atomic
 
     output_names, preprocessing = extra or ([], None)
-    t = time.perf_counter()
-    LOGGER.debug("compile ...")
-    export_library(result.module, out / LIBRARY, target=target, database=database,
-                   output_names=output_names)  # fmt: skip
-    t_compile = time.perf_counter() - t
-    LOGGER.info("%-14s %6.1f s  %s", "compile", t_compile, LIBRARY)
-    if database is not None:
-        shutil.copytree(database, out / TUNING, symlinks=True)
+    files, t_compile = [], 0.0
+    if fmt in ("so", "both"):
+        t = time.perf_counter()
+        LOGGER.debug("compile ...")
+        export_library(result.module, out / LIBRARY, target=target, database=database,
+                       output_names=output_names)  # fmt: skip
+        t_compile = time.perf_counter() - t
+        LOGGER.info("%-14s %6.1f s  %s", "compile", t_compile, LIBRARY)
+        files += [LIBRARY, LIBRARY + ".autoq.json"]
+        if database is not None:
+            shutil.copytree(database, out / TUNING, symlinks=True)
+            files.append(TUNING)
+    if fmt in ("onnx", "both"):
+        files += _write_onnx(out, result, fmt, output_names)
     result.qparams.save(out / QPARAMS)
     (out / SCRIPT).write_text(result.module.script())
     write_atomic(out / MODULE, tvm.ir.save_json(result.module))
     (out / CONFIG).write_text(config.dumps())
-    files = [LIBRARY, LIBRARY + ".autoq.json", QPARAMS, SCRIPT, MODULE, CONFIG, REPORT]
-    files += [TUNING] if database is not None else []
+    files += [QPARAMS, SCRIPT, MODULE, CONFIG, REPORT]
     if result.report is not None:
         (out / "analysis.txt").write_text(result.report.table() + "\n")
         (out / "analysis.json").write_text(result.report.dumps())
@@ -296,7 +320,9 @@ def _quantize_into(
     # a tuning database left by 'autoq tune' in --out is used and kept
     database = _database_in(staging.target)
     extra = (_output_names(model_path), preprocessing)
-    files, t_compile = _write(staging.path, result, result.config, target, database, extra)
+    files, t_compile = _write(
+        staging.path, result, result.config, target, database, extra, args.format
+    )
     text = quantize_report(
         result, model_path, specs, args.calib or data_name, result.config, target, skip=args.skip,
         times={"import": t_import, **result.timings, "compile": t_compile},

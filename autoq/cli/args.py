@@ -383,6 +383,14 @@ def _add_image_args(q) -> None:
 def _add_output_args(q) -> None:
     o = q.add_argument_group("output")
     o.add_argument(
+        "--format",
+        choices=("both", "so", "onnx"),
+        default="both",
+        help="what to write: the TVM library model.so, the ONNX QDQ model model.onnx (for "
+        "ONNX Runtime, OpenVINO, ...), or both (default; a model the ONNX export cannot "
+        "write then gets the library alone, with a warning)",
+    )
+    o.add_argument(
         "--report",
         action="store_true",
         help="also write a per-layer error analysis (SQNR per layer, via autoq.analyze) to "
