@@ -49,6 +49,7 @@ from autoq.calibration import (
 )
 from autoq.calibration.scale_health import HealthCheck
 from autoq.config import AutoFallback, Config, Distributed, Resources
+from autoq.config.progress import shown, status
 from autoq.dataset import is_shard_source
 from autoq.distributed import (
     PER_CHANNEL_RULES,
@@ -149,7 +150,8 @@ class Quantizer:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             use_machine_cores()  # a TVM_NUM_THREADS capped to the CPUs: in the warnings
-            result = self._run(mod, params, dataset)
+            with shown(self.resources.show_progress):  # every stage's live progress
+                result = self._run(mod, params, dataset)
         for w in caught:  # re-raise for the caller's filters, after the run is complete
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         result.warnings = [str(w.message) for w in caught]
@@ -469,12 +471,15 @@ def _attach(module, qparams: QParams, decision, skipped: list[str]) -> tvm.IRMod
 
 
 class _Clock:
-    """``with clock("stage"):`` adds the block's wall time to ``timings["stage"]``."""
+    """``with clock("stage"):`` adds the block's wall time to ``timings["stage"]``, logs it
+    (with ``detail``) and, in a shown run, draws the stage's live status meanwhile
+    (:func:`autoq.config.progress.status`: erased before the stage line is logged)."""
 
     def __init__(self, timings: dict[str, float]):
         self.timings = timings
         self._stage = ""
         self._t0 = 0.0
+        self._status = contextlib.ExitStack()
         self.detail = ""
 
     def __call__(self, stage: str) -> _Clock:
@@ -485,8 +490,10 @@ class _Clock:
     def __enter__(self):
         _log.debug("%s ...", self._stage)
         self._t0 = time.perf_counter()
+        self._status.enter_context(status(self._stage))
 
     def __exit__(self, *exc):
+        self._status.close()
         dt = time.perf_counter() - self._t0
         self.timings[self._stage] = self.timings.get(self._stage, 0.0) + dt
         if exc[0] is None:

@@ -1,12 +1,23 @@
-"""What ``autoq`` prints when its output is piped (issue 37, item 5): no progress-bar
-redraws (no carriage return), one line per stage with its time and counts on standard
-output, warnings on standard error; ``--quiet`` prints nothing; ``--version``."""
+"""What ``autoq`` prints (issue 37, item 5): piped, no progress-bar redraws (no carriage
+return), one line per stage with its time and counts on standard output, warnings on
+standard error; on a terminal (a pseudo-terminal as standard error) every stage's live
+progress; ``--quiet`` prints nothing; ``--version``."""
 
 from __future__ import annotations
 
+import doctest
+import fcntl
+import io
+import os
+import pty
 import re
+import select
+import struct
 import subprocess
 import sys
+import termios
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +25,7 @@ import pytest
 from test_cli import TARGET, tiny_onnx
 
 import autoq
+from autoq.config import progress
 
 AUTOQ = Path(sys.executable).with_name("autoq")
 
@@ -28,7 +40,7 @@ def files(tmp_path_factory):
     return d, model
 
 
-def _quantize(files, out: str, *extra):
+def _argv(files, out: str, *extra) -> list[str]:
     d, model = files
     argv = [
         AUTOQ,
@@ -42,7 +54,52 @@ def _quantize(files, out: str, *extra):
         TARGET,
         *extra,
     ]
-    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=600)
+    return [str(a) for a in argv]
+
+
+def _quantize(files, out: str, *extra):
+    return subprocess.run(_argv(files, out, *extra), capture_output=True, text=True, timeout=600)
+
+
+def _on_a_terminal(argv: list[str]) -> tuple[int, str, str]:
+    """Run ``argv`` with a pseudo-terminal as standard error: (exit code, what the terminal
+    got, standard output)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=slave, text=True)
+    os.close(slave)
+    tty = b""
+    while True:  # read the terminal as it is written (its buffer is small)
+        if select.select([master], [], [], 0.2)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the child closed the terminal (Linux: EIO)
+                break
+            if not chunk:
+                break
+            tty += chunk
+        elif p.poll() is not None:
+            break
+    os.close(master)
+    out = p.stdout.read()
+    p.wait(timeout=600)
+    return p.returncode, tty.decode(errors="replace"), out
+
+
+def test_terminal_shows_every_stage_live_and_no_progress_turns_it_off(files):
+    code, tty, out = _on_a_terminal(_argv(files, "tty"))
+    assert code == 0, tty
+    # the live status of each stage (its name and elapsed time, redrawn with '\r') and the
+    # bars of the stages that count steps (patterns, samples, layers)
+    for stage in ("import", "match", "guard", "calibrate", "realize", "compile"):
+        assert re.search(rf"\r{stage} +\d+\.\d s \.\.\.", tty), (stage, tty)
+    bars = {"match": "pattern", "guard": "sample", "calibrating": "step", "realize": "layer"}
+    for desc, unit in bars.items():
+        assert re.search(rf"\r{desc}: +\d+%\|.*{unit}", tty), (desc, tty)
+    assert "\r" not in out and re.search(r"^compile +\d+\.\d s  model.so$", out, re.M), out
+    code, tty, out = _on_a_terminal(_argv(files, "tty2", "--no-progress"))
+    assert code == 0 and "\r" not in tty and "\r" not in out, tty
+    assert re.search(r"^realize +\d+\.\d s  2 int8 layers$", out, re.M), out
 
 
 def test_piped_output_has_stage_lines_and_no_redraws(files):
@@ -74,3 +131,35 @@ def test_quiet_prints_nothing_and_errors_still_show(files):
 def test_version():
     p = subprocess.run([str(AUTOQ), "--version"], capture_output=True, text=True, timeout=60)
     assert (p.returncode, p.stdout.strip()) == (0, f"autoq {autoq.__version__}")
+
+
+def _until(condition, timeout_s: float = 10.0) -> None:
+    end = time.perf_counter() + timeout_s
+    while not condition() and time.perf_counter() < end:
+        time.sleep(0.01)
+
+
+def test_status_redraws_pauses_for_a_bar_and_stops_when_interrupted(monkeypatch):
+    """The live status of an opaque call: redrawn by a daemon thread, silent while a bar is
+    open, and on Ctrl-C its thread ends and its line is erased (``autoq: interrupted`` then
+    starts a clean line)."""
+    screen = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", screen)
+    monkeypatch.setattr(progress, "INTERVAL_S", 0.01)
+    draws = lambda: screen.getvalue().count("\rcompile ")  # noqa: E731
+    with pytest.raises(KeyboardInterrupt), progress.status("compile", show=True):
+        (thread,) = [t for t in threading.enumerate() if t.name == "autoq-status-compile"]
+        assert thread.daemon
+        _until(lambda: draws() >= 3)  # redrawn while the call runs
+        b = progress.bar(total=2, desc="layers", show=True)
+        before = draws()
+        time.sleep(0.1)
+        assert draws() == before and "\rlayers:   0%|" in screen.getvalue()
+        b.close()
+        _until(lambda: draws() > before)  # back after the bar
+        assert draws() > before
+        raise KeyboardInterrupt
+    assert not thread.is_alive()
+    assert doctest.testmod(progress).failed == 0
+    width = len(f"{'compile':<14} {0:6.1f} s ...")
+    assert screen.getvalue().endswith("\r" + " " * width + "\r")

@@ -41,6 +41,7 @@ from autoq.calibration.plan import CalibrationPlan, build_plan
 from autoq.calibration.scale_health import HealthCheck, SlotHealth, problem
 from autoq.calibration.shard_runner import ShardRunner, observe_ahead
 from autoq.config import Config, QuantSpec, Resources
+from autoq.config.progress import bar as progress_bar
 from autoq.dataset import DatasetError, InputSpec, as_dataset, index_bounds
 from autoq.errors import CalibratorError
 from autoq.ir.registry import slot_id_of
@@ -172,13 +173,6 @@ def _fit_zero_weights(sim: SimResult, result: dict[str, QParam]) -> None:
 
 
 # ------------------------------------------------------------------- calibrate
-
-
-def _progress(resources: Resources, total: int, desc: str):
-    from tqdm.auto import tqdm
-
-    show = resources.show_progress
-    return tqdm(total=total, desc=desc, disable=not show, unit="step", leave=False)
 
 
 def calibrate(
@@ -432,7 +426,8 @@ def run_plan(
     result: dict[str, QParam] = {}
     n = sum(r.n for r in runners)
     bounds = lut_input_bounds(sim) if config.has_rule("lookup_input_ranges") else {}
-    bar = _progress(resources or Resources(), len(plan.segments) * n, "calibrating")
+    show = (resources or Resources()).show_progress
+    bar = progress_bar(total=len(plan.segments) * n, desc="calibrating", show=show)
     pending: dict[str, list] = {}  # the previous segment's health observers, still filling
     ahead: dict[str, list] = {}  # this segment's heads' observers, filled as values came
     try:

@@ -185,10 +185,22 @@ def _resources(args) -> dict:
 
     try:
         dist = Distributed(args.scheduler, args.workers) if args.scheduler or args.workers else None
-        r = Resources(args.memory_budget, args.cache_dir, False if args.no_progress else None, dist)
+        r = Resources(args.memory_budget, args.cache_dir, False if _no_bars(args) else None, dist)
     except (TypeError, ValueError) as e:
         raise UserError(one_line(e)) from None
     return {f: getattr(r, f) for f in ("memory_budget_mb", "cache_dir", "progress", "distributed")}
+
+
+def _no_bars(args) -> bool:
+    """``--no-progress`` or ``--quiet``: no live progress even on a terminal."""
+    return args.no_progress or getattr(args, "quiet", False)
+
+
+def _shows_progress(args) -> bool:
+    """Whether this command draws live progress (standard error a terminal, not turned off)."""
+    from autoq.config import Resources
+
+    return Resources(progress=False if _no_bars(args) else None).show_progress
 
 
 def _run_pipeline(config, target, report: bool, mod, params, dataset, data_name: str, res: dict):
@@ -233,17 +245,25 @@ def _write_onnx(out: Path, result, fmt: str, names: list[str]) -> list[str]:
 
 
 def _write(
-    out: Path, result, config, target, database: Path | None, extra=None, fmt: str = "both"
+    out: Path,
+    result,
+    config,
+    target,
+    database: Path | None,
+    extra=None,
+    fmt: str = "both",
+    show: bool = False,
 ) -> tuple[list[str], float]:
     """Write the result into the folder ``out``: the library (compiled with the tuning
     ``database``, which is copied along) and / or the ONNX file as ``fmt`` says;
-    ``extra``: (output names, image preprocessing). Returns the files written and the
-    compile time."""
+    ``extra``: (output names, image preprocessing); ``show``: the compile's live status.
+    Returns the files written and the compile time."""
     import shutil
 
     import tvm
 
     from autoq.build import export_library
+    from autoq.config.progress import status
     from autoq.json_document import write_atomic
 
     output_names, preprocessing = extra or ([], None)
@@ -251,8 +271,9 @@ def _write(
     if fmt in ("so", "both"):
         t = time.perf_counter()
         LOGGER.debug("compile ...")
-        export_library(result.module, out / LIBRARY, target=target, database=database,
-                       output_names=output_names)  # fmt: skip
+        with status("compile", show):
+            export_library(result.module, out / LIBRARY, target=target, database=database,
+                           output_names=output_names)  # fmt: skip
         t_compile = time.perf_counter() - t
         LOGGER.info("%-14s %6.1f s  %s", "compile", t_compile, LIBRARY)
         files += [LIBRARY, LIBRARY + ".autoq.json"]
@@ -301,12 +322,14 @@ def _quantize_into(
 ) -> int:
     from autoq import dataset as D
     from autoq.cli.summary import quantize_report
+    from autoq.config.progress import status
 
     out = staging.out
     t = time.perf_counter()
-    mod, params = _import(
-        model_path, input_shapes, args.onnx_optimize and not bundled, dict(args.constant_input)
-    )
+    with status("import", _shows_progress(args)):
+        mod, params = _import(
+            model_path, input_shapes, args.onnx_optimize and not bundled, dict(args.constant_input)
+        )
     t_import = time.perf_counter() - t
     specs = D.input_specs(mod, params)
     LOGGER.info(f"model       {model_path} ({', '.join(str(s) for s in specs)})")
@@ -321,8 +344,9 @@ def _quantize_into(
     database = _database_in(staging.target)
     extra = (_output_names(model_path), preprocessing)
     files, t_compile = _write(
-        staging.path, result, result.config, target, database, extra, args.format
-    )
+        staging.path, result, result.config, target, database, extra, args.format,
+        _shows_progress(args),
+    )  # fmt: skip
     text = quantize_report(
         result, model_path, specs, args.calib or data_name, result.config, target, skip=args.skip,
         times={"import": t_import, **result.timings, "compile": t_compile},
@@ -426,6 +450,7 @@ def _tuned_module(path: Path):
 
 def cmd_tune(args) -> int:
     from autoq.build import export_library
+    from autoq.config.progress import status
     from autoq.tuning import TuningError, tune
 
     t_start = time.perf_counter()
@@ -441,7 +466,7 @@ def cmd_tune(args) -> int:
             database=database,
             rpc=args.rpc,
             trials_per_task=args.trials_per_task,
-            progress=not args.no_progress,
+            progress=not _no_bars(args),
         )
     except ImportError as e:
         raise UserError(one_line(e)) from None
@@ -449,8 +474,9 @@ def cmd_tune(args) -> int:
         raise UserError(f"tuning failed: {one_line(e)}") from None
     LOGGER.info(result.summary())
     if (folder / LIBRARY).is_file() or args.model.is_dir():
-        export_library(mod, folder / LIBRARY, target=target, database=database,
-                       output_names=_recorded_outputs(folder / LIBRARY))  # fmt: skip
+        with status("compile", _shows_progress(args)):
+            export_library(mod, folder / LIBRARY, target=target, database=database,
+                           output_names=_recorded_outputs(folder / LIBRARY))  # fmt: skip
         LOGGER.info(f"rebuilt {folder / LIBRARY} with the tuned kernels")
     LOGGER.info(f"done in {time.perf_counter() - t_start:.1f} s")
     return 0

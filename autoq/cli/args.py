@@ -399,7 +399,8 @@ def _add_output_args(q) -> None:
     o.add_argument(
         "--no-progress",
         action="store_true",
-        help="no progress bars (they are drawn only when standard error is a terminal)",
+        help="no live progress (bars and status lines are drawn only when standard error is "
+        "a terminal)",
     )
     o.add_argument(
         "--memory-budget",

@@ -5,8 +5,9 @@
 * Standard error: warnings (``autoq: warning: ...``); errors are printed by ``main``.
 * ``--quiet``: nothing but errors.
 
-Progress bars (tqdm, standard error) are drawn only when standard error is a terminal, so
-piped or redirected output has no carriage-return redraws; ``--no-progress`` turns them off.
+Live progress (every stage's status line and bars, :mod:`autoq.config.progress`, standard
+error) is drawn only when standard error is a terminal, so piped or redirected output has
+no carriage-return redraws; ``--no-progress`` and ``--quiet`` turn it off.
 """
 
 from __future__ import annotations

@@ -71,8 +71,8 @@ class Resources:
     these are.
 
     ``memory_budget_mb``: RAM for cached activations during calibration (beyond it they
-    spill to ``cache_dir`` or a temporary directory). ``progress``: progress bars (None:
-    only when standard error is a terminal). ``distributed``: calibrate on a Dask cluster
+    spill to ``cache_dir`` or a temporary directory). ``progress``: every stage's live progress
+    (:mod:`autoq.config.progress`; None: only when standard error is a terminal). ``distributed``: calibrate on a Dask cluster
     (:class:`Distributed`); None: in this process, without importing Dask.
 
     >>> Resources(memory_budget_mb=-1)

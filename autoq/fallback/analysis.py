@@ -43,6 +43,7 @@ from tvm import relax
 from autoq import primitives as P
 from autoq.calibration import calibrate, samples_for
 from autoq.config import AutoFallback, Config
+from autoq.config.progress import bar as progress_bar
 from autoq.dataset import is_shard_source
 from autoq.fallback.report import LayerStats, Report, SlotStats
 from autoq.ir.target import default_target
@@ -305,16 +306,12 @@ class Analysis:
     def report(self, progress: bool = False) -> Report:
         """Run the analysis over the dataset (see the module docstring); ``progress``: a
         progress bar over the samples (standard error)."""
-        from tqdm.auto import tqdm
-
         t0 = time.perf_counter()
         tally = self._tally()
         fp32_outs = []
         own = self._own()
         total = len(own) if hasattr(own, "__len__") else None
-        bar = tqdm(
-            own, total=total, desc="report", unit="sample", disable=not progress, leave=False
-        )
+        bar = progress_bar(own, total=total, desc="report", unit="sample", show=progress)
         for sample in bar:
             fp32_outs.append(self._report_sample(sample, tally))
         self._fp32_outputs = fp32_outs

@@ -24,6 +24,7 @@ from tvm import relax
 
 from autoq.calibration import fp32_slot_runner, samples_for
 from autoq.config import Config
+from autoq.config.progress import bar
 from autoq.ir.registry import slot_id_of
 from autoq.simulation import SimResult
 
@@ -55,10 +56,10 @@ def unbounded_slots(
     run = fp32_slot_runner(sim, slots, target or default_target(), shared)
     if stats is not None:
         stats["compile_s"] = time.perf_counter() - t0
-    data = itertools.islice(samples_for(dataset, sim.graph.inputs), samples)
+    data = list(itertools.islice(samples_for(dataset, sim.graph.inputs), samples))
     lo = {s: np.inf for s in slots}
     hi = {s: -np.inf for s in slots}
-    for outs in run(data):
+    for outs in bar(run(data), total=len(data), desc="guard", unit="sample"):
         for s, x in zip(slots, outs, strict=True):
             if x.size:
                 # np.minimum/np.maximum propagate NaN (Python's min/max would drop it)

@@ -27,6 +27,7 @@ from tvm import relax
 from tvm.relax.dpl import WildcardPattern
 
 from autoq.config import Config, Fallback, compile_rule
+from autoq.config.progress import bar
 from autoq.ir.graph import Graph, prepare
 from autoq.ir.registry import Match, Pattern, ordered_patterns
 from autoq.ir.toolkit import op_name, short_op_name
@@ -112,7 +113,7 @@ def match_all(g: Graph, patterns: list[Pattern]) -> list[Match]:
     claimed: set = set()
     matches: list[Match] = []
     taken: dict[str, int] = {}
-    for pat in patterns:
+    for pat in bar(patterns, desc="match", unit="pattern"):  # (drawn inside a shown run)
         alts = pat.build()
         alts = alts if isinstance(alts, list) else [alts]
         for var, value in g.bindings:

@@ -475,7 +475,8 @@ def realize(
     dynamic = hybrid.dynamic_names(config, matches)
     exit_map = exit_tensors(g, matches, config.int8_outputs, dynamic) if exits else None
     ctx = RealizeContext(g, config, qparams, matches, rounding_points, exit_map, dynamic)
-    func = build_function(g, ctx, matches, hybrid.callbacks(dynamic, "realize", "dynamic"))
+    callback = hybrid.callbacks(dynamic, "realize", "dynamic")
+    func = build_function(g, ctx, matches, callback, desc="realize")
     out = propagate(with_main(g.module, func), config.rounding)
     return finish_module(g, explicit_multipliers(out["main"]))
 

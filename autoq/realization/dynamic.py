@@ -84,7 +84,7 @@ def realize_dynamic(matched: Matched, config: Config) -> tuple[tvm.IRModule, QPa
     matches, reasons = dynamic_layers(matched, config)
     g = matched.graph
     ctx = DynamicContext(g, config, matches)
-    func = build_function(g, ctx, matches, "dynamic")
+    func = build_function(g, ctx, matches, "dynamic", desc="realize")
     qparams = ctx.qparams
     qparams.meta["activation"] = config.activation.to_json()
     return finish_module(g, func), qparams, reasons

@@ -28,6 +28,7 @@ from typing import Any
 from tvm import relax
 
 from autoq.config import Config
+from autoq.config.progress import bar
 from autoq.config.recipe_table import RECIPES
 from autoq.ir.graph import Graph
 from autoq.ir.matching import as_matched, closest
@@ -72,15 +73,17 @@ def validate_overrides(config: Config, matches: list[Match]) -> None:
 
 
 def build_function(
-    g: Graph, ctx: Any, matches: list[Match], callback, extra_params=lambda: []
+    g: Graph, ctx: Any, matches: list[Match], callback, extra_params=lambda: [], desc: str = ""
 ) -> relax.Function:
     """Shared by simulate and realize: walk the bindings in topological order, emit every
     match through its callback (the pattern attribute named ``callback``, or
     ``callback(match)`` when it is a function) and copy every other binding (``ctx.copy``),
     then wrap in a function of the graph's inputs, weights and ``extra_params()`` (known
-    after the walk)."""
+    after the walk). ``desc``: the name of the progress bar over the layers (drawn inside
+    a shown run, :mod:`autoq.config.progress`)."""
     by_root = {m.root: m for m in matches}
     interior = {v for m in matches for v in m.covered if not v.same_as(m.root)}
+    layers = bar(total=len(matches), desc=desc or "layers", unit="layer")
     try:
         for var, value in g.bindings:
             if var in interior:
@@ -91,6 +94,7 @@ def build_function(
                 name = callback(m) if callable(callback) else callback
                 new = getattr(m.pattern, name)(ctx, m)
                 ctx.match = None
+                layers.update(1)
                 nv = new if isinstance(new, relax.Var) else ctx.emit(new, var.name)
             else:
                 nv = ctx.emit(ctx.copy(value), var.name)
@@ -99,6 +103,8 @@ def build_function(
     except BaseException:
         ctx.writer.abandon()
         raise
+    finally:
+        layers.close()
     params = list(g.inputs) + list(g.weight_params) + list(extra_params())
     func = ctx.writer.finish(params, result)
     return func.with_attr("global_symbol", "main")
@@ -143,7 +149,7 @@ def simulate(
         return qvars + [ctx.switch_vars[m.layer] for m in matches if m.layer in ctx.switch_vars]
 
     callback = hybrid.callbacks(dynamic, "simulate", "simulate_dynamic")
-    func = build_function(g, ctx, matches, callback, qparam_inputs)
+    func = build_function(g, ctx, matches, callback, qparam_inputs, desc="simulate")
     _check_int16_tensors(config, ctx.plan)
     return SimResult(
         with_main(g.module, func),

@@ -234,11 +234,12 @@ def _builder_runner(rpc: Tracker | None, workers: int):
 
 
 def _progress_callback(total: int, progress: bool, counts: dict):
-    from tqdm.auto import tqdm
     from tvm.ir.utils import derived_object
     from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 
-    bar = tqdm(total=total, desc="tuning", unit="trial", disable=not progress, leave=False)
+    from autoq.config.progress import bar as progress_bar
+
+    bar = progress_bar(total=total, desc="tuning", unit="trial", show=progress)
 
     @derived_object
     class _Progress(PyMeasureCallback):
