@@ -163,3 +163,24 @@ def test_status_redraws_pauses_for_a_bar_and_stops_when_interrupted(monkeypatch)
     assert doctest.testmod(progress).failed == 0
     width = len(f"{'compile':<14} {0:6.1f} s ...")
     assert screen.getvalue().endswith("\r" + " " * width + "\r")
+
+
+def test_library_run_draws_progress_when_asked(monkeypatch):
+    """``autoq.quantize(..., progress=True)`` draws the same live progress as the command,
+    SmoothQuant's pass over the samples included (a LayerNorm block); ``False``: nothing."""
+    from models import TARGET as MODEL_TARGET
+    from models import ln_block, ln_block_data
+
+    mod, params, _ = ln_block()
+    config = autoq.Config(smooth_quant=0.5)
+    for show in (True, False):
+        screen = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", screen)
+        autoq.quantize(mod, params, ln_block_data(4), config, MODEL_TARGET, progress=show)
+        drawn = set(re.findall(r"\r(\w+)(:| +\d+\.\d s \.\.\.)", screen.getvalue()))
+        if show:
+            bars = {"match", "smooth_quant", "guard", "calibrating", "realize"}
+            assert bars <= {name for name, kind in drawn if kind == ":"}, drawn
+            assert {"smooth_quant", "realize"} <= {name for name, kind in drawn if kind != ":"}
+        else:
+            assert screen.getvalue() == ""

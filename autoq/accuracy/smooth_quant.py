@@ -33,6 +33,7 @@ import tvm
 from tvm import relax
 
 from autoq.accuracy.smoothing import channel_absmax, smoothing_scales, weight_absmax
+from autoq.config.progress import bar
 from autoq.ir.graph import Graph
 from autoq.ir.run import calibration_pipeline, fp32_runner
 from autoq.ir.toolkit import (
@@ -177,7 +178,8 @@ def activation_maxima(g: Graph, plans: list[SmoothPlan], samples, target) -> lis
     vm = compile_vm({"main": fn}, target, g.module, pipeline=calibration_pipeline(target))
     run = fp32_runner(vm, [v.name for v in g.inputs], [g.params[p.name] for p in g.weight_params])
     maxima = [np.zeros(p.channels) for p in plans]
-    for values in run(samples):
+    total = len(samples) if hasattr(samples, "__len__") else None
+    for values in bar(run(samples), total=total, desc="smooth_quant", unit="sample"):
         for i, y in enumerate(values):
             if np.size(y):
                 maxima[i] = np.maximum(maxima[i], channel_absmax(y))
