@@ -221,11 +221,14 @@ def test_ctrl_c_during_the_library_build_exits_130_and_leaves_nothing(tmp_path):
     )
     argv = [str(AUTOQ), "quantize", str(model), "--calib", str(tmp_path / "calib.npz"),
             "--out", str(tmp_path / "out"), "-v"]  # fmt: skip
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the compile cache off: a library this test process compiled before would only be
+    # copied, done before the signal lands
+    env = dict(os.environ, AUTOQ_COMPILE_CACHE="off")
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     for line in p.stdout:
         if line.strip() == "compile ...":
             break
-    time.sleep(0.3)  # inside tvm.compile's passes
+    time.sleep(0.05)  # inside tvm.compile's passes (the whole build takes ~0.3 s)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130, err
