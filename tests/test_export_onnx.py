@@ -350,3 +350,46 @@ def test_concat_of_int8_tensors_keeps_the_integers():
     (out,) = _run_rule({"x": x}, body)
     q = P.quantize(x, 0.05, -3)
     np.testing.assert_array_equal(out, np.concatenate([q, q], axis=1))
+
+
+def test_mean_of_a_requantized_tensor_agrees_in_onnx_runtime_and_openvino(tmp_path):
+    """A global mean (``qnn.sum`` then a requantize by ``1 / N``) of a requantized uint8
+    tensor with a nonzero zero point (MobileNetV3's head): written as ``ReduceMean``, it gives
+    numpy's integers in ONNX Runtime and in OpenVINO (OpenVINO 2026.4 computed the former
+    ``ReduceSum`` form of it wrongly: every mean at the grid's minimum)."""
+    rng = np.random.default_rng(3)
+    x = rng.uniform(-0.3, 1.2, (1, 8, 2, 96)).astype(np.float32)
+    s1, s2, s3 = np.float32(0.0325), np.float32(0.0316), np.float32(0.0084)
+    z, z3, n = 12, 17, 2 * 96
+
+    def body(x):
+        q = qnn.quantize(x, _c(s1, "float32"), _c(z, "int32"), out_dtype="uint8")
+        q = qnn.requantize(
+            q,
+            _c(s1, "float32"),
+            _c(z, "int32"),
+            _c(s2, "float32"),
+            _c(z, "int32"),
+            out_dtype="uint8",
+        )
+        acc = qnn.sum(q, _c(s2, "float32"), _c(z, "int32"), axis=[2, 3], keepdims=True)
+        mean = qnn.requantize(
+            acc,
+            _c(s2 / np.float32(n), "float32"),
+            _c(0, "int32"),
+            _c(s3, "float32"),
+            _c(z3, "int32"),
+            out_dtype="uint8",
+        )
+        return [qnn.dequantize(mean, _c(s3, "float32"), _c(z3, "int32"))]
+
+    q = P.requantize(P.quantize(x, s1, z, "uint8"), s1, z, s2, z, "uint8")
+    total = (q.astype(np.int32) - z).sum(axis=(2, 3), keepdims=True)
+    want = P.dequantize(P.requantize(total, s2 / np.float32(n), 0, s3, z3, "uint8"), s3, z3)
+    model = to_onnx(build_tuple_module({"x": x}, body))
+    assert "ReduceSum" not in {node.op_type for node in model.graph.node}
+    np.testing.assert_array_equal(_session(model).run(None, {"x": x})[0], want)
+    ov = pytest.importorskip("openvino")
+    onnx.save(model, tmp_path / "mean.onnx")
+    compiled = ov.Core().compile_model(str(tmp_path / "mean.onnx"), "CPU")
+    np.testing.assert_array_equal(compiled({"x": x})[0], want)

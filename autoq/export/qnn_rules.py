@@ -3,10 +3,11 @@
 * ``quantize`` / ``dequantize`` / ``requantize``: ``QuantizeLinear`` / ``DequantizeLinear``
   with autoq's scales and zero points (per-axis ones keep their axis); an int32
   ``requantize`` (a residual onto an accumulator's grid) is the real value of its input.
-* ``conv2d`` / ``dense`` / ``matmul`` / ``sum``: the float op on ``DequantizeLinear`` of its
-  integer operands (int8 weight initializers, per output channel), giving the accumulator's
-  real value (:class:`~autoq.export.graph.Acc`); the int32 bias that follows becomes the
-  Conv / Gemm bias input (``DequantizeLinear`` of an int32 initializer, scale ``s_x * s_w``).
+* ``conv2d`` / ``dense`` / ``matmul`` / ``sum``: the float op (``ReduceMean`` for ``sum``)
+  on ``DequantizeLinear`` of its integer operands (int8 weight initializers, per output
+  channel), giving the accumulator's real value (:class:`~autoq.export.graph.Acc`); the
+  int32 bias that follows becomes the Conv / Gemm bias input (``DequantizeLinear`` of an
+  int32 initializer, scale ``s_x * s_w``).
 * ``add`` / ``subtract`` / ``multiply``: DQ, the float op, Q.
 * ``lut``: exact: ``Gather`` of the 256-entry table initializer at ``int32(q) - qmin`` (per
   channel: the tables flattened, each channel's offset added).
@@ -158,10 +159,18 @@ def matmul(w, call, var):
 
 
 def qsum(w, call, var):
+    """``ReduceMean`` of the dequantized input, on the grid ``scale / N`` (``N`` elements
+    summed): the same integers as autoq's sum, and the form OpenVINO reads correctly
+    (OpenVINO 2026.4 computes ``ReduceSum`` of a requantized tensor with a nonzero zero
+    point wrongly; ``ReduceMean`` of it is right, and a mean's rescale becomes a no-op)."""
     x = w.dq(_integer(w, call.args[0], "the input of qnn.sum"), *_qp(w, call, 1))
-    axes = w.ints(attr(call, "axis"), hint="axes")
-    out = w.g.node("ReduceSum", [x, axes], hint=var.name, keepdims=int(attr(call, "keepdims")))
-    return Acc(out, _flat(w.array(call.args[1], "scale")), 0, _rank(var))
+    shape = shape_of(call.args[0])
+    axes = [a % len(shape) for a in attr(call, "axis")]
+    count = int(np.prod([shape[a] for a in axes]))
+    keep = int(attr(call, "keepdims"))
+    out = w.g.node("ReduceMean", [x, w.ints(axes, hint="axes")], hint=var.name, keepdims=keep)
+    scale = (_flat(w.array(call.args[1], "scale")) / _F32(count)).astype(_F32)
+    return Acc(out, scale, 0, _rank(var))
 
 
 def _elementwise(onnx_op: str):
