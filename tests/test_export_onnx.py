@@ -393,3 +393,48 @@ def test_mean_of_a_requantized_tensor_agrees_in_onnx_runtime_and_openvino(tmp_pa
     onnx.save(model, tmp_path / "mean.onnx")
     compiled = ov.Core().compile_model(str(tmp_path / "mean.onnx"), "CPU")
     np.testing.assert_array_equal(compiled({"x": x})[0], want)
+
+
+@pytest.mark.parametrize("per_channel_out", [False, True])
+def test_depthwise_conv_on_a_per_channel_int8_grid_runs_in_onnx_runtime_and_openvino(
+    per_channel_out, tmp_path
+):
+    """A depthwise conv reading an int8 activation with per-channel scales and zero points
+    (the grids of ``depthwise_cnn``), with a per-tensor and a per-channel output grid: its
+    input is written as uint8 ``q + 128`` (OpenVINO 2026.4 has no conv kernel for an int8
+    input with nonzero zero points and refused to compile PP-OCRv4 det's file) and a
+    per-tensor output as int8 (a uint8 one makes ONNX Runtime fuse a ``QLinearConv`` that
+    refuses the per-channel input zero point); both runtimes give numpy's integers within
+    one step."""
+    from models import conv2d_nchw
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(1, 4, 6, 6)).astype(np.float32)
+    w = rng.integers(-127, 128, (4, 1, 3, 3)).astype(np.int8)
+    sx = np.array([0.02, 0.01, 0.03, 0.015], np.float32)
+    zx = np.array([15, -128, 90, -7], np.int32)
+    sw = rng.uniform(0.001, 0.01, 4).astype(np.float32)
+    sacc = (sx * sw).astype(np.float32)
+    sy = np.array([0.02, 0.03, 0.01, 0.02], np.float32) if per_channel_out else np.float32(0.02)
+    zy = np.array([3, -20, 40, 0], np.int32) if per_channel_out else np.int32(3)
+
+    def body(x):
+        q = qnn.quantize(x, relax.const(sx), relax.const(zx), axis=1)
+        acc = qnn.conv2d(q, relax.const(w), relax.const(sx), relax.const(zx), relax.const(sw),
+                         _c(np.zeros(4), "int32"), padding=(1, 1), groups=4)  # fmt: skip
+        return [qnn.requantize(acc, relax.const(sacc), _c(np.zeros(4), "int32"),
+                               _c(sy, "float32"), _c(zy, "int32"), axis=1)]  # fmt: skip
+
+    q = P.quantize(x, sx, zx, axis=1).astype(np.int64) - zx.reshape(1, 4, 1, 1)
+    full = np.zeros((4, 4, 3, 3), np.int64)
+    full[np.arange(4), np.arange(4)] = w[:, 0]
+    real = P.dequantize(conv2d_nchw(q, full, pad=1), sacc, 0, axis=1)
+    ref = P.quantize(real, sy, zy, axis=1 if per_channel_out else None)
+    model = to_onnx(build_tuple_module({"x": x}, body))
+    outs = {"ORT": _session(model).run(None, {"x": x})[0]}
+    ov = pytest.importorskip("openvino")
+    onnx.save(model, tmp_path / "dw.onnx")
+    outs["OpenVINO"] = ov.Core().compile_model(str(tmp_path / "dw.onnx"), "CPU")({"x": x})[0]
+    for name, out in outs.items():
+        diff = np.abs(out.astype(int) - ref.astype(int))
+        assert diff.max() <= 1 and (diff == 0).mean() >= 0.99, name

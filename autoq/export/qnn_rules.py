@@ -7,7 +7,8 @@
   on ``DequantizeLinear`` of its integer operands (int8 weight initializers, per output
   channel), giving the accumulator's real value (:class:`~autoq.export.graph.Acc`); the
   int32 bias that follows becomes the Conv / Gemm bias input (``DequantizeLinear`` of an
-  int32 initializer, scale ``s_x * s_w``).
+  int32 initializer, scale ``s_x * s_w``). A Conv input on an int8 grid (a per-axis one)
+  is read as uint8 ``q + 128`` (:meth:`~autoq.export.writer.Writer.shifted`), for OpenVINO.
 * ``add`` / ``subtract`` / ``multiply``: DQ, the float op, Q.
 * ``lut``: exact: ``Gather`` of the 256-entry table initializer at ``int32(q) - qmin`` (per
   channel: the tables flattened, each channel's offset added).
@@ -96,7 +97,12 @@ def _flat(scale) -> np.ndarray:
 def conv2d(w, call, var):
     if attr(call, "data_layout") != "NCHW" or attr(call, "kernel_layout") != "OIHW":
         raise w.error("qnn.conv2d in a layout other than NCHW / OIHW")
-    x = w.dq(_integer(w, call.args[0], "the conv input"), *_qp(w, call, 2), axis=1, rank=4)
+    x = _integer(w, call.args[0], "the conv input")
+    # OpenVINO 2026.4 has no conv kernel for an int8 input with a nonzero (or per-channel)
+    # zero point ("No suitable implementations"); a uint8 one it runs
+    x = w.shifted(x)
+    per_channel = np.asarray(w.array(call.args[2], "a scale")).size > 1
+    x = w.dq(x, *_qp(w, call, 2), axis=1, rank=4)
     weight = _integer(w, call.args[1], "the conv weight")
     wq = w.dq(weight, *_qp(w, call, 4), axis=0, rank=4)
     pads = attr(call, "padding")
@@ -106,6 +112,8 @@ def conv2d(w, call, var):
         "Conv", [x, wq], hint=var.name, share=False, strides=attr(call, "strides"),
         pads=pads, dilations=attr(call, "dilation"), group=attr(call, "groups"),
     )  # fmt: skip
+    if per_channel:
+        w.int8_outputs.add(out)
     scale = _product(w.array(call.args[2], "scale"), w.array(call.args[4], "scale"))
     return Acc(out, scale, 1, 4, bias_node=w.g.nodes[-1])
 

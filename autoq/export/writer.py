@@ -83,6 +83,10 @@ class Writer:
         self.rules = rules
         self.g = Graph()
         self.values: dict = {}
+        #: float tensors (Conv outputs on a shifted per-channel input) quantized as int8:
+        #: a uint8 ``QuantizeLinear`` of them would make ONNX Runtime fuse ``QLinearConv``,
+        #: which refuses the per-channel input zero point at run time
+        self.int8_outputs: set[str] = set()
         self.uses = Counter()
         pairs = bindings(func)
         for _, value in pairs:
@@ -186,7 +190,8 @@ class Writer:
             raise self.error(f"quantizing to {dtype} has no ONNX QuantizeLinear")
         # per-axis grids stay int8: ONNX Runtime fuses DQ -> Conv -> Q with a uint8 output
         # into QLinearConv, which refuses a per-channel output zero point at run time
-        shift = SHIFT if dtype == "int8" and np.asarray(scale).size == 1 else 0
+        per_tensor = np.asarray(scale).size == 1 and name not in self.int8_outputs
+        shift = SHIFT if dtype == "int8" and per_tensor else 0
         zero_point = np.asarray(zero_point, np.int32) + shift
         s, z, attrs = self._qparams(scale, zero_point, "uint8" if shift else dtype, axis, rank)
         out = self.g.node("QuantizeLinear", [name, s, z], hint="q", **attrs)
@@ -202,6 +207,17 @@ class Writer:
         )
         back = self.g.node("Sub", [wide, self.g.const(np.int32(value.shift), hint="shift")])
         return self.g.node("Cast", [back], to=elem)
+
+    def shifted(self, value: Int) -> Int:
+        """An int8 tensor as uint8 ``q + SHIFT`` (the same ``Int``; other tensors unchanged)."""
+        if value.dtype != "int8" or value.shift:
+            return value
+        wide = self.g.node(
+            "Cast", [value.name], to=helper.np_dtype_to_tensor_dtype(np.dtype("int32"))
+        )
+        moved = self.g.node("Add", [wide, self.g.const(np.int32(SHIFT), hint="shift")])
+        out = self.g.node("Cast", [moved], to=helper.np_dtype_to_tensor_dtype(np.dtype("uint8")))
+        return Int(out, value.dtype, SHIFT)
 
     def shifted_const(self, arr: np.ndarray, like: Int) -> str:
         """An integer constant in the representation of ``like`` (shifted like it)."""
