@@ -264,13 +264,17 @@ def adaptive_avg_pool2d(w, call, var):
     return Float(w.g.node("GlobalAveragePool", [x], hint=var.name))
 
 
+def _onnx_pads(call) -> list:
+    """A conv's ``padding`` as ONNX ``pads`` (begin H, W, end H, W; Relax may give 2)."""
+    pads = list(attr(call, "padding"))
+    return pads * 2 if len(pads) == 2 else pads
+
+
 def conv2d(w, call, var):
     if attr(call, "data_layout") != "NCHW" or attr(call, "kernel_layout") != "OIHW":
         raise w.error("conv2d in a layout other than NCHW / OIHW")
     x, weight = (w.real(w.value(a), "a conv operand") for a in call.args[:2])
-    pads = attr(call, "padding")
-    if len(pads) == 2:
-        pads = [pads[0], pads[1], pads[0], pads[1]]
+    pads = _onnx_pads(call)
     out = w.g.node(
         "Conv", [x, weight], hint=var.name, strides=attr(call, "strides"), pads=pads,
         dilations=attr(call, "dilation"), group=attr(call, "groups"),
@@ -282,9 +286,7 @@ def conv2d_transpose(w, call, var):
     if attr(call, "data_layout") != "NCHW" or attr(call, "kernel_layout") != "IOHW":
         raise w.error("conv2d_transpose in a layout other than NCHW / IOHW")
     x, weight = (w.real(w.value(a), "a transposed conv operand") for a in call.args[:2])
-    pads = attr(call, "padding")
-    if len(pads) == 2:
-        pads = [pads[0], pads[1], pads[0], pads[1]]
+    pads = _onnx_pads(call)
     out = w.g.node(
         "ConvTranspose", [x, weight], hint=var.name, strides=attr(call, "strides"), pads=pads,
         output_padding=attr(call, "output_padding"), dilations=attr(call, "dilation"),
