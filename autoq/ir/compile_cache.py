@@ -103,17 +103,23 @@ def cache_key(mod: tvm.IRModule, target, kind: str) -> str:
 
 
 def cached_library(
-    mod: tvm.IRModule, target, kind: str, build: Callable[[], object], space: int = 0
+    mod: tvm.IRModule,
+    target,
+    kind: str,
+    build: Callable[[], object],
+    space: int = 0,
+    key: str | None = None,
 ) -> tuple[Path | None, object]:
     """``(path, None)``: the cached library of ``mod`` (compiled now by ``build()``, a
     ``tvm.compile`` result, and stored when it was not cached); ``(None, executable)`` when
     the cache is off or cannot be written: fewer than ``space`` bytes (the library's
     constants, twice) plus :data:`SPARE_BYTES` free (LLVM ends the process when it cannot
-    write an object file), or the export fails."""
+    write an object file), or the export fails. ``key``: :func:`cache_key` of the three, if
+    the caller has it (hashing a large module takes a while)."""
     folder = cache_folder()
     if folder is None:
         return None, build()
-    path = folder / f"{cache_key(mod, target, kind)}.so"
+    path = folder / f"{key or cache_key(mod, target, kind)}.so"
     if _usable(path):
         _COUNTS["hits"] += 1
         return path, None
@@ -142,13 +148,13 @@ def cached_module(
     if key in _LOADED:
         _COUNTS["hits"] += 1
         return _LOADED[key]
-    path, executable = cached_library(mod, target, kind, build, space)
+    path, executable = cached_library(mod, target, kind, build, space, key)
     if path is not None:
         try:
             return _load_quietly(path)
         except Exception:  # (dlopen errors, a library without a Relax executable)
             forget(path)
-            path, executable = cached_library(mod, target, kind, build, space)
+            path, executable = cached_library(mod, target, kind, build, space, key)
             if path is not None:
                 return _load_quietly(path)
     module = executable.jit()
