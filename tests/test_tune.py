@@ -100,7 +100,7 @@ def measured(default_s: float, tuned_s: float, calls: list | None = None):
     """A stand-in for autoq.tuning.measure_schedules: every default schedule takes
     ``default_s``, every tuned one ``tuned_s`` (the modules come as default, tuned pairs)."""
 
-    def measure(mods, target, builder, runner):
+    def measure(mods, target, workers):
         if calls is not None:
             calls.append(mods)
         return [default_s if i % 2 == 0 else tuned_s for i in range(len(mods))]
@@ -114,47 +114,27 @@ def tune_module():
 
 @pytest.mark.tuning
 @needs_tune_deps
-def test_tune_writes_a_database_that_compiles_reuse(tmp_path, monkeypatch):
-    monkeypatch.setattr(tune_module(), "measure_schedules", measured(2e-3, 1e-3))
-    qmod, samples = one_conv()
-    folder = tmp_path / "tuning"
-    r = tune(
-        qmod, trials=2, trials_per_task=1, database=folder, cost_model="random", seed=0,
-        cpu_kernels=False,
-    )  # fmt: skip
-    assert (r.tasks, r.reused, r.trials, r.failed) == (2, 0, 2, 0), r
-    assert (folder / WORKLOAD_FILE).is_file() and (folder / RECORD_FILE).is_file()
-    check_tuned(qmod, samples, folder)
-    # the same shapes again: nothing left to tune, no trial measured
-    again = tune(qmod, trials=8, database=folder, cost_model="random", cpu_kernels=False)
-    assert (again.tasks, again.reused, again.trials) == (2, 2, 0), again
-    assert "no new trials" in again.summary()
-    # with autoq's CPU kernels (the default) the conv keeps its own schedule: not a task
-    kern = tune(qmod, trials=2, trials_per_task=1, database=folder, cost_model="random")
-    done, kernels = tuned_kernels(qmod, autoq.default_target(), folder)
-    assert done == kernels and kern.tasks == len(kernels), (kern, done, kernels)
-    assert not any(k.startswith("autoq_") for k in kernels), kernels
-    for got, ref in zip(
-        outputs(qmod, samples, folder, cpu_kernels=True), outputs(qmod, samples), strict=True
-    ):
-        assert np.array_equal(got, ref)
-
-
-@pytest.mark.tuning
-@needs_tune_deps
-def test_a_faster_default_schedule_is_kept(tmp_path, monkeypatch):
-    """A limited tuning run (one trial per kernel) whose records measure slower than
-    autoq's default schedule must not replace it; the decision comes from the measured
-    seconds (measured for real first, then injected), is stored next to the database and
-    honoured by every compile; a faster record is used."""
+def test_tune_database_reuse_and_default_schedules(tmp_path, monkeypatch):
+    """A limited tuning run (one trial per kernel) writes a database that compiles reuse,
+    bit-exact with the untuned module; the same shapes again run no trial. Records that
+    measure slower than autoq's default schedule must not replace it: the decision comes
+    from the measured seconds (measured for real first, then injected), is stored next to
+    the database and honoured by every compile; a faster record is used. (One test: the
+    real tuning run, whose worker processes take most of the time, is shared.)"""
     qmod, samples = one_conv()
     folder = tmp_path / "tuning"
     args = dict(trials=2, trials_per_task=1, database=folder, cost_model="random", seed=0)
     r = tune(qmod, cpu_kernels=False, **args)
+    assert (r.tasks, r.reused, r.trials, r.failed) == (2, 0, 2, 0), r
+    assert (folder / WORKLOAD_FILE).is_file() and (folder / RECORD_FILE).is_file()
     side = DefaultSchedules.load(folder)
     assert len(side.kernels) == 2 and all(k.default_s and k.tuned_s for k in side.kernels)
     assert r.kept_default == len(side.default_wins()), (r, side)
     check_tuned(qmod, samples, folder, r.kept_default)
+    # the same shapes again: nothing left to tune, no trial measured
+    again = tune(qmod, trials=8, database=folder, cost_model="random", cpu_kernels=False)
+    assert (again.tasks, again.reused, again.trials) == (2, 2, 0), again
+    assert "no new trials" in again.summary()
 
     # the records measure 1000x slower than the defaults: no kernel takes its record
     calls: list = []
@@ -181,6 +161,16 @@ def test_a_faster_default_schedule_is_kept(tmp_path, monkeypatch):
     monkeypatch.setattr(tune_module(), "measure_schedules", measured(1e-3, 0.9e-3))
     assert tune(qmod, cpu_kernels=False, **args).kept_default == 0
     check_tuned(qmod, samples, folder, kept_default=0)
+
+    # with autoq's CPU kernels (the default) the conv keeps its own schedule: not a task
+    kern = tune(qmod, trials=2, trials_per_task=1, database=folder, cost_model="random")
+    done, kernels = tuned_kernels(qmod, autoq.default_target(), folder)
+    assert done == kernels and kern.tasks == len(kernels), (kern, done, kernels)
+    assert not any(k.startswith("autoq_") for k in kernels), kernels
+    for got, ref in zip(
+        outputs(qmod, samples, folder, cpu_kernels=True), outputs(qmod, samples), strict=True
+    ):
+        assert np.array_equal(got, ref)
 
     (folder / DEFAULTS_FILE).write_text('{"format": "autoq.default_schedules", "kernels": 3')
     with pytest.raises(InputError, match=DEFAULTS_FILE):

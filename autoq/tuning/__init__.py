@@ -213,6 +213,21 @@ def _check_deps() -> None:
         )
 
 
+class _Workers:
+    """MetaSchedule's builder and runner, started on first use: their constructors start
+    and sanity-check worker processes (~10-20 s), which a run with nothing to tune or
+    measure does not need."""
+
+    def __init__(self, rpc: Tracker | None):
+        self.rpc = rpc
+        self._pair = None
+
+    def get(self):
+        if self._pair is None:
+            self._pair = _builder_runner(self.rpc, max(1, _physical_cores()))
+        return self._pair
+
+
 def _builder_runner(rpc: Tracker | None, workers: int):
     from tvm.s_tir import meta_schedule as ms
 
@@ -317,14 +332,15 @@ def _pending_tasks(mod, target, database):
     return tasks, pending
 
 
-def measure_schedules(mods: list, target, builder, runner) -> list[float | None]:
+def measure_schedules(mods: list, target, workers: _Workers) -> list[float | None]:
     """Mean seconds per call of each scheduled one-kernel module (``main``), built and run
-    by MetaSchedule's ``builder`` and ``runner`` exactly as tuning candidates are; None
-    where the build or the run failed."""
+    by MetaSchedule's builder and runner (``workers``) exactly as tuning candidates are;
+    None where the build or the run failed."""
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
     from tvm.s_tir.meta_schedule.builder import BuilderInput
     from tvm.s_tir.meta_schedule.runner import RunnerInput
 
+    builder, runner = workers.get()
     builds = builder.build([BuilderInput(m, target) for m in mods])
     ran = [i for i, b in enumerate(builds) if b.error_msg is None]
     device = "cpu" if target.kind.name == "llvm" else target.kind.name
@@ -341,10 +357,10 @@ def measure_schedules(mods: list, target, builder, runner) -> list[float | None]
     return seconds
 
 
-def _measure_defaults(tasks, target, db, folder: Path, builder, runner) -> int:
+def _measure_defaults(tasks, target, db, folder: Path, workers: _Workers) -> int:
     """Measure, for every task with a record that was not measured before (or whose default
     schedule changed since), autoq's default schedule and the schedule the database gives
-    it, in one batch with the tuning builder and runner; record the outcome in the
+    it, in one batch with the tuning builder and runner (``workers``); record the outcome in the
     database's side file
     (:class:`autoq.build.tuning_defaults.DefaultSchedules`). Returns how many of ``tasks`` keep
     the default schedule."""
@@ -367,7 +383,7 @@ def _measure_defaults(tasks, target, db, folder: Path, builder, runner) -> int:
             # the record itself, also where an older default won: it is measured again
             mods.append(apply_database(t.dispatched[0], target, folder, db, frozenset()))
     if todo:
-        secs = measure_schedules(mods, target, builder, runner)
+        secs = measure_schedules(mods, target, workers)
         new = [
             KernelChoice(key, t.task_name, secs[2 * i], secs[2 * i + 1], fingerprint)
             for i, (key, (t, _, fingerprint)) in enumerate(todo.items())
@@ -420,14 +436,14 @@ def tune(
     if cpu_kernels:
         qmod = lower_to_cpu_kernels(qmod, target)
     tasks, pending = _pending_tasks(fused(qmod, target), target, db)
-    builder, runner = _builder_runner(rpc, max(1, _physical_cores()))
+    workers = _Workers(rpc)
     counts = {"trials": 0, "failed": 0}
     if pending:
         per_task = min(trials_per_task or trials, trials)
         budget = _Budget(trials, per_task, cost_model, progress)
         contexts = _contexts(pending, _search(per_task), seed)
-        _tune_pending(contexts, pending, db, folder, builder, runner, budget, counts)
-    kept = _measure_defaults(tasks, target, db, folder, builder, runner)
+        _tune_pending(contexts, pending, db, folder, *workers.get(), budget, counts)
+    kept = _measure_defaults(tasks, target, db, folder, workers)
     return TuneResult(
         folder,
         len(tasks),
