@@ -41,6 +41,7 @@ LEVELS = {
     "primitives": 0,
     "json_document": 0,
     "files": 0,
+    "naming": 0,
     "qparams": 1,
     "threads": 1,
     "models": 1,

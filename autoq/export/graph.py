@@ -28,6 +28,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from autoq.naming import unique_name
+
 __all__ = ["Acc", "Float", "Graph", "Int", "Value"]
 
 
@@ -76,13 +78,7 @@ class Graph:
         self._names: set[str] = set()
 
     def fresh(self, hint: str) -> str:
-        base = hint or "t"
-        name, k = base, 0
-        while name in self._names:
-            k += 1
-            name = f"{base}_{k}"
-        self._names.add(name)
-        return name
+        return unique_name(hint or "t", self._names)
 
     def reserve(self, name: str) -> None:
         """Keep ``name`` (a model input) from being given to another tensor."""

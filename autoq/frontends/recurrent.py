@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from autoq.frontends.errors import FrontendError
+from autoq.naming import unique_name
 
 __all__ = ["RECURRENT_OPS", "rewrite_recurrent"]
 
@@ -53,13 +54,7 @@ class _Emit:
         self.inits: list = []
 
     def name(self, hint: str) -> str:
-        base = f"{self.prefix}/{hint}"
-        name, k = base, 0
-        while name in self.taken:
-            k += 1
-            name = f"{base}_{k}"
-        self.taken.add(name)
-        return name
+        return unique_name(f"{self.prefix}/{hint}", self.taken)
 
     def const(self, array: np.ndarray, hint: str) -> str:
         from onnx import numpy_helper
