@@ -328,3 +328,23 @@ def test_rerun_keeps_and_uses_the_tuning_database(files, tmp_path, capsys, monke
     assert used and used[0] == out / "tuning"
     assert sorted(p.name for p in (out / "tuning").iterdir()) == [RECORD_FILE, WORKLOAD_FILE]
     assert "tuning" in json.loads((out / MARKER).read_text())["files"]
+
+
+def test_tune_waits_for_no_one_while_out_is_written(tmp_path, capsys):
+    """'autoq tune FOLDER' writes the database and rebuilds the library inside the folder:
+    it takes the folder's --out lock first, so while an 'autoq quantize --out FOLDER' runs
+    it is refused at once (naming that run's pid), before any tuning."""
+    import tvm
+    from tvm import relax
+
+    out = tmp_path / "res"
+    out.mkdir()
+    (out / MARKER).write_text('{"files": ["module.json"]}\n')
+    x = relax.Var("x", relax.TensorType((2,), "float32"))
+    mod = tvm.IRModule({"main": relax.Function([x], x)})
+    (out / "module.json").write_text(tvm.ir.save_json(mod))
+    with holding(out) as (pid, _):
+        code, _, err = run(capsys, "tune", out, "--trials", "1")
+        assert_user_error(code, err, f"{str(out)!r} is being written by another autoq run")
+        assert f"(pid {pid})" in err
+        assert not (out / "tuning").exists()

@@ -35,7 +35,7 @@ from autoq.cli.inputs import (
     target_of,
 )
 from autoq.cli.interrupts import MESSAGE, cleanup_on_signals, exit_code, received
-from autoq.cli.output_dir import OutputDir
+from autoq.cli.output_dir import FolderLock, OutputDir
 from autoq.errors import AutoqError
 
 __all__ = ["BUNDLED", "METHODS", "ROUNDINGS", "UserError", "main"]
@@ -449,12 +449,26 @@ def _tuned_module(path: Path):
 
 
 def cmd_tune(args) -> int:
+    import contextlib
+    import os
+
+    t_start = time.perf_counter()
+    mod, folder = _tuned_module(args.model)
+    rebuild = (folder / LIBRARY).is_file() or args.model.is_dir()
+    # the folder's --out lock for the whole run (the database and the library are written
+    # into it): an 'autoq quantize --out' on it meanwhile is refused, and vice versa
+    lock = FolderLock(Path(os.path.realpath(folder)), repr(str(folder)))
+    with lock if rebuild else contextlib.nullcontext():
+        _tune_folder(args, mod, folder, rebuild)
+    LOGGER.info(f"done in {time.perf_counter() - t_start:.1f} s")
+    return 0
+
+
+def _tune_folder(args, mod, folder: Path, rebuild: bool) -> None:
     from autoq.build import export_library
     from autoq.config.progress import status
     from autoq.tuning import TuningError, tune
 
-    t_start = time.perf_counter()
-    mod, folder = _tuned_module(args.model)
     target = target_of(args.target)
     database = args.database or folder / TUNING
     LOGGER.info(f"tuning the kernels of {folder} into {database} ({args.trials} trials) ...")
@@ -473,13 +487,11 @@ def cmd_tune(args) -> int:
     except TuningError as e:
         raise UserError(f"tuning failed: {one_line(e)}") from None
     LOGGER.info(result.summary())
-    if (folder / LIBRARY).is_file() or args.model.is_dir():
+    if rebuild:
         with status("compile", _shows_progress(args)):
             export_library(mod, folder / LIBRARY, target=target, database=database,
                            output_names=_recorded_outputs(folder / LIBRARY))  # fmt: skip
         LOGGER.info(f"rebuilt {folder / LIBRARY} with the tuned kernels")
-    LOGGER.info(f"done in {time.perf_counter() - t_start:.1f} s")
-    return 0
 
 
 def _recorded_outputs(library: Path) -> list[str]:

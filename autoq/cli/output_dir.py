@@ -39,7 +39,7 @@ from pathlib import Path
 from autoq.errors import AutoqError, OutputError
 from autoq.files import pid_dir, remove_dead_dirs
 
-__all__ = ["MARKER", "OutputDir"]
+__all__ = ["MARKER", "FolderLock", "OutputDir"]
 
 #: written into every result folder; its presence makes the folder replaceable
 MARKER = ".autoq-result"
@@ -62,7 +62,7 @@ class OutputDir:
         #: the folder the result replaces (``out`` with symbolic links followed; on entry)
         self.target: Path | None = None
         self._shown = repr(str(out))
-        self._lock_fd: int | None = None
+        self._lock: FolderLock | None = None
 
     # ------------------------------------------------------------------ entry, exit
 
@@ -70,7 +70,9 @@ class OutputDir:
         target = self._resolve()
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            self._lock(target)
+            self._lock = FolderLock(
+                target, f"--out {self._shown}", "wait for it to finish or choose another --out"
+            ).acquire()
         except OSError as e:
             if isinstance(e, AutoqError):
                 raise
@@ -81,7 +83,7 @@ class OutputDir:
             remove_dead_dirs(target.parent, self._prefix("old"))
             self.path = pid_dir(target.parent, self._prefix("tmp"))
         except BaseException as e:
-            self._unlock()
+            self._release()
             if isinstance(e, OSError) and not isinstance(e, AutoqError):
                 raise self._unwritable(e) from None
             raise
@@ -94,7 +96,7 @@ class OutputDir:
                 shutil.rmtree(self.path, ignore_errors=True)
                 self.path = None
         finally:
-            self._unlock()
+            self._release()
         if full:
             why = f" ({exc.strerror})" if isinstance(exc, OSError) and exc.strerror else ""
             raise OutputError(
@@ -151,66 +153,17 @@ class OutputDir:
         assert self.target is not None
         return f".{self.target.name}.autoq-{kind}-"
 
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
     def _unwritable(self, e: OSError) -> OutputError:
         where = f": {e.filename!r}" if e.filename else ""
         return OutputError(
             f"--out {self._shown} cannot be written ({e.strerror or e}{where}): choose a "
             "folder you can write to"
         )
-
-    # ------------------------------------------------------------------ lock
-
-    def _lock_file(self) -> Path:
-        assert self.target is not None
-        return self.target.parent / f".{self.target.name}.autoq-lock"
-
-    def _lock(self, target: Path) -> None:
-        import fcntl
-
-        lock = self._lock_file()
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        while True:
-            try:
-                fd = os.open(lock, flags, 0o666)
-            except OSError as e:
-                if e.errno != errno.ELOOP:
-                    raise
-                raise OutputError(
-                    f"the lock file {str(lock)!r} of --out {self._shown} is a symbolic link "
-                    "(not made by autoq): remove it"
-                ) from None
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1:
-                os.close(fd)
-                raise OutputError(
-                    f"the lock file {str(lock)!r} of --out {self._shown} was not made by "
-                    f"this user's autoq (owner uid {st.st_uid}, {st.st_nlink} links): "
-                    "remove it"
-                )
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                os.close(fd)
-                raise OutputError(
-                    f"--out {self._shown} is being written by another autoq run (pid "
-                    f"{owner}): wait for it to finish or choose another --out"
-                ) from None
-            if _same_file(lock, st):  # not removed by the run that held it meanwhile
-                break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._lock_fd = fd
-
-    def _unlock(self) -> None:
-        if self._lock_fd is not None:
-            lock = self._lock_file()
-            if _same_file(lock, os.fstat(self._lock_fd)):
-                with contextlib.suppress(OSError):  # before the flock is released: a
-                    lock.unlink()  # run waiting on this file then retries on a new one
-            os.close(self._lock_fd)
-            self._lock_fd = None
 
     # ------------------------------------------------------------------ commit
 
@@ -229,6 +182,74 @@ class OutputDir:
         else:
             staged.rename(out)
         self.path = None
+
+
+class FolderLock:
+    """The exclusive lock of a result folder: ``flock`` on ``.<name>.autoq-lock`` next to
+    ``target`` (module docstring). ``shown`` names the folder in messages (e.g.
+    ``--out 'res'``), ``busy`` is the advice when another run holds it. Taken by :class:`OutputDir` and by ``autoq tune`` while it rebuilds a
+    folder's library."""
+
+    def __init__(self, target: Path, shown: str, busy: str = "wait for it to finish"):
+        self.target, self.shown, self.busy = Path(target), shown, busy
+        self.file = self.target.parent / f".{self.target.name}.autoq-lock"
+        self._fd: int | None = None
+
+    def __enter__(self) -> FolderLock:
+        return self.acquire()
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        self.release()
+        return False
+
+    def acquire(self) -> FolderLock:
+        """Take the lock or raise :class:`OutputError` (held by another run: its pid;
+        a lock file autoq did not make)."""
+        import fcntl
+
+        lock, shown = self.file, self.shown
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        while True:
+            try:
+                fd = os.open(lock, flags, 0o666)
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                raise OutputError(
+                    f"the lock file {str(lock)!r} of {shown} is a symbolic link "
+                    "(not made by autoq): remove it"
+                ) from None
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1:
+                os.close(fd)
+                raise OutputError(
+                    f"the lock file {str(lock)!r} of {shown} was not made by "
+                    f"this user's autoq (owner uid {st.st_uid}, {st.st_nlink} links): "
+                    "remove it"
+                )
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise OutputError(
+                    f"{shown} is being written by another autoq run (pid {owner}): {self.busy}"
+                ) from None
+            if _same_file(lock, st):  # not removed by the run that held it meanwhile
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            if _same_file(self.file, os.fstat(self._fd)):
+                with contextlib.suppress(OSError):  # before the flock is released: a
+                    self.file.unlink()  # run waiting on this file then retries on a new one
+            os.close(self._fd)
+            self._fd = None
 
 
 def _same_file(path: Path, st: os.stat_result) -> bool:
