@@ -330,7 +330,7 @@ def test_rerun_keeps_and_uses_the_tuning_database(files, tmp_path, capsys, monke
     assert "tuning" in json.loads((out / MARKER).read_text())["files"]
 
 
-def test_tune_waits_for_no_one_while_out_is_written(tmp_path, capsys):
+def test_tune_is_refused_while_out_is_written(tmp_path, capsys):
     """'autoq tune FOLDER' writes the database and rebuilds the library inside the folder:
     it takes the folder's --out lock first, so while an 'autoq quantize --out FOLDER' runs
     it is refused at once (naming that run's pid), before any tuning."""
