@@ -12,6 +12,7 @@ import doctest
 import numpy as np
 import pytest
 import tvm
+from test_cpu_amx import AMX_TARGET, needs_amx
 from test_cpu_blocked import TARGETS
 from tvm import relax
 
@@ -39,6 +40,11 @@ _LAYERS = {
     "c1": (32, 3, 1, 1),  # block C: identity shortcut from a blocked producer, no bias
     "c2": (32, 1, 1, 0),
     "head": (8, 1, 1, 0),  # model output: NCHW
+    "p3": (64, 3, 1, 1),  # AMX: 3x3 with 64 channels, its shortcut the NCHW model input
+    "n1": (32, 1, 1, 0),  # AMX 1x1 -> NCHW
+    "v3": (32, 3, 1, 1),  # VNNI (32 channels): blocked out, read by v3b and r1's shortcut
+    "v3b": (32, 3, 1, 1),  # VNNI, reads v3 blocked; NCHW out (r1 is AMX)
+    "r1": (32, 1, 1, 0),  # AMX 1x1 with the blocked shortcut of v3
 }
 
 
@@ -353,3 +359,45 @@ def test_residual_validation():
 def test_doctests():
     assert doctest.testmod(blocked_elementwise).failed == 0
     assert doctest.testmod(residual).failed == 0
+
+
+def _amx_module(dtype: str, rounding: str):
+    """Residual adds in AMX conv kernels: a padded 3x3 (output pixels over the padded
+    width; the shortcut the NCHW model input) and a 1x1 whose shortcut a VNNI conv stores
+    blocked (it also feeds a VNNI conv)."""
+    net = _Net(dtype, rounding, seed=3)
+    x = relax.Var("x", relax.TensorType(AMX_SHAPE, dtype))
+    z0 = next(net.zeros)
+    with net.bb.function("main", [x]):
+        with net.bb.dataflow():
+            y, zy = net.layer(x, z0, "p3", shortcut=(x, z0))
+            h, z = net.layer(y, zy, "n1")
+            g, zg = net.layer(h, z, "v3")
+            k, zk = net.layer(g, zg, "v3b")
+            out, _ = net.layer(k, zk, "r1", shortcut=(g, zg))
+            gv = net.bb.emit_output(out)
+        net.bb.emit_func_output(gv)
+    return tvm.IRModule({"main": net.bb.get()["main"]}), net
+
+
+AMX_SHAPE = (1, 64, 9, 10)
+
+
+@needs_amx
+@pytest.mark.parametrize(("dtype", "rounding"), [("int8", "float"), ("uint8", "tflite")])
+def test_amx_residual_bit_exact(dtype, rounding):
+    """The AMX kernels take both residual adds (a shortcut NCHW and one blocked, read as
+    pixel-flattened views) and give the generic lowering's and numpy's integers."""
+    mod, net = _amx_module(dtype, rounding)
+    lowered = lower_to_cpu_kernels(mod, AMX_TARGET)
+    calls = [e for _, e in bindings(lowered["main"]) if is_call(e, "relax.call_tir")]
+    res = [c for c in calls if c.args[0].name_hint.startswith("autoq_conv2d_amx_residual")]
+    # arguments: data, weights, compensation, shortcut, its table, the epilogue table
+    assert sorted(len(shape_of(c.args[1][3])) for c in res) == [3, 4]
+    lo, hi = _LIMITS[dtype]
+    x = np.random.default_rng(4).integers(lo, hi + 1, AMX_SHAPE).astype(dtype)
+    got = _run(mod, AMX_TARGET, x)
+    np.testing.assert_array_equal(got, _run(mod, AMX_TARGET, x, cpu_kernels=False))
+    np.testing.assert_array_equal(got, _run(mod, AMX_TARGET, x, residual_epilogue=False))
+    if rounding == "float":
+        np.testing.assert_array_equal(got, _reference(x, net))

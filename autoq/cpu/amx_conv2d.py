@@ -17,6 +17,11 @@ A block of 32 output channels x 32 pixels is the 2 x 2 accumulator tiles of
 row per channel) instead of zero; a complete block of a conv without horizontal padding
 (``Wp == OW``) is stored straight into the NCHW int32 output (row stride ``OH * OW``), other
 blocks through a stack buffer. Parallel over (image, pixel block, channel group).
+
+With a :class:`autoq.cpu.residual.Residual` (and an epilogue), each block adds the shortcut's
+term to its accumulators on the stack before the epilogue (the residual add of a ResNet
+bottleneck's last conv), the shortcut read NCHW or in its producer's blocked layout: the int32
+sum is never written.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 from dataclasses import astuple, replace
 
 import numpy as np
+from tvm import tirx
 from tvm.script import tirx as T
 
 from autoq.cpu.amx_tiles import (
@@ -37,9 +43,10 @@ from autoq.cpu.amx_tiles import (
     task_groups,
 )
 from autoq.cpu.conv2d import ConvShape
-from autoq.cpu.epilogue import Epilogue, drop_table, table_shape, tail
+from autoq.cpu.epilogue import Epilogue, drop_params, drop_table, table_shape, tail
 from autoq.cpu.injective import KERNEL_ATTR
 from autoq.cpu.packing import round_up
+from autoq.cpu.residual import Residual, shortcut_load, shortcut_term
 
 __all__ = [
     "AMX_POINTWISE_MAX_PIXELS",
@@ -47,6 +54,7 @@ __all__ = [
     "amx_conv_applies",
     "amx_conv_compensation",
     "amx_conv_weight",
+    "amx_shortcut_shape",
 ]
 
 # a 1x1 conv with < 64 input channels runs on AMX only below this many output pixels
@@ -120,11 +128,36 @@ def _geometry(shape: ConvShape) -> tuple[int, int, int, int, int]:
     return round_up(shape.in_channels, KSTEP), round_up(shape.out_channels, BLOCK), wp, m, pix
 
 
+def amx_shortcut_shape(residual: Residual | None, n_img: int, oc: int, oh: int, ow: int):
+    """(shape, dtype) the kernel reads a residual's shortcut in: its NCHW or blocked shape
+    with the pixels flattened (``[N, C, OH * OW]`` / ``[N, C / b, OH * OW, b]``, a reshape
+    of the tensor); a dummy without a residual.
+
+    >>> amx_shortcut_shape(None, 1, 8, 2, 3)
+    ((1, 1, 1), 'int8')
+    """
+    if residual is None:
+        return (1, 1, 1), "int8"
+    lay = residual.layout
+    if lay is None:
+        return (n_img, oc, oh * ow), residual.dtype
+    n, cb, _, _, b = lay.shape(n_img, oc, oh, ow)
+    return (n, cb, oh * ow, b), lay.dtype
+
+
 def amx_conv2d_kernel(
-    shape: ConvShape, data_dtype: str, shift: int, pad_value: int, epilogue: Epilogue | None = None
+    shape: ConvShape,
+    data_dtype: str,
+    shift: int,
+    pad_value: int,
+    epilogue: Epilogue | None = None,
+    residual: Residual | None = None,
 ):
-    """The PrimFunc ``(data[N, C, H, W], packed_weight, compensation[OCp, 16][, table], out)``:
-    see the module doc; with an ``epilogue``, blocks are requantized from the stack buffer."""
+    """The PrimFunc ``(data[N, C, H, W], packed_weight, compensation[OCp, 16][, shortcut
+    (:func:`amx_shortcut_shape`), residual table][, table], out)``: see the module doc; with an ``epilogue``, blocks are
+    requantized from the stack buffer (with a ``residual``, after adding its term)."""
+    if residual is not None and epilogue is None:
+        raise ValueError("amx_conv2d_kernel: a residual needs an epilogue")
     out_dtype, finish = "int32" if epilogue is None else epilogue.out_dtype, tail(epilogue)
     in_hw, (sh, sw), shape = (shape.height, shape.width), shape.strides, _subsampled(shape)
     n_img, ic, h, wd, oc = astuple(shape)[:5]
@@ -134,12 +167,27 @@ def amx_conv2d_kernel(
     groups = task_groups(n_img * row_blocks, ocp // BLOCK)
     per_group = ocp // BLOCK // groups
     direct, spans = wp == ow and epilogue is None, -(-BLOCK // wp) + 1
+    s_shape, s_dtype = amx_shortcut_shape(residual, n_img, oc, oh, ow)
+    r_shape = (1, 1) if residual is None else residual.shortcut.table().shape
+    split = residual is not None  # complete blocks read the shortcut without clamping
+
+    def add(v, ch, sf, r, img, p, last):
+        """The accumulator ``v`` of channel ``ch``, output pixel ``p`` over ``Wp`` (clamped to
+        ``last`` unless None), plus the shortcut term (``v`` itself without a residual)."""
+        if residual is None:
+            return v
+        p = p if last is None else tirx.min(p, last)
+        if wp != ow:  # the output pixel (y, x) of p, columns past OW clamped (dropped later)
+            p = T.min(p // wp, oh - 1) * ow + T.min(p % wp, ow - 1)
+        return v + shortcut_term(residual, shortcut_load(residual, sf, img, ch, (p,)), ch, r)
 
     @T.prim_func
     def amx_conv2d(
         x: T.Buffer((n_img, ic, *in_hw), data_dtype),
         w: T.Buffer((ocp // 16, kh * kw * chunks, 16, KSTEP), "int8"),
         c: T.Buffer((ocp, 16), "int32"),
+        s: T.Buffer(s_shape, s_dtype),
+        r: T.Buffer(r_shape, "int32"),
         e: T.Buffer(table_shape(epilogue, oc), "int32"),
         out: T.Buffer((n_img, oc, oh, ow), out_dtype),
     ):
@@ -151,12 +199,12 @@ def amx_conv2d_kernel(
             for b in range(pix * 4):
                 a_flat[nq, b] = T.uint8(pad_value)
             for y, xx in T.grid(h, wd):
-                for r in T.unroll(4):  # channels >= ic meet zero weights: any value will do
-                    a[nq // quads, nq % quads, (y + pt) * wp + pl + xx, r] = T.Cast(
+                for r4 in T.unroll(4):  # channels >= ic meet zero weights: any value will do
+                    a[nq // quads, nq % quads, (y + pt) * wp + pl + xx, r4] = T.Cast(
                         "uint8",
                         T.Cast(
                             "int32",
-                            x[nq // quads, T.min(nq % quads * 4 + r, ic - 1), y * sh, xx * sw],
+                            x[nq // quads, T.min(nq % quads * 4 + r4, ic - 1), y * sh, xx * sw],
                         )
                         + shift,
                     )
@@ -185,7 +233,10 @@ def amx_conv2d_kernel(
                     _store_direct(flat, img, c0, p0, oh * ow * 4)
                 else:
                     store_block(acc)
-                    _finish_block(blk, acc, c0, oc, e, finish)
+                    if split and p0 + BLOCK <= m:  # every pixel inside the output rows
+                        _finish_block(blk, acc, c0, oc, e, finish, add, s, r, img, p0, None)
+                    else:
+                        _finish_block(blk, acc, c0, oc, e, finish, add, s, r, img, p0, m - 1)
                     if wp == ow and p0 + BLOCK <= m and c0 + BLOCK <= oc:  # contiguous rows
                         _copy_block(flat, blk, img, c0, p0)
                     else:
@@ -197,7 +248,8 @@ def amx_conv2d_kernel(
                                 out[img, c0 + i, y, lo - y * wp + j] = blk[i, lo - p0 + j]
             T.evaluate(intrin("llvm.x86.tilerelease"))
 
-    func = drop_table(amx_conv2d, epilogue, 3)
+    func = amx_conv2d if residual is not None else drop_params(amx_conv2d, (3, 4))
+    func = drop_table(func, epilogue, 3 if residual is None else 5)
     return func.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
 
 
@@ -205,12 +257,17 @@ _CORNERS = ((0, 0), (0, 16), (16, 0), (16, 16))
 
 
 @T.macro
-def _finish_block(q, acc, c0, oc, e, finish):
-    """``q`` = the stack block ``acc`` through ``finish`` (the epilogue, vectorized over the 32
-    pixels of a channel row; channels past ``oc`` read channel ``oc - 1``'s parameters)."""
+def _finish_block(q, acc, c0, oc, e, finish, add, sf, r, img, p0, last):
+    """``q`` = the stack block ``acc`` through ``add`` (the shortcut term of pixel ``p0 + j``,
+    at most ``last`` unless None) and ``finish`` (the epilogue), vectorized over the 32 pixels of a
+    channel row; channels past ``oc`` read channel ``oc - 1``'s parameters."""
     for i in range(BLOCK):
         for j in T.vectorized(BLOCK):
-            q[i, j] = finish(acc[i, j], T.min(c0 + i, oc - 1), e)
+            q[i, j] = finish(
+                add(acc[i, j], T.min(c0 + i, oc - 1), sf, r, img, p0 + j, last),
+                T.min(c0 + i, oc - 1),
+                e,
+            )
 
 
 @T.macro

@@ -35,7 +35,7 @@ from autoq.qnn.tensor_exprs import (
     quantize_value,
 )
 
-__all__ = ["Epilogue", "drop_table", "epilogue_compute", "table_shape", "tail"]
+__all__ = ["Epilogue", "drop_params", "drop_table", "epilogue_compute", "table_shape", "tail"]
 
 # requantize operands in order: input scale, input zero point, output scale, output zero
 # point, then (integer rounding modes) multiplier and shift
@@ -160,8 +160,12 @@ def table_shape(epilogue: Epilogue | None, channels: int) -> tuple[int, int]:
 
 def drop_table(func, epilogue: Epilogue | None, index: int):
     """``func`` without its table parameter ``index`` when there is no epilogue."""
-    if epilogue is not None:
-        return func
-    params = list(func.params)
-    params.pop(index)  # its buffer is never read: tail(None) ignores the table
+    # its buffer is never read: tail(None) ignores the table
+    return func if epilogue is not None else drop_params(func, (index,))
+
+
+def drop_params(func, indices):
+    """``func`` without the parameters at ``indices`` (buffers its body never reads)."""
+    drop = set(indices)
+    params = [p for i, p in enumerate(func.params) if i not in drop]
     return tirx.PrimFunc(params, func.body, func.ret_type, func.attrs)

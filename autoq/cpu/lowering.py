@@ -31,6 +31,7 @@ from autoq.cpu.amx_conv2d import (
     amx_conv_applies,
     amx_conv_compensation,
     amx_conv_weight,
+    amx_shortcut_shape,
 )
 from autoq.cpu.amx_dense import amx_dense_kernel
 from autoq.cpu.amx_tiles import BLOCK as AMX_BLOCK
@@ -64,6 +65,8 @@ _ACT_DTYPES = ("int8", "uint8")
 # dense rows from which AMX tiles beat the VNNI kernel (measured, 1 thread, K 384..1536:
 # 4 rows 0.6x, 8 rows 1.1x, 16 rows 1.7x, 128 rows 5-10x)
 AMX_MIN_ROWS = 8
+# conv kernels that add a residual in their epilogue (autoq.cpu.residual)
+_RESIDUAL_KINDS = ("packed", "amx")
 
 
 def _scalar(expr) -> int | None:
@@ -168,9 +171,9 @@ def _layout_of(isa: Isa, call) -> BlockedLayout | None:
 
 def _takes_residual(isa: Isa, call) -> bool:
     """Whether the kernel of ``call`` (a ``qnn.conv2d``) adds a residual in its epilogue
-    (:mod:`autoq.cpu.residual`: the packed conv kernel)."""
+    (:mod:`autoq.cpu.residual`: the packed and the AMX conv kernels)."""
     plan = _conv_plan(isa, call)
-    return plan is not None and plan[4] == "packed"
+    return plan is not None and plan[4] in _RESIDUAL_KINDS
 
 
 def _conv2d_call(
@@ -180,11 +183,14 @@ def _conv2d_call(
     (variable, layout); ``out_layout``: store the output blocked; ``residual``: (Residual,
     shortcut expression) added before the epilogue), or None when no kernel covers it."""
     plan = _conv_plan(isa, call)
-    if plan is None or (residual is not None and plan[4] != "packed"):
+    if plan is None or (residual is not None and plan[4] not in _RESIDUAL_KINDS):
         return None
     dt, zx, w, shape, kind = plan
     data, in_layout = (call.args[0], None) if fed is None else fed
     out = (shape.batch, w.shape[0], *shape.out_hw)
+    res, extra = (None, ()) if residual is None else (residual[0], residual[1:])
+    if res is not None:
+        extra = (*extra, relax.const(res.shortcut.table()))
     ty = _out_type(out, epilogue)
     if out_layout is not None:
         ty = relax.TensorType(out_layout.shape(*out), out_layout.dtype)
@@ -197,10 +203,7 @@ def _conv2d_call(
         args = _tail(args if zps is None else [*args, relax.const(zps)], epilogue)
         return relax.call_tir(gv, args, out_ty=ty)
     if kind == "amx":
-        return _amx_conv2d(bb, shape, data, w, dt, zx, out, epilogue)
-    res, extra = (None, ()) if residual is None else (residual[0], residual[1:])
-    if res is not None:
-        extra = (*extra, relax.const(res.shortcut.table()))
+        return _amx_conv2d(bb, shape, data, w, dt, zx, out, epilogue, res, extra)
     func = conv2d_kernel(shape, isa, dt, zx, epilogue, in_layout, out_layout, res)
     packed = pack_conv_weight(
         w,
@@ -233,13 +236,19 @@ def _amx_dense(bb, x2, w: np.ndarray, dt: str, zx: int, m: int, epilogue=None):
     return relax.call_tir(gv, args, out_ty=_out_type((m, n), epilogue))
 
 
-def _amx_conv2d(bb, shape: ConvShape, data, w: np.ndarray, dt: str, zx: int, out, epilogue=None):
-    """``call_tir`` of :mod:`autoq.cpu.amx_conv2d` (stride-1 conv as channels x pixels)."""
+def _amx_conv2d(bb, shape: ConvShape, data, w: np.ndarray, dt: str, zx: int, out, epilogue=None,
+                residual=None, extra=()):  # fmt: skip
+    """``call_tir`` of :mod:`autoq.cpu.amx_conv2d` (stride-1 conv as channels x pixels; with
+    a ``residual``, ``extra`` = its shortcut and table)."""
     shift = VNNI.shift(dt, zx)
-    func = amx_conv2d_kernel(shape, dt, shift, zx + shift, epilogue)
-    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_conv2d_amx")
+    func = amx_conv2d_kernel(shape, dt, shift, zx + shift, epilogue, residual)
+    name = "autoq_conv2d_amx" + ("_residual" if residual is not None else "")
+    if residual is not None:  # the shortcut with its pixels flattened (a view)
+        flat, _ = amx_shortcut_shape(residual, *out)
+        extra = (bb.emit(relax.op.reshape(extra[0], flat)), *extra[1:])
+    gv = bb.add_func(func.without_attr("global_symbol"), name)
     consts = [amx_conv_weight(w), amx_conv_compensation(w, zx + shift)]
-    args = _tail([data, *(relax.const(v) for v in consts)], epilogue)
+    args = _tail([data, *(relax.const(v) for v in consts), *extra], epilogue)
     return relax.call_tir(gv, args, out_ty=_out_type(out, epilogue))
 
 

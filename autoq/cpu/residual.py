@@ -30,7 +30,14 @@ from autoq.cpu.epilogue import Epilogue
 from autoq.cpu.tiling import i64
 from autoq.ir.toolkit import dtype_of, is_call, shape_of
 
-__all__ = ["Residual", "ResidualChain", "add_shortcut", "residual_chain"]
+__all__ = [
+    "Residual",
+    "ResidualChain",
+    "add_shortcut",
+    "residual_chain",
+    "shortcut_load",
+    "shortcut_term",
+]
 
 _SHORTCUT_DTYPES = ("int8", "uint8")
 
@@ -131,29 +138,36 @@ def residual_chain(src, value_of: dict, uses) -> ResidualChain | None:
     return None
 
 
+def shortcut_load(residual: Residual, buf, n, ch, pixel: tuple):
+    """The shortcut's value (int8/uint8, or int16 from a blocked layout) of channel ``ch`` at
+    ``pixel`` (its spatial indices) of ``buf`` (a TE tensor or a TIR buffer, NCHW or in the
+    residual's layout, whose stored value is ``value + layout.shift``)."""
+    lay = residual.layout
+    if lay is None:
+        return buf[(n, ch, *pixel)]
+    stored = buf[(n, ch // lay.block, *pixel, ch % lay.block)].astype("int16")
+    return stored - te.const(lay.shift, "int16")
+
+
+def shortcut_term(residual: Residual, q, ch, table):
+    """The int32 term of the shortcut value ``q`` in channel ``ch`` (``table``: the
+    residual's table, ``residual.shortcut.table()``, as a tensor or buffer)."""
+    return residual.shortcut.value(q, ch, lambda r, k: table[r, k], residual.saturates)
+
+
 def add_shortcut(value, residual: Residual, dims, inputs: list):
     """``value(n, channel, y, x)`` (the int32 accumulator) plus the residual's shortcut
     term; the shortcut tensor and the shortcut's table are appended to ``inputs``
     (``dims``: the NCHW output shape)."""
     lay = residual.layout
-    if lay is None:
-        x = te.placeholder(i64(*dims), residual.dtype, name="shortcut")
-
-        def load(n, ch, y, x_):
-            return x[n, ch, y, x_]
-    else:
-        x = te.placeholder(i64(*lay.shape(*dims)), lay.dtype, name="shortcut")
-
-        def load(n, ch, y, x_):  # the stored value back to the shortcut's (int16 holds both)
-            stored = x[n, ch // lay.block, y, x_, ch % lay.block].astype("int16")
-            return stored - te.const(lay.shift, "int16")
-
+    shape = dims if lay is None else lay.shape(*dims)
+    dtype = residual.dtype if lay is None else lay.dtype
+    x = te.placeholder(i64(*shape), dtype, name="shortcut")
     table = te.placeholder(residual.shortcut.table().shape, "int32", name="residual")
     inputs += [x, table]
 
     def f(n, ch, y, x_):
-        q = load(n, ch, y, x_)
-        term = residual.shortcut.value(q, ch, lambda r, k: table[r, k], residual.saturates)
-        return value(n, ch, y, x_) + term
+        q = shortcut_load(residual, x, n, ch, (y, x_))
+        return value(n, ch, y, x_) + shortcut_term(residual, q, ch, table)
 
     return f

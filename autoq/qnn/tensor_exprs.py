@@ -68,11 +68,15 @@ def dequantize_value(q, s, z):
     """``float32(q - z) * s``; q is any int dtype or an integral float.
 
     The subtraction is exact: in int32 for 8/16-bit data, in int64 for int32 data (an int32
-    accumulator minus a zero point can leave the int32 range), like primitives.dequantize.
+    accumulator minus a zero point can leave the int32 range), like primitives.dequantize;
+    none for a constant zero point 0 (an accumulator's: the same integer converted, without
+    int64 lanes, which halve the vector width).
     """
     dtype = str(q.dtype if hasattr(q, "dtype") else q.ty)  # a tensor element or any PrimExpr
     if "float" in dtype:
         return (q - z.astype(dtype)).astype("float32") * s
+    if isinstance(z, tirx.IntImm) and z.value == 0:
+        return q.astype("float32") * s
     wide = "int64" if dtype == "int32" else "int32"
     return (q.astype(wide) - z.astype(wide)).astype("float32") * s
 
