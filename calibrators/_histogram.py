@@ -86,17 +86,18 @@ FLOAT32_EXACT = frozenset(
 
 
 def float32_thresholds(edges: np.ndarray) -> np.ndarray:
-    """Per row, the smallest float32 at or above each float64 edge, then ``+inf``: for a
-    float32 ``v``, ``v >= edges[c, k]`` exactly when ``v >= t[c, k]``, so float32 values
-    are binned against float64 edges without leaving float32.
+    """Per row, the smallest float32 at or above each float64 edge but the last, then two
+    ``+inf``: for a float32 ``v`` below the last edge, ``v >= edges[c, k]`` exactly when
+    ``v >= t[c, k]``, so float32 values are binned against float64 edges without leaving
+    float32; the last bin is closed (``+inf`` where its upper edge was).
 
     >>> float32_thresholds(np.array([[0.0, 0.7, 1.0]])).tolist()  # float32(0.7) < 0.7
-    [[0.0, 0.7000000476837158, 1.0, inf]]
+    [[0.0, 0.7000000476837158, inf, inf]]
     """
-    t = edges.astype(np.float32)
-    below = t.astype(np.float64) < edges
+    t = edges[:, :-1].astype(np.float32)
+    below = t.astype(np.float64) < edges[:, :-1]
     t[below] = np.nextafter(t[below], np.float32(np.inf))
-    inf = np.full((t.shape[0], 1), np.inf, np.float32)
+    inf = np.full((t.shape[0], 2), np.inf, np.float32)
     return np.ascontiguousarray(np.concatenate([t, inf], axis=1))
 
 
@@ -120,24 +121,22 @@ def float32_estimate(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     return lo32[:, None], k32[:, None]
 
 
-def _bin_block32(rows: np.ndarray, est: tuple, thresholds: np.ndarray) -> np.ndarray:
+def _bin_block32(rows: np.ndarray, est: tuple, tables: tuple) -> np.ndarray:
     """The flat bin index into ``(C, bins)`` of each float32 value of ``rows`` (``est``:
-    :func:`float32_estimate`, ``thresholds``: :func:`float32_thresholds`): the estimate is
-    off by at most one bin and one comparison on each side corrects it (index ``bins``,
-    the closed last edge, goes to the last bin)."""
-    c, width = thresholds.shape  # width = bins + 2 (C-contiguous)
+    :func:`float32_estimate`; ``tables``: :func:`float32_thresholds` flat, and the same
+    shifted by one): the estimate is off by at most one bin and one comparison on each
+    side corrects it."""
+    lower, upper, c, width = tables  # width = bins + 2
     v = np.subtract(rows, est[0])
     v *= est[1]
     idx = v.astype(np.intp)  # (> -1: truncation gives 0 there, corrected below)
-    rows_at = (np.arange(c) * width)[:, None] if c > 1 else 0
-    idx += rows_at
-    flat = thresholds.ravel()
-    below = rows < flat.take(idx)
-    idx += rows >= flat.take(idx + 1)
+    if c > 1:
+        idx += (np.arange(c) * width)[:, None]
+    below = rows < lower.take(idx)
+    idx += rows >= upper.take(idx)
     idx -= below
     if c > 1:  # from rows of width bins + 2 to rows of bins
         idx -= (np.arange(c) * 2)[:, None]
-    np.minimum(idx, (np.arange(1, c + 1) * (width - 2) - 1)[:, None], out=idx)
     return idx.ravel()
 
 
@@ -149,7 +148,11 @@ class UniformBins:
     def __init__(self, edges: np.ndarray):
         self.edges = edges
         self.est = float32_estimate(edges)
-        self.thresholds = None if self.est is None else float32_thresholds(edges)
+        self.tables = None
+        if self.est is not None:
+            lower = float32_thresholds(edges).ravel()
+            upper = np.append(lower[1:], np.float32(np.inf))
+            self.tables = (lower, upper, edges.shape[0], edges.shape[1] + 1)
 
     def add(self, rows: np.ndarray, out: np.ndarray, absolute: bool = False) -> None:
         """Add the :func:`histogram` of ``rows`` in these bins to ``out`` (C-contiguous
@@ -165,7 +168,7 @@ class UniformBins:
                 continue
             block = rows[:, j : j + step].astype(np.float32)
             block = np.abs(block, out=block) if absolute else block
-            idx = _bin_block32(block, self.est, self.thresholds)
+            idx = _bin_block32(block, self.est, self.tables)
             if idx.size >= out.size:
                 out += np.bincount(idx, minlength=out.size).reshape(out.shape)
             else:  # fewer values than bins (many channels, short rows): no zeroed counts
