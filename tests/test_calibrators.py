@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from scipy.stats import entropy
 
 from autoq import calibrators as cal
-from autoq.calibrators._histogram import histogram
+from autoq.calibrators._histogram import float32_estimate, histogram
 from autoq.calibrators.kl import KL, kl_divergences, kl_threshold_bins
 from autoq.calibrators.max import Max
 from autoq.calibrators.moving_average import MovingAverage
@@ -437,6 +437,72 @@ def test_histogram_is_numpy_histogram():
         want, want_edges = np.histogram(rows[c], bins=256, range=(lo[c], hi[c]))
         assert np.array_equal(want_edges, edges[c])
         assert np.array_equal(got[c], want)
+
+
+def _np_histograms(rows, edges, absolute=False):
+    """np.histogram of each row (in float64) over its own edges."""
+    out = []
+    for r, e in zip(rows.astype(np.float64), edges, strict=True):
+        counts, got_edges = np.histogram(
+            np.abs(r) if absolute else r, bins=e.size - 1, range=(e[0], e[-1])
+        )
+        assert np.array_equal(got_edges, e)
+        out.append(counts)
+    return np.array(out)
+
+
+def test_float32_binning_at_every_edge():
+    """float32 values are binned in float32 against the smallest float32 at or above each
+    float64 edge: every float32 just below, at and just above every edge (here 0.7 is not
+    a float32: float32(0.7) < 0.7 lies in the bin below it) lands where np.histogram puts
+    it, per tensor and per channel, signed and absolute."""
+    lo, hi = np.array([-1.3, 0.0]), np.array([2.1, 0.7 * 64])
+    edges = np.linspace(lo, hi, 65, axis=-1)
+    assert float32_estimate(edges) is not None  # the float32 path is the one tested
+    e32 = edges.astype(np.float32)
+    rows = np.concatenate([np.nextafter(e32, -np.inf), e32, np.nextafter(e32, np.inf)], 1)
+    inside = (rows >= lo[:, None]) & (rows <= hi[:, None])  # (every value is in the range)
+    rows = np.where(inside, rows, rows[:, 64:65]).astype(np.float32)
+    assert np.array_equal(histogram(rows, edges), _np_histograms(rows, edges))
+    assert np.array_equal(histogram(rows[1:], edges[1:]), _np_histograms(rows[1:], edges[1:]))
+    a_edges = np.linspace([0.0], [np.abs(rows).max()], 65, axis=-1)
+    assert np.array_equal(
+        histogram(rows[:1], a_edges, absolute=True), _np_histograms(rows[:1], a_edges, True)
+    )
+
+
+def test_narrow_range_falls_back_to_float64():
+    """A range whose start is no float32 and whose bins are narrower than float32's
+    spacing there (1000.0001 + 2048 bins of 5e-7; float32 steps by 6e-5 at 1000): the
+    float32 estimate could be bins off, so the values are binned in float64, still
+    exactly np.histogram."""
+    lo = np.array([1000.0001])
+    edges = np.linspace(lo, lo + 1e-3, 2049, axis=-1)
+    assert float32_estimate(edges) is None
+    x = (lo + _rng.uniform(0, 1e-3, (1, 4000))).astype(np.float32)
+    x = x[(x >= edges[0, 0]) & (x <= edges[0, -1])][None]
+    assert x.size > 1000
+    assert np.array_equal(histogram(x, edges), _np_histograms(x, edges))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    hnp.arrays(
+        np.float32,
+        st.tuples(st.integers(1, 4), st.integers(1, 300)),
+        elements=st.floats(-1e4, 1e4, width=32),
+    ),
+    st.integers(1, 3000),
+    st.booleans(),
+)
+def test_float32_binning_is_numpy_histogram(rows, bins, absolute):
+    """Any float32 rows (a few values or more than the bins; more channels use np.add.at,
+    fewer bincount), any bin count: the same counts as np.histogram in float64."""
+    vals = np.abs(rows.astype(np.float64)) if absolute else rows.astype(np.float64)
+    lo, hi = vals.min(1), vals.max(1)
+    pad = np.where(lo == hi, 0.5, 0.0)
+    edges = np.linspace(lo - pad, hi + pad, bins + 1, axis=-1)
+    assert np.array_equal(histogram(rows, edges, absolute), _np_histograms(rows, edges, absolute))
 
 
 # ---------------------------------------------------------------------------------------

@@ -555,13 +555,17 @@ def calibration_functions(sim: SimResult) -> tuple[CalibrationPlan, dict]:
     :meth:`SimResult.activation_slots` order). The guard, the bias correction's fp32 means
     and calibration all run this one module: compiled once, then a compile-cache hit
     (:mod:`autoq.ir.compile_cache`); legalization gives the float graph's ops the kernels
-    of the simulated graph's identical ones, so it adds few."""
-    plan, functions = build_plan(sim)
-    g = sim.graph
-    tensors = [sim.plan.tensors[s] for s in sim.activation_slots()]
-    inputs = [*g.inputs, *g.weight_params]
-    functions[FP32_SLOTS] = make_function(FP32_SLOTS, inputs, g.bindings, tensors)
-    return plan, functions
+    of the simulated graph's identical ones, so it adds few. Built once per ``sim`` (kept in
+    ``sim.derived``: the guard and calibration share it)."""
+    if FP32_SLOTS not in sim.derived:
+        plan, functions = build_plan(sim)
+        g = sim.graph
+        tensors = [sim.plan.tensors[s] for s in sim.activation_slots()]
+        inputs = [*g.inputs, *g.weight_params]
+        functions[FP32_SLOTS] = make_function(FP32_SLOTS, inputs, g.bindings, tensors)
+        sim.derived[FP32_SLOTS] = plan, functions
+    plan, functions = sim.derived[FP32_SLOTS]
+    return plan, dict(functions)
 
 
 def calibration_vms(sim: SimResult, functions: dict, target, count: int = 1) -> list:

@@ -45,6 +45,9 @@ class SimResult:
     value_vars: dict[str, relax.Var] = field(default_factory=dict)
     #: the configuration it was simulated with, resolved (:func:`autoq.recipes.resolve`)
     config: Config | None = None
+    #: what later stages derive from ``mod`` once and reuse, by name (the calibration plan
+    #: and its functions: :func:`autoq.calibration.calibration_functions`)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def input_values(self, qparams) -> dict[str, np.ndarray]:
         """The value of every qparam, table and weight-value input of ``mod["main"]``, by
