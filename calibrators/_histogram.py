@@ -105,8 +105,8 @@ def float32_estimate(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """``(lo, k)`` as float32 ``(C, 1)`` arrays such that ``int((v - lo) * k)`` computed in
     float32 is within one bin of ``v``'s bin for every ``v`` in the range, or None when
     float32 cannot guarantee that (a range narrow next to its magnitude, or beyond
-    ``2**126``: float64 then). The bound: the error of ``lo`` and ``k`` in float32 and three float32 roundings, below
-    a quarter of a bin."""
+    ``2**126``: float64 then). The bound: the error of ``lo`` and ``k`` in float32 and
+    three float32 roundings, below a quarter of a bin."""
     bins = edges.shape[1] - 1
     lo, span = edges[:, 0], edges[:, -1] - edges[:, 0]
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # (checked below)
@@ -123,20 +123,21 @@ def float32_estimate(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
 
 def _bin_block32(rows: np.ndarray, est: tuple, tables: tuple) -> np.ndarray:
     """The flat bin index into ``(C, bins)`` of each float32 value of ``rows`` (``est``:
-    :func:`float32_estimate`; ``tables``: :func:`float32_thresholds` flat, and the same
-    shifted by one): the estimate is off by at most one bin and one comparison on each
-    side corrects it."""
-    lower, upper, c, width = tables  # width = bins + 2
+    :func:`float32_estimate`; ``tables``: :func:`float32_thresholds` flat, the same
+    shifted by one, and each row's offset into them and into the counts, None for one
+    row): the estimate is off by at most one bin and one comparison on each side corrects
+    it."""
+    lower, upper, offsets = tables
     v = np.subtract(rows, est[0])
     v *= est[1]
     idx = v.astype(np.intp)  # (> -1: truncation gives 0 there, corrected below)
-    if c > 1:
-        idx += (np.arange(c) * width)[:, None]
+    if offsets is not None:
+        idx += offsets[0]
     below = rows < lower.take(idx)
     idx += rows >= upper.take(idx)
     idx -= below
-    if c > 1:  # from rows of width bins + 2 to rows of bins
-        idx -= (np.arange(c) * 2)[:, None]
+    if offsets is not None:  # from rows of bins + 2 thresholds to rows of bins
+        idx -= offsets[1]
     return idx.ravel()
 
 
@@ -152,7 +153,10 @@ class UniformBins:
         if self.est is not None:
             lower = float32_thresholds(edges).ravel()
             upper = np.append(lower[1:], np.float32(np.inf))
-            self.tables = (lower, upper, edges.shape[0], edges.shape[1] + 1)
+            c, width = edges.shape[0], edges.shape[1] + 1  # rows of bins + 2 thresholds
+            rows = np.arange(c)[:, None]
+            offsets = None if c == 1 else (rows * width, rows * 2)
+            self.tables = (lower, upper, offsets)
 
     def add(self, rows: np.ndarray, out: np.ndarray, absolute: bool = False) -> None:
         """Add the :func:`histogram` of ``rows`` in these bins to ``out`` (C-contiguous

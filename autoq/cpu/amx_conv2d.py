@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import astuple, replace
 
 import numpy as np
-from tvm import tirx
 from tvm.script import tirx as T
 
 from autoq.cpu.amx_tiles import (
@@ -154,8 +153,9 @@ def amx_conv2d_kernel(
     residual: Residual | None = None,
 ):
     """The PrimFunc ``(data[N, C, H, W], packed_weight, compensation[OCp, 16][, shortcut
-    (:func:`amx_shortcut_shape`), residual table][, table], out)``: see the module doc; with an ``epilogue``, blocks are
-    requantized from the stack buffer (with a ``residual``, after adding its term)."""
+    (:func:`amx_shortcut_shape`), residual table][, table], out)``: see the module doc;
+    with an ``epilogue``, blocks are requantized from the stack buffer (with a
+    ``residual``, after adding its term)."""
     if residual is not None and epilogue is None:
         raise ValueError("amx_conv2d_kernel: a residual needs an epilogue")
     out_dtype, finish = "int32" if epilogue is None else epilogue.out_dtype, tail(epilogue)
@@ -169,14 +169,13 @@ def amx_conv2d_kernel(
     direct, spans = wp == ow and epilogue is None, -(-BLOCK // wp) + 1
     s_shape, s_dtype = amx_shortcut_shape(residual, n_img, oc, oh, ow)
     r_shape = (1, 1) if residual is None else residual.shortcut.table().shape
-    split = residual is not None  # complete blocks read the shortcut without clamping
 
     def add(v, ch, sf, r, img, p, last):
         """The accumulator ``v`` of channel ``ch``, output pixel ``p`` over ``Wp`` (clamped to
         ``last`` unless None), plus the shortcut term (``v`` itself without a residual)."""
         if residual is None:
             return v
-        p = p if last is None else tirx.min(p, last)
+        p = p if last is None else T.min(p, last)
         if wp != ow:  # the output pixel (y, x) of p, columns past OW clamped (dropped later)
             p = T.min(p // wp, oh - 1) * ow + T.min(p % wp, ow - 1)
         return v + shortcut_term(residual, shortcut_load(residual, sf, img, ch, (p,)), ch, r)
@@ -233,7 +232,9 @@ def amx_conv2d_kernel(
                     _store_direct(flat, img, c0, p0, oh * ow * 4)
                 else:
                     store_block(acc)
-                    if split and p0 + BLOCK <= m:  # every pixel inside the output rows
+                    # a complete block (every pixel inside the output rows) reads the
+                    # shortcut without clamping; without a residual nothing is read
+                    if residual is not None and p0 + BLOCK <= m:
                         _finish_block(blk, acc, c0, oc, e, finish, add, s, r, img, p0, None)
                     else:
                         _finish_block(blk, acc, c0, oc, e, finish, add, s, r, img, p0, m - 1)
@@ -258,9 +259,10 @@ _CORNERS = ((0, 0), (0, 16), (16, 0), (16, 16))
 
 @T.macro
 def _finish_block(q, acc, c0, oc, e, finish, add, sf, r, img, p0, last):
-    """``q`` = the stack block ``acc`` through ``add`` (the shortcut term of pixel ``p0 + j``,
-    at most ``last`` unless None) and ``finish`` (the epilogue), vectorized over the 32 pixels of a
-    channel row; channels past ``oc`` read channel ``oc - 1``'s parameters."""
+    """``q`` = the stack block ``acc`` through ``add`` (the shortcut term of pixel
+    ``p0 + j``, at most ``last`` unless None) and ``finish`` (the epilogue), vectorized over
+    the 32 pixels of a channel row; channels past ``oc`` read channel ``oc - 1``'s
+    parameters."""
     for i in range(BLOCK):
         for j in T.vectorized(BLOCK):
             q[i, j] = finish(

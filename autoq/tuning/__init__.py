@@ -360,10 +360,9 @@ def measure_schedules(mods: list, target, workers: _Workers) -> list[float | Non
 def _measure_defaults(tasks, target, db, folder: Path, workers: _Workers) -> int:
     """Measure, for every task with a record that was not measured before (or whose default
     schedule changed since), autoq's default schedule and the schedule the database gives
-    it, in one batch with the tuning builder and runner (``workers``); record the outcome in the
-    database's side file
-    (:class:`autoq.build.tuning_defaults.DefaultSchedules`). Returns how many of ``tasks`` keep
-    the default schedule."""
+    it, in one batch with the tuning builder and runner (``workers``); record the outcome in
+    the database's side file (:class:`autoq.build.tuning_defaults.DefaultSchedules`).
+    Returns how many of ``tasks`` keep the default schedule."""
     choices = DefaultSchedules.load(folder)
     measured = choices.measured()
     keys, todo = {}, {}
