@@ -31,7 +31,6 @@ from autoq import primitives as P
 from autoq.qnn.tensor_exprs import (
     clip_int64,
     dequantize_value,
-    divide_by_reciprocal,
     fixed_point_multiply,
     quantize_value,
 )
@@ -41,8 +40,7 @@ __all__ = ["Epilogue", "drop_params", "drop_table", "epilogue_compute", "table_s
 # requantize operands in order: input scale, input zero point, output scale, output zero
 # point, then (integer rounding modes) multiplier and shift
 _NAMES = ("s_in", "z_in", "s_out", "z_out", "multiplier", "shift")
-# r_out: RN(1 / s_out), float rounding where the division by s_out is done by reciprocal
-_FLOATS = ("s_in", "s_out", "r_out")
+_FLOATS = ("s_in", "s_out")
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,18 +75,7 @@ class Epilogue:
 
     def _named(self):
         named = list(zip(_NAMES, self.params, strict=False))
-        if self.division_steps():
-            s_out = np.asarray(self.params[2], np.float32)
-            named.insert(3, ("r_out", np.float32(1) / s_out))
         return named if self.bias is None else [("bias", self.bias), *named]
-
-    def division_steps(self) -> int:
-        """FMA corrections after ``* RN(1 / s_out)`` that give float32 ``r / s_out`` for
-        every accumulator's real value ``r = (acc - z_in) * s_in``, or 0 (a division):
-        :func:`autoq.primitives.reciprocal_division_steps` (float rounding only)."""
-        if self.rounding != "float":
-            return 0
-        return P.reciprocal_division_steps(self.params[2], self.params[0])
 
     @property
     def rows(self) -> tuple[str, ...]:
@@ -128,19 +115,14 @@ class Epilogue:
         qmin, qmax = P.qrange(self.out_dtype)
         if self.rounding == "float":
             r = dequantize_value(acc, p["s_in"], p["z_in"])
-            steps = self.division_steps()
-            reciprocal = (get("r_out", named["r_out"]), steps) if steps else None
             if not saturates:
-                q = (
-                    r / p["s_out"]
-                    if not steps
-                    else divide_by_reciprocal(r, p["s_out"], *reciprocal)
+                return (te.round(r / p["s_out"]) + p["z_out"].astype("float32")).astype(
+                    self.out_dtype
                 )
-                return (te.round(q) + p["z_out"].astype("float32")).astype(self.out_dtype)
             # int32 outputs (a residual's shortcut on the accumulator grid) clip in float64,
             # like the qnn.requantize legalization
             clip = "float64" if self.out_dtype == "int32" else "float32"
-            q = quantize_value(r, p["s_out"], p["z_out"], qmin, qmax, clip, reciprocal)
+            q = quantize_value(r, p["s_out"], p["z_out"], qmin, qmax, clip)
             return q.astype(self.out_dtype)
         d = acc.astype("int64") - p["z_in"].astype("int64")
         y = fixed_point_multiply(d, p["multiplier"], p["shift"], self.rounding)

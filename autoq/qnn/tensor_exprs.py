@@ -17,7 +17,6 @@ __all__ = [
     "clip_int64",
     "dequantize_tensor",
     "dequantize_value",
-    "divide_by_reciprocal",
     "fixed_point_multiply",
     "param_at",
     "quantize_tensor",
@@ -51,31 +50,13 @@ def call_te(bb, fn, data, params, name: str):
     return bb.call_te(fn, *args, primfunc_name_hint=name)
 
 
-def fma(a, b, c):
-    """float32 ``a * b + c`` rounded once (``llvm.fma``: a real FMA, never split)."""
-    return tirx.call_intrin("float32", "tirx.fma", a, b, c)
-
-
-def divide_by_reciprocal(x, s, r, steps: int):
-    """float32 ``x / s`` as ``x * r`` and ``steps`` FMA corrections, ``r = RN(1 / s)``: the
-    same value as the division where :func:`autoq.primitives.reciprocal_division_steps`
-    gives ``steps`` (its numpy twin: :func:`autoq.primitives.divide_by_reciprocal`)."""
-    y = x * r
-    for _ in range(steps):
-        y = fma(fma(-y, s, x), r, y)
-    return y
-
-
-def quantize_value(x, s, z, qmin, qmax, clip_dtype="float32", reciprocal=None):
+def quantize_value(x, s, z, qmin, qmax, clip_dtype="float32"):
     """float32 ``clip(round_half_even(x / s) + z, qmin, qmax)`` (still a float).
 
     ``clip_dtype="float64"`` clips in float64, for int32 outputs: float32 cannot hold
-    2**31 - 1, and converting the float32 bound 2**31 to int32 overflows. ``reciprocal``:
-    ``(RN(1 / s), steps)`` to divide by :func:`divide_by_reciprocal` (the same quotient,
-    where ``steps`` comes from :func:`autoq.primitives.reciprocal_division_steps`).
+    2**31 - 1, and converting the float32 bound 2**31 to int32 overflows.
     """
-    q = x / s if reciprocal is None else divide_by_reciprocal(x, s, *reciprocal)
-    v = te.round(q) + z.astype("float32")
+    v = te.round(x / s) + z.astype("float32")
     if clip_dtype != "float32":
         v = v.astype(clip_dtype)
     return te.max(
