@@ -54,6 +54,7 @@ from autoq.cpu.lut import (
     vbmi_lut_kernel,
 )
 from autoq.cpu.packing import compensation, pack_conv_weight, pack_dense_weight, round_up
+from autoq.cpu.pool_requantize import requantize_after_pools
 from autoq.cpu.softmax import softmax_kernel, softmax_table
 from autoq.ir.toolkit import const_array, dtype_of, is_call, shape_of
 from autoq.qnn.accumulate import depthwise_shape
@@ -478,7 +479,8 @@ def lower_to_cpu_kernels(
     (:mod:`autoq.cpu.residual`), the shortcut read blocked when it flows blocked, and (with
     the blocked layout) plain int8 elementwise ops (``qnn.add`` of two blocked tensors, a
     per-tensor requantize) run on blocked tensors (:mod:`autoq.cpu.blocked_elementwise`);
-    None: on exactly when the blocked layout is."""
+    None: on exactly when the blocked layout is. Requantizes of int8 codes before max pools
+    and edge pads move after them first (:mod:`autoq.cpu.pool_requantize`, exact)."""
     isa = kernel_isa(target)
     if isa is None:
         return mod
@@ -498,5 +500,6 @@ def lower_to_cpu_kernels(
                 functools.partial(_takes_residual, isa),
                 functools.partial(layout_for, isa, zero_point=0),
             )
+        mod = requantize_after_pools(mod)
         mod = fuse_epilogues(mod, functools.partial(_with_epilogue, isa), *layouts, *residuals)
         return relax.transform.LegalizeOps(customize_legalize_map=custom)(mod)
