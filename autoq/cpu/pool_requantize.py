@@ -8,12 +8,14 @@ op that only copies values (a pad repeating the edge). ResNet's stem, realized a
     qnn.dequantize -> replicate pad (a call_tir, fp32) -> qnn.quantize -> max_pool2d
 
 (the pad's output has its own grid, so a dequantize / quantize pair stays around the pad),
-becomes ``replicate pad (int8) -> max_pool2d -> qnn.requantize``: the pad and the pool run on
-int8 codes and the requantize on the pool's output, a quarter of the values for a 3x3 / 2
-pool. The values are unchanged, bit for bit.
+becomes ``replicate pad (int8) -> max_pool2d -> qnn.requantize``, and the pad folds into the
+pool (:data:`FOLDS`: padded with the dtype's minimum instead, where every window still reads
+the edge value each of its copies repeats): one int8 pool, the requantize on its output, a
+quarter of the values for a 3x3 / 2 pool. The values are unchanged, bit for bit.
 
 :data:`MOVES` has one row per op a requantize (or a ``qnn.dequantize -> qnn.quantize`` pair,
-which is a float requantize) moves below; :func:`requantize_after_pools` applies them.
+which is a float requantize) moves below; :func:`requantize_after_pools` applies them and
+the folds.
 
 >>> sorted(MOVES)
 ['relax.call_tir', 'relax.nn.max_pool2d']
@@ -33,7 +35,7 @@ from autoq import qnn
 from autoq.ir import toolkit as tk
 from autoq.ir.toolkit import BindingWriter, remap_expr
 
-__all__ = ["MOVES", "Move", "edge_pad_widths", "requantize_after_pools"]
+__all__ = ["FOLDS", "MOVES", "Move", "edge_pad_widths", "requantize_after_pools"]
 
 CODES = ("int8", "uint8")  # the dtypes the moved ops run on
 
@@ -170,6 +172,38 @@ MOVES: dict[str, Move] = {
 }
 
 
+def _edge_pad_into_pool(pool, pad):
+    """``max_pool2d(pad(q, replicate))`` as one max pool padded with the dtype's minimum, or
+    None: exact when every window reads a real value next to the copies it reads (a window
+    over copies alone would see the minimum instead)."""
+    a = pool.attrs
+    out = tk.shape_of(pool)
+    if str(pad.attrs.pad_mode) != "replicate" or str(a.layout) != "NCHW" or out is None:
+        return None
+    width = [int(v) for v in pad.attrs.pad_width]
+    if any(width[:4]) or any(int(d) != 1 for d in a.dilation):
+        return None
+    size = tk.shape_of(pad.args[0])
+    padding = [int(v) for v in a.padding]  # top, left, bottom, right
+    for k in range(2):
+        before, after = width[4 + 2 * k], width[5 + 2 * k]
+        win, step, n_in, n_out = int(a.pool_size[k]), int(a.strides[k]), size[2 + k], out[2 + k]
+        first_end = win - 1 - padding[k]
+        last_start = (n_out - 1) * step - padding[k]
+        if first_end < before or last_start > before + n_in - 1:
+            return None
+        padding[k] += before
+        padding[2 + k] += after
+    return relax.op.nn.max_pool2d(
+        pad.args[0], [int(v) for v in a.pool_size], [int(v) for v in a.strides], padding,
+        [1, 1], bool(a.ceil_mode), bool(a.count_include_pad), "NCHW", "NCHW",
+    )  # fmt: skip
+
+
+#: op -> how an edge pad before it folds into it (on int8 codes)
+FOLDS: dict[str, Callable] = {"relax.nn.max_pool2d": _edge_pad_into_pool}
+
+
 def _scalar(e) -> bool:
     v = tk.const_array(e)
     return v is not None and v.ndim == 0
@@ -196,6 +230,12 @@ class _Pass:
         return self.value.get(var) if self.uses[var] == 1 else None
 
     def rewrite(self, value):
+        fold = FOLDS.get(tk.op_name(value))
+        pad = self.once(value.args[0]) if fold is not None else None
+        if tk.is_call(pad, "relax.nn.pad") and tk.dtype_of(pad) in CODES:
+            folded = fold(value, pad)
+            if folded is not None:
+                return folded, None
         rule = MOVES.get(tk.op_name(value))
         if rule is None or rule.over != "requantize" or not value.args:
             return self._pair(value)
@@ -253,8 +293,11 @@ def requantize_after_pools(mod: tvm.IRModule) -> tvm.IRModule:
                 vmap[var] = w.emit(remap_expr(value, vmap), var.name)
                 continue
             moved, after = out
-            y = w.emit(remap_expr(moved, vmap), var.name + "_codes")
-            vmap[var] = w.emit(remap_expr(after(y), vmap), var.name)
+            if after is None:
+                vmap[var] = w.emit(remap_expr(moved, vmap), var.name)
+            else:
+                y = w.emit(remap_expr(moved, vmap), var.name + "_codes")
+                vmap[var] = w.emit(remap_expr(after(y), vmap), var.name)
             changed = True
         if not changed:
             w.abandon()
