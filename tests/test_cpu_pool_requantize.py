@@ -59,7 +59,7 @@ def _stem(bb, x, pool_padding=(0, 0), pad_after=(0, 0, 1, 1)):
 
 
 def _expected(bb, x):
-    # the pad folded into the pool: its last window (rows 110..112 of 113) reads row 111
+    # the pad folded into the pool: its last window (rows 10..12 of the 13) still reads row 11
     m = bb.emit(relax.op.nn.max_pool2d(x, 3, 2, padding=(0, 0, 1, 1)))
     return bb.emit(qnn.requantize(m, c(S1, "float32"), c(Z1, "int32"), c(S2, "float32"),
                                   c(Z2, "int32"), out_dtype="int8"))  # fmt: skip
