@@ -10,7 +10,8 @@ uint8 weights) keeps the op's own legalization. A ``qnn.dense`` with a run-time 
 zero point (the dynamic layers, per token or per tensor) runs the kernel on the raw codes
 and subtracts ``z_x * sum(w)`` after it; per-token ``qnn.dynamic_quantize`` becomes
 :mod:`autoq.cpu.dynamic_quantize`. float32 softmax over the last axis becomes
-:mod:`autoq.cpu.softmax` (row-parallel, denormal probabilities flushed to 0); a
+:mod:`autoq.cpu.softmax` (row-parallel, denormal probabilities flushed to 0); int8 / uint8
+NCHW max pools :mod:`autoq.cpu.max_pool` (rows, then columns: vectorized); a
 ``qnn.matmul`` of two activations (int8 rhs, same batch axes) :mod:`autoq.cpu.batch_matmul`.
 On targets with AMX int8 tiles, dense (>= ``AMX_MIN_ROWS`` rows) and the convs
 :func:`autoq.cpu.amx_conv2d.amx_conv_applies` accepts run on :mod:`autoq.cpu.amx_dense` /
@@ -53,7 +54,10 @@ from autoq.cpu.lut import (
     vbmi_channel_lut_kernel,
     vbmi_lut_kernel,
 )
+from autoq.cpu.max_pool import DTYPES as POOL_DTYPES
+from autoq.cpu.max_pool import max_pool2d_kernel
 from autoq.cpu.packing import compensation, pack_conv_weight, pack_dense_weight, round_up
+from autoq.cpu.pool_requantize import requantize_after_pools
 from autoq.cpu.softmax import softmax_kernel, softmax_table
 from autoq.ir.toolkit import const_array, dtype_of, is_call, shape_of
 from autoq.qnn.accumulate import depthwise_shape
@@ -451,6 +455,21 @@ def _lut(_isa: Isa, fallback, bb, call):
     return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, dtype_of(table)))
 
 
+def _max_pool2d(_isa: Isa, fallback, bb, call):
+    (data,) = call.args
+    a = call.attrs
+    shape, out = shape_of(data), shape_of(call)
+    plain = str(a.layout) == "NCHW" and str(a.out_layout) == "NCHW"
+    if shape is None or out is None or dtype_of(data) not in POOL_DTYPES or not plain:
+        return fallback(bb, call)
+    if any(int(d) != 1 for d in a.dilation) or len(a.padding) != 4:
+        return fallback(bb, call)
+    ints = [[int(v) for v in vs] for vs in (a.pool_size, a.strides, a.padding)]
+    func = max_pool2d_kernel(shape, dtype_of(data), *ints, out[2:])
+    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_max_pool2d")
+    return relax.call_tir(gv, [data], out_ty=relax.TensorType(out, dtype_of(data)))
+
+
 _LOWERINGS = {
     "qnn.conv2d": _conv2d,
     "qnn.dense": _dense,
@@ -459,6 +478,7 @@ _LOWERINGS = {
     "relax.nn.softmax": _softmax,
     "qnn.lut": _lut,
     "qnn.dynamic_quantize": _dynamic_quantize,
+    "relax.nn.max_pool2d": _max_pool2d,
 }
 
 
@@ -478,7 +498,8 @@ def lower_to_cpu_kernels(
     (:mod:`autoq.cpu.residual`), the shortcut read blocked when it flows blocked, and (with
     the blocked layout) plain int8 elementwise ops (``qnn.add`` of two blocked tensors, a
     per-tensor requantize) run on blocked tensors (:mod:`autoq.cpu.blocked_elementwise`);
-    None: on exactly when the blocked layout is."""
+    None: on exactly when the blocked layout is. Requantizes of int8 codes before max pools
+    and edge pads move after them first (:mod:`autoq.cpu.pool_requantize`, exact)."""
     isa = kernel_isa(target)
     if isa is None:
         return mod
@@ -498,5 +519,6 @@ def lower_to_cpu_kernels(
                 functools.partial(_takes_residual, isa),
                 functools.partial(layout_for, isa, zero_point=0),
             )
+        mod = requantize_after_pools(mod)
         mod = fuse_epilogues(mod, functools.partial(_with_epilogue, isa), *layouts, *residuals)
         return relax.transform.LegalizeOps(customize_legalize_map=custom)(mod)
