@@ -19,10 +19,11 @@ int8, 255 with ``narrow_range``, 128 with ``reduce_range``); torch always uses `
 The spec's ``symmetric`` is applied afterwards (``max(|rmin|, |rmax|)``), as in torch.
 
 Vectorized: every channel walks at once, one step of all the channels still walking per
-numpy pass (:func:`mse_spans`; the searches are bisections over the rows, the errors one
-``(channels, bins)`` array per step), and the walk's skips of unchanged spans (long runs
-when one bin holds much mass, e.g. clipped ReLU6 outputs) are jumped with one search
-instead of one step each.
+numpy pass (:func:`mse_spans`; the searches are bisections over the rows), each error
+computed from the non-empty bins of its channel only (:func:`span_terms`, put back in
+place for the sum: the same float as over every bin), in blocks of rows that stay in
+cache; and the walk's skips of unchanged spans (long runs when one bin holds much mass,
+e.g. clipped ReLU6 outputs) are jumped with one search instead of one step each.
 
 Differences from torch: the histogram covers the exact data range (torch re-bins with
 16x upsampling when the range grows); quantile bounds are step counts (torch accumulates
@@ -40,6 +41,7 @@ from . import register
 from ._histogram import HistogramCalibrator, HistogramObserver
 
 STEPS = 100_000  # 1 / torch's stepsize 1e-5
+BLOCK = 1 << 16  # error terms computed at once
 _ALPHA = np.arange(STEPS + 1) / STEPS  # alpha after a steps
 _BETA = 1.0 - _ALPHA  # beta after b steps
 
@@ -49,33 +51,45 @@ def _cube_integral(begin, end):
     return (end * end * end - begin * begin * begin) / 3.0
 
 
-def span_errors(hist: np.ndarray, width, starts, ends, dst_bins: int) -> np.ndarray:
-    """L2 quantization error of each span ``[starts[k], ends[k]]`` (bin indices, inclusive)
-    of a histogram with bins of ``width``, onto ``dst_bins`` destination bins. ``hist`` is
-    one histogram ``(bins,)`` (``width`` a scalar) or one per span ``(spans, bins)``
-    (``width`` a scalar or one per span): row ``k`` is computed by the same operations
-    either way, so its error is the same float.
+def span_terms(hist, src, width, starts, ends, dst_bins: int) -> np.ndarray:
+    """Each source bin's part of the L2 error of the span ``[starts[k], ends[k]]`` (bin
+    indices, inclusive), row ``k``: ``hist`` the counts of the source bins ``src`` (one row
+    of each per span, or one row shared by all), bins of ``width`` (a scalar or one per
+    span), onto ``dst_bins`` destination bins. Each term depends on its own bin and span
+    alone: the same float whichever other bins and spans are computed with it.
 
-    >>> h = np.array([0.0, 4.0, 4.0, 0.0])  # 8 values uniform over [1, 3), bins of width 1
-    >>> span_errors(h, 1.0, [0, 1], [3, 2], 2).tolist()  # onto 2 bins over [0, 4), [1, 3)
-    [2.6666666666666665, 0.6666666666666666]
+    >>> # 8 values uniform over [1, 3) in bins of width 1, onto 2 bins over [0, 4)
+    >>> span_terms(np.array([0.0, 4.0, 4.0, 0.0]), np.arange(4.0), 1.0, [0], [3], 2).tolist()
+    [[0.0, 1.3333333333333333, 1.3333333333333333, 0.0]]
     """
     starts = np.asarray(starts, np.float64)[:, None]
     ends = np.asarray(ends, np.float64)[:, None]
     width = np.asarray(width, np.float64)
     width = width[:, None] if width.ndim else width
     dst_width = width * (ends - starts + 1.0) / dst_bins
-    src = np.arange(hist.shape[-1], dtype=np.float64)[None, :]
-    begin = (src - starts) * width
+    begin = (np.atleast_2d(src) - starts) * width
     end = begin + width
     first = np.clip(np.floor(begin / dst_width), 0, dst_bins - 1)
     last = np.clip(np.floor(end / dst_width), 0, dst_bins - 1)
     half = dst_width / 2.0
-    density = (hist if hist.ndim == 2 else hist[None, :]) / width
+    density = np.atleast_2d(hist) / width
     norm = _cube_integral(begin - (first + 0.5) * dst_width, half)
     norm = norm + (last - first - 1.0) * _cube_integral(-half, half)
     norm = norm + _cube_integral(-half, end - (last * dst_width + half))
-    return (density * norm).sum(axis=1)
+    return density * norm
+
+
+def span_errors(hist: np.ndarray, width, starts, ends, dst_bins: int) -> np.ndarray:
+    """L2 quantization error of each span ``[starts[k], ends[k]]`` of the histogram ``hist``
+    ``(bins,)`` (or one per span, ``(spans, bins)``) with bins of ``width``: the sum of its
+    :func:`span_terms` over all the bins.
+
+    >>> h = np.array([0.0, 4.0, 4.0, 0.0])  # 8 values uniform over [1, 3), bins of width 1
+    >>> span_errors(h, 1.0, [0, 1], [3, 2], 2).tolist()  # onto 2 bins over [0, 4), [1, 3)
+    [2.6666666666666665, 0.6666666666666666]
+    """
+    src = np.arange(hist.shape[-1], dtype=np.float64)
+    return span_terms(hist, src, width, starts, ends, dst_bins).sum(axis=1)
 
 
 def _bisect(ok, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -109,6 +123,27 @@ def _beta_below(total, c, rows, k):
     return total[rows] * _BETA[k] < c[rows]
 
 
+def _errors(hist, cols, nonempty, width, rows, s, e, dst_bins: int) -> np.ndarray:
+    """:func:`span_errors` of the span ``(s[k], e[k])`` of row ``rows[k]`` of ``hist``, from
+    the first ``nonempty`` columns ``cols`` of each row (None: all the columns), in blocks
+    of rows of about ``BLOCK`` terms (temporaries that stay in cache)."""
+    bins = hist.shape[1]
+    out = np.empty(rows.size)
+    step = max(1, BLOCK // bins)
+    for j in range(0, rows.size, step):
+        r, sl = rows[j : j + step], slice(j, j + step)
+        if cols is None:
+            out[sl] = span_errors(hist[r], width[r], s[sl], e[sl], dst_bins)
+            continue
+        keep = cols[r, : nonempty[r].max()]
+        src = np.take_along_axis(hist[r], keep, axis=1)
+        terms = span_terms(src, keep.astype(np.float64), width[r], s[sl], e[sl], dst_bins)
+        full = np.zeros((r.size, bins))
+        np.put_along_axis(full, keep, terms, axis=1)
+        out[sl] = full.sum(axis=1)
+    return out
+
+
 def mse_spans(hist: np.ndarray, width: np.ndarray, dst_bins: int) -> tuple[np.ndarray, np.ndarray]:
     """The bin spans ``(s, e)`` the greedy L2 search settles on, for each row of ``hist``
     ``(C, bins)`` (float64 counts) with bins of ``width[c]``: the walk of the module
@@ -125,6 +160,13 @@ def mse_spans(hist: np.ndarray, width: np.ndarray, dst_bins: int) -> tuple[np.nd
     a, b = np.zeros(c, np.int64), np.zeros(c, np.int64)
     s, e = np.zeros(c, np.int64), np.full(c, bins - 1)
     best_s, best_e, best = s.copy(), e.copy(), np.full(c, np.inf)
+    # the errors from the non-empty bins only, put back in place before the sum: the same
+    # sum of the same terms (an empty bin's is 0, unless inf or NaN arise in its error:
+    # impossible for widths far from the float64 limits, else every bin as before);
+    # cols: each row's non-empty bins first, in order
+    nonempty = (hist > 0).sum(axis=1)
+    sparse = bool(np.all((width > 1e-290) & (width * bins < 1e90)))
+    cols = np.argsort(hist <= 0, axis=1, kind="stable") if sparse else None
     live = np.flatnonzero(a + b < STEPS)
     while live.size:
         ls, le, lt = s[live], e[live], total[live]
@@ -155,7 +197,7 @@ def mse_spans(hist: np.ndarray, width: np.ndarray, dst_bins: int) -> tuple[np.nd
         stop = np.zeros(c, bool)
         stop[live[done]] = True
         if moved.size:
-            norm = span_errors(hist[moved], width[moved], s[moved], e[moved], dst_bins)
+            norm = _errors(hist, cols, nonempty, width, moved, s[moved], e[moved], dst_bins)
             worse = norm > best[moved]
             stop[moved[worse]] = True
             keep = moved[~worse]
