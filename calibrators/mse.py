@@ -123,9 +123,24 @@ def _beta_below(total, c, rows, k):
     return total[rows] * _BETA[k] < c[rows]
 
 
+def _nonempty_columns(hist: np.ndarray, nonempty: np.ndarray) -> np.ndarray:
+    """``(C, max(nonempty))``: each row's non-empty columns in order, then its last one
+    repeated (a repeated column gets the same term: writing it twice is harmless).
+
+    >>> _nonempty_columns(np.array([[0.0, 2.0, 0.0, 1.0], [5.0, 1.0, 1.0, 0.0]]), np.array([2, 3]))
+    array([[1, 3, 3],
+           [0, 1, 2]])
+    """
+    _, cz = np.nonzero(hist > 0)  # row by row, in order
+    start = np.cumsum(nonempty) - nonempty
+    k = np.minimum(np.arange(nonempty.max(initial=0)), nonempty[:, None] - 1)
+    return cz[start[:, None] + k]
+
+
 def _errors(hist, cols, nonempty, width, rows, s, e, dst_bins: int) -> np.ndarray:
     """:func:`span_errors` of the span ``(s[k], e[k])`` of row ``rows[k]`` of ``hist``, from
-    the first ``nonempty`` columns ``cols`` of each row (None: all the columns), in blocks
+    the first ``nonempty`` columns ``cols`` of each row (:func:`_nonempty_columns`; None:
+    all the columns), in blocks
     of rows of about ``BLOCK`` terms (temporaries that stay in cache)."""
     bins = hist.shape[1]
     out = np.empty(rows.size)
@@ -162,11 +177,10 @@ def mse_spans(hist: np.ndarray, width: np.ndarray, dst_bins: int) -> tuple[np.nd
     best_s, best_e, best = s.copy(), e.copy(), np.full(c, np.inf)
     # the errors from the non-empty bins only, put back in place before the sum: the same
     # sum of the same terms (an empty bin's is 0, unless inf or NaN arise in its error:
-    # impossible for widths far from the float64 limits, else every bin as before);
-    # cols: each row's non-empty bins first, in order
+    # impossible for widths far from the float64 limits, else every bin as before)
     nonempty = (hist > 0).sum(axis=1)
-    sparse = bool(np.all((width > 1e-290) & (width * bins < 1e90)))
-    cols = np.argsort(hist <= 0, axis=1, kind="stable") if sparse else None
+    sparse = bool(np.all((width > 1e-290) & (width * bins < 1e90) & (nonempty > 0)))
+    cols = _nonempty_columns(hist, nonempty) if sparse else None
     live = np.flatnonzero(a + b < STEPS)
     while live.size:
         ls, le, lt = s[live], e[live], total[live]
