@@ -494,10 +494,14 @@ def test_narrow_range_falls_back_to_float64():
     ),
     st.integers(1, 3000),
     st.booleans(),
+    st.booleans(),
 )
-def test_float32_binning_is_numpy_histogram(rows, bins, absolute):
+def test_float32_binning_is_numpy_histogram(rows, bins, absolute, channels_last):
     """Any float32 rows (a few values or more than the bins; more channels use np.add.at,
-    fewer bincount), any bin count: the same counts as np.histogram in float64."""
+    fewer bincount; contiguous or the transposed view of a channels-last batch, as
+    ``as_channels`` gives it), any bin count: the same counts as np.histogram in float64."""
+    if channels_last:
+        rows = np.ascontiguousarray(rows.T).T
     vals = np.abs(rows.astype(np.float64)) if absolute else rows.astype(np.float64)
     lo, hi = vals.min(1), vals.max(1)
     pad = np.where(lo == hi, 0.5, 0.0)
