@@ -167,10 +167,10 @@ class UniformBins:
         fast = self.est is not None and rows.dtype in FLOAT32_EXACT
         for j in range(0, rows.shape[1], step):
             if not fast:
-                block = rows[:, j : j + step].astype(np.float64)
+                block = rows[:, j : j + step].astype(np.float64, order="C")
                 out += _bin_block(np.abs(block, out=block) if absolute else block, edges)
                 continue
-            block = rows[:, j : j + step].astype(np.float32)
+            block = rows[:, j : j + step].astype(np.float32, order="C")
             block = np.abs(block, out=block) if absolute else block
             idx = _bin_block32(block, self.est, self.tables)
             if idx.size >= out.size:

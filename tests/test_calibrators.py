@@ -24,7 +24,7 @@ from autoq.calibrators._histogram import float32_estimate, histogram
 from autoq.calibrators.kl import KL, kl_divergences, kl_threshold_bins
 from autoq.calibrators.max import Max
 from autoq.calibrators.moving_average import MovingAverage
-from autoq.calibrators.mse import MSE
+from autoq.calibrators.mse import MSE, mse_spans, span_errors
 from autoq.calibrators.percentile import Percentile
 from autoq.config import QuantSpec
 from autoq.qparams import QParam
@@ -494,15 +494,81 @@ def test_narrow_range_falls_back_to_float64():
     ),
     st.integers(1, 3000),
     st.booleans(),
+    st.booleans(),
 )
-def test_float32_binning_is_numpy_histogram(rows, bins, absolute):
+def test_float32_binning_is_numpy_histogram(rows, bins, absolute, channels_last):
     """Any float32 rows (a few values or more than the bins; more channels use np.add.at,
-    fewer bincount), any bin count: the same counts as np.histogram in float64."""
+    fewer bincount; contiguous or the transposed view of a channels-last batch, as
+    ``as_channels`` gives it), any bin count: the same counts as np.histogram in float64."""
+    if channels_last:
+        rows = np.ascontiguousarray(rows.T).T
     vals = np.abs(rows.astype(np.float64)) if absolute else rows.astype(np.float64)
     lo, hi = vals.min(1), vals.max(1)
     pad = np.where(lo == hi, 0.5, 0.0)
     edges = np.linspace(lo - pad, hi + pad, bins + 1, axis=-1)
     assert np.array_equal(histogram(rows, edges, absolute), _np_histograms(rows, edges, absolute))
+
+
+def scalar_mse_span(hist, width, dst_bins, steps=100_000):
+    """One channel's greedy L2 search, one step at a time with ``np.searchsorted`` (the
+    sample-by-sample form of ``ref_mse``'s walk on a given histogram; each step's error from
+    the one-histogram ``span_errors``)."""
+    cum = np.cumsum(hist)
+    total = cum[-1]
+    a = b = 0
+    s, e = 0, hist.size - 1
+    best, best_norm = (s, e), np.inf
+    while a + b < steps:
+        l = min(max(s, int(np.searchsorted(cum, total * ((a + 1) / steps), "left"))), e)
+        r = int(np.searchsorted(cum, total * (1.0 - (b + 1) / steps), "right")) - 1
+        r = max(min(e, r), s)
+        if l - s > e - r:
+            s, a = l, a + 1
+        elif r < e:
+            e, b = r, b + 1
+        else:
+            if s == e:
+                break
+            b += 1
+            continue
+        norm = span_errors(hist, width, [s], [e], dst_bins)[0]
+        if norm > best_norm:
+            break
+        best, best_norm = (s, e), norm
+    return best
+
+
+@st.composite
+def histograms(draw):
+    """(C, bins) float64 counts: sparse, dense, one dominant bin (long beta runs), all in one
+    bin; and a bin width per row."""
+    c, bins = draw(st.integers(1, 6)), draw(st.sampled_from([4, 16, 64, 200]))
+    kind = draw(st.sampled_from(["sparse", "dense", "spike", "single"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if kind == "dense":
+        hist = rng.integers(0, 1000, (c, bins))
+    elif kind == "sparse":
+        hist = rng.integers(0, 3, (c, bins)) * (rng.random((c, bins)) < 0.1)
+    else:
+        hist = np.zeros((c, bins), np.int64)
+        hist[:, rng.integers(0, bins, c)] = rng.integers(1, 10**6, c)
+        if kind == "spike":
+            hist += rng.integers(0, 2, (c, bins))
+    hist[:, rng.integers(0, bins)] += 1  # every row has a value
+    # (1e95: bins so wide that only the every-bin error computation is safe from overflow)
+    width = rng.uniform(1e-4, 10.0, c) * draw(st.sampled_from([1.0, 1.0, 1.0, 1e95]))
+    return hist.astype(np.float64), width
+
+
+@settings(max_examples=40, deadline=None)
+@given(histograms(), st.sampled_from([256, 255, 128, 16]))
+def test_mse_spans_match_the_channel_by_channel_walk(hw, dst_bins):
+    """All channels walked at once (bisections over the rows, one error row per channel)
+    settle on the same spans as each channel on its own, step by step."""
+    hist, width = hw
+    s, e = mse_spans(hist, width, dst_bins)
+    want = [scalar_mse_span(hist[c], width[c], dst_bins) for c in range(hist.shape[0])]
+    assert list(zip(s.tolist(), e.tolist(), strict=True)) == want
 
 
 # ---------------------------------------------------------------------------------------
