@@ -8,7 +8,9 @@ weights are read from the h5 file with ``h5py`` (``model_weights/<layer>/<layer>
 and the network is rebuilt in torch from the model config stored in the same file
 (:class:`KerasMobileNetV2`: Keras layer names as module names, so autoq's layer ids are
 ``block_3_depthwise``, ``Conv_1``, ``dense``), then exported to ONNX by
-``common.export_torch_onnx`` (batch norms folded by the exporter). The model's output is
+``common.export_torch_onnx`` (batch norms folded by the exporter), constant-folded, and its
+zero Pads folded into the Convs' (asymmetric) pads as tf2onnx writes a Keras model
+(:func:`fold_pads`). The model's output is
 the head's logits (the softmax of the Keras head is left out: a monotone map that would
 hide the logits' error from the cosine).
 
@@ -224,6 +226,69 @@ def _pets(name: str) -> np.ndarray:
     return np.asarray(Image.fromarray(img).resize(SHAPE[2:], Image.Resampling.BILINEAR))
 
 
+def _constant_fold(path: Path) -> None:
+    """ONNX Runtime's basic graph optimization (constant folding) of ``path``, in place."""
+    import onnxruntime as ort
+
+    tmp = path.with_suffix(".folded.onnx")
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    opts.optimized_model_filepath = str(tmp)
+    opts.log_severity_level = 3
+    ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    tmp.replace(path)
+
+
+def fold_pads(path: Path) -> int:
+    """Each zero ``Pad`` of the spatial dims whose only reader is a ``Conv`` folded into
+    the Conv's ``pads`` (ONNX Conv pads may be asymmetric: TensorFlow's ``same`` at stride 2
+    and Keras' ``ZeroPadding2D`` are one extra row / column at the bottom / right), as
+    tf2onnx writes a Keras model. The torch module pads with ``F.pad`` (its Conv2d pads
+    symmetrically only), which the exporter writes as Pad nodes that the TVM ONNX frontend
+    imports as opaque ``call_tir`` kernels. Returns how many were folded."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    g = model.graph
+    inits = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+    consts = {
+        n.output[0]: numpy_helper.to_array(n.attribute[0].t)
+        for n in g.node
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
+    }
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    folded = []
+    for pad in [n for n in g.node if n.op_type == "Pad"]:
+        users = readers.get(pad.output[0], [])
+        mode = next((a.s for a in pad.attribute if a.name == "mode"), b"constant")
+        amounts = consts.get(pad.input[1], inits.get(pad.input[1]))
+        value = pad.input[2] if len(pad.input) > 2 else ""
+        zero = not value or float(np.asarray(consts.get(value, inits.get(value, 0))).max()) == 0
+        if len(users) != 1 or users[0].op_type != "Conv" or mode != b"constant" or not zero:
+            continue
+        amounts = [int(v) for v in np.asarray(amounts).reshape(-1)]
+        if len(amounts) != 8 or any(amounts[i] for i in (0, 1, 4, 5)):
+            continue  # not only H / W
+        conv = users[0]
+        old = next((a for a in conv.attribute if a.name == "pads"), None)
+        base = list(old.ints) if old is not None else [0, 0, 0, 0]
+        new = [base[0] + amounts[2], base[1] + amounts[3], base[2] + amounts[6],
+               base[3] + amounts[7]]  # fmt: skip
+        if old is not None:
+            conv.attribute.remove(old)
+        conv.attribute.append(onnx.helper.make_attribute("pads", new))
+        conv.input[0] = pad.input[0]
+        folded.append(pad)
+    for n in folded:
+        g.node.remove(n)
+    onnx.save(model, str(path))
+    return len(folded)
+
+
 def check(onnx_path: Path, net) -> dict:
     """The rebuild's checks: folded ONNX (ORT) vs the unfolded torch module on random and
     real inputs; the head's top class and probability on the pet photos and their flips."""
@@ -309,6 +374,8 @@ def exported() -> tuple[Path, list[str]]:
     if not (source.exists() and side.exists()):
         net = build(src)
         common.export_torch_onnx(net, SHAPE, source, INPUT, "logits")
+        _constant_fold(source)  # the exporter computes each Pad's amounts with a few ops
+        fold_pads(source)
         side.write_text(json.dumps(check(source, net)))
     checked = json.loads(side.read_text())
     b = checked["bn"]
