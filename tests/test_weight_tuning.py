@@ -323,3 +323,97 @@ def test_quantize_offset_rejects_what_it_cannot_do_exactly():
         quantize_offset(np.zeros(2), np.array([0.1, 0.2]), 0)
     with pytest.raises(ValueError, match="16 bits"):
         quantize_offset(np.zeros(2), 0.1, 0, "int32")
+
+
+def _depthwise_pool_dense():
+    """depthwise 3x3 (pad 1) + bias -> relu -> global average pool -> dense + bias: the end
+    of a MobileNet. Inputs are heavy-tailed and positive (exponential: a ReLU6 network's
+    activations), so the activation range that minimizes the MSE clips the tail and the int8
+    input's mean sits below the fp32 one: the depthwise layer's mean output, and with it the
+    pooled mean the dense layer reads, shifts."""
+    from models import Builder
+
+    b = Builder(5)
+    x = b.input("x", (1, 4, 8, 8))
+
+    def body(b):
+        w = np.abs(b.rng.normal(size=(4, 1, 3, 3))) * 0.5
+        y = b.emit(relax.op.nn.conv2d(x, b.weight("dw.weight", w), padding=1, groups=4))
+        db = b.weight("dw.bias", b.rng.normal(size=4) * 0.1)
+        y = b.emit(relax.op.nn.relu(b.emit(relax.op.add(y, relax.op.reshape(db, [1, 4, 1, 1])))))
+        y = b.emit(relax.op.reshape(b.emit(relax.op.mean(y, axis=[2, 3], keepdims=True)), [1, 4]))
+        fw, fb = b.randw("fc.weight", (3, 4)), b.weight("fc.bias", b.rng.normal(size=3) * 0.1)
+        return b.emit(
+            relax.op.add(b.emit(relax.op.matmul(y, relax.op.permute_dims(fw, [1, 0]))), fb)
+        )
+
+    mod, params = b.build(body)
+    rng = np.random.default_rng(6)
+    data = [rng.exponential(size=(1, 4, 8, 8)).astype(np.float32) for _ in range(16)]
+    return mod, params, data
+
+
+def _patch_mean(x: np.ndarray) -> np.ndarray:
+    """numpy: the mean over samples and output positions of a 3x3 pad-1 depthwise layer's
+    input patches, ``(C, 9)`` (taps in kernel order)."""
+    xp = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    h, w = x.shape[2:]
+    taps = [xp[:, :, i : i + h, j : j + w].mean(axis=(0, 2, 3)) for i in range(3) for j in range(3)]
+    return np.stack(taps, axis=1)
+
+
+def test_depthwise_cnn_recipe_folds_the_depthwise_mean_shift_into_the_int32_bias():
+    """The failing pattern of MobileNets (depthwise -> pool -> dense): without correction the
+    int8 depthwise layer's mean output is many accumulator steps off fp32's and the model
+    output's mean with it; the ``depthwise_cnn`` recipe (picked for the model, bias
+    correction on by default) stores the int32 bias of the numpy fold
+    ``b + W E[x_fp32] - W_q E[x~]`` (``E``: mean input patch over the calibration data,
+    ``x~`` the int8 input, ``W_q`` the chosen int8 weights) and the output's mean matches
+    fp32's to half an accumulator step of the dense layer."""
+    from autoq import Quantizer
+
+    mod, params, data = _depthwise_pool_dense()
+    x = np.concatenate(data).astype(np.float64)
+    fp32 = Runner(mod, params)
+    want = np.concatenate([fp32(s) for s in data]).astype(np.float64).mean(axis=0)
+    runs = {}
+    for name, config in (("default", None), ("off", Config(bias_correction=False))):
+        res = Quantizer(config, target=TARGET).run(mod, params, data)
+        got = np.concatenate([Runner(res.module)(s) for s in data]).astype(np.float64)
+        runs[name] = (res, np.abs(got.mean(axis=0) - want))
+    res, _ = runs["default"]
+    assert res.recipe[0] == "depthwise_cnn" and res.config.bias_correction == BiasCorrection()
+    assert res.qparams.meta["weight_tuning"]["bias_corrected"] == 2
+    off = runs["off"][0]
+    assert off.config.bias_correction is False and "dw.bias" not in off.qparams.values
+
+    def fold(r):
+        qx, qw = r.qparams["x"], r.qparams["dw.weight"]
+        x_q = P.dequantize(
+            P.quantize(x, qx.scale, qx.zero_point, qx.dtype), qx.scale, qx.zero_point
+        )
+        w_int = r.qparams.values.get("dw.weight")
+        if w_int is None:  # rounded to nearest
+            w_int = P.quantize(params["dw.weight"], qw.scale, qw.zero_point, qw.dtype, axis=0)
+        w_q = P.dequantize(w_int, qw.scale, qw.zero_point, axis=0).astype(np.float64)
+        w = params["dw.weight"].astype(np.float64).reshape(4, 9)
+        shift = (w * _patch_mean(x)).sum(axis=1) - (w_q.reshape(4, 9) * _patch_mean(x_q)).sum(
+            axis=1
+        )
+        acc = (np.float32(qx.scale) * qw.scale).astype(np.float64)
+        return shift, acc, qx, qw
+
+    shift, acc, qx, qw = fold(off)
+    assert np.abs(shift / acc).max() > 20, shift / acc  # the shift exists without correction
+    shift, acc, qx, qw = fold(res)
+    want_bias = P.quantize_bias((params["dw.bias"] + shift).astype(np.float32), qx.scale, qw.scale)
+    np.testing.assert_array_equal(res.qparams.values["dw.bias"], want_bias.values)
+    fc = res.qparams["fc.weight"].scale * np.float32(res.qparams[_input_slot_of(res, "fc")].scale)
+    steps = {k: err / fc.astype(np.float64) for k, (_, err) in runs.items()}
+    assert np.all(steps["default"] <= 0.5 + 1e-3), steps
+    assert steps["off"].max() > 4, steps
+
+
+def _input_slot_of(res, layer):
+    sim = simulate(res.matched, None, res.config)
+    return _input_slot(sim, layer)

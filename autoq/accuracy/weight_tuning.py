@@ -350,7 +350,7 @@ class WeightTuner:
     def fp32_slots(self) -> list[str]:
         """The activation slots whose fp32 values :meth:`observe_fp32` needs (none unless
         ``Config.bias_correction``)."""
-        return list(self.tasks) if self.config.bias_correction is not None else []
+        return list(self.tasks) if self.config.corrects_bias else []
 
     def fp32_tables(self) -> dict[str, dict[str, PatchMean]]:
         """Slot of :meth:`fp32_slots` -> layer -> an empty mean patch of its fp32 input
@@ -405,7 +405,7 @@ class WeightTuner:
         updates: dict[int, np.ndarray] = {}
         with single_threaded_blas():
             for sid, group in tasks:
-                empirical = self.config.bias_correction is not None and bool(self.fp32_means)
+                empirical = self.config.corrects_bias and bool(self.fp32_means)
                 products = self._product_layers(sid, group, sum(r.n for r in runners))
                 sinks = self._sinks(group, act_qp[sid], empirical, products)
                 shards = [r.feed(sid, *sinks) for r in runners]

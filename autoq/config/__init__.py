@@ -3,8 +3,8 @@
 :class:`Config` holds the quantization choices only (at most 16 fields); what a run may use
 (memory, cache folder, progress bars, a Dask cluster) is :class:`Resources`, given to
 ``autoq.Quantizer`` / ``autoq.quantize`` as keyword arguments. The fields a recipe decides
-(``activation``, ``rounding``, ``check_scales``, ``rules``) default to None, "the recipe's
-choice": a config naming a recipe fills them from it on construction (and puts the recipe's
+(``activation``, ``rounding``, ``check_scales``, ``rules``, ``bias_correction``) default
+to None, "the recipe's choice": a config naming a recipe fills them from it on construction (and puts the recipe's
 overrides first); ``recipe="auto"`` (the default) waits for the model, whose structure
 picks the recipe when a stage starts (:func:`autoq.recipes.resolve`).
 
@@ -102,7 +102,8 @@ class Config(JsonDocument):
     ``weight_rounding``: ``"gptq"`` (default; Frantar et al. 2022, arXiv:2210.17323: columns
     rounded in order, the error fed forward through ``H = 2 X^T X / n`` of each layer's
     quantized calibration input; :mod:`autoq.accuracy.gptq`) or ``"nearest"``.
-    ``bias_correction``: :class:`BiasCorrection` (empirical), or None (off).
+    ``bias_correction``: :class:`BiasCorrection` (empirical), False (off), or None (the
+    recipe's: on in ``depthwise_cnn``).
     ``int16_tensors``: activation slot ids quantized as int16 (:mod:`autoq.fallback.escalation`).
     ``smooth_quant``: SmoothQuant's migration strength alpha (Xiao et al. 2023,
     arXiv:2211.10438; default 0.5, measured best of 0.3/0.5/0.7/0.8 on all-MiniLM-L6-v2), None
@@ -125,7 +126,7 @@ class Config(JsonDocument):
     check_scales: bool | None = None
     int8_outputs: bool = False
     weight_rounding: str = "gptq"
-    bias_correction: BiasCorrection | None = None
+    bias_correction: BiasCorrection | bool | None = None
     int16_tensors: tuple[str, ...] = ()
     smooth_quant: float | None = 0.5
     rules: tuple[str, ...] | None = None
@@ -176,9 +177,10 @@ class Config(JsonDocument):
                 f"Config.check_scales must be True, False or None, got {self.check_scales!r}"
             )
         bc = self.bias_correction
-        if bc is not None and not isinstance(bc, BiasCorrection):
+        if bc is not None and bc is not False and not isinstance(bc, BiasCorrection):
             raise TypeError(
-                f"Config.bias_correction must be autoq.BiasCorrection(holdout=...) or None, got {bc!r}"
+                "Config.bias_correction must be autoq.BiasCorrection(holdout=...) (on), False "
+                f"(off) or None (the recipe's choice), got {bc!r}"
             )
         str_tuple(self, "int16_tensors")
         _check_alpha(self.smooth_quant)
@@ -205,12 +207,18 @@ class Config(JsonDocument):
     def tunes_weights(self) -> bool:
         """Calibration may change weight values or biases (the simulated graph then reads
         them as inputs: see :meth:`autoq.simulation.SimContext.weight`)."""
-        return self.weight_rounding != "nearest" or self.bias_correction is not None
+        return self.weight_rounding != "nearest" or self.corrects_bias
+
+    @property
+    def corrects_bias(self) -> bool:
+        """The empirical bias correction is on (a :class:`BiasCorrection`, given or the
+        recipe's)."""
+        return isinstance(self.bias_correction, BiasCorrection)
 
     @property
     def bias_holdout(self) -> int:
         """Held-out samples of the bias-correction gate (0: none, or no bias correction)."""
-        return 0 if self.bias_correction is None else self.bias_correction.holdout
+        return self.bias_correction.holdout if self.corrects_bias else 0
 
     def layer_spec(self, kind: str, layer: str, pattern: str | None = None, slot=None) -> QuantSpec:
         """The ``"activation"`` or ``"weight"`` spec of ``layer`` (its pattern's name
@@ -243,9 +251,9 @@ class Config(JsonDocument):
             "check_scales": self.check_scales,
             "int8_outputs": self.int8_outputs,
             "weight_rounding": self.weight_rounding,
-            "bias_correction": None
-            if self.bias_correction is None
-            else self.bias_correction.to_json(),
+            "bias_correction": self.bias_correction.to_json()
+            if self.corrects_bias
+            else self.bias_correction,
             "int16_tensors": list(self.int16_tensors),
             "smooth_quant": self.smooth_quant,
             "rules": None if self.rules is None else list(self.rules),
@@ -271,7 +279,7 @@ class Config(JsonDocument):
             if d.get(name) is not None:
                 d[name] = tuple(d[name])
         d["int16_tensors"] = tuple(d.get("int16_tensors", ()))
-        if d.get("bias_correction") is not None:
+        if isinstance(d.get("bias_correction"), dict):
             d["bias_correction"] = BiasCorrection.from_json(d["bias_correction"])
         return cls(**d)
 

@@ -6,24 +6,27 @@ docs/recipes.md. :mod:`autoq.recipes` picks one from the model's structure.
 ['cnn', 'depthwise_cnn', 'dynamic', 'transformer']
 >>> RECIPES["transformer"].rounding
 'half_even'
+>>> RECIPES["depthwise_cnn"].bias_correction, RECIPES["cnn"].bias_correction
+(BiasCorrection(holdout=0), False)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoq.config.specs import Override, QuantSpec
+from autoq.config.specs import BiasCorrection, Override, QuantSpec
 
 __all__ = ["RECIPES", "RECIPE_FIELDS", "Recipe"]
 
 #: the Config fields a recipe fills when they are None
-RECIPE_FIELDS = ("activation", "rounding", "check_scales", "rules")
+RECIPE_FIELDS = ("activation", "rounding", "check_scales", "rules", "bias_correction")
 
 
 @dataclass(frozen=True)
 class Recipe:
     """What one recipe sets: the values of the recipe fields, the overrides it adds (before
-    the user's), what it is for and where it is measured."""
+    the user's), what it is for and where it is measured. ``bias_correction``: a
+    :class:`BiasCorrection` (the empirical correction on) or False (off)."""
 
     summary: str
     activation: QuantSpec
@@ -31,6 +34,12 @@ class Recipe:
     check_scales: bool = True
     rules: tuple[str, ...] = ()
     overrides: tuple[Override, ...] = ()
+    bias_correction: BiasCorrection | bool = False
+
+    def __post_init__(self) -> None:
+        bc = self.bias_correction
+        if bc is not False and not isinstance(bc, BiasCorrection):
+            raise TypeError(f"Recipe.bias_correction must be a BiasCorrection or False, got {bc!r}")
 
 
 def _table() -> dict[str, Recipe]:
@@ -46,9 +55,11 @@ def _table() -> dict[str, Recipe]:
         ),
         "depthwise_cnn": Recipe(
             "depthwise-separable CNNs (MobileNet, EfficientNet, PP-OCR): as cnn, with "
-            "per-channel grids on the lookup and depthwise inputs and lookup range cuts",
+            "per-channel grids on the lookup and depthwise inputs, lookup range cuts and the "
+            "empirical bias correction",
             activation=mse,
             rules=("lookup_input_ranges", "lookup_per_channel", "depthwise_per_channel"),
+            bias_correction=BiasCorrection(),
         ),
         "transformer": Recipe(
             "attention / LayerNorm models: dense layers int8 with per-token run-time "

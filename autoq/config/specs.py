@@ -160,9 +160,9 @@ class BiasCorrection:
     extra fp32 pass over the calibration data (:mod:`autoq.accuracy.weight_tuning`).
     ``holdout``: the last this many calibration samples are held out of calibration and a
     layer's correction is kept only if it lowers that layer's output error against fp32 on
-    them (:mod:`autoq.accuracy.bias_gate`; topological calibration only). No recipe turns it
-    on: it helps EfficientNet-Lite0 and hurts ResNet-50, MiniLM and the PP-OCR recipe
-    (docs/accuracy.md).
+    them (:mod:`autoq.accuracy.bias_gate`; topological calibration only). The
+    ``depthwise_cnn`` recipe turns it on (MobileNetV2, EfficientNet-Lite0: docs/recipes.md);
+    it hurts ResNet-50 and MiniLM (docs/accuracy.md), so the other recipes leave it off.
 
     >>> BiasCorrection(holdout=8).to_json()
     {'holdout': 8}
