@@ -113,7 +113,7 @@ def bench(name: str, args, log) -> None:
     mod, params = autoq.from_onnx(info.path, input_shapes=dict(info.input_shapes))
     qmod = autoq.quantize(mod, params, samples, autoq.Config())
     title = common.MODEL_TITLES.get(name, "EfficientNet-Lite0" if name == EFFNET else name)
-    print(f"\n### {title}, batch 1, target mcpu={target.mcpu}, commit {commit()}\n")
+    print(f"\n### {title}, batch 1, target mcpu={common.target_mcpu(target)}, commit {commit()}\n")
     builds = {k: v for k, v in BUILDS.items() if args.builds == "all" or k in RESIDUAL_BUILDS}
     for key, options in builds.items():
         print(f"- {key}: {structure(qmod, target, options)}")

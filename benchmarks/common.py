@@ -1336,6 +1336,12 @@ def tvm_target():
     return default_target()
 
 
+def target_mcpu(target) -> str:
+    """The ``mcpu`` of a TVM target (TVM 0.27's ``Target`` has no ``.mcpu``: it is an
+    attribute), ``""`` when none is set."""
+    return str(target.attrs.get("mcpu", ""))
+
+
 def tvm_import_onnx(info: ModelInfo):
     """The prepared model through ``tvm.relax.frontend.onnx.from_onnx`` (weights embedded as
     constants). Swap in ``autoq.from_onnx`` here once it exists."""

@@ -195,7 +195,9 @@ def bench_model(
     ref = {t: min(v, spin[t]) for t, v in times["ORT int8 u8s8"].items()}
     rows = [latency_row(key, v, ref) for key, v in times.items()]
     title = common.MODEL_TITLES.get(name, name)
-    print_latency_table(f"{title}, batch 1, target mcpu={target.mcpu}", rows, "best ORT int8")
+    print_latency_table(
+        f"{title}, batch 1, target mcpu={common.target_mcpu(target)}", rows, "best ORT int8"
+    )
 
 
 # an AVX2-only target (no AVX-512) that runs on any x86-64 CPU with AVX2 + FMA: the kernel
@@ -384,7 +386,7 @@ def main(argv=None) -> int:
     kernels = (
         f"{isa.name}{' + AMX dense/conv' if isa and isa.amx else ''}" if isa else "none (generic)"
     )
-    print(f"\ntarget mcpu={target.mcpu} mattr=[{mattr}], kernels: {kernels}")
+    print(f"\ntarget mcpu={common.target_mcpu(target)} mattr=[{mattr}], kernels: {kernels}")
     if not args.skip_ops:
         bench_ops(args.repeats)
     if not args.skip_model:

@@ -95,7 +95,9 @@ def run(args, log) -> None:
     calib = common.make_dataset(info, "calib", args.calib)
     sample = common.make_dataset(info, "eval", 2)[0]
     target = autoq.default_target()
-    db = Path(args.database or common.CACHE_DIR / f"tuning-{args.model}-{target.mcpu}")
+    db = Path(
+        args.database or common.CACHE_DIR / f"tuning-{args.model}-{common.target_mcpu(target)}"
+    )
     with tempfile.TemporaryDirectory(prefix="autoq-tuned-") as tmp:
         ort_int8 = Path(tmp) / "int8.onnx"
         common.ort_quantize(info, calib.samples, "minmax", ort_int8)
@@ -137,7 +139,7 @@ def run(args, log) -> None:
     cap = f", at most {args.trials_per_task} per kernel" if args.trials_per_task else ""
     print(f"## {title}: autoq int8 after `autoq tune` ({args.trials} trials{cap})\n")
     print(common.machine_summary())
-    print(f"target mcpu={target.mcpu}; load average after the timings: {load}")
+    print(f"target mcpu={common.target_mcpu(target)}; load average after the timings: {load}")
     print(
         f"tuning: {res.summary()}; wall {tune_s:.0f} s on this machine (load average before"
         f" {_load(load_before)}, after {_load(load_tuned)})"
