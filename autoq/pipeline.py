@@ -72,6 +72,8 @@ from autoq.qparams import QParams
 from autoq.realization import realize
 from autoq.realization.dynamic import realize_dynamic
 from autoq.recipes import resolve
+from autoq.rules.dynamic_lookups import REASON as LOOKUP_REASON
+from autoq.rules.dynamic_lookups import lookups_between_dynamic
 from autoq.simulation import simulate
 from autoq.threads import use_machine_cores
 
@@ -248,6 +250,11 @@ class Quantizer:
             with clock("smooth_quant"):
                 matched, model, smoothed = self._smooth(matched, model, samples, config)
         reasons = {x: "fallback rule" for x in matched.kept_float(config.fallback)}
+        between = lookups_between_dynamic(matched, config)  # autoq.rules.dynamic_lookups
+        if between:
+            fb = config.fallback
+            config = config.replace(fallback=dataclasses.replace(fb, ids=(*fb.ids, *between)))
+            reasons.update(dict.fromkeys(between, LOOKUP_REASON))
         sim = None
         if config.skip_unbounded:
             with clock("guard"):

@@ -561,6 +561,124 @@ def sentences(split: str, n: int, seed: int) -> list[str]:
     return [pool[i] for i in rng.choice(len(pool), size=n, replace=False)]
 
 
+#: the stdlib modules whose docstrings (module, public classes and functions) are one of
+#: :func:`task_sentences`' sources
+TASK_DOC_MODULES = (
+    "argparse", "collections", "configparser", "csv", "decimal", "email.message",
+    "fractions", "functools", "http.client", "itertools", "json", "logging", "pathlib",
+    "shutil", "statistics", "subprocess", "tarfile", "textwrap", "threading", "zipfile",
+)  # fmt: skip
+
+
+def _licence_texts() -> list[str]:
+    """The licence texts shipped with Python itself and with numpy (both always here)."""
+    import sysconfig
+
+    texts = [Path(sysconfig.get_paths()["stdlib"], "LICENSE.txt").read_text(errors="replace")]
+    for f in metadata.files("numpy") or ():
+        if f.name == "LICENSE.txt" and len(f.parts) == 3:  # <dist-info>/licenses/LICENSE.txt
+            texts.append(f.read_text())
+    return texts
+
+
+def _docstring_texts() -> list[str]:
+    import importlib
+    import inspect
+
+    texts = []
+    for name in TASK_DOC_MODULES:
+        mod = importlib.import_module(name)
+        texts.append(inspect.getdoc(mod) or "")
+        for attr in sorted(getattr(mod, "__all__", None) or dir(mod)):
+            obj = getattr(mod, attr, None)
+            if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
+                continue
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                texts.append(inspect.getdoc(obj) or "")
+    return texts
+
+
+def task_sources() -> dict[str, list[str]]:
+    """source -> its distinct sentences, in a fixed order: ``pydoc`` (the evaluation topics
+    of :func:`_sentence_pool`, disjoint from every calibration sentence), ``licences``
+    (:func:`_licence_texts`) and ``docstrings`` (:data:`TASK_DOC_MODULES`)."""
+    seen: set[str] = set()
+    out: dict[str, list[str]] = {}
+    sources = {
+        "pydoc": _sentence_pool("eval"),
+        "licences": [t for text in _licence_texts() for t in _topic_sentences(text)],
+        "docstrings": [t for text in _docstring_texts() for t in _topic_sentences(text)],
+    }
+    for key, sents in sources.items():
+        out[key] = [t for t in sents if not (t in seen or seen.add(t))]
+    return out
+
+
+def task_sentences(n: int = 320, seed: int = 3) -> list[str]:
+    """``n`` sentences pooled from :func:`task_sources`, a third from each source (the
+    remainder from the first ones), drawn with ``seed``: the same list on every run with the
+    same Python and numpy. The retrieval check of :func:`retrieval_agreement` runs on them:
+    none of them is a calibration sentence."""
+    sources = task_sources()
+    k, rest = divmod(n, len(sources))
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, (key, pool) in enumerate(sources.items()):
+        want = k + (i < rest)
+        if want > len(pool):
+            raise ValueError(f"only {len(pool)} {key} sentences, asked for {want}")
+        out += [pool[j] for j in sorted(rng.choice(len(pool), size=want, replace=False))]
+    return out
+
+
+def task_dataset(info: ModelInfo, n: int = 320, seed: int = 3) -> Dataset:
+    """:func:`task_sentences` tokenized for MiniLM."""
+    samples = _tokenize(minilm_tokenizer(info.extra["seq_len"]), task_sentences(n, seed))
+    desc = f"{n} sentences pooled from pydoc topics, licence texts and stdlib docstrings"
+    return Dataset(samples, "eval", desc)
+
+
+def retrieval_agreement(
+    ref: Sequence[np.ndarray], test: Sequence[np.ndarray], k: int = 5
+) -> dict[str, float]:
+    """How well embeddings ``test`` (one per sentence) retrieve as the reference ones do:
+    ``r1``, the fraction of sentences whose nearest other sentence by cosine similarity is
+    the same as by ``ref``; ``rk``, the fraction whose ``ref`` nearest neighbour is among
+    the ``k`` nearest by ``test``; ``spearman``, the Spearman rank correlation of all
+    pairwise similarities (``i < j``) of ``test`` with those of ``ref``. ``test = ref``
+    gives 1 for all three.
+
+    >>> e = [np.array([1.0, 0.0]), np.array([0.9, 0.1]), np.array([0.0, 1.0])]
+    >>> f = [np.array([1.0, 0.0]), np.array([0.0, 1.0]), np.array([0.1, 0.9])]
+    >>> r = retrieval_agreement(e, f, k=2)
+    >>> round(r["r1"], 3), round(r["rk"], 3), round(r["spearman"], 3)
+    (0.333, 1.0, -0.5)
+    """
+    if len(ref) != len(test) or len(ref) < 3:
+        raise ValueError("need the same number (>= 3) of reference and test embeddings")
+
+    def sims(embs):
+        e = np.concatenate([x.reshape(1, -1) for x in embs]).astype(np.float64)
+        e /= np.linalg.norm(e, axis=1, keepdims=True)
+        return e @ e.T
+
+    s_ref, s_test = sims(ref), sims(test)
+    iu = np.triu_indices(len(ref), 1)
+    ranks = [np.argsort(np.argsort(s[iu], kind="stable"), kind="stable") for s in (s_ref, s_test)]
+    spearman = float(np.corrcoef(*ranks)[0, 1])
+    np.fill_diagonal(s_ref, -np.inf)
+    np.fill_diagonal(s_test, -np.inf)
+    nn_ref = s_ref.argmax(axis=1)
+    top = np.argsort(-s_test, axis=1, kind="stable")[:, :k]
+    return {
+        "r1": float(np.mean(top[:, 0] == nn_ref)),
+        "rk": float(np.mean([nn_ref[i] in top[i] for i in range(len(ref))])),
+        "spearman": spearman,
+        "k": k,
+        "n": len(ref),
+    }
+
+
 def minilm_tokenizer(seq_len: int = DEFAULT_SEQ_LEN):
     """The tokenizer.json shipped with the model (WordPiece, lower case, pads/truncates)."""
     from tokenizers import Tokenizer

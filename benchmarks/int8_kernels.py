@@ -213,7 +213,7 @@ def _without_amx(target):
 
     if not target_has_amx(target):
         return None
-    mattr = [str(a) for a in target.attrs.get("mattr", []) if "amx" not in str(a)]
+    mattr = [str(a) for a in (target.attrs.get("mattr") or ()) if "amx" not in str(a)]
     spec = {"kind": "llvm", "mcpu": str(target.attrs["mcpu"])}
     return tvm.target.Target({**spec, "mattr": mattr} if mattr else spec)
 
@@ -382,7 +382,7 @@ def main(argv=None) -> int:
 
     target = autoq.default_target()
     isa = kernel_isa(target)
-    mattr = ",".join(str(a) for a in target.attrs.get("mattr", []))
+    mattr = ",".join(str(a) for a in (target.attrs.get("mattr") or ()))
     kernels = (
         f"{isa.name}{' + AMX dense/conv' if isa and isa.amx else ''}" if isa else "none (generic)"
     )

@@ -43,11 +43,17 @@ machine is shared), and median latency in ms at each ``--threads`` count, batch 
 runtimes run in turn for ``--rounds`` rounds (a load change hits all alike; ORT's idle
 threads sleep instead of spinning, so they take no core from the runtime timed next).
 ``autoq / row`` columns: autoq's latency and quantize time divided by the row's.
+``--task N`` (MiniLM): a second table, the retrieval agreement of every runtime over ``N``
+sentences pooled from pydoc topics, licence texts and stdlib docstrings
+(``common.task_sentences``, ``common.retrieval_agreement``: R@1, R@5 and the Spearman
+correlation of all pairwise similarities against fp32's; 64 sentences' NN@1 is decided by
+near ties).
 
     python benchmarks/peers.py                                   # ~30 min at 64 / 64 / 30
     python benchmarks/peers.py --calib 32 --eval 32 --rounds 20  # 21 min at load 5-6
     python benchmarks/peers.py --quick                           # smoke run, ~18 min loaded
     python benchmarks/peers.py --models resnet50 minilm --threads 1
+    python benchmarks/peers.py --models minilm --calib 32 --eval 64 --task 320  # + retrieval
     python benchmarks/peers.py --models yolov8n ppocr_cls --calib 32 --eval 64 --rounds 10 \
         --threads 1 --page benchmarks/results/peers_families.md      # the two new families
 
@@ -199,7 +205,9 @@ def _autoq_child(
         "int8_layers": len(res.int8_layers),
         "fp32_layers": len(res.fp32_layers),
         "warnings": [w.splitlines()[0][:160] for w in res.warnings],
-        "target": " ".join([common.target_mcpu(target), *map(str, target.attrs.get("mattr", []))]),
+        "target": " ".join(
+            [common.target_mcpu(target), *map(str, target.attrs.get("mattr") or ())]
+        ),
     }
 
 
@@ -315,6 +323,7 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
     runtimes = ["ORT fp32", "ORT int8", "OpenVINO int8", *autoq_keys, *onnx_keys]
     res: dict[str, dict] = {}
     outs: dict[str, list[np.ndarray]] = {}
+    run_one: dict[str, object] = {}  # runtime -> sample -> output (the --task set)
     with tempfile.TemporaryDirectory(prefix="autoq-peers-") as tmp:
         npz = Path(tmp) / "calib.npz"
         common.save_samples(calib, npz)
@@ -362,7 +371,9 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
         for key, path in ort_models.items():
             if key not in ok:
                 continue
-            outs[key] = common.ort_outputs(common.ort_session(path, 2, True), evals)
+            full = common.ort_session(path, 2, True)
+            outs[key] = common.ort_outputs(full, evals)
+            run_one[key] = functools.partial(lambda sess, x: sess.run(None, x)[0], full)
             for n in threads:
                 sess = common.ort_session(path, n, optimize=True, spinning=False)
                 calls[key][n] = functools.partial(sess.run, None, sample)
@@ -371,12 +382,14 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
             ov = OpenVinoRunner(ov_xml, threads, args.ov_precision)
             ov_precision = ov.precision
             outs["OpenVINO int8"] = [ov.run(s, threads[-1]) for s in evals]
+            run_one["OpenVINO int8"] = functools.partial(ov.run, threads=threads[-1])
             for n in threads:
                 calls["OpenVINO int8"][n] = ov.call(sample, n)
         if onnx_keys[1] in ok:
             try:
                 ov_autoq = OpenVinoRunner(exported, threads, args.ov_precision)
                 outs[onnx_keys[1]] = [ov_autoq.run(s, threads[-1]) for s in evals]
+                run_one[onnx_keys[1]] = functools.partial(ov_autoq.run, threads=threads[-1])
                 for n in threads:
                     calls[onnx_keys[1]][n] = ov_autoq.call(sample, n)
             except RuntimeError as err:  # OpenVINO cannot compile the file
@@ -391,6 +404,7 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
             names = res[key]["inputs"]
             runner = common.TvmRunner.from_library(libs[key], names)
             outs[key] = [runner.run(s) for s in evals]
+            run_one[key] = runner.run
             tvm_args = [tvm.runtime.tensor(sample[n]) for n in names]
             for n in threads:
                 calls[key][n] = functools.partial(runner.vm["main"], *tvm_args)
@@ -406,6 +420,7 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
                                                        ms.items() if n in v))  # fmt: skip
         common.TvmRunner.set_threads(max(threads))
         load_timed = f"{load0} -> {common.load_average()}"
+        task = task_rows(info, args.task, run_one) if args.task and info.kind == "embedding" else []
 
     main_key = autoq_keys[0]
     auto = res[main_key]
@@ -458,7 +473,25 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
     if ov_precision:
         notes.append(f"OpenVINO inference precision: {ov_precision}")
     notes.append(f"load average during the timed rounds: {load_timed}")
-    return rows, notes
+    return rows, notes, task
+
+
+def task_rows(info: common.ModelInfo, n: int, run_one: dict) -> list[list]:
+    """The pooled retrieval check (``--task n``): ``common.retrieval_agreement`` of each
+    runtime's embeddings of ``common.task_sentences(n)`` against ORT fp32's with graph
+    optimizations off (the fidelity reference), one row per runtime."""
+    task = common.task_dataset(info, n)
+    ref = common.ort_outputs(common.ort_session(info.path, 2, optimize=False), task)
+    rows = []
+    runs = {"ORT fp32, graph optimizations off (the reference)": None, **run_one}
+    for key, run in runs.items():
+        got = ref if run is None else [run(s) for s in task]
+        r = common.retrieval_agreement(ref, got)
+        cos = common.fidelity("embedding", ref, got)
+        rows.append([TITLES[info.name], key, f"{100 * r['r1']:.1f}%", f"{100 * r['rk']:.1f}%",
+                     f"{r['spearman']:.5f}", f"{cos['cos']:.5f}", f"{cos['cos_min']:.5f}"])  # fmt: skip
+        log(f"{info.name} {key} task: " + ", ".join(rows[-1][2:]))
+    return rows
 
 
 def main(argv=None) -> int:
@@ -468,6 +501,13 @@ def main(argv=None) -> int:
     ap.add_argument("--eval", type=int, default=None, help="evaluation samples (64)")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (30)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument(
+        "--task",
+        type=int,
+        default=0,
+        metavar="N",
+        help="MiniLM: also the retrieval agreement over N pooled sentences (>= 300 advised)",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run: 4 / 4 samples, 3 rounds")
     ap.add_argument(
         "--ort-per-channel",
@@ -506,11 +546,12 @@ def main(argv=None) -> int:
     common.use_all_cores()
     if max(args.threads) > 1:
         common.TvmRunner.set_threads(max(args.threads))  # an error if the pool is smaller
-    rows, notes = [], []
+    rows, notes, task = [], [], []
     for name in args.models:
-        r, n = bench_model(name, args)
+        r, n, t = bench_model(name, args)
         rows += r
         notes += n
+        task += t
     t = args.threads
     heads = ["model", "runtime", "fidelity", "cos mean", "cos min", "quantize CPU s",
              *(f"ms {n}T" for n in t), *(f"autoq / row {n}T" for n in t),
@@ -537,6 +578,19 @@ def main(argv=None) -> int:
     )
     for line in notes:
         print(f"- {line}")
+    if task:
+        print(
+            f"\n### Retrieval over {args.task} pooled sentences (pydoc topics, licence texts, "
+            "stdlib docstrings), against ONNX Runtime fp32 with graph optimizations off\n"
+        )
+        heads = ["model", "runtime", "R@1", "R@5", "Spearman of similarities", "cos mean",
+                 "cos min"]  # fmt: skip
+        print(common.markdown_table(heads, task, align="ll" + "r" * 5))
+        print(
+            "\nR@1: the nearest other sentence (cosine of the embeddings) is the same as by "
+            "fp32; R@5: fp32's nearest is among the runtime's 5 nearest; Spearman: rank "
+            "correlation of all pairwise similarities with fp32's (fp32 itself: 1, 1, 1).\n"
+        )
     return 0
 
 

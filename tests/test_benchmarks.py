@@ -25,6 +25,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -205,3 +206,54 @@ def test_run_benchmark_regenerates_the_page(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", [script, "--page", "none"])
     assert common.run_benchmark(main([["c", 3.0]]), script) == 0
     assert page.read_text() == second
+
+
+def _brute_retrieval(ref, test, k):
+    """R@1, R@k and the Spearman correlation by loops over the pairs (scipy's spearmanr for
+    the correlation)."""
+    from scipy.stats import spearmanr
+
+    def cos(a, b):
+        return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+    n = len(ref)
+    s_ref = [[cos(ref[i], ref[j]) for j in range(n)] for i in range(n)]
+    s_test = [[cos(test[i], test[j]) for j in range(n)] for i in range(n)]
+    r1 = rk = 0
+    for i in range(n):
+        others = [j for j in range(n) if j != i]
+        best_ref = max(others, key=lambda j: s_ref[i][j])
+        ranked = sorted(others, key=lambda j: -s_test[i][j])
+        r1 += ranked[0] == best_ref
+        rk += best_ref in ranked[:k]
+    pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    rho = spearmanr([s_ref[i][j] for i, j in pairs], [s_test[i][j] for i, j in pairs])[0]
+    return r1 / n, rk / n, float(rho)
+
+
+def test_retrieval_agreement_matches_a_brute_force_reference(monkeypatch):
+    common = _common(monkeypatch)
+    rng = np.random.default_rng(0)
+    ref = [rng.normal(size=(1, 8)) for _ in range(40)]
+    test = [r + rng.normal(scale=0.6, size=r.shape) for r in ref]
+    got = common.retrieval_agreement(ref, test, k=3)
+    r1, rk, rho = _brute_retrieval([r[0] for r in ref], [t[0] for t in test], 3)
+    assert 0 < r1 < rk < 1  # the noise moves some neighbours, not all
+    assert (got["r1"], got["rk"]) == (r1, rk)
+    assert got["spearman"] == pytest.approx(rho, abs=1e-12)
+    same = common.retrieval_agreement(ref, ref)
+    assert (same["r1"], same["rk"], same["spearman"]) == (1.0, 1.0, pytest.approx(1.0))
+
+
+def test_task_sentences_pool_three_sources_deterministically(monkeypatch):
+    common = _common(monkeypatch)
+    sources = common.task_sources()
+    assert set(sources) == {"pydoc", "licences", "docstrings"}
+    picked = common.task_sentences(320)
+    assert picked == common.task_sentences(320) and len(set(picked)) == 320
+    for pool in sources.values():  # a third from each
+        assert sum(s in pool for s in picked) in (106, 107)
+    calib = set(common.sentences("calib", 256, 0))  # the calibration draws: 64 by default
+    assert not calib & set(picked)  # no calibration sentence is evaluated
+    with pytest.raises(ValueError, match="licences"):
+        common.task_sentences(3 * len(sources["licences"]) + 3)

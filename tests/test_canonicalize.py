@@ -186,3 +186,54 @@ def test_torch_and_onnx_imports_of_one_network_canonicalize_to_the_same_graph(tm
     assert sorted(pt) == sorted(po)
     for k in pt:
         np.testing.assert_allclose(np.asarray(pt[k]), np.asarray(po[k]), rtol=1e-6, atol=1e-7)
+
+
+def _ffn(w, b, out_shape=(1, 4, 6), r_shape=(1, 4, 6), leak=False, before=True):
+    """``reshape(x @ w + b, out_shape) + r`` (``before``: as written; else the canonical
+    ``reshape(x @ w + b + reshape(r), out_shape)``); ``leak``: the dense output is also an
+    output of the function."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([4, 8], F32))
+    r = relax.Var("r", relax.TensorType(list(r_shape), F32))
+    with bb.function("main", [x, r]):
+        with bb.dataflow():
+            dense = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, c(w))), c(b)))
+            if before:
+                out = relax.op.add(bb.emit(relax.op.reshape(dense, out_shape)), r)
+            else:
+                summed = bb.emit(relax.op.add(dense, bb.emit(relax.op.reshape(r, (4, 6)))))
+                out = relax.op.reshape(summed, out_shape)
+            gv = bb.emit_output(relax.Tuple([out, dense]) if leak else out)
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def test_a_residual_after_the_reshape_of_a_dense_output_moves_before_it():
+    """A transformer's FFN output ``reshape(x @ W + b) + r`` (tokens as rows) becomes
+    ``reshape(x @ W + b + reshape(r))``: the same float32 sums (bit-identical, and equal to
+    numpy's), the residual now the dense layer's. Left alone: a reshape that changes the
+    last axis, a residual that broadcasts, a dense output read elsewhere."""
+    rng = np.random.default_rng(0)
+    w, b = rng.normal(size=(8, 6)).astype(F32), rng.normal(size=6).astype(F32)
+    before = _ffn(w, b)
+    tvm.ir.assert_structural_equal(
+        canonicalize(before)["main"], _ffn(w, b, before=False)["main"], map_free_vars=True
+    )
+    x, r = rng.normal(size=(4, 8)).astype(F32), rng.normal(size=(1, 4, 6)).astype(F32)
+
+    def run2(mod):
+        ex = tvm.compile(mod, TARGET)
+        vm = relax.VirtualMachine(ex, tvm.cpu())
+        return vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(r)).numpy()
+
+    got = run2(canonicalize(before))
+    np.testing.assert_allclose(got, (x @ w + b).reshape(1, 4, 6) + r, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got, run2(before))
+    for kept in (
+        _ffn(w, b, out_shape=(1, 6, 4), r_shape=(1, 6, 4)),
+        _ffn(w, b, r_shape=(1, 1, 6)),
+        _ffn(w, b, leak=True),
+    ):
+        tvm.ir.assert_structural_equal(
+            canonicalize(kept)["main"], relax.transform.Normalize()(kept)["main"]
+        )

@@ -50,6 +50,7 @@ from autoq.ir.target import default_target
 from autoq.ir.toolkit import compile_vm, compile_vms, make_function
 from autoq.qparams import QParam, QParams
 from autoq.recipes import resolve
+from autoq.rules import softmax_ranges
 from autoq.rules.lut_ranges import bounded_lut_outputs, cut, cut_lut_inputs, lut_input_bounds
 from autoq.rules.residual_channels import widen
 from autoq.simulation import SimResult
@@ -280,8 +281,12 @@ def split_bias_holdout(dataset, config: Config) -> tuple:
 def cut_slots(sim: SimResult, config: Config) -> set[str]:
     """The lookup-table input slots whose range ``Config.rules`` "lookup_input_ranges" cuts where the
     activation is flat (:mod:`autoq.rules.lut_ranges`): values beyond their grid are meant to be
-    clipped (they give the same table entry)."""
-    return set(lut_input_bounds(sim)) if config.has_rule("lookup_input_ranges") else set()
+    clipped (they give the same table entry); with "softmax_input_ranges", the masked softmax
+    inputs cut below the scores (:mod:`autoq.rules.softmax_ranges`)."""
+    out = set(lut_input_bounds(sim)) if config.has_rule("lookup_input_ranges") else set()
+    if config.has_rule("softmax_input_ranges"):
+        out |= set(softmax_ranges.softmax_input_slots(sim))
+    return out
 
 
 def scale_problems(health: dict, qparams: dict, sim: SimResult, config: Config) -> dict[str, str]:
@@ -426,6 +431,8 @@ def run_plan(
     result: dict[str, QParam] = {}
     n = sum(r.n for r in runners)
     bounds = lut_input_bounds(sim) if config.has_rule("lookup_input_ranges") else {}
+    on = config.has_rule("softmax_input_ranges")
+    softmax_inputs = softmax_ranges.softmax_input_slots(sim) if on else {}
     show = (resources or Resources()).show_progress
     bar = progress_bar(total=len(plan.segments) * n, desc="calibrating", show=show)
     pending: dict[str, list] = {}  # the previous segment's health observers, still filling
@@ -439,6 +446,9 @@ def run_plan(
                     qp = widen(choose_qparams(runners, sid, specs[sid], ahead.get(sid)), sim, sid)
                     if sid in bounds:  # autoq.rules.lut_ranges
                         qp = cut(qp, bounds[sid], specs[sid])
+                    if sid in softmax_inputs:  # autoq.rules.softmax_ranges
+                        a, b = softmax_inputs[sid]
+                        qp = softmax_ranges.cut(qp, result[a], result[b], specs[sid])
                 result[sid] = qp
                 chosen[sid] = (qp.scale, qp.zero_point)
             _finish_health(pending, health, specs)
@@ -623,6 +633,7 @@ def _calibrate_fp32(sim, samples, config, target, stats, health) -> dict[str, QP
         for s, obs, sp in zip(slots, observers, specs, strict=True)
     }
     cut_lut_inputs(sim, result, config)
+    softmax_ranges.cut_softmax_inputs(sim, result, config)
     # the chosen scales against the values they represent
     checks = feed_observers([HealthCheck(result[s]).observer() for s in slots], run(samples))
     health.update({s: obs.compute() for s, obs in zip(slots, checks, strict=True)})

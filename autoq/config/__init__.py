@@ -66,6 +66,10 @@ ACTIVATION_RULES = {
     "channel (autoq.rules.depthwise_channels)",
     "residual_per_channel": "a transformer's residual-stream tensors get one grid per channel "
     "of the hidden dimension (autoq.rules.residual_channels)",
+    "softmax_input_ranges": "a masked softmax input's grid ends 16 below the scores' minimum "
+    "instead of spanning the mask (autoq.rules.softmax_ranges)",
+    "lookup_between_dynamic": "a table-lookup layer written and read only by dynamic layers "
+    "(a transformer's FFN GELU) runs in float (autoq.rules.dynamic_lookups)",
 }
 
 

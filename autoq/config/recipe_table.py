@@ -63,12 +63,18 @@ def _table() -> dict[str, Recipe]:
         ),
         "transformer": Recipe(
             "attention / LayerNorm models: dense layers int8 with per-token run-time "
-            "activation scales, the rest static int8, the residual stream and GELU lookups "
-            "per channel, round half to even",
+            "activation scales, the lookups between them (the FFN GELU) in float, the rest "
+            "static int8, the residual stream per channel, masked softmax inputs cut below the "
+            "scores, round half to even",
             activation=mse,
             rounding="half_even",
             check_scales=False,
-            rules=("residual_per_channel", "lookup_per_channel"),
+            rules=(
+                "residual_per_channel",
+                "lookup_per_channel",
+                "softmax_input_ranges",
+                "lookup_between_dynamic",
+            ),
             overrides=(dense_per_token,),
         ),
         "dynamic": Recipe(

@@ -24,7 +24,10 @@ a single ``clip`` for a chain of clips (``relu6`` included), float convolutions 
 explicit ``out_dtype``, float32-valued attributes (leaky relu's alpha), attention masks
 of ``finfo.min`` (-> -1e4, :mod:`autoq.ir.attention_mask`) and a division by a constant as a
 multiplication by its float32 reciprocal (``x / c`` -> ``x * (1/c)``, within 1.5 ulp; so
-``x / c`` is quantized like ``x * c``, after the rules that read a ``/ 6`` or ``/ sqrt 2``). A
+``x / c`` is quantized like ``x * c``, after the rules that read a ``/ 6`` or ``/ sqrt 2``), and
+a residual added after the reshape of a dense output (``reshape(x @ W + b) + r``, a
+transformer's FFN output) before it (``reshape(x @ W + b + reshape(r))``: the dense layer's
+residual, added in float by a dynamic dense layer instead of an 8-bit ``add``). A
 rule only fires when its constants are the operation's (to 1e-6 relative): ``x * clip(x * 0.2
 + 0.5, 0, 1)`` (ONNX HardSigmoid's default alpha) is left alone. The rules are a table
 (:data:`RULES`); adding a decomposition is one row.
@@ -54,7 +57,7 @@ from tvm_ffi import structural_equal
 
 from autoq.ir.attention_mask import mask_multiply, mask_where, rewrite_mask_constant
 from autoq.ir.prepare import rebind
-from autoq.ir.toolkit import bindings, const_array, free_vars, op_name, with_main
+from autoq.ir.toolkit import bindings, const_array, free_vars, op_name, shape_of, with_main
 
 __all__ = ["CANONICAL_OPS", "RULES", "Rule", "canonicalize", "hardsigmoid", "hardswish"]
 
@@ -364,6 +367,31 @@ def _reciprocal(m, p):
     return relax.op.multiply(m[p["x"]], relax.const(inv, "float32"))
 
 
+def _residual_after_reshape():
+    x, w, b, r, shape = wildcard(), wildcard(), wildcard(), wildcard(), wildcard()
+    dense = is_op("relax.add")(is_op("relax.matmul")(x, w), b)
+    reshaped = is_op("relax.reshape")(dense, shape)
+    root = _either("relax.add", reshaped, r)
+    return root, {"dense": dense, "reshaped": reshaped, "r": r}
+
+
+def _residual_before_reshape(m, p):
+    """``reshape(x @ W + b) + r`` -> ``reshape(x @ W + b + reshape(r))`` when the reshape
+    keeps the last axis and ``r`` has its output's shape: the same additions of the same
+    float32 numbers (bit-identical), written so that the residual add belongs to the dense
+    layer (a transformer's FFN output ``(tokens, hidden)`` reshaped to ``(1, tokens,
+    hidden)`` before its residual): the ``dense_bias_add`` pattern then reads the residual
+    in float instead of an 8-bit ``add`` layer rounding the residual stream."""
+    dense, reshaped, r = m[p["dense"]], m[p["reshaped"]], m[p["r"]]
+    d_shape, out_shape, r_shape = (shape_of(e) for e in (dense, reshaped, r))
+    if None in (d_shape, out_shape, r_shape) or r_shape != out_shape:
+        return None
+    if not d_shape or d_shape[-1] != out_shape[-1] or r.ty.dtype != "float32":
+        return None
+    inner = relax.op.add(dense, relax.op.reshape(r, d_shape))
+    return relax.op.reshape(inner, out_shape)
+
+
 #: the rewrite table, applied in order, each to a fixed point
 RULES: list[Rule] = [
     Rule("clip_chain", _clip_chain, _merge_clips),
@@ -381,6 +409,8 @@ RULES: list[Rule] = [
     # finfo.min attention masks -> a quantizable constant (autoq.ir.attention_mask)
     Rule("attention_mask_multiply", mask_multiply, rewrite_mask_constant),
     Rule("attention_mask_where", mask_where, rewrite_mask_constant),
+    # a transformer's FFN residual added before the reshape back to (1, tokens, hidden)
+    Rule("residual_before_reshape", _residual_after_reshape, _residual_before_reshape),
     # after every rule that reads a division by a constant (hardswish's / 6, gelu's / sqrt 2)
     Rule("divide_by_constant", _divide_by_constant, _reciprocal),
 ]
