@@ -195,7 +195,7 @@ def _autoq_child(
         "int8_layers": len(res.int8_layers),
         "fp32_layers": len(res.fp32_layers),
         "warnings": [w.splitlines()[0][:160] for w in res.warnings],
-        "target": " ".join([str(target.mcpu), *map(str, target.mattr)]),
+        "target": " ".join([str(target.mcpu), *map(str, getattr(target, "mattr", ()))]),
     }
 
 
