@@ -157,5 +157,59 @@ def test_chains_the_kernels_cannot_fuse_stay_unfused(odd):
         _same_as_generic(mod, x_shape, target)
 
 
+def _four_blocks(rounding: str, per_channel: bool):
+    """main(x) = four conv3x3 -> add(bias) -> requantize blocks of one shape (16 -> 16
+    channels, each block reading the previous one's output, zero point -7) with different
+    weights, biases, scales and output zero points."""
+    rng = np.random.default_rng(3)
+    x = relax.Var("x", relax.TensorType((1, 16, 8, 8), "int8"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            h = x
+            for s_out, z_out in ((0.05, -7), (0.03, -7), (0.04, -7), (0.06, 5)):
+                w = relax.const(rng.integers(-128, 128, (16, 16, 3, 3)).astype(np.int8))
+                qw = [
+                    relax.const(np.full(16, 0.01, np.float32)),
+                    relax.const(np.zeros(16, "int32")),
+                ]
+                z_in = -7  # (the first three blocks' output zero point)
+                q_in = [relax.const(np.float32(0.02)), relax.const(np.int32(z_in))]
+                acc = bb.emit(qnn.conv2d(h, w, *q_in, *qw, (1, 1), (1, 1, 1, 1)))
+                b = rng.integers(-5000, 5000, (1, 16, 1, 1)).astype(np.int32)
+                acc = bb.emit(relax.op.add(acc, relax.const(b)))
+                s_in = rng.uniform(1e-4, 3e-4, 16 if per_channel else 1).astype(np.float32)
+                req = qnn.requantize(
+                    acc, relax.const(s_in), relax.const(np.zeros(s_in.size, np.int32)),
+                    relax.const(np.float32(s_out)), relax.const(np.int32(z_out)), axis=1,
+                    out_dtype="int8", rounding=rounding,
+                )  # fmt: skip
+                h = bb.emit(req)
+            out = bb.emit_output(h)
+        bb.emit_func_output(out)
+    return tvm.IRModule({"main": bb.get()["main"]})
+
+
+@pytest.mark.parametrize("target", TARGETS[:2])
+@pytest.mark.parametrize(("rounding", "per_channel"), [("float", True), ("tflite", False)])
+def test_layers_of_one_shape_share_one_kernel(target, rounding, per_channel):
+    # the epilogue's values are table rows, not immediates: the second and third blocks
+    # (both reading and writing the blocked layout) call one PrimFunc; the first (reading
+    # NCHW) and the last (writing NCHW) their own
+    target = tvm.target.Target(target)
+    mod = _four_blocks(rounding, per_channel)
+    lowered = lower_to_cpu_kernels(mod, target)
+    kernels = [gv.name_hint for gv in lowered.functions if gv.name_hint.startswith("autoq")]
+    calls = [
+        b.value.args[0].name_hint
+        for block in lowered["main"].body.blocks
+        for b in block.bindings
+        if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"
+    ]
+    assert len(kernels) == 3, kernels
+    assert len(calls) == 4 and calls[1] == calls[2]
+    _same_as_generic(mod, (1, 16, 8, 8), target)
+
+
 def test_doctests():
     assert doctest.testmod(epilogue).failed == 0

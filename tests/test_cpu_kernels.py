@@ -15,7 +15,7 @@ import tvm
 from tvm import relax
 
 import autoq
-from autoq import Config
+from autoq import Config, qnn
 from autoq.cpu import isa as isa_mod
 from autoq.cpu import lut as lut_mod
 from autoq.cpu import packing, tiling
@@ -339,6 +339,44 @@ def test_fused_upsampling_read_is_unrolled_and_exact():
     lib["main"](tvm.runtime.tensor(xa), tvm.runtime.tensor(xb), got)
     ref = np.repeat(xa.astype(np.int32), 2, axis=1) + xb
     np.testing.assert_array_equal(got.numpy(), ref)
+
+
+def test_large_blocks_are_not_inlined_into_each_other():
+    """Two TFLite-rounding qnn.adds in a row, then a dequantize (MiniLM's embedding sum):
+    ScheduleFused keeps the adds two loop nests (inlined into one, the TIR simplifier took
+    seconds over the expression), the dequantize inlined; same values as without autoq's
+    kernels and schedules."""
+    from autoq.cpu.injective import ScheduleFused
+    from autoq.ir.cpu_pipeline import fused
+
+    shape = (64, 96)
+    names = ("a", "b", "c")
+    xs = [relax.Var(n, relax.TensorType(shape, "int8")) for n in names]
+    f32 = lambda v: relax.const(np.float32(v))  # noqa: E731
+    i32 = lambda v: relax.const(np.int32(v))  # noqa: E731
+    bb = relax.BlockBuilder()
+    with bb.function("main", xs):
+        with bb.dataflow():
+            q = (f32(0.02), i32(3), f32(0.03), i32(-5), f32(0.04), i32(1))
+            ab = bb.emit(qnn.add(xs[0], xs[1], *q, rounding="half_even"))
+            q = (f32(0.04), i32(1), f32(0.01), i32(2), f32(0.05), i32(-2))
+            abc = bb.emit(qnn.add(ab, xs[2], *q, rounding="half_even"))
+            out = bb.emit_output(bb.emit(qnn.dequantize(abc, f32(0.05), i32(-2))))
+        bb.emit_func_output(out)
+    mod, target = bb.get(), _target(HOST)
+    with target:
+        scheduled = ScheduleFused()(fused(mod, target))
+    (func,) = [f for gv, f in scheduled.functions_items() if "qnn_add" in gv.name_hint]
+    sch = tvm.s_tir.Schedule(func)
+    blocks = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    assert blocks == ["qnn_add", "dequantize"]  # (qnn_add1 inlined into the dequantize)
+    rng = np.random.default_rng(5)
+    args = [tvm.runtime.tensor(_data(rng, shape, "int8")) for _ in names]
+    outs = []
+    for kernels in (True, False):
+        ex = autoq.compile(mod, target, cpu_kernels=kernels)
+        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](*args).numpy())
+    np.testing.assert_array_equal(outs[0], outs[1])
 
 
 def test_doctests():

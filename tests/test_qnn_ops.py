@@ -717,6 +717,39 @@ def test_simulated_quantize_dequantize():
     assert_bit_exact(got[12], ref_rt, "runtime simulated_dequantize")
 
 
+def test_simulated_ops_of_any_shape_share_one_kernel():
+    # every layer's weight / activation quantize of a calibration graph: one PrimFunc per
+    # rank and parameter kind, whatever the shapes, and still numpy's values bit for bit
+    rng = np.random.default_rng(9)
+    shapes = [(1, 16, 6, 5), (1, 8, 3, 7), (2, 16, 1, 9)]
+    inputs = {f"x{k}": rng.normal(0, 40, s).astype(np.float32) for k, s in enumerate(shapes)}
+    inputs |= {"s": np.array(0.3, np.float32), "z": np.array(-4, np.int32)}
+    chans = [rng.uniform(0.1, 2.0, s[1]).astype(np.float32) for s in shapes]
+    zps = [rng.integers(-5, 5, s[1]).astype(np.int32) for s in shapes]
+
+    def body(*v):
+        xs, s_rt, z_rt = v[:-2], v[-2], v[-1]
+        out = []
+        for x, sc, zp in zip(xs, chans, zps, strict=True):
+            out.append(qnn.simulated_quantize(x, s_rt, z_rt))
+            q = qnn.simulated_quantize(x, f32(sc), i32(zp), axis=1)
+            out += [q, qnn.simulated_dequantize(q, f32(sc), i32(zp), axis=1)]
+        return out
+
+    lowered = relax.transform.LegalizeOps()(build_module(inputs, body))
+    kernels = [gv.name_hint for gv in lowered.functions if gv.name_hint != "main"]
+    # the first two shapes share the three kernels; the third (dims of 1 elsewhere: those
+    # stay static) has its own three
+    assert len(kernels) == 6, kernels
+    got = run(inputs, body)
+    for k, (x, sc, zp) in enumerate(zip(list(inputs.values())[:3], chans, zps, strict=True)):
+        q = _sim_ref(x, sc, zp, 8, True, "saturate", axis=1)
+        assert_bit_exact(got[3 * k], _sim_ref(x, 0.3, -4, 8, True, "saturate"), f"{k} per tensor")
+        assert_bit_exact(got[3 * k + 1], q, f"{k} per channel")
+        ref = P.dequantize(q, sc, zp, axis=1).astype(np.float32)
+        assert_bit_exact(got[3 * k + 2], ref, f"{k} dequantize")
+
+
 # ----------------------------------------------------------------------- errors
 
 

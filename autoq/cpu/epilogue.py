@@ -8,14 +8,20 @@ saturation to the output dtype's range, which is where folded ReLU / ReLU6 clips
 :meth:`Epilogue.value` builds its TIR expression from the same TE helpers the ``qnn.requantize``
 legalization uses (:mod:`autoq.qnn.tensor_exprs`), so the fused result is bit-identical.
 
-Per-channel values (the bias, per-axis scales, zero points, integer multipliers / shifts) are
-rows of one int32 table ``[rows, channels]`` the kernel takes as an extra input (float32
-scales bit-cast to int32); scalar values are immediates.
+Every value (the bias, the scales, the zero points, the integer multipliers / shifts) is a
+row of one int32 table ``[rows, channels]`` the kernel takes as an extra input (float32
+scales bit-cast to int32; a scalar repeated along its row), except a zero input zero point
+(an accumulator's), which stays an immediate for :func:`dequantize_value`'s int32 path. So
+the kernel's code depends on the shapes, the rounding mode and which values are per channel,
+never on the values themselves: layers of one shape share one compiled kernel (the Relax
+``BlockBuilder`` adds a structurally equal PrimFunc once), whatever their qparams.
 
 >>> e = Epilogue(np.array([1, 2], np.int32), (np.float32(0.5), 0, np.float32(1.0), 3),
 ...              "float", "int8", 2)
->>> e.rows, e.table().tolist()
-(('bias',), [[1, 2]])
+>>> e.rows
+('bias', 's_in', 's_out', 'z_out')
+>>> e.table()[[0, 3]].tolist(), e.table()[1].view(np.float32).tolist()
+([[1, 2], [3, 3]], [0.5, 0.5])
 >>> tail(None)(7, 0, None)  # no epilogue: the int32 value as it is
 7
 """
@@ -79,17 +85,20 @@ class Epilogue:
 
     @property
     def rows(self) -> tuple[str, ...]:
-        """Names of the per-channel rows of :meth:`table`, in order."""
-        return tuple(name for name, v in self._named() if np.size(v) != 1)
+        """Names of the rows of :meth:`table`, in order: every value but a scalar ``z_in``
+        of 0 (an immediate)."""
+        return tuple(name for name, v in self._named() if not _immediate(name, v))
 
     def table(self) -> np.ndarray:
-        """The int32 ``[max(1, len(rows)), channels]`` table of per-channel values (a row of
-        zeros when there are none: the kernels take the table either way)."""
+        """The int32 ``[max(1, len(rows)), channels]`` table of the values, a scalar repeated
+        along its row (a row of zeros when there are none: the kernels take the table either
+        way)."""
         out = np.zeros((max(1, len(self.rows)), self.channels), np.int32)
         values = dict(self._named())
         for r, name in enumerate(self.rows):
             dtype = np.float32 if name in _FLOATS else np.int32
-            out[r] = np.asarray(values[name]).astype(dtype).reshape(-1).view(np.int32)
+            v = np.broadcast_to(np.asarray(values[name]).astype(dtype).reshape(-1), out[r].shape)
+            out[r] = v.view(np.int32)
         return out
 
     def value(self, acc, channel, load, saturates: bool = True):
@@ -100,8 +109,8 @@ class Epilogue:
         rows = self.rows
 
         def get(name, v):
-            if name in rows:
-                x = load(rows.index(name), channel)
+            if name in rows:  # (a scalar from its row's first entry: loop invariant)
+                x = load(rows.index(name), channel if np.size(v) != 1 else 0)
                 return tirx.reinterpret("float32", x) if name in _FLOATS else x
             v = np.asarray(v).reshape(-1)[0]
             if name in _FLOATS:
@@ -127,6 +136,12 @@ class Epilogue:
         d = acc.astype("int64") - p["z_in"].astype("int64")
         y = fixed_point_multiply(d, p["multiplier"], p["shift"], self.rounding)
         return clip_int64(y + p["z_out"].astype("int64"), qmin, qmax, self.out_dtype)
+
+
+def _immediate(name: str, v) -> bool:
+    """Whether the value ``name`` stays an immediate instead of a table row: a scalar input
+    zero point 0 (the accumulator's; :func:`dequantize_value` skips its subtraction)."""
+    return name == "z_in" and np.size(v) == 1 and not np.any(v)
 
 
 def epilogue_compute(shape, value, axis: int, epilogue: Epilogue | None, inputs: list):

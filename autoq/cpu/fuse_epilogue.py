@@ -77,7 +77,7 @@ def _bias(add: relax.Call, kernel_var, shape, axis: int):
 
 def _epilogue(req: relax.Call, bias, shape, axis: int, dtypes=OUT_DTYPES) -> Epilogue | None:
     """The :class:`Epilogue` of ``req`` on a kernel output ``shape`` (channels on ``axis``);
-    a per-channel operand with one value throughout becomes a scalar (an immediate)."""
+    a per-channel operand with one value throughout becomes a scalar."""
     a = req.attrs
     out_dtype, rounding = str(a["out_dtype"]), str(a["rounding"])
     if out_dtype not in dtypes:

@@ -4,7 +4,8 @@ TVM's default CPU pipeline leaves every fused function (bias add + requantize + 
 add, pooling, padding, softmax, layer norm, a matmul of two activations, ...) as a naive,
 single-threaded loop nest. :func:`schedule_fused` gives each one the same cheap schedule:
 intermediate blocks inlined where possible (never into a reduction, whose inner loop would
-recompute them, with transposes or exps, on every step), reductions vectorized and register
+recompute them, with transposes or exps, on every step, and never a large integer expression into another, see
+``MAX_INLINE_INT64_NODES``), reductions vectorized and register
 blocked by :func:`autoq.ir.loop_schedule.schedule_reductions`, then every remaining block
 parallel over its leading spatial loops (the innermost loop is left to LLVM's vectorizer;
 when it reads ``x[..., i // k]``, a fused nearest-neighbour upsampling, it is split by ``k``
@@ -26,6 +27,12 @@ __all__ = ["KERNEL_ATTR", "ScheduleFused", "schedule_fused"]
 
 KERNEL_ATTR = "autoq.kernel"  # PrimFuncs that already carry their own schedule
 MIN_PARALLEL_ELEMENTS = 4096  # below this a thread-pool launch costs more than it saves
+# a block with more int64 nodes is not inlined into a consumer with more: integer-mode
+# requantizes (a TFLite / half-even add or multiply: 80-170 nodes, nearly all int64
+# fixed-point arithmetic) inlined into each other make expressions the TIR simplifier takes
+# seconds over (MiniLM: 11 s for its embedding sum); into a small consumer (a dequantize)
+# they inline (keeping that one measured 17% faster on MiniLM); float chains always inline
+MAX_INLINE_INT64_NODES = 48
 
 
 def _blocks(sch: Schedule) -> list:
@@ -97,6 +104,32 @@ def _unroll_upsampling(sch: Schedule, block) -> None:
         sch.unroll(sch.split(loops[-1], [None, ks[0]])[1])
 
 
+def _int64_nodes(expr) -> int:
+    """Nodes of int64 type in a TIR expression (the value a block stores)."""
+    n = int(str(expr.ty) == "int64")
+    for name in _CHILDREN:
+        child = getattr(expr, name, None)
+        if isinstance(child, tvm.ir.expr.Expr):
+            n += _int64_nodes(child)
+    for child in getattr(expr, "args", None) or ():
+        if isinstance(child, tvm.ir.expr.Expr):
+            n += _int64_nodes(child)
+    return n
+
+
+def _int64_size(sch: Schedule, block) -> int:
+    body = sch.get(block).body
+    return _int64_nodes(body.value) if isinstance(body, tirx.BufferStore) else 0
+
+
+def _too_big_to_inline(sch: Schedule, block) -> bool:
+    """Whether ``block`` and one of its consumers both have more than
+    ``MAX_INLINE_INT64_NODES`` int64 nodes."""
+    if _int64_size(sch, block) <= MAX_INLINE_INT64_NODES:
+        return False
+    return any(_int64_size(sch, c) > MAX_INLINE_INT64_NODES for c in sch.get_consumers(block))
+
+
 def _feeds_reduction(sch: Schedule, block) -> bool:
     for consumer in sch.get_consumers(block):
         kinds = [iv.iter_type for iv in sch.get(consumer).iter_vars]
@@ -118,7 +151,7 @@ def schedule_fused(func: tirx.PrimFunc, rows: int = 4) -> tirx.PrimFunc:
     except RuntimeError:  # ScheduleError, InternalError: no root block, not TE-built
         return func
     for block in blocks[:-1]:
-        if _feeds_reduction(sch, block):
+        if _feeds_reduction(sch, block) or _too_big_to_inline(sch, block):
             continue
         try:
             sch.compute_inline(block)

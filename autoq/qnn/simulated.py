@@ -9,9 +9,8 @@ from tvm import relax, te, tirx
 
 from autoq import primitives as P
 from autoq.qnn.checks import attr, check_dtype, check_qparams, dims, fail, static_int, tensor_type
-from autoq.qnn.quantize import legalize_dequantize_as
 from autoq.qnn.registration import make_call, register
-from autoq.qnn.tensor_exprs import call_te, param_at, quantize_value
+from autoq.qnn.tensor_exprs import call_te_any_shape, dequantize_tensor, param_at, quantize_value
 
 __all__ = ["simulated_dequantize", "simulated_quantize"]
 
@@ -28,9 +27,16 @@ def _infer_simulated_dequantize(op, call):
     return tensor_type(dims(data), "float32")
 
 
-register(
-    simulated_dequantize, _infer_simulated_dequantize, legalize_dequantize_as("qnn_sim_dequantize")
-)
+def _legalize_simulated_dequantize(bb, call):
+    # (one kernel per rank and parameter shape kind, whatever the shapes: calibration
+    # graphs dequantize every layer's weights and activations)
+    axis = attr(call, "axis")
+    x, s, z = call.args
+    f = lambda x, s, z: dequantize_tensor(x, s, z, axis)  # noqa: E731
+    return call_te_any_shape(bb, f, [x], [s, z], "qnn_sim_dequantize")
+
+
+register(simulated_dequantize, _infer_simulated_dequantize, _legalize_simulated_dequantize)
 
 
 def simulated_quantize(
@@ -125,7 +131,7 @@ def _legalize_simulated_quantize(bb, call):
         return te.compute(x.shape, g, name="simulated_quantize")
 
     args = list(call.args)
-    return call_te(bb, f, args[:1], args[1:], "qnn_sim_quantize")
+    return call_te_any_shape(bb, f, args[:1], args[1:], "qnn_sim_quantize")
 
 
 register(simulated_quantize, _infer_simulated_quantize, _legalize_simulated_quantize)
