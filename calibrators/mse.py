@@ -19,11 +19,12 @@ int8, 255 with ``narrow_range``, 128 with ``reduce_range``); torch always uses `
 The spec's ``symmetric`` is applied afterwards (``max(|rmin|, |rmax|)``), as in torch.
 
 Vectorized: every channel walks at once, one step of all the channels still walking per
-numpy pass (:func:`mse_spans`; the searches are bisections over the rows), each error
-computed from the non-empty bins of its channel only (:func:`span_terms`, put back in
-place for the sum: the same float as over every bin), in blocks of rows that stay in
-cache; and the walk's skips of unchanged spans (long runs when one bin holds much mass,
-e.g. clipped ReLU6 outputs) are jumped with one search instead of one step each.
+numpy pass (:func:`mse_spans`; the searches are bisections over the rows, one
+``searchsorted`` when one row is left), each error computed from the non-empty bins of its
+channel only (:func:`span_terms`, put back in place for the sum: the same float as over
+every bin), in blocks of rows that stay in cache; and the walk's skips of unchanged spans
+(long runs when one bin holds much mass, e.g. clipped ReLU6 outputs) are jumped with one
+search instead of one step each.
 
 Differences from torch: the histogram covers the exact data range (torch re-bins with
 16x upsampling when the range grows); quantile bounds are step counts (torch accumulates
@@ -118,6 +119,24 @@ def _reaches(flat, base, x, strict: bool, rows, i):
     return v > x[rows] if strict else v >= x[rows]
 
 
+def _first_reaching(flat, base, x, strict: bool, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per row, the first ``i`` in ``[lo, hi)`` with ``cum[row, i] > x[row]`` (``strict``)
+    or ``>=``, ``hi`` where none is (``flat``, ``base`` as for :func:`_reaches`). One row:
+    :func:`numpy.searchsorted` on its (non-decreasing) cumulative counts, clipped to the
+    interval, which is that first index; several: :func:`_bisect` over the rows.
+
+    >>> cum = np.array([0.0, 2.0, 2.0, 5.0])
+    >>> one, lo, hi = np.zeros(1, np.int64), np.array([1]), np.array([4])
+    >>> [_first_reaching(cum, one, np.array([2.0]), s, lo, hi).tolist() for s in (False, True)]
+    [[1], [3]]
+    """
+    if lo.size == 1:
+        row = flat[base[0] : base[0] + int(hi[0])]  # (the row up to hi: no next row)
+        i = np.searchsorted(row, x[0], side="right" if strict else "left")
+        return np.array([min(max(int(i), int(lo[0])), int(hi[0]))])
+    return _bisect(partial(_reaches, flat, base, x, strict), lo, hi)
+
+
 def _beta_below(total, c, rows, k):
     """``total * beta(k) < c`` per row."""
     return total[rows] * _BETA[k] < c[rows]
@@ -187,10 +206,10 @@ def mse_spans(hist: np.ndarray, width: np.ndarray, dst_bins: int) -> tuple[np.nd
         lbase = base[live]
         x = lt * _ALPHA[a[live] + 1]
         # l: the first bin of [s, e] whose cumulative count reaches x (e if none does)
-        l = _bisect(partial(_reaches, flat, lbase, x, False), ls, le)
+        l = _first_reaching(flat, lbase, x, False, ls, le)
         y = lt * _BETA[b[live] + 1]
         # r: the last bin of [s, e] whose cumulative count is at most y (s if none is)
-        r = np.maximum(_bisect(partial(_reaches, flat, lbase, y, True), ls, le + 1) - 1, ls)
+        r = np.maximum(_first_reaching(flat, lbase, y, True, ls, le + 1) - 1, ls)
         move_s = l - ls > le - r
         move_e = ~move_s & (r < le)
         stuck = ~move_s & ~move_e

@@ -9,9 +9,9 @@ from tvm.relax.dpl import is_op, wildcard
 
 from autoq import Config, Fallback
 from autoq.ir.graph import GraphError, prepare
-from autoq.ir.matching import find_matches, layer_ids
+from autoq.ir.matching import find_matches, layer_ids, root_op
 from autoq.ir.registry import PATTERNS, Pattern, ordered_patterns, register
-from models import Builder, conv, small_cnn
+from models import Builder, attention, conv, ln_block, mlp, small_cnn
 
 
 def _by_layer(matches):
@@ -185,3 +185,26 @@ def test_unknown_pattern_names_in_config_are_an_error():
         find_matches(prepare(mod, params), Config(recipe="cnn", patterns=("conv3d",)))
     only_dense = find_matches(prepare(mod, params), Config(recipe="cnn", patterns=("dense_bias",)))
     assert [m.layer for m in only_dense] == ["fc"]
+
+
+@pytest.mark.parametrize("build", [small_cnn, mlp, attention, ln_block])
+def test_a_call_of_another_op_than_the_root_op_never_matches(build):
+    """The matcher skips the bindings whose call is not of a pattern's root op: TVM's own
+    matcher finds nothing there either (every registered pattern, every binding)."""
+    mod, params = build()[:2]
+    g = prepare(mod, params)
+    v2v = dict(g.value)
+    filtered = checked = 0
+    for pat in ordered_patterns(None):
+        alts = pat.build()
+        for root_pat, _ in alts if isinstance(alts, list) else [alts]:
+            op = root_op(root_pat)
+            for _, value in g.bindings:
+                if not isinstance(value, relax.Call):
+                    continue
+                hit = root_pat.extract_matched_expr(value, v2v) is not None
+                checked += hit
+                if op is not None and not value.op.same_as(op):
+                    filtered += 1
+                    assert not hit, (pat.name, value.op)
+    assert filtered > 0 and checked > 0

@@ -131,3 +131,41 @@ def test_import_registers_the_stock_intrinsics():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_autoq_dot_intrinsics_parsed_at_first_use_as_with_inspect_stack():
+    """In a fresh process: importing the lowering parses none of autoq's dot intrinsics;
+    registering parses them (cheap stack) into the functions the real inspect.stack gives."""
+    code = textwrap.dedent(
+        """
+        import inspect
+        import autoq.build, autoq.cpu.lowering
+        from tvm.s_tir import TensorIntrin
+        from tvm.tirx.script.parser import entry
+        import tvm
+        from autoq.cpu import intrinsics
+        assert intrinsics.dot_functions.cache_info().currsize == 0
+        for name in (intrinsics.VNNI_DOT, intrinsics.AVX2_DOT):
+            try:
+                TensorIntrin.get(name)
+            except Exception:
+                pass
+            else:
+                raise AssertionError(name + " registered at import")
+        intrinsics.register_intrinsics()
+        intrinsics.register_intrinsics()  # idempotent
+        assert entry.inspect is inspect
+        # parsed again with the real inspect.stack (the cheap stack swapped for a no-op)
+        import contextlib
+        intrinsics.cheap_tvmscript_stack = contextlib.nullcontext
+        ref = intrinsics.dot_functions.__wrapped__()
+        assert sorted(ref) == sorted([intrinsics.VNNI_DOT, intrinsics.AVX2_DOT])
+        for name, (desc, impl) in ref.items():
+            got = TensorIntrin.get(name)
+            tvm.ir.assert_structural_equal(got.desc, desc)
+            tvm.ir.assert_structural_equal(got.impl, impl)
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

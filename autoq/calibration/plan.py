@@ -95,10 +95,12 @@ def _liveness(segs: list[tuple[Segment, list]]) -> tuple[list[list], list[list],
     ins: list[list] = []
     for i, (_, b) in enumerate(segs):
         seen: list = []
+        known: set = set()  # the vars of seen (a relax Var hashes and compares by its handle)
         for _, value in b:
             for u in free_vars(value):
-                if defined_in.get(u) != i and not any(u.same_as(x) for x in seen):
+                if defined_in.get(u) != i and u not in known:
                     seen.append(u)
+                    known.add(u)
                 last_use[u] = i
         ins.append(seen)
     outs = [[v for v, _ in b if last_use.get(v, -1) > i] for i, (_, b) in enumerate(segs)]
@@ -147,7 +149,8 @@ def build_plan(sim: SimResult) -> tuple[CalibrationPlan, dict[str, relax.Functio
     segs = _cut(pairs, needed, dynamic, sq_slot)
     ins, outs, last_use = _liveness(segs)
     pro_vars = {v for v, _ in prologue}
-    pro_out = sorted((v for v in pro_vars if any(v in s for s in ins)), key=lambda v: v.name)
+    read = {v for s in ins for v in s}  # read by some segment
+    pro_out = sorted((v for v in pro_vars if v in read), key=lambda v: v.name)
     params = set(func.params)
     functions, parts = {}, []
     for i, (part_in, part_out) in enumerate(_prologue_parts(prologue, pro_out, params, key)):

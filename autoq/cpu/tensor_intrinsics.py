@@ -34,6 +34,7 @@ __all__ = ["CONTEXT_FRAMES", "cheap_stack", "cheap_tvmscript_stack", "import_ten
 CONTEXT_FRAMES = 3
 
 _LOCK = threading.Lock()
+_SWAP_LOCK = threading.RLock()  # one thread at a time within cheap_tvmscript_stack
 
 
 def cheap_stack(context: int = 1, *, skip: int = 1) -> list[inspect.FrameInfo]:
@@ -72,16 +73,17 @@ class _InspectWithCheapStack:
 @contextlib.contextmanager
 def cheap_tvmscript_stack():
     """Within the block TVMScript's ``T.prim_func`` reads the caller's stack with
-    :func:`cheap_stack`; restored on exit, also on error. Blocks on several threads
-    at once must not overlap (:func:`import_tensor_intrinsics` serializes its own)."""
+    :func:`cheap_stack`; restored on exit, also on error. Blocks on several threads run
+    one after the other (a lock; re-entrant on one thread)."""
     from tvm.tirx.script.parser import entry
 
-    saved = entry.inspect
-    entry.inspect = _InspectWithCheapStack()
-    try:
-        yield
-    finally:
-        entry.inspect = saved
+    with _SWAP_LOCK:
+        saved = entry.inspect
+        entry.inspect = _InspectWithCheapStack()
+        try:
+            yield
+        finally:
+            entry.inspect = saved
 
 
 def import_tensor_intrinsics() -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import tvm
 from tvm import relax
-from tvm.relax.dpl import WildcardPattern
+from tvm.relax.dpl import CallPattern, ExprPattern, WildcardPattern
 
 from autoq.config import Config, Fallback, compile_rule
 from autoq.config.progress import bar
@@ -116,11 +116,14 @@ def match_all(g: Graph, patterns: list[Pattern]) -> list[Match]:
     for pat in bar(patterns, desc="match", unit="pattern"):  # (drawn inside a shown run)
         alts = pat.build()
         alts = alts if isinstance(alts, list) else [alts]
+        alts = [(root_pat, named, root_op(root_pat)) for root_pat, named in alts]
         for var, value in g.bindings:
             if var in claimed or not isinstance(value, tvm.ir.Call):
                 continue
             m = None
-            for root_pat, named in alts:
+            for root_pat, named, op in alts:
+                if op is not None and not value.op.same_as(op):
+                    continue  # a call of another op: the matcher would find nothing
                 m = _try_match(g, pat, root_pat, named, var, value, v2v, val2var)
                 if m is not None and not any(c in claimed for c in m.covered):
                     break
@@ -146,6 +149,22 @@ def layer_ids(g: Graph, config: Config | None = None) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ helpers
+
+
+def root_op(pattern) -> tvm.ir.Op | None:
+    """The op a call must call for ``pattern`` to match it: that of an ``is_op(...)(...)``
+    call pattern; None for any other pattern (no op known up front).
+
+    >>> from tvm.relax.dpl import is_op, wildcard
+    >>> root_op(is_op("relax.add")(wildcard(), wildcard())).name
+    'relax.add'
+    >>> root_op(wildcard()) is None
+    True
+    """
+    if isinstance(pattern, CallPattern) and isinstance(pattern.op, ExprPattern):
+        expr = pattern.op.expr
+        return expr if isinstance(expr, tvm.ir.Op) else None
+    return None
 
 
 def _interior_patterns(named: dict) -> set[str]:
