@@ -16,6 +16,7 @@ in-process.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 import traceback
@@ -557,8 +558,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: clean-up ran in the finally blocks
-        print(MESSAGE, file=sys.stderr)
-        return exit_code(e)
+        code = exit_code(e)
+    # the interrupt freed first (a TVM BlockBuilder left mid-function in its frames logs a
+    # warning when freed), so that the interrupt line is the last one printed
+    gc.collect()
+    print(MESSAGE, file=sys.stderr)
+    return code
 
 
 def _main(argv: Sequence[str] | None) -> int:
