@@ -10,7 +10,7 @@ then **warm** (the same model again: the libraries loaded, nothing compiled); th
 hits and misses are printed. The machine is shared: CPU seconds are the fair measure, and
 the load average is printed next to every row.
 
-    python benchmarks/quantize_time.py                         # four models, 64 samples
+    python benchmarks/quantize_time.py                         # five models, 64 samples
     python benchmarks/quantize_time.py --models resnet50 --samples 64
 
 Extras: those of ``peers.py``. Numbers only: nothing here asserts a timing.
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import peers
 
-MODELS = ("resnet50", "efficientnet_lite0", "ppocr_det", "minilm")
+MODELS = ("resnet50", "mobilenetv2", "efficientnet_lite0", "ppocr_det", "minilm")
 
 
 def _autoq_child(**kwargs) -> dict:
