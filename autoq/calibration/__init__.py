@@ -51,7 +51,8 @@ from autoq.ir.toolkit import compile_vm, compile_vms, make_function
 from autoq.qparams import QParam, QParams
 from autoq.recipes import resolve
 from autoq.rules import softmax_ranges
-from autoq.rules.lut_ranges import bounded_lut_outputs, cut, cut_lut_inputs, lut_input_bounds
+from autoq.rules.lut_ranges import bounded_lut_outputs, cut, lut_input_bounds
+from autoq.rules.range_cuts import cut_ranges
 from autoq.rules.residual_channels import widen
 from autoq.simulation import SimResult
 from autoq.threads import use_machine_cores
@@ -632,8 +633,7 @@ def _calibrate_fp32(sim, samples, config, target, stats, health) -> dict[str, QP
         s: widen(checked_result(obs.compute(sp), sp.calibrator, s), sim, s)
         for s, obs, sp in zip(slots, observers, specs, strict=True)
     }
-    cut_lut_inputs(sim, result, config)
-    softmax_ranges.cut_softmax_inputs(sim, result, config)
+    cut_ranges(sim, result, config)
     # the chosen scales against the values they represent
     checks = feed_observers([HealthCheck(result[s]).observer() for s in slots], run(samples))
     health.update({s: obs.compute() for s, obs in zip(slots, checks, strict=True)})

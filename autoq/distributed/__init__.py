@@ -75,8 +75,7 @@ from autoq.distributed.remote_shards import RemoteShard
 from autoq.distributed.shard_actor import ShardActor, shard_name
 from autoq.errors import InputError
 from autoq.ir.toolkit import compile_executable
-from autoq.rules import softmax_ranges
-from autoq.rules.lut_ranges import cut_lut_inputs
+from autoq.rules.range_cuts import cut_ranges
 from autoq.simulation import SimResult
 
 __all__ = [
@@ -551,8 +550,7 @@ def _fp32(sim, shard_set: ShardSet, target, stats, health, config) -> dict:
         s: checked_result(o.compute(sp), sp.calibrator, s)
         for s, o, sp in zip(slots, merged, specs, strict=True)
     }
-    cut_lut_inputs(sim, result, config)
-    softmax_ranges.cut_softmax_inputs(sim, result, config)
+    cut_ranges(sim, result, config)
     qps = [result[s] for s in slots]  # the chosen scales against the values they represent
     checks = [HealthCheck(q).observer() for q in qps]
     checks = _merge_passes(checks, shard_set.call("fp32_health_states", qps))
