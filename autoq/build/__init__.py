@@ -16,7 +16,7 @@ from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.errors import LibraryError
 from autoq.files import pid_dir, remove_dead_dirs, temp_folder
 from autoq.ir.compile_cache import cached_library
-from autoq.ir.fast_gelu import fast_gelu
+from autoq.ir.float_ops import rewrite_float_ops
 from autoq.ir.library_file import check_library, stamp_path, write_stamp
 from autoq.ir.target import default_target
 from autoq.ir.toolkit import weight_bytes
@@ -65,7 +65,7 @@ def compile(
     target = target or default_target()
     if isinstance(target, dict):
         target = tvm.target.Target(target)
-    mod = fast_gelu(mod)  # float GELUs as the simulated graph computes them
+    mod = rewrite_float_ops(mod)  # float ops as the simulated graph computes them
     if cpu_kernels:
         require_amx(target)  # AMX kernels need the tile state granted before they run
         mod = lower_to_cpu_kernels(mod, target, blocked_layout, residual_epilogue)

@@ -19,6 +19,7 @@ from tvm import relax
 
 from autoq.build.tuning_defaults import DefaultSchedules
 from autoq.ir.cpu_pipeline import cpu_pipeline, fused
+from autoq.ir.float_ops import rewrite_float_ops
 
 __all__ = [
     "MODULE_EQUALITY",
@@ -131,6 +132,7 @@ def tuned_kernels(
     Kernels whose default schedule beat their record are not in the first list."""
     from autoq.cpu.lowering import lower_to_cpu_kernels
 
+    mod = rewrite_float_ops(mod)  # as autoq.compile does
     if cpu_kernels:
         mod = lower_to_cpu_kernels(mod, target)
     with target:

@@ -5,7 +5,7 @@
 
 One GELU of 128 x 1536 values (MiniLM's FFN) costs 2.9 ms with ``erff`` and 0.07 ms with the
 approximation on one Zen 4 core. Both the simulated graph (:mod:`autoq.ir.run`) and the built
-module (:mod:`autoq.build`) go through :func:`fast_gelu`, so a float GELU computes the same
+module (:mod:`autoq.build`) go through it (a row of :data:`autoq.ir.float_ops.FLOAT_REWRITES`), so a float GELU computes the same
 bits in calibration and in the result.
 
 >>> import numpy as np

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import tvm
 
-from autoq.ir.fast_gelu import fast_gelu
+from autoq.ir.float_ops import rewrite_float_ops
 from autoq.ir.loop_schedule import pipeline_with_loop_schedule
 from autoq.ir.toolkit import as_list
 
@@ -16,15 +16,15 @@ __all__ = ["calibration_pipeline", "fp32_runner"]
 
 def calibration_pipeline(target):
     """The simulated graph's kernels with a cheap default schedule (vectorized, parallel;
-    bit-identical results, see :mod:`autoq.ir.loop_schedule`); float GELUs as in the built
-    module (:mod:`autoq.ir.fast_gelu`)."""
+    bit-identical results, see :mod:`autoq.ir.loop_schedule`); float ops rewritten as in the
+    built module (:mod:`autoq.ir.float_ops`)."""
     if isinstance(target, dict | str):
         target = tvm.target.Target(target)
     inner = pipeline_with_loop_schedule(target)
 
     @tvm.transform.module_pass(opt_level=0, name="autoq.CalibrationPipeline")
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return inner(fast_gelu(mod))
+        return inner(rewrite_float_ops(mod))
 
     return _pipeline
 

@@ -52,6 +52,7 @@ from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.cpu.tensor_intrinsics import import_tensor_intrinsics
 from autoq.cpu.x86_intrinsics import register_vnni, target_has_vnni
 from autoq.ir.cpu_pipeline import fused
+from autoq.ir.float_ops import rewrite_float_ops
 from autoq.ir.target import default_target
 from autoq.json_document import JsonDocument
 
@@ -432,6 +433,7 @@ def tune(
         register_vnni()
     folder = Path(database)
     db = open_database(folder)
+    qmod = rewrite_float_ops(qmod)  # the kernels the build will have
     if cpu_kernels:
         qmod = lower_to_cpu_kernels(qmod, target)
     tasks, pending = _pending_tasks(fused(qmod, target), target, db)
