@@ -103,8 +103,7 @@ class ConvBlocking:
         group *= 2 if isa.weight_dtype == "int16" else 1
         return (
             group <= self.max_group_bytes
-            and
-            isa.name == self.isa
+            and isa.name == self.isa
             and shape.kernel == self.kernel
             and shape.out_channels % (isa.lanes * self.out_blocks) == 0
             and shape.out_hw[1] >= self.min_width
