@@ -211,5 +211,69 @@ def test_layers_of_one_shape_share_one_kernel(target, rounding, per_channel):
     _same_as_generic(mod, (1, 16, 8, 8), target)
 
 
+def _round_clip_reference(u, z, qmin, qmax):
+    """The float requantize's tail as quantize_value computes it, in numpy float32."""
+    v = np.rint(u).astype(np.float32) + z.astype(np.float32)
+    return np.clip(v, np.float32(qmin), np.float32(qmax))
+
+
+@pytest.mark.parametrize("out_dtype", ["int8", "uint8"])
+@pytest.mark.parametrize("target", TARGETS[:2])
+def test_round_clip_matches_the_float_requantize(target, out_dtype):
+    """round_clip (clamp, then one round-half-even conversion) against the float path it
+    replaces, on halves, values at and next to the clamp bounds, values whose sum with the
+    zero point is inexact in float32 and the float32 extremes, every zero point."""
+    from tvm import te
+
+    qmin, qmax = (-128, 127) if out_dtype == "int8" else (0, 255)
+    zs = np.arange(qmin, qmax + 1, dtype=np.int32)
+    base = np.array([0.0, 0.5, 1.5, 2.5, 0.49999997, 1e9, 2.0**24 + 2, 2.0**31, 3e38], np.float32)
+    base = np.concatenate([base, -base])
+    edges = np.array([[qmin - z, qmax - z] for z in zs], np.float32).reshape(-1)
+    near = np.concatenate([edges + d for d in (-0.5, -0.25, 0.0, 0.25, 0.5, 1.0, -1.0)])
+    u = np.concatenate([base, near, np.random.default_rng(0).normal(0, 200, 4096)])
+    u = u.astype(np.float32)
+    u2 = np.repeat(u[None], len(zs), axis=0)  # every value with every zero point
+    z2 = np.repeat(zs[:, None], len(u), axis=1)
+    ut = te.placeholder(u2.shape, "float32", name="u")
+    zt = te.placeholder(z2.shape, "int32", name="z")
+    out = te.compute(
+        u2.shape,
+        lambda i, j: epilogue.round_clip(ut[i, j], zt[i, j], qmin, qmax, out_dtype),
+        name="out",
+    )
+    sch = tvm.s_tir.Schedule(te.create_prim_func([ut, zt, out]))
+    _, ji = sch.split(sch.get_loops(sch.get_sblock("out"))[1], [None, 16])
+    sch.vectorize(ji)
+    lib = tvm.compile(sch.mod, tvm.target.Target(target))
+    got = tvm.runtime.tensor(np.zeros(u2.shape, out_dtype))
+    lib["main"](tvm.runtime.tensor(u2), tvm.runtime.tensor(z2), got)
+    want = _round_clip_reference(u2, z2, qmin, qmax).astype(out_dtype)
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("target", TARGETS[:2])
+def test_saturate_int32_matches_the_float64_clip(target):
+    """saturate_int32 (float32 lanes) against the float64 clip of the qnn.requantize
+    legalization, at and around both int32 bounds and on ordinary values."""
+    from tvm import te
+
+    top = np.float32(2.0**31)
+    around = [np.nextafter(top, np.float32(0)), top, np.nextafter(top, np.float32(np.inf))]
+    v = np.array([0, 1, -1, 2.0**24, 3e38, *around], np.float32)
+    v = np.concatenate([v, -v, np.rint(np.random.default_rng(1).normal(0, 2e9, 4096))])
+    v = v.astype(np.float32)
+    vt = te.placeholder(v.shape, "float32", name="v")
+    out = te.compute(v.shape, lambda i: epilogue.saturate_int32(vt[i]), name="out")
+    sch = tvm.s_tir.Schedule(te.create_prim_func([vt, out]))
+    _, ii = sch.split(sch.get_loops(sch.get_sblock("out"))[0], [None, 16])
+    sch.vectorize(ii)
+    lib = tvm.compile(sch.mod, tvm.target.Target(target))
+    got = tvm.runtime.tensor(np.zeros(v.shape, np.int32))
+    lib["main"](tvm.runtime.tensor(v), got)
+    want = np.clip(v.astype(np.float64), -(2.0**31), 2.0**31 - 1).astype(np.int32)
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
 def test_doctests():
     assert doctest.testmod(epilogue).failed == 0

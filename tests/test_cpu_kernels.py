@@ -19,7 +19,7 @@ from autoq import Config, qnn
 from autoq.cpu import isa as isa_mod
 from autoq.cpu import lut as lut_mod
 from autoq.cpu import packing, tiling
-from autoq.cpu.conv2d import ConvShape, conv2d_kernel
+from autoq.cpu.conv2d import ConvBlocking, ConvShape, conv2d_kernel, register_tile
 from autoq.cpu.dense import dense_kernel
 from autoq.cpu.depthwise import blocked, depthwise_kernel, depthwise_weight
 from autoq.cpu.injective import schedule_fused
@@ -102,7 +102,25 @@ CONVS = {
     "3x3-stride2": (1, 24, 11, 11, 16, 3, 2, (1, 1, 1, 1), 1, "uint8", 131),
     "7x7-stem": (1, 3, 20, 20, 16, 7, 2, (3, 3, 3, 3), 1, "int8", -7),
     "asym-pad-dilated": (1, 8, 9, 13, 8, 3, 1, (0, 2, 1, 0), 2, "int8", 0),
+    # a CONV_BLOCKINGS row on VNNI: 5 columns (14 padded to 15) x 4 lane blocks
+    "1x1-wide-blocking": (1, 40, 3, 14, 64, 1, 1, (0, 0, 0, 0), 1, "uint8", 9),
+    "1x1-stride2-wide-blocking": (1, 16, 5, 56, 128, 1, 2, (0, 0, 0, 0), 1, "int8", -3),
 }
+
+
+def test_wide_blocking_cases_use_the_row():
+    """The two wide-blocking cases above take the 4-lane-block tile on VNNI, the default
+    elsewhere (so the bit-exact test covers both tilings)."""
+    for key, tile in (("1x1-wide-blocking", (5, 4)), ("1x1-stride2-wide-blocking", (4, 4))):
+        n, c, h, w_, o, k, s, pad, d, _, _ = CONVS[key]
+        shape = ConvShape(n, c, h, w_, o, (k, k), (s, s), pad, (d, d))
+        assert register_tile(shape, VNNI) == tile
+        assert register_tile(shape, AVX2)[1] == AVX2.channel_blocks(o)
+
+
+def test_conv_blocking_rejects_too_many_registers():
+    with pytest.raises(ValueError, match="exceed 32 registers"):
+        ConvBlocking("vnni", (1, 1), min_width=14, max_tile=8, out_blocks=4, max_group_bytes=1)
 
 
 @pytest.mark.parametrize("case", CONVS.values(), ids=CONVS.keys())

@@ -6,8 +6,8 @@ or reads them as they are when the conv has no top/left padding), the weights pa
 :func:`autoq.cpu.packing.pack_conv_weight` and (when the activations are shifted) the int32
 compensation, and returns the int32 NCHW accumulator of ``conv(x - zx, w)``, exactly what
 ``qnn.conv2d`` returns. Inside it: pad + shift + pack the activations to NCHW[c]c, accumulate
-a register tile of ``tile`` output columns x ``lanes`` output channels with the ISA's
-dot-product intrinsic, unpack to NCHW (or, with ``out_layout`` and an epilogue, store the
+a register tile of output columns x lane blocks of output channels (per shape:
+:func:`register_tile`, rows of :data:`CONV_BLOCKINGS`) with the ISA's dot-product intrinsic, unpack to NCHW (or, with ``out_layout`` and an epilogue, store the
 requantized values in that blocked layout for the next conv; with a ``residual``, add the
 shortcut's term before the epilogue, :mod:`autoq.cpu.residual`); parallel over (batch,
 channel block, output row).
@@ -29,7 +29,7 @@ from autoq.cpu.packing import round_up
 from autoq.cpu.residual import Residual, add_shortcut
 from autoq.cpu.tiling import i64, int32, pick_tile, tensorize_accumulation
 
-__all__ = ["ConvShape", "conv2d_kernel"]
+__all__ = ["CONV_BLOCKINGS", "ConvBlocking", "ConvShape", "conv2d_kernel", "register_tile"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,87 @@ class ConvShape:
             return isa.lanes
         icp = round_up(self.in_channels, isa.k)
         return next(b for b in (64, 32, 16, 8, 4, 2) if b % isa.k == 0 and icp % b == 0)
+
+
+@dataclass(frozen=True)
+class ConvBlocking:
+    """A register-blocking row: a conv on the instruction set named ``isa`` with this
+    ``kernel`` whose output channels fill whole groups of ``out_blocks`` lane blocks and
+    whose output rows have at least ``min_width`` columns and whose weights for one group
+    (``out_blocks`` lane blocks x all input channels and taps) take at most
+    ``max_group_bytes`` accumulates a register tile of ``pick_tile(width, max_tile)``
+    columns x ``out_blocks`` lane blocks (instead of the ISA's ``max_tile`` x
+    ``out_blocks``). The tile plus one weight register per lane block
+    and one broadcast register must fit the 32 zmm / 16 ymm registers."""
+
+    isa: str
+    kernel: tuple[int, int]
+    min_width: int
+    max_tile: int
+    out_blocks: int
+    max_group_bytes: int
+
+    def __post_init__(self):
+        if self.max_tile < 4 or self.out_blocks < 1 or self.max_group_bytes < 1:
+            raise ValueError(
+                f"ConvBlocking({self.isa}, {self.kernel}): max_tile must be >= 4, "
+                f"out_blocks and max_group_bytes >= 1, got {self.max_tile}, "
+                f"{self.out_blocks}, {self.max_group_bytes}"
+            )
+        registers = 32 if self.isa == "vnni" else 16
+        if (self.max_tile + 1) * self.out_blocks + 1 > registers:
+            raise ValueError(
+                f"ConvBlocking({self.isa}, {self.kernel}): {self.max_tile} x "
+                f"{self.out_blocks} accumulators + weights + broadcast exceed {registers} "
+                "registers; lower max_tile or out_blocks"
+            )
+
+    def applies(self, shape: ConvShape, isa: Isa) -> bool:
+        """Whether this row covers ``shape`` on ``isa``."""
+        (kh, kw), lanes = shape.kernel, isa.lanes * self.out_blocks
+        group = round_up(shape.in_channels, isa.k) * kh * kw * lanes
+        group *= 2 if isa.weight_dtype == "int16" else 1
+        return (
+            group <= self.max_group_bytes
+            and isa.name == self.isa
+            and shape.kernel == self.kernel
+            and shape.out_channels % (isa.lanes * self.out_blocks) == 0
+            and shape.out_hw[1] >= self.min_width
+        )
+
+
+# 1x1 convs (ResNet-50's bottlenecks, 14..56 columns, <= 256 input channels): 4..6 columns x
+# 4 lane blocks (16-24 zmm accumulators, 4 weight loads per 16-24 vpdpbusd) measured
+# 0.85-0.95x the time of 7-8 x 2 per kernel on Zen 5; slower: 7-column rows (padded to 8),
+# 512 input channels (a group's 32 KiB of weights per tile of columns), 3x3 convs
+CONV_BLOCKINGS = (
+    ConvBlocking("vnni", (1, 1), min_width=14, max_tile=6, out_blocks=4, max_group_bytes=16384),
+)
+
+
+def register_tile(shape: ConvShape, isa: Isa) -> tuple[int, int]:
+    """(output columns, lane blocks of output channels) of the register tile of ``shape``:
+    the first row of :data:`CONV_BLOCKINGS` that applies, else the ISA's default. The
+    output channels stay padded to :meth:`Isa.padded_channels` either way (a row applies
+    only when they fill its groups).
+
+    >>> from autoq.cpu.isa import AVX2, VNNI
+    >>> register_tile(ConvShape(1, 64, 56, 56, 128, (1, 1)), VNNI)
+    (4, 4)
+    >>> register_tile(ConvShape(1, 64, 7, 7, 128, (1, 1)), VNNI)
+    (7, 2)
+    >>> register_tile(ConvShape(1, 512, 14, 14, 128, (1, 1)), VNNI)  # 32 KiB a group
+    (7, 2)
+    >>> register_tile(ConvShape(1, 64, 56, 56, 128, (3, 3), padding=(1, 1, 1, 1)), VNNI)
+    (8, 2)
+    >>> register_tile(ConvShape(1, 64, 56, 56, 128, (1, 1)), AVX2)
+    (4, 2)
+    """
+    ow = shape.out_hw[1]
+    for row in CONV_BLOCKINGS:
+        if row.applies(shape, isa):
+            return pick_tile(ow, row.max_tile), row.out_blocks
+    return pick_tile(ow, isa.max_tile), isa.channel_blocks(shape.out_channels)
 
 
 def _pack(s: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value: int, icb, hp, wp, lay):
@@ -100,7 +181,7 @@ def _compute(shape: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value:
     icp, ocp = round_up(s.in_channels, icb), isa.padded_channels(s.out_channels)
     (kh, kw), (sh, sw), (dh, dw) = s.kernel, s.strides, s.dilation
     oh, ow = s.out_hw
-    tile = pick_tile(ow, isa.max_tile)
+    tile = register_tile(s, isa)[0]
     owp = round_up(ow, tile)
     hp, wp = (oh - 1) * sh + (kh - 1) * dh + 1, (owp - 1) * sw + (kw - 1) * dw + 1
     x, packed = _pack(s, isa, data_dtype, shift, pad_value, icb, hp, wp, in_layout)
@@ -175,7 +256,7 @@ def conv2d_kernel(
     conv = sch.get_sblock("autoq_acc")
     n, o, y, x_, oi, rc, rh, rw, rb, rk = sch.get_loops(conv)
     xo, xi = sch.split(x_, [None, tile])
-    oo, ob = sch.split(o, [None, isa.channel_blocks(shape.out_channels)])
+    oo, ob = sch.split(o, [None, register_tile(shape, isa)[1]])
     sch.reorder(n, oo, y, xo, rc, rh, rw, rb, xi, ob, oi, rk)
     # an epilogue runs per output row (vectorized along it), a plain unpack per tile
     out = sch.get_consumers(conv)[0]
