@@ -36,11 +36,12 @@ DEPTHWISE_CHAIN = [
     (16, 1, 1, (0, 0, 0, 0), False),
 ]
 # pointwise -> wide 3x3 depthwise (stride 1, then 2: blocked between the pointwise convs) ->
-# pointwise
+# pointwise; 40 channels: 3 (VNNI) / 5 (AVX2) channel blocks, each packs its own plane
+# (depthwise.PLANE_PACK_MIN_BLOCKS; the 24 channels above: 2 blocks on VNNI, one pack pass)
 WIDE_DEPTHWISE_CHAIN = [
-    (20, 1, 1, (0, 0, 0, 0), False),
-    (20, 3, 1, (1, 1, 1, 1), True),
-    (20, 3, 2, (1, 1, 1, 1), True),
+    (40, 1, 1, (0, 0, 0, 0), False),
+    (40, 3, 1, (1, 1, 1, 1), True),
+    (40, 3, 2, (1, 1, 1, 1), True),
     (16, 1, 1, (0, 0, 0, 0), False),
 ]
 X_SHAPE = (1, 12, 11, 12)
@@ -230,10 +231,10 @@ def test_depthwise_chain_structure(target):
     wide, _ = _chain_module(chain=WIDE_DEPTHWISE_CHAIN, shape=WIDE_SHAPE)
     assert _blocked_reads(wide, target) == 3
     assert sum("depthwise_blocked" in n for n in _kernel_names(wide, target, on=True)) == 2
-    alone, _ = _chain_module(chain=WIDE_DEPTHWISE_CHAIN[1:2], shape=(1, 20, 5, 70))
+    alone, _ = _chain_module(chain=WIDE_DEPTHWISE_CHAIN[1:2], shape=(1, 40, 5, 70))
     assert _blocked_reads(alone, target) == 0
     assert _kernel_names(alone, target, on=True) == ["autoq_depthwise"]
-    x = np.random.default_rng(4).integers(-128, 128, (1, 20, 5, 70)).astype("int8")
+    x = np.random.default_rng(4).integers(-128, 128, (1, 40, 5, 70)).astype("int8")
     np.testing.assert_array_equal(
         _run(alone, target, x, blocked_layout=True)[0],
         _run(alone, target, x, cpu_kernels=False)[0],

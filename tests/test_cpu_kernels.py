@@ -153,6 +153,8 @@ def test_dense_kernel_bit_exact(isa, mcpu, m, k, n, dtype, zx):
         (3, 6, 3, 1, 0, "int8", 4),
         (4, 40, 3, 1, 1, "int8", 7),  # wide 3x3: the row kernel
         (17, 70, 3, 2, 1, "uint8", 120),
+        (40, 12, 3, 2, 1, "int8", -9),  # 3 channel blocks (VNNI) x 2 batches: planes packed apart
+        (33, 9, 5, 1, 2, "uint8", 3),
     ],
 )
 @pytest.mark.parametrize("mcpu", [HOST, "haswell"])

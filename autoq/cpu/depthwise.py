@@ -33,7 +33,17 @@ from autoq.cpu.injective import KERNEL_ATTR
 from autoq.cpu.packing import pack_depthwise_weight, round_up
 from autoq.cpu.tiling import int32, pick_tile
 
-__all__ = ["blocked", "depthwise_kernel", "depthwise_weight", "zero_point_input"]
+__all__ = [
+    "PLANE_PACK_MIN_BLOCKS",
+    "blocked",
+    "depthwise_kernel",
+    "depthwise_weight",
+    "zero_point_input",
+]
+
+#: the channel-blocked kernel packs each (batch, channel block) plane inside its parallel
+#: loop from this many planes on (fewer: one parallel pack pass, rows in parallel)
+PLANE_PACK_MIN_BLOCKS = 3
 
 
 def _compute_blocked(s: ConvShape, data_dtype: str, zero_point: int | np.ndarray, lanes: int, tile: int, epi,
@@ -123,14 +133,22 @@ def _blocked_kernel(
     sch.reverse_compute_at(out, xo if epi is None else y)
     if layouts[1] is not None:  # a vector of channels per pixel
         sch.vectorize(sch.get_loops(out)[-1])
-    sch.parallel(sch.fuse(n, c, y))
+    pack = sch.get_sblock("autoq_pack")
+    if shape.batch * round_up(shape.in_channels, lanes) // lanes >= PLANE_PACK_MIN_BLOCKS:
+        # each (batch, channel block) packs its padded plane right before its rows read it
+        # (in cache instead of a whole-tensor pass)
+        nc = sch.fuse(n, c)
+        sch.parallel(nc)
+        sch.compute_at(pack, nc)
+        sch.vectorize(sch.get_loops(pack)[-1])
+    else:  # too few planes to share among threads: the pack and the rows in parallel
+        sch.parallel(sch.fuse(n, c, y))
+        pn, pc, ph, _, _ = sch.get_loops(pack)
+        sch.parallel(sch.fuse(pn, pc, ph))
     sch.unroll(xi)
     sch.vectorize(ci)
     init = sch.decompose_reduction(acc, rh)
     sch.vectorize(sch.get_loops(init)[-1])
-    pack = sch.get_sblock("autoq_pack")
-    pn, pc, ph, _, _ = sch.get_loops(pack)
-    sch.parallel(sch.fuse(pn, pc, ph))
     return sch.mod["main"]
 
 
