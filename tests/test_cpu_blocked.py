@@ -35,7 +35,17 @@ DEPTHWISE_CHAIN = [
     (24, 5, 2, (2, 2, 2, 2), True),
     (16, 1, 1, (0, 0, 0, 0), False),
 ]
+# pointwise -> wide 3x3 depthwise (stride 1, then 2: blocked between the pointwise convs) ->
+# pointwise; 40 channels: 3 (VNNI) / 5 (AVX2) channel blocks, each packs its own plane
+# (depthwise.PLANE_PACK_MIN_BLOCKS; the 24 channels above: 2 blocks on VNNI, one pack pass)
+WIDE_DEPTHWISE_CHAIN = [
+    (40, 1, 1, (0, 0, 0, 0), False),
+    (40, 3, 1, (1, 1, 1, 1), True),
+    (40, 3, 2, (1, 1, 1, 1), True),
+    (16, 1, 1, (0, 0, 0, 0), False),
+]
 X_SHAPE = (1, 12, 11, 12)
+WIDE_SHAPE = (1, 12, 5, 70)
 _RANGE = {"int8": (-128, 128), "uint8": (0, 256)}
 
 
@@ -163,15 +173,20 @@ def _blocked_reads(mod, target, on: bool | None = True) -> int:
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize(("dtype", "rounding"), [("int8", "float"), ("uint8", "tflite")])
 @pytest.mark.parametrize(
-    ("chain", "lut"),
-    [(CHAIN, False), (DEPTHWISE_CHAIN, False), (DEPTHWISE_CHAIN, True)],
-    ids=["convs", "depthwise", "depthwise-lut"],
+    ("chain", "lut", "shape"),
+    [
+        (CHAIN, False, X_SHAPE),
+        (DEPTHWISE_CHAIN, False, X_SHAPE),
+        (DEPTHWISE_CHAIN, True, X_SHAPE),
+        (WIDE_DEPTHWISE_CHAIN, False, WIDE_SHAPE),
+    ],
+    ids=["convs", "depthwise", "depthwise-lut", "depthwise-wide"],
 )
-def test_blocked_chain_bit_exact(target, dtype, rounding, chain, lut):
-    mod, layers = _chain_module(dtype, rounding, chain=chain, lut=lut)
+def test_blocked_chain_bit_exact(target, dtype, rounding, chain, lut, shape):
+    mod, layers = _chain_module(dtype, rounding, chain=chain, shape=shape, lut=lut)
     rng = np.random.default_rng(1)
     lo, hi = (-128, 128) if dtype == "int8" else (0, 256)
-    x = rng.integers(lo, hi, X_SHAPE).astype(dtype)
+    x = rng.integers(lo, hi, shape).astype(dtype)
     got = _run(mod, target, x, blocked_layout=True)
     nchw = _run(mod, target, x, blocked_layout=False)
     generic = _run(mod, target, x, cpu_kernels=False)
@@ -208,14 +223,21 @@ def test_residual_add_is_an_edge(target):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_depthwise_chain_structure(target):
-    """Narrow planes: the pointwise -> depthwise -> depthwise -> pointwise tensors all flow
-    blocked; a wide 3x3 depthwise (the row kernel, NCHW planes) is an edge on both sides."""
+    """Narrow planes and wide 3x3 planes alike: the pointwise -> depthwise -> depthwise ->
+    pointwise tensors all flow blocked (the depthwise convs run the channel-blocked kernel);
+    a wide 3x3 depthwise reading the model input and writing the model output (NCHW on both
+    sides) runs the row kernel."""
     assert _blocked_reads(_chain_module(chain=DEPTHWISE_CHAIN)[0], target) == 3
-    mod, _ = _chain_module(chain=DEPTHWISE_CHAIN[:2] + DEPTHWISE_CHAIN[3:], shape=(1, 12, 5, 40))
-    assert _blocked_reads(mod, target) == 0
-    x = np.random.default_rng(4).integers(-128, 128, (1, 12, 5, 40)).astype("int8")
+    wide, _ = _chain_module(chain=WIDE_DEPTHWISE_CHAIN, shape=WIDE_SHAPE)
+    assert _blocked_reads(wide, target) == 3
+    assert sum("depthwise_blocked" in n for n in _kernel_names(wide, target, on=True)) == 2
+    alone, _ = _chain_module(chain=WIDE_DEPTHWISE_CHAIN[1:2], shape=(1, 40, 5, 70))
+    assert _blocked_reads(alone, target) == 0
+    assert _kernel_names(alone, target, on=True) == ["autoq_depthwise"]
+    x = np.random.default_rng(4).integers(-128, 128, (1, 40, 5, 70)).astype("int8")
     np.testing.assert_array_equal(
-        _run(mod, target, x, blocked_layout=True)[0], _run(mod, target, x, cpu_kernels=False)[0]
+        _run(alone, target, x, blocked_layout=True)[0],
+        _run(alone, target, x, cpu_kernels=False)[0],
     )
 
 

@@ -16,9 +16,10 @@ from tvm import relax
 
 import autoq
 from autoq import Config, qnn
+from autoq.cpu import blocked as blocked_mod
+from autoq.cpu import depthwise, packing, tiling
 from autoq.cpu import isa as isa_mod
 from autoq.cpu import lut as lut_mod
-from autoq.cpu import packing, tiling
 from autoq.cpu.conv2d import ConvBlocking, ConvShape, conv2d_kernel, register_tile
 from autoq.cpu.dense import dense_kernel
 from autoq.cpu.depthwise import blocked, depthwise_kernel, depthwise_weight
@@ -170,6 +171,8 @@ def test_dense_kernel_bit_exact(isa, mcpu, m, k, n, dtype, zx):
         (3, 6, 3, 1, 0, "int8", 4),
         (4, 40, 3, 1, 1, "int8", 7),  # wide 3x3: the row kernel
         (17, 70, 3, 2, 1, "uint8", 120),
+        (40, 12, 3, 2, 1, "int8", -9),  # 3 channel blocks (VNNI) x 2 batches: planes packed apart
+        (33, 9, 5, 1, 2, "uint8", 3),
     ],
 )
 @pytest.mark.parametrize("mcpu", [HOST, "haswell"])
@@ -189,6 +192,13 @@ def test_depthwise_kernel_bit_exact(mcpu, c, h, k, s, pad, dtype, zx):
         axis=1,
     )
     np.testing.assert_array_equal(got, ref)
+
+
+def test_depthwise_per_channel_zero_points_refuse_blocked_layouts():
+    shape = ConvShape(1, 16, 8, 8, 16, (3, 3), (1, 1), (1, 1, 1, 1))
+    layout = blocked_mod.BlockedLayout(16, "uint8", 128)
+    with pytest.raises(ValueError, match=r"per-channel zero points.*out_layout=None"):
+        depthwise_kernel(shape, "int8", np.zeros(16, np.int32), 16, out_layout=layout)
 
 
 def test_extreme_values_do_not_saturate():
@@ -398,7 +408,7 @@ def test_large_blocks_are_not_inlined_into_each_other():
 
 
 def test_doctests():
-    for module in (packing, tiling, isa_mod, lut_mod):
+    for module in (packing, tiling, isa_mod, lut_mod, depthwise):
         assert doctest.testmod(module).failed == 0
 
 

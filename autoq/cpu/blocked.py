@@ -16,7 +16,7 @@ residual add fused into a conv's epilogue (:mod:`autoq.cpu.residual`, which read
 layout); the producer writes the layout and its consumers read it instead of packing NCHW (a
 conv without top/left padding reads it as it is; the others only pad it). Everything else is
 an edge and stays NCHW: model inputs and outputs, unfused residual ``add``s, pools, dense,
-row-kernel (wide 3x3) depthwise and AMX convs, a tensor with any other user, or consumers
+depthwise convs with per-channel input zero points and AMX convs, a tensor with any other user, or consumers
 that disagree on the layout (AVX2: different zero points).
 """
 

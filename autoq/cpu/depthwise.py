@@ -1,11 +1,11 @@
 """int8 depthwise conv2d (groups = channels, one filter per channel) with fixed schedules.
 
 No dot-product instruction fits (each output sums only KH x KW products). Two kernels,
-chosen by :func:`blocked` from the shape. Wide 3x3 layers: per (batch, channel), the padded
+chosen by :func:`blocked` from the shape and the layouts. Wide 3x3 layers between NCHW tensors: per (batch, channel), the padded
 plane ``int16(x - zx)`` is built in cache and every output row accumulates ``KH x KW``
 shifted input rows times a scalar weight in int32 (LLVM vectorizes along the row); parallel
-over (batch, channel). Narrow planes and large filters: the kernel vectorizes across
-channels: the input is packed once to a channel-blocked, padded plane
+over (batch, channel). Blocked input or output (:mod:`autoq.cpu.blocked`), narrow planes and large
+filters: the kernel vectorizes across channels: the input is packed once to a channel-blocked, padded plane
 ``int16(x - zx)`` of layout NCHW[lanes]c (exact, padding = real 0), every output pixel
 accumulates ``KH x KW`` int16 x int16 products in an int32 vector of ``lanes`` channels
 (a register tile of ``tile`` output columns), and the tile is written back to NCHW.
@@ -16,7 +16,7 @@ Parallel over (batch, channel block, output row); weights packed by
 Per-channel input zero points (``zero_point`` a ``[C]`` array, :mod:`autoq.rules.depthwise_channels`):
 both kernels then take them as an int32 input after the weight (the blocked one padded to
 whole channel blocks) and center channel ``c`` by ``zero_point[c]``; padding stays the
-centered 0 (the real 0). The input is then read in NCHW (no blocked input layout: its shift
+centered 0 (the real 0). Input and output are then NCHW (no blocked layout: its shift
 depends on one zero point).
 """
 
@@ -33,7 +33,17 @@ from autoq.cpu.injective import KERNEL_ATTR
 from autoq.cpu.packing import pack_depthwise_weight, round_up
 from autoq.cpu.tiling import int32, pick_tile
 
-__all__ = ["blocked", "depthwise_kernel", "depthwise_weight", "zero_point_input"]
+__all__ = [
+    "PLANE_PACK_MIN_BLOCKS",
+    "blocked",
+    "depthwise_kernel",
+    "depthwise_weight",
+    "zero_point_input",
+]
+
+#: the channel-blocked kernel packs each (batch, channel block) plane inside its parallel
+#: loop from this many planes on (fewer: one parallel pack pass, rows in parallel)
+PLANE_PACK_MIN_BLOCKS = 3
 
 
 def _compute_blocked(s: ConvShape, data_dtype: str, zero_point: int | np.ndarray, lanes: int, tile: int, epi,
@@ -123,14 +133,22 @@ def _blocked_kernel(
     sch.reverse_compute_at(out, xo if epi is None else y)
     if layouts[1] is not None:  # a vector of channels per pixel
         sch.vectorize(sch.get_loops(out)[-1])
-    sch.parallel(sch.fuse(n, c, y))
+    pack = sch.get_sblock("autoq_pack")
+    if shape.batch * round_up(shape.in_channels, lanes) // lanes >= PLANE_PACK_MIN_BLOCKS:
+        # each (batch, channel block) packs its padded plane right before its rows read it
+        # (in cache instead of a whole-tensor pass)
+        nc = sch.fuse(n, c)
+        sch.parallel(nc)
+        sch.compute_at(pack, nc)
+        sch.vectorize(sch.get_loops(pack)[-1])
+    else:  # too few planes to share among threads: the pack and the rows in parallel
+        sch.parallel(sch.fuse(n, c, y))
+        pn, pc, ph, _, _ = sch.get_loops(pack)
+        sch.parallel(sch.fuse(pn, pc, ph))
     sch.unroll(xi)
     sch.vectorize(ci)
     init = sch.decompose_reduction(acc, rh)
     sch.vectorize(sch.get_loops(init)[-1])
-    pack = sch.get_sblock("autoq_pack")
-    pn, pc, ph, _, _ = sch.get_loops(pack)
-    sch.parallel(sch.fuse(pn, pc, ph))
     return sch.mod["main"]
 
 
@@ -180,18 +198,31 @@ def _row_kernel(shape: ConvShape, data_dtype: str, zero_point: int | np.ndarray,
     return sch.mod["main"]
 
 
-def blocked(shape: ConvShape) -> bool:
-    """Whether the channel-blocked kernel serves ``shape``: narrow outputs or large filters,
-    where a row-vectorized plane has too few columns per tap (measured on PP-OCRv4 det's
-    layers: 5x5 on 30x30 x192 6.3 -> 0.75 ms); wide 3x3 layers keep the row kernel, which
-    skips the blocked kernel's pack and unpack passes."""
+def blocked(shape: ConvShape, in_layout: BlockedLayout | None = None,
+            out_layout: BlockedLayout | None = None) -> bool:  # fmt: skip
+    """Whether the channel-blocked kernel serves ``shape``: always when it reads or writes a
+    blocked layout (the 1x1 convs around it then need no NCHW pass: MobileNetV2 160x160
+    2.37 -> 1.96 ms, EfficientNet-Lite0 4.34 -> 3.54 ms, 1 thread, VNNI); between NCHW
+    tensors, narrow outputs or large filters, where a row-vectorized plane has too few
+    columns per tap (measured on PP-OCRv4 det's layers: 5x5 on 30x30 x192 6.3 -> 0.75 ms);
+    wide 3x3 layers there keep the row kernel, which skips the blocked kernel's pack and
+    unpack passes (PP-OCRv4 det's 3x3 on 240x240 x16: 0.26 vs 0.55 ms).
+
+    >>> wide = ConvShape(1, 16, 64, 64, 16, (3, 3), (1, 1), (1, 1, 1, 1))
+    >>> blocked(wide), blocked(wide, in_layout=BlockedLayout(16, "uint8", 128))
+    (False, True)
+    """
     kh, kw = shape.kernel
+    if in_layout is not None or out_layout is not None:
+        return True
     return shape.out_hw[1] <= 32 or kh * kw > 9
 
 
-def depthwise_weight(shape: ConvShape, w: np.ndarray, lanes: int) -> np.ndarray:
-    """``[C, 1, KH, KW]`` int8 weights in the form :func:`depthwise_kernel` takes."""
-    return pack_depthwise_weight(w, lanes) if blocked(shape) else w
+def depthwise_weight(shape: ConvShape, w: np.ndarray, lanes: int, in_layout=None,
+                     out_layout=None) -> np.ndarray:  # fmt: skip
+    """``[C, 1, KH, KW]`` int8 weights in the form :func:`depthwise_kernel` takes with the
+    same ``in_layout`` / ``out_layout``."""
+    return pack_depthwise_weight(w, lanes) if blocked(shape, in_layout, out_layout) else w
 
 
 def depthwise_kernel(
@@ -207,19 +238,20 @@ def depthwise_kernel(
     table], out)`` (zero points: :func:`zero_point_input`, per-channel ``zero_point`` only) for
     ``shape`` with ``out_channels == in_channels`` (channel multiplier 1); with an
     ``epilogue``, ``out`` is its requantized int8/uint8 output (the table its input).
-    ``in_layout`` / ``out_layout`` (channel-blocked kernel only, blocks of ``lanes``; the
+    ``in_layout`` / ``out_layout`` (blocks of ``lanes``, the channel-blocked kernel; the
     output one needs an epilogue): ``data`` / ``out`` in that layout of
     :mod:`autoq.cpu.blocked`."""
     layouts = (in_layout, out_layout)
-    if in_layout is not None and np.ndim(zero_point) != 0:
-        raise ValueError("depthwise_kernel: per-channel zero points read NCHW data only")
+    if (in_layout or out_layout) and np.ndim(zero_point) != 0:
+        raise ValueError(
+            "depthwise_kernel: per-channel zero points take NCHW data and output only "
+            "(pass in_layout=None, out_layout=None)"
+        )
     if any(lay is not None and lay.block != lanes for lay in layouts):
         raise ValueError(f"depthwise_kernel: blocked layouts must have blocks of {lanes}")
-    if (in_layout or out_layout) and not blocked(shape):
-        raise ValueError("depthwise_kernel: blocked layouts need the channel-blocked kernel")
     if out_layout is not None and epilogue is None:
         raise ValueError("depthwise_kernel: out_layout needs an epilogue")
-    if blocked(shape):
+    if blocked(shape, in_layout, out_layout):
         func = _blocked_kernel(shape, data_dtype, zero_point, lanes, epilogue, layouts)
     else:
         func = _row_kernel(shape, data_dtype, zero_point, epilogue)

@@ -42,7 +42,7 @@ from autoq.cpu.blocked import BlockedLayout, layout_for, lut_layout
 from autoq.cpu.conv2d import ConvShape, conv2d_kernel
 from autoq.cpu.conv_transpose import conv2d_transpose_kernel
 from autoq.cpu.dense import dense_kernel
-from autoq.cpu.depthwise import blocked, depthwise_kernel, depthwise_weight, zero_point_input
+from autoq.cpu.depthwise import depthwise_kernel, depthwise_weight, zero_point_input
 from autoq.cpu.dynamic_quantize import dynamic_quantize_kernel
 from autoq.cpu.epilogue import Epilogue
 from autoq.cpu.fuse_epilogue import fuse_epilogues
@@ -166,7 +166,7 @@ def _layout_of(isa: Isa, call) -> BlockedLayout | None:
     if not is_call(call, "qnn.conv2d"):
         return None
     plan = _conv_plan(isa, call)
-    if plan is None or plan[4] == "amx" or (plan[4] == "depthwise" and not blocked(plan[3])):
+    if plan is None or plan[4] == "amx":
         return None
     if np.ndim(plan[1]) != 0:  # per-channel zero points: NCHW input (cpu.depthwise)
         return None
@@ -202,7 +202,7 @@ def _conv2d_call(
         func = depthwise_kernel(shape, dt, zx, isa.lanes, epilogue, in_layout, out_layout)
         name = "autoq_depthwise" + ("_blocked" if in_layout or out_layout else "")
         gv = bb.add_func(func.without_attr("global_symbol"), name)
-        args = [data, relax.const(depthwise_weight(shape, w, isa.lanes))]
+        args = [data, relax.const(depthwise_weight(shape, w, isa.lanes, in_layout, out_layout))]
         zps = zero_point_input(zx, shape, isa.lanes)
         args = _tail(args if zps is None else [*args, relax.const(zps)], epilogue)
         return relax.call_tir(gv, args, out_ty=ty)
