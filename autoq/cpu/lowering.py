@@ -37,7 +37,7 @@ from autoq.cpu.amx_conv2d import (
 from autoq.cpu.amx_dense import amx_dense_kernel
 from autoq.cpu.amx_tiles import BLOCK as AMX_BLOCK
 from autoq.cpu.amx_tiles import KSTEP as AMX_KSTEP
-from autoq.cpu.batch_matmul import batch_matmul_kernel
+from autoq.cpu.batch_matmul import batch_matmul_kernel, matmul_zero_points
 from autoq.cpu.blocked import BlockedLayout, layout_for, lut_layout
 from autoq.cpu.conv2d import ConvShape, conv2d_kernel
 from autoq.cpu.conv_transpose import conv2d_transpose_kernel
@@ -347,9 +347,9 @@ def _activation_matmul(isa: Isa, bb, call, epilogue: Epilogue | None = None):
     (m, k), n = sa[-2:], sb[-1]
     a3 = bb.emit(relax.op.reshape(a, [batch, m, k]))
     b3 = bb.emit(relax.op.reshape(b, [batch, k, n]))
-    func = batch_matmul_kernel(batch, m, k, n, isa, dtype_of(a), za, zb, epilogue)
+    func = batch_matmul_kernel(batch, m, k, n, isa, dtype_of(a), epilogue)
     gv = bb.add_func(func.without_attr("global_symbol"), f"autoq_batch_matmul_{isa.name}")
-    args = _tail([a3, b3], epilogue)
+    args = _tail([a3, b3, relax.const(matmul_zero_points(za, zb))], epilogue)
     out = bb.emit(relax.call_tir(gv, args, out_ty=_out_type((batch, m, n), epilogue)))
     return relax.op.reshape(out, [*sa[:-2], m, n])
 
