@@ -14,9 +14,10 @@ shape share one compiled kernel. With ``A' = a + sa`` and ``B' = b + sb`` the re
 where ``za' = za + sa`` and ``zb' = zb + sb``: on AVX2 both are 0 (``sa = -za``, ``sb = -zb``:
 no correction), on VNNI ``sa`` is 128 for int8 data and 0 for uint8, ``sb = 0``. On VNNI the
 row sums of ``A'`` and column sums of ``B`` are computed per head next to the packing, and
-the three correction terms are the accumulator's starting value (:func:`start`), so each
-output tile is finished (requantized, stored) right after its accumulation. Everything is
-int32 and exact.
+each output tile gets its three correction terms (:func:`start`) as it is finished
+(requantized, stored) right after its accumulation, in registers: no int32 tensor is
+written. (TE's ``te.sum(init=...)`` would make them the accumulator's starting value, but
+``create_prim_func`` drops a reduction's init.) Everything is int32 and exact.
 
 >>> start(VNNI, 32, 3, -5, 128, 4000, -70)
 8210
@@ -49,7 +50,7 @@ def matmul_zero_points(za: int, zb: int) -> np.ndarray:
 
 
 def start(isa: Isa, k_dim: int, za, zb, shift, row_sum, col_sum):
-    """The accumulator's starting value (see the module docstring): ``K za' zb' - zb' *
+    """The correction added to ``sum(A'B')`` (see the module docstring): ``K za' zb' - zb' *
     row_sum - za' * col_sum`` with ``za' = za + shift`` and ``zb' = zb`` on VNNI; 0 on AVX2
     (centered operands). Works on ints and on TIR int32 expressions alike."""
     if isa.centered:
