@@ -72,9 +72,21 @@ def test_constant_operand_runs_as_lookup_bit_exact(case):
     assert len(np.unique(got)) > 40, "the case must span many output codes"
 
 
-def test_tflite_rounding_and_runtime_operands_keep_the_legalization():
+def test_tflite_rounding_runtime_and_rank_raising_operands_keep_the_legalization():
     tflite, _ = _module("multiply", "int8", "rhs", "tflite", "int8")
     runtime, _ = _module(
         "multiply", "int8", "rhs", "half_even", "int8", relax.Var("c", relax.TensorType((), "int8"))
     )
     assert _lut_calls(tflite) == 0 and _lut_calls(runtime) == 0
+    wider = relax.const(np.full((1, 1, 1), 5, np.int8))  # output [1, 2, 128], not x's shape
+    x = relax.Var("x", relax.TensorType((2, 128), "int8"))
+    q = [relax.const(v, t) for v, t in ((0.05, F32), (3, "int32"), (0.011, F32), (5, "int32"))]
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        out = bb.emit(qnn.multiply(x, wider, *q, relax.const(0.02, F32), relax.const(7, "int32"),
+                                   out_dtype="int8", rounding="half_even"))  # fmt: skip
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert _lut_calls(mod) == 0
+    codes = np.arange(-128, 128).astype(np.int8).reshape(2, 128)
+    np.testing.assert_array_equal(_run(mod, True, codes), _run(mod, False, codes))

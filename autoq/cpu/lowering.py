@@ -472,6 +472,8 @@ def _constant_operand_table(call) -> tuple[relax.Expr, np.ndarray] | None:
     data, const = (b, ca) if cb is None else (a, cb)
     if const is None or const.size != 1 or dtype_of(data) not in _ACT_DTYPES:
         return None
+    if shape_of(data) is None or shape_of(data) != shape_of(call):  # (a rank-raising constant)
+        return None
     lo, hi = (-128, 128) if dtype_of(data) == "int8" else (0, 256)
     codes = np.arange(lo, hi, dtype=np.int64)
     const = np.int64(const.reshape(-1)[0])
@@ -488,7 +490,7 @@ def _elementwise(_isa: Isa, fallback, bb, call):
     target = tvm.target.Target.current(allow_none=True)
     vbmi = target is not None and tvm.target.codegen.target_has_features("avx512vbmi", target)
     found = _constant_operand_table(call) if vbmi else None
-    if found is None or shape_of(found[0]) is None:
+    if found is None:
         return fallback(bb, call)
     data, table = found
     shape = shape_of(data)
