@@ -14,10 +14,12 @@ from test_cpu_kernels import PATHS  # the two ISA paths, skipped where the CPU l
 from tvm import relax, te
 
 import autoq
+from autoq import primitives as P
 from autoq.cpu import batch_matmul as batch_matmul_mod
 from autoq.cpu import expf as expf_mod
 from autoq.cpu import softmax as softmax_mod
-from autoq.cpu.batch_matmul import batch_matmul_kernel
+from autoq.cpu.batch_matmul import batch_matmul_kernel, matmul_zero_points
+from autoq.cpu.epilogue import Epilogue
 from autoq.cpu.expf import EXPF_TABLE, expf_expr
 from autoq.cpu.injective import schedule_fused
 from autoq.cpu.lowering import lower_to_cpu_kernels
@@ -169,14 +171,62 @@ def test_batch_matmul_kernel_bit_exact(isa, mcpu, case):
     b = rng.integers(-128, 128, (batch, k, n)).astype(np.int8)
     a[0, 0, :] = hi - 1  # extreme rows/columns: nothing may saturate
     b[0, :, 0] = -128
-    func = batch_matmul_kernel(batch, m, k, n, isa, dt, za, zb)
+    func = batch_matmul_kernel(batch, m, k, n, isa, dt)
     lib = tvm.compile(
         tvm.IRModule({"main": func}), tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
     )
-    out = tvm.runtime.tensor(np.zeros((batch, m, n), np.int32))
-    lib["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), out)
     want = (a.astype(np.int64) - za) @ (b.astype(np.int64) - zb)
-    np.testing.assert_array_equal(out.numpy(), want)
+    np.testing.assert_array_equal(_run_batch_matmul(lib, a, b, za, zb), want)
+
+
+def _run_batch_matmul(lib, a, b, za, zb, out_dtype="int32", table=()):
+    out = tvm.runtime.tensor(np.zeros((a.shape[0], a.shape[1], b.shape[2]), out_dtype))
+    zp = tvm.runtime.tensor(matmul_zero_points(za, zb))
+    tables = [tvm.runtime.tensor(t) for t in table]
+    lib["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), zp, *tables, out)
+    return out.numpy()
+
+
+@pytest.mark.parametrize(("isa", "mcpu"), PATHS)
+def test_batch_matmul_zero_points_at_run_time(isa, mcpu):
+    """One compiled kernel serves layers of any zero points (attention's 6 layers share
+    it): MiniLM's q @ k^T and p @ v shapes, three zero-point pairs each."""
+    rng = np.random.default_rng(5)
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+    for batch, m, k, n in ((12, 128, 32, 128), (12, 128, 128, 32)):
+        lib = tvm.compile(tvm.IRModule({"main": batch_matmul_kernel(batch, m, k, n, isa, "int8")}),
+                          target)  # fmt: skip
+        a = rng.integers(-128, 128, (batch, m, k)).astype(np.int8)
+        b = rng.integers(-128, 128, (batch, k, n)).astype(np.int8)
+        for za, zb in ((2, 9), (-128, -10), (127, -128)):
+            want = (a.astype(np.int64) - za) @ (b.astype(np.int64) - zb)
+            np.testing.assert_array_equal(_run_batch_matmul(lib, a, b, za, zb), want)
+
+
+@pytest.mark.parametrize("rounding", ["half_even", "float"])
+@pytest.mark.parametrize(("isa", "mcpu"), PATHS)
+def test_batch_matmul_requantize_epilogue(isa, mcpu, rounding):
+    """The requantized output of each tile (``qnn.matmul -> qnn.requantize``, as attention's
+    scores leave the kernel) == numpy's requantize of the exact int32 product."""
+    rng = np.random.default_rng(6)
+    batch, m, k, n, za, zb = 3, 20, 32, 48, 2, 9
+    a = rng.integers(-128, 128, (batch, m, k)).astype(np.int8)
+    b = rng.integers(-128, 128, (batch, k, n)).astype(np.int8)
+    s_in, s_out, z_out = np.float32(0.0121), np.float32(3.3), 41
+    params = (s_in, 0, s_out, z_out)
+    if rounding != "float":
+        mult, shift = P.quantize_multiplier(np.float64(s_in) / np.float64(s_out))
+        params = (*params, int(mult), int(shift))
+    epi = Epilogue(None, params, rounding, "int8", n)
+    func = batch_matmul_kernel(batch, m, k, n, isa, "int8", epi)
+    lib = tvm.compile(
+        tvm.IRModule({"main": func}), tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+    )
+    got = _run_batch_matmul(lib, a, b, za, zb, "int8", [epi.table()])
+    acc = ((a.astype(np.int64) - za) @ (b.astype(np.int64) - zb)).astype(np.int32)
+    want = P.requantize(acc, s_in, 0, s_out, z_out, "int8", rounding)
+    assert len(np.unique(want)) > 20, "the case must span many output codes"
+    np.testing.assert_array_equal(got, want)
 
 
 def test_doctests():

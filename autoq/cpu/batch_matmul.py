@@ -1,24 +1,33 @@
-"""int8 matmul of two activations (``qnn.matmul``: attention's ``q @ k^T``) as a packed,
-tensorized PrimFunc with a fixed schedule, batched over the leading axes (the heads).
+"""int8 matmul of two activations (``qnn.matmul``: attention's ``q @ k^T`` and ``p @ v``) as a
+packed, tensorized PrimFunc with a fixed schedule, batched over the leading axes (the heads).
 
-Both operands arrive at run time, so both are packed inside the kernel, once per call: the
-left one like :mod:`autoq.cpu.dense` packs its activations (``a + shift`` in the ISA's
-activation dtype), the right one into the ISA's weight blocks ``[batch, N/L, K/k, L, k]``
-(VNNI: the int8 values as they are; AVX2: ``b - zb`` in int16, exact). With
-``A' = a + sa`` and ``B' = b + sb`` the result is
+Both operands arrive at run time, so both are packed inside the kernel, once per call and
+batch entry (head), right before that head's tiles read them: the left one like
+:mod:`autoq.cpu.dense` packs its activations (``a + shift`` in the ISA's activation dtype), the
+right one into the ISA's weight blocks ``[N/L, K/k, L, k]`` (VNNI: the int8 values as they
+are; AVX2: ``b - zb`` in int16, exact). The zero points are a run-time input ``[za, zb]``
+(:func:`matmul_zero_points`) and the requantize values the epilogue's table, so layers of one
+shape share one compiled kernel. With ``A' = a + sa`` and ``B' = b + sb`` the result is
 
 ``sum((a - za)(b - zb)) = sum(A'B') - zb' * sum(A') - za' * sum(B') + K * za' * zb'``
 
-where ``za' = za + sa`` and ``zb' = zb + sb``: on AVX2 both are 0 (no correction), on VNNI
-``za' = za + 128`` (int8 data) and ``zb' = zb``, and the row sums of ``A'`` / column sums of
-``B'`` are computed in the kernel. Everything is int32 and exact.
+where ``za' = za + sa`` and ``zb' = zb + sb``: on AVX2 both are 0 (``sa = -za``, ``sb = -zb``:
+no correction), on VNNI ``sa`` is 128 for int8 data and 0 for uint8, ``sb = 0``. On VNNI the
+row sums of ``A'`` and column sums of ``B`` are computed per head next to the packing, and
+each output tile gets its three correction terms (:func:`start`) as it is finished
+(requantized, stored) right after its accumulation, in registers: no int32 tensor is
+written. (TE's ``te.sum(init=...)`` would make them the accumulator's starting value, but
+``create_prim_func`` drops a reduction's init.) Everything is int32 and exact.
 
->>> corrections(VNNI, "int8", 3, -5), corrections(AVX2, "int8", 3, -5)
-((131, -5), (0, 0))
+>>> start(VNNI, 32, 3, -5, 128, 4000, -70)
+8210
+>>> start(AVX2, 32, 3, -5, -3, 4000, -70)
+0
 """
 
 from __future__ import annotations
 
+import numpy as np
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
@@ -28,38 +37,72 @@ from autoq.cpu.isa import AVX2, VNNI, Isa  # noqa: F401  (VNNI/AVX2: doctest)
 from autoq.cpu.packing import round_up
 from autoq.cpu.tiling import i64, int32, pick_tile, tensorize_accumulation
 
-__all__ = ["batch_matmul_kernel", "corrections"]
+__all__ = ["batch_matmul_kernel", "matmul_zero_points", "start"]
 
 
-def corrections(isa: Isa, a_dtype: str, za: int, zb: int) -> tuple[int, int]:
-    """``(za', zb')``: the zero points of the packed operands (see the module docstring)."""
-    sa = isa.shift(a_dtype, za)
-    sb = -zb if isa.centered else 0
-    return za + sa, zb + sb
+def matmul_zero_points(za: int, zb: int) -> np.ndarray:
+    """The int32 ``[za, zb]`` operand of :func:`batch_matmul_kernel`.
+
+    >>> matmul_zero_points(3, -9).tolist()
+    [3, -9]
+    """
+    return np.array([za, zb], np.int32)
 
 
-def _pack_b(b, batch: int, k_dim: int, n: int, isa: Isa, zb: int):
+def start(isa: Isa, k_dim: int, za, zb, shift, row_sum, col_sum):
+    """The correction added to ``sum(A'B')`` (see the module docstring): ``K za' zb' - zb' *
+    row_sum - za' * col_sum`` with ``za' = za + shift`` and ``zb' = zb`` on VNNI; 0 on AVX2
+    (centered operands). Works on ints and on TIR int32 expressions alike."""
+    if isa.centered:
+        return 0
+    za2 = za + shift
+    return k_dim * za2 * zb - zb * row_sum - za2 * col_sum
+
+
+def _pack_b(b, batch: int, k_dim: int, n: int, isa: Isa, zb):
     lanes, k = isa.lanes, isa.k
     kp, np_ = round_up(k_dim, k), isa.padded_channels(n)
-    sb = -zb if isa.centered else 0
 
     def pack(t, o, c, oi, ci):
         kk, nn = c * k + ci, o * lanes + oi
-        value = (int32(b[t, kk, nn]) + sb).astype(isa.weight_dtype)
+        value = int32(b[t, kk, nn]) - zb if isa.centered else int32(b[t, kk, nn])
         inside = tirx.all(kk < k_dim, nn < n)
-        return tirx.if_then_else(inside, value, tirx.const(0, isa.weight_dtype))
+        return tirx.if_then_else(
+            inside, value.astype(isa.weight_dtype), tirx.const(0, isa.weight_dtype)
+        )
 
     return te.compute((batch, np_ // lanes, kp // k, lanes, k), pack, name="autoq_pack_b")
 
 
-def _compute(batch, m, k_dim, n, isa: Isa, a_dtype: str, za: int, zb: int, epi):
+def _shift(isa: Isa, a_dtype: str, za):
+    """``sa``: a constant on VNNI, ``-za`` (run time) on AVX2."""
+    return -za if isa.centered else isa.shift(a_dtype, 0)
+
+
+def _sums(isa: Isa, a, b, batch, m, k_dim, n, shift):
+    """(row sums of ``A'``, column sums of ``B``) [batch, m] / [batch, n] int32 (VNNI), or
+    (None, None) (AVX2)."""
+    if isa.centered:
+        return None, None
+    r1, r2 = te.reduce_axis((0, k_dim), "r1"), te.reduce_axis((0, k_dim), "r2")
+    rows = te.compute(
+        (batch, m), lambda t, i: te.sum(int32(a[t, i, r1]) + shift, axis=r1), name="autoq_rowsum"
+    )
+    cols = te.compute(
+        (batch, n), lambda t, j: te.sum(int32(b[t, r2, j]), axis=r2), name="autoq_colsum"
+    )
+    return rows, cols
+
+
+def _compute(batch, m, k_dim, n, isa: Isa, a_dtype: str, epi):
     lanes, k = isa.lanes, isa.k
     tile = pick_tile(m, isa.max_tile)
     mp, kp, np_ = round_up(m, tile), round_up(k_dim, k), isa.padded_channels(n)
-    za2, zb2 = corrections(isa, a_dtype, za, zb)
     a = te.placeholder(i64(batch, m, k_dim), a_dtype, name="lhs")
     b = te.placeholder(i64(batch, k_dim, n), "int8", name="rhs")
-    shift, sb = isa.shift(a_dtype, za), zb2 - zb
+    zp = te.placeholder((2,), "int32", name="zero_points")
+    za, zb = zp[0], zp[1]
+    shift = _shift(isa, a_dtype, za)
 
     def pack_a(t, i, j):
         value = (int32(a[t, i, j]) + shift).astype(isa.act_dtype)
@@ -68,6 +111,8 @@ def _compute(batch, m, k_dim, n, isa: Isa, a_dtype: str, za: int, zb: int, epi):
 
     pa = te.compute((batch, mp, kp), pack_a, name="autoq_pack")
     pb = _pack_b(b, batch, k_dim, n, isa, zb)
+    rows, cols = _sums(isa, a, b, batch, m, k_dim, n, shift)
+
     rc, rk = te.reduce_axis((0, kp // k), "rc"), te.reduce_axis((0, k), "rk")
     acc = te.compute(
         (batch, mp, np_ // lanes, lanes),
@@ -76,33 +121,13 @@ def _compute(batch, m, k_dim, n, isa: Isa, a_dtype: str, za: int, zb: int, epi):
         ),
         name="autoq_acc",
     )
-    inputs = [a, b]
-    if za2 == 0 and zb2 == 0:
-        value = lambda t, i, j: acc[t, i, j // lanes, j % lanes]  # noqa: E731
-        out = epilogue_compute(i64(batch, m, n), value, 2, epi, inputs)
-        return [*inputs, out], tile
-    terms = []  # (coefficient, sum tensor, its index function)
-    if zb2:
-        r1 = te.reduce_axis((0, k_dim), "r1")
-        rows = te.compute(
-            (batch, m), lambda t, i: te.sum(int32(pa[t, i, r1]), axis=r1), name="autoq_rowsum"
-        )
-        terms.append((zb2, lambda t, i, j: rows[t, i]))
-    if za2:
-        r2 = te.reduce_axis((0, k_dim), "r2")
-        cols = te.compute(
-            (batch, n), lambda t, j: te.sum(int32(b[t, r2, j]) + sb, axis=r2), name="autoq_colsum"
-        )
-        terms.append((za2, lambda t, i, j: cols[t, j]))
-    const = k_dim * za2 * zb2
+    inputs = [a, b, zp]
 
-    def corrected(t, i, j):
-        value = acc[t, i, j // lanes, j % lanes]
-        for coef, term in terms:
-            value = value - coef * term(t, i, j)
-        return value + const if const else value
+    def value(t, i, j):
+        v = acc[t, i, j // lanes, j % lanes]
+        return v if rows is None else v + start(isa, k_dim, za, zb, shift, rows[t, i], cols[t, j])
 
-    out = epilogue_compute(i64(batch, m, n), corrected, 2, epi, inputs)
+    out = epilogue_compute((batch, m, n), value, 2, epi, inputs)  # int32 loops: tensorize
     return [*inputs, out], tile
 
 
@@ -113,33 +138,32 @@ def batch_matmul_kernel(
     n: int,
     isa: Isa,
     a_dtype: str,
-    za: int,
-    zb: int,
     epilogue: Epilogue | None = None,
 ):
-    """The scheduled PrimFunc ``(lhs[batch, m, k], rhs[batch, k, n] int8[, table],
-    out[batch, m, n])`` of ``(lhs - za) @ (rhs - zb)`` in int32 (or, with an ``epilogue``,
-    requantized to int8/uint8); parallel over (batch, row tile, column block)."""
-    tensors, tile = _compute(batch, m, k, n, isa, a_dtype, za, zb, epilogue)
+    """The scheduled PrimFunc ``(lhs[batch, m, k], rhs[batch, k, n] int8, zero_points[2]
+    int32[, table], out[batch, m, n])`` of ``(lhs - za) @ (rhs - zb)`` in int32 (or, with an
+    ``epilogue``, requantized to int8/uint8), ``zero_points`` = :func:`matmul_zero_points`;
+    parallel over the batch (each head packs and sums its operands, then runs its tiles)."""
+    tensors, tile = _compute(batch, m, k, n, isa, a_dtype, epilogue)
     sch = Schedule(te.create_prim_func(tensors))
-    block = sch.get_sblock("autoq_acc")
-    t, i, o, oi, rc, rk = sch.get_loops(block)
-    io, ii = sch.split(i, [None, tile])
-    oo, ob = sch.split(o, [None, isa.channel_blocks(n)])
-    sch.reorder(t, io, oo, rc, ii, ob, oi, rk)
+    # the output's (head, row tile, column tile) loops are the kernel's; each tile's
+    # accumulation is computed right before the tile is stored
     out = sch.get_sblock("autoq_out")
-    corrected = corrections(isa, a_dtype, za, zb) != (0, 0)
-    if not corrected:  # the output tile is copied out right after its accumulation
-        sch.reverse_compute_at(out, oo)
-    sch.parallel(sch.fuse(t, io, oo))
-    sch.unroll(ii)
-    sch.unroll(ob)
-    tensorize_accumulation(sch, block, rc, oi, isa.intrinsic)
-    za2, zb2 = corrections(isa, a_dtype, za, zb)
-    names = ["autoq_pack", "autoq_pack_b"]
-    if corrected:  # the sums must exist before any tile is corrected: own parallel loops
-        names += ["autoq_rowsum"] * bool(zb2) + ["autoq_colsum"] * bool(za2) + ["autoq_out"]
+    t, i, j = sch.get_loops(out)
+    blocks = isa.channel_blocks(n)
+    io, ii = sch.split(i, [None, tile])
+    jo, jb, jl = sch.split(j, [None, blocks, isa.lanes])
+    sch.reorder(t, io, jo, ii, jb, jl)
+    sch.vectorize(jl)
+    block = sch.get_sblock("autoq_acc")
+    sch.compute_at(block, jo, preserve_unit_loops=True)
+    ai, ao, aoi, rc, rk = sch.get_loops(block)[-5:]
+    sch.reorder(rc, ai, ao, aoi, rk)
+    sch.unroll(ai)
+    sch.unroll(ao)
+    names = ["autoq_pack", "autoq_pack_b"] + ["autoq_rowsum", "autoq_colsum"] * (not isa.centered)
     for name in names:
-        loops = sch.get_loops(sch.get_sblock(name))
-        sch.parallel(sch.fuse(loops[0], loops[1]))
+        sch.compute_at(sch.get_sblock(name), t)
+    sch.parallel(t)
+    tensorize_accumulation(sch, block, rc, aoi, isa.intrinsic)
     return sch.mod["main"].with_attrs({"op_pattern": 8, KERNEL_ATTR: True})

@@ -27,6 +27,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from autoq import primitives as P
 from autoq.cpu.amx_conv2d import (
     amx_conv2d_kernel,
     amx_conv_applies,
@@ -37,7 +38,7 @@ from autoq.cpu.amx_conv2d import (
 from autoq.cpu.amx_dense import amx_dense_kernel
 from autoq.cpu.amx_tiles import BLOCK as AMX_BLOCK
 from autoq.cpu.amx_tiles import KSTEP as AMX_KSTEP
-from autoq.cpu.batch_matmul import batch_matmul_kernel
+from autoq.cpu.batch_matmul import batch_matmul_kernel, matmul_zero_points
 from autoq.cpu.blocked import BlockedLayout, layout_for, lut_layout
 from autoq.cpu.conv2d import ConvShape, conv2d_kernel
 from autoq.cpu.conv_transpose import conv2d_transpose_kernel
@@ -347,9 +348,9 @@ def _activation_matmul(isa: Isa, bb, call, epilogue: Epilogue | None = None):
     (m, k), n = sa[-2:], sb[-1]
     a3 = bb.emit(relax.op.reshape(a, [batch, m, k]))
     b3 = bb.emit(relax.op.reshape(b, [batch, k, n]))
-    func = batch_matmul_kernel(batch, m, k, n, isa, dtype_of(a), za, zb, epilogue)
+    func = batch_matmul_kernel(batch, m, k, n, isa, dtype_of(a), epilogue)
     gv = bb.add_func(func.without_attr("global_symbol"), f"autoq_batch_matmul_{isa.name}")
-    args = _tail([a3, b3], epilogue)
+    args = _tail([a3, b3, relax.const(matmul_zero_points(za, zb))], epilogue)
     out = bb.emit(relax.call_tir(gv, args, out_ty=_out_type((batch, m, n), epilogue)))
     return relax.op.reshape(out, [*sa[:-2], m, n])
 
@@ -455,6 +456,50 @@ def _lut(_isa: Isa, fallback, bb, call):
     return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, dtype_of(table)))
 
 
+def _constant_operand_table(call) -> tuple[relax.Expr, np.ndarray] | None:
+    """(the 8-bit tensor operand, the 256-entry table of the op on its codes) of a
+    per-tensor ``qnn.add / subtract / multiply`` whose other operand and qparams are
+    constants (``x * c``: attention's ``1 / sqrt(d)``), by
+    :func:`autoq.primitives.elementwise`; None for any other call."""
+    a, b, *qparams = call.args
+    values = [const_array(q) for q in qparams]
+    rounding, out_dtype = str(call.attrs["rounding"]), str(call.attrs["out_dtype"])
+    if call.attrs.get("axis") is not None or rounding == "tflite" or out_dtype not in _ACT_DTYPES:
+        return None
+    if any(v is None or v.size != 1 for v in values):
+        return None
+    (ca, cb) = const_array(a), const_array(b)
+    data, const = (b, ca) if cb is None else (a, cb)
+    if const is None or const.size != 1 or dtype_of(data) not in _ACT_DTYPES:
+        return None
+    if shape_of(data) is None or shape_of(data) != shape_of(call):  # (a rank-raising constant)
+        return None
+    lo, hi = (-128, 128) if dtype_of(data) == "int8" else (0, 256)
+    codes = np.arange(lo, hi, dtype=np.int64)
+    const = np.int64(const.reshape(-1)[0])
+    sa, za, sb, zb, so, zo = (v.reshape(-1)[0] for v in values)
+    lhs, rhs = (codes, const) if data is a else (const, codes)
+    kind = call.op.name.split(".")[1]
+    table = P.elementwise(kind, lhs, sa, za, rhs, sb, zb, so, zo, out_dtype, rounding)
+    return data, np.asarray(table).astype(out_dtype)
+
+
+def _elementwise(_isa: Isa, fallback, bb, call):
+    """A constant-operand elementwise op (:func:`_constant_operand_table`) -> the VBMI
+    ``qnn.lut`` kernel on targets with AVX-512 VBMI; anything else -> ``fallback``."""
+    target = tvm.target.Target.current(allow_none=True)
+    vbmi = target is not None and tvm.target.codegen.target_has_features("avx512vbmi", target)
+    found = _constant_operand_table(call) if vbmi else None
+    if found is None:
+        return fallback(bb, call)
+    data, table = found
+    shape = shape_of(data)
+    func = vbmi_lut_kernel(shape, dtype_of(data), str(table.dtype))
+    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_lut")
+    out_ty = relax.TensorType(shape, str(table.dtype))
+    return relax.call_tir(gv, [data, relax.const(table)], out_ty=out_ty)
+
+
 def _max_pool2d(_isa: Isa, fallback, bb, call):
     (data,) = call.args
     a = call.attrs
@@ -477,6 +522,9 @@ _LOWERINGS = {
     "relax.nn.conv2d_transpose": _conv2d_transpose,
     "relax.nn.softmax": _softmax,
     "qnn.lut": _lut,
+    "qnn.add": _elementwise,
+    "qnn.subtract": _elementwise,
+    "qnn.multiply": _elementwise,
     "qnn.dynamic_quantize": _dynamic_quantize,
     "relax.nn.max_pool2d": _max_pool2d,
 }
