@@ -54,35 +54,6 @@ from autoq.config import BiasCorrection
 INPUT = "input"
 SHAPE = (1, 3, 224, 224)
 
-#: photos for calibration and for evaluation: no photo is in both
-CALIB_PHOTOS = (
-    "astronaut",
-    "coffee",
-    "rocket",
-    "sklearn:china",
-    "motorcycle_left",
-    "motorcycle_right",
-    "hubble_deep_field",
-    "camera",
-    "brick",
-    "grass",
-    "page",
-    "moon",
-)
-EVAL_PHOTOS = (
-    "chelsea",
-    "sklearn:flower",
-    "mpl:grace_hopper",
-    "immunohistochemistry",
-    "retina",
-    "colorwheel",
-    "gravel",
-    "coins",
-    "clock",
-    "cell",
-)
-
-
 # --------------------------------------------------------------------------------- model
 
 
@@ -135,8 +106,7 @@ def preprocess(crops: Sequence[np.ndarray]) -> list[dict[str, np.ndarray]]:
 
 
 def make_data(split: str, n: int) -> list[dict[str, np.ndarray]]:
-    photos, seed = (CALIB_PHOTOS, 0) if split == "calib" else (EVAL_PHOTOS, 1)
-    return preprocess(common.random_crops(photos, n, seed, out_size=SHAPE[-1]))
+    return preprocess(common.imagenet_crops(split, n, SHAPE[-1]))
 
 
 # ------------------------------------------------------------------------------- metrics

