@@ -265,13 +265,17 @@ def conv2d_kernel(
     sch.unroll(xi)
     sch.unroll(ob)
     tensorize_accumulation(sch, conv, rc, oi, isa.intrinsic)
-    if out_layout is not None:  # a vector of channels per pixel
+    if out_layout is not None or epilogue is not None:
+        # blocked: a vector of channels per pixel; NCHW: a vector along the output row (the
+        # accumulators read with a stride of one lane block)
         sch.vectorize(sch.get_loops(out)[-1])
     if packs:
         pn, pc, ph, _, pi = sch.get_loops(sch.get_sblock("autoq_pack"))
         sch.parallel(sch.fuse(pn, pc, ph))
-        if in_layout is not None:  # a pad of the blocked input: a vector per pixel
-            sch.vectorize(pi)
+        # a vector of channels per pixel: from NCHW the lanes read ic_block planes (a
+        # strided gather LLVM builds from the plane loads), 1.4-2x faster than scalar copies
+        # (1x1 48 -> 48 on 120 x 120, VNNI, NCHW in, blocked out: 0.93 -> 0.45 ms)
+        sch.vectorize(pi)
     # opaque to FuseOps: fusing the epilogue into the autoq_out block (op_pattern 4 +
     # reverse_compute_inline) was measured 5-10% slower on ResNet-50 than separate,
     # row-parallel epilogue functions
