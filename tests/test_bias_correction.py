@@ -112,3 +112,40 @@ def test_patch_mean_is_the_mean_of_every_im2col_patch(geom):
     np.testing.assert_allclose(out, full, rtol=1e-10)
     with pytest.raises(ValueError, match="patch shape"):
         a.update(np.zeros((1, 8, 7, 6)))
+
+
+@pytest.mark.parametrize(
+    "geom",
+    [
+        dict(kernel=3, padding=1),
+        dict(kernel=(3, 2), strides=(2, 1), padding=(0, 1, 2, 1), dilation=(2, 1)),
+        dict(kernel=3, strides=2, padding=(1, 1, 0, 0), groups=4),
+        dict(kernel=1),
+    ],
+    ids=["3x3", "strided_dilated_uneven_pad", "depthwise_stride2", "1x1"],
+)
+def test_patch_sums_of_integer_codes_are_exact(geom):
+    """Integer codes (a quantized input) take the matrix-product path: every tap's sum is
+    the exact integer that a plain-loop convolution with a one-hot kernel gives, and the
+    same float64 bits as the float path (tap by tap over the padded batch) on the same
+    values, so the mean patches, and the corrected biases, do not move."""
+    from autoq.accuracy.hessian import ConvGeometry
+
+    g = ConvGeometry(**geom)
+    rng = np.random.default_rng(2)
+    codes = rng.integers(-128, 128, size=(2, 4, 9, 8)).astype(np.int32)
+    sums, rows = B.PatchMean(g).sums(codes)
+    (kh, kw), c = g.kernel, codes.shape[1]
+    ref = np.zeros((c, kh, kw))
+    for i in range(kh):
+        for j in range(kw):
+            one_hot = np.zeros((1, 1, kh, kw))
+            one_hot[0, 0, i, j] = 1.0
+            for ch in range(c):
+                y = conv2d_loops(codes[:, ch : ch + 1], one_hot, None, g.strides, g.padding,
+                                 g.dilation)  # fmt: skip
+                ref[ch, i, j] = y.sum()
+    assert rows == y.size  # every output position of every sample
+    assert sums.dtype == np.float64 and np.array_equal(sums, ref.reshape(g.groups, -1))
+    floats, float_rows = B.PatchMean(g).sums(codes.astype(np.float32))
+    assert float_rows == rows and sums.tobytes() == floats.tobytes()

@@ -261,11 +261,16 @@ def test_hessians_sum_products_only_for_layers_that_may_read_them():
     assert tuner._product_layers("x", [small, wide], 10**6) == set()
 
 
-def test_input_stats_hessians_equal_those_of_the_whole_quantized_input():
+@pytest.mark.parametrize("means", [False, True], ids=["hessians", "with_mean_patches"])
+def test_input_stats_hessians_equal_those_of_the_whole_quantized_input(means):
     """Each Hessian is fed codes gathered then quantized where that is fewer values (a 1x1
     conv keeping 256 of 400 pixels), or quantized then gathered (a 3x3 conv keeping all):
     the int64 sums equal those of the reference path, the whole input quantized by
-    primitives.quantize minus the zero point, then fed to CodeHessian.update."""
+    primitives.quantize minus the zero point, then fed to CodeHessian.update. With the
+    bias correction's mean patches (``means``), the layers with a bias get the exact mean
+    patch of those codes (the float64 tap-by-tap sums of the same integers, bit for bit);
+    a layer without a bias gets none (it has nothing to correct)."""
+    from autoq.accuracy.bias_correction import PatchMean
     from autoq.accuracy.hessian import ConvGeometry
     from autoq.accuracy.weight_tuning import InputStats, LayerTask
     from autoq.qparams import QParam
@@ -273,26 +278,34 @@ def test_input_stats_hessians_equal_those_of_the_whole_quantized_input():
     one = ConvGeometry(kernel=(1, 1))
     three = ConvGeometry(kernel=(3, 3), strides=(2, 2), padding=(1, 1, 1, 1))
     tasks = [
-        LayerTask("a", "a.weight", "x", np.zeros((8, 4, 1, 1), np.float32), one, False),
+        LayerTask("a", "a.weight", "x", np.zeros((8, 4, 1, 1), np.float32), one, True),
         LayerTask("c", "c.weight", "x", np.zeros((8, 4, 3, 3), np.float32), three, False),
+        LayerTask("d", "d.weight", "x", np.zeros((6, 4, 3, 3), np.float32), three, True),
     ]
     rng = np.random.default_rng(4)
     xs = [rng.normal(size=(1, 4, 20, 20)).astype(np.float32) * 3 for _ in range(3)]
     for qp in (QParam(np.float32(0.02), -128, "int8"), QParam(np.float32(1e-4), 7, "int16")):
-        stats = InputStats(tasks, qp)
+        stats = InputStats(tasks, qp, patch_means=means)
         refs = {t.layer: t.hessian(float(qp.scale)) for t in tasks}
+        ref_means = {t.layer: PatchMean(t.geom) for t in tasks if t.has_bias}
         for x in xs:
             stats.update(x)
             q = P.quantize(x, qp.scale, qp.zero_point, qp.dtype).astype(np.int64)
             codes = q - int(qp.zero_point)
             for h in refs.values():
                 h.update(codes)
+            for m in ref_means.values():
+                m.update(codes.astype(np.float64))
         for t in tasks:
             got, ref = stats.hessians[t.layer], refs[t.layer]
             got.flush(), ref.flush()
             assert got.rows == ref.rows
             np.testing.assert_array_equal(got.sum, ref.sum)
             np.testing.assert_array_equal(got.row_sum, ref.row_sum)
+        assert set(stats.means) == (set(ref_means) if means else set())
+        for layer, ref in ref_means.items() if means else ():
+            assert stats.means[layer].count == ref.count
+            assert stats.means[layer].sum.tobytes() == ref.sum.tobytes()
 
 
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "int4"])

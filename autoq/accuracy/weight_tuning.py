@@ -258,7 +258,7 @@ class InputStats:
         same integers (:func:`quantize_offset`); the mean patches take
         the whole batch's codes."""
         qp = self.qp
-        if qp.per_axis or self.distinct_means or P.qrange(qp.dtype)[1] > 2**16:
+        if qp.per_axis or P.qrange(qp.dtype)[1] > 2**16:
             ax = qp.axis if qp.per_axis else None  # (per channel: autoq.rules.depthwise_channels)
             q = P.quantize(x, qp.scale, qp.zero_point, qp.dtype, ax).astype(np.int32)
             zp = np.asarray(qp.zero_point, np.int32)
@@ -271,7 +271,7 @@ class InputStats:
                 m.update(codes)
             return
         x = np.asarray(x)
-        codes = None  # the whole batch's, computed once if some Hessian needs it
+        codes = None  # the whole batch's, computed once if some Hessian or mean needs it
 
         def offset(v):
             return quantize_offset(v, qp.scale, qp.zero_point, qp.dtype)
@@ -283,6 +283,10 @@ class InputStats:
                 codes = offset(x) if codes is None else codes
                 rows = h.rows_of(codes, np.float32)
             h.update_rows(rows.transpose(0, 2, 1))
+        if self.distinct_means:  # (integers: PatchMean sums them exactly)
+            whole = (offset(x) if codes is None else codes).astype(np.int32)
+            for m in self.distinct_means.values():
+                m.update(whole)
 
     def flush(self) -> None:
         """Sum the rows the Hessians still buffer (:meth:`autoq.accuracy.hessian.CodeHessian.flush`)."""
@@ -306,9 +310,12 @@ class InputStats:
 
 
 def patch_mean_table(tasks: list[LayerTask]) -> dict[str, PatchMean]:
-    """layer -> its :class:`PatchMean`, one shared by the layers whose patches are equal."""
+    """layer -> its :class:`PatchMean`, one shared by the layers whose patches are equal; the
+    layers with a bias only (the others have no bias to correct: their means are never read)."""
     shared: dict[tuple, PatchMean] = {}
-    return {t.layer: shared.setdefault(t.input_key(), PatchMean(t.geom)) for t in tasks}
+    return {
+        t.layer: shared.setdefault(t.input_key(), PatchMean(t.geom)) for t in tasks if t.has_bias
+    }
 
 
 def _distinct_items(table: dict) -> list[tuple[str, object]]:
@@ -348,9 +355,11 @@ class WeightTuner:
         self.gate_errors: dict[str, list] = {}
 
     def fp32_slots(self) -> list[str]:
-        """The activation slots whose fp32 values :meth:`observe_fp32` needs (none unless
-        ``Config.bias_correction``)."""
-        return list(self.tasks) if self.config.corrects_bias else []
+        """The activation slots whose fp32 values :meth:`observe_fp32` needs: those read by a
+        layer with a bias to correct (none unless ``Config.bias_correction``)."""
+        if not self.config.corrects_bias:
+            return []
+        return [sid for sid, tasks in self.tasks.items() if any(t.has_bias for t in tasks)]
 
     def fp32_tables(self) -> dict[str, dict[str, PatchMean]]:
         """Slot of :meth:`fp32_slots` -> layer -> an empty mean patch of its fp32 input
