@@ -96,12 +96,16 @@ def cpu_pipeline(target, after_fusion: Callable[[tvm.IRModule], tvm.IRModule]):
 
 
 def unfused_pipeline(
-    target, after_legalize: Callable[[tvm.IRModule], tvm.IRModule], name: str = "_pipeline"
+    target,
+    after_legalize: Callable[[tvm.IRModule], tvm.IRModule],
+    name: str = "_pipeline",
+    legalize_map: dict | None = None,
 ):
     """``tvm.compile``'s default pipeline (``relax.pipeline.default_build_pipeline``: one
     kernel per op, no fusion) with ``after_legalize(module)`` applied once the ops are
     kernels. ``name``: the pass's name (``autoq.*`` names key the compile cache,
-    :mod:`autoq.ir.compile_cache`: one name per ``after_legalize``)."""
+    :mod:`autoq.ir.compile_cache`: one name per ``after_legalize``); ``legalize_map``:
+    ``LegalizeOps``' own legalization of some ops (e.g. :func:`autoq.ir.any_shape.legalize_map`)."""
     from tvm.relax import backend
     from tvm.relax import transform as T
 
@@ -109,7 +113,11 @@ def unfused_pipeline(
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
             mod = tvm.transform.Sequential(
-                [backend.DispatchSampling(), backend.DispatchSortScan(), T.LegalizeOps()]
+                [
+                    backend.DispatchSampling(),
+                    backend.DispatchSortScan(),
+                    T.LegalizeOps(legalize_map),
+                ]
             )(mod)
             mod = after_legalize(mod)
             rest = [
