@@ -16,6 +16,7 @@ from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.errors import LibraryError
 from autoq.files import pid_dir, remove_dead_dirs, temp_folder
 from autoq.ir.compile_cache import cached_library
+from autoq.ir.cpu_pipeline import drop_unused_kernels
 from autoq.ir.float_ops import rewrite_float_ops
 from autoq.ir.library_file import check_library, stamp_path, write_stamp
 from autoq.ir.target import default_target
@@ -83,7 +84,8 @@ def compile(
 
 def _kernel_pipeline(target: tvm.target.Target):
     """TVM's default CPU pipeline with :class:`autoq.cpu.injective.ScheduleFused` after
-    fusion (the fused elementwise functions run parallel instead of as naive loop nests)."""
+    fusion (the fused elementwise functions run parallel instead of as naive loop nests), and
+    no kernel that nothing calls (:func:`autoq.ir.cpu_pipeline.drop_unused_kernels`)."""
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
     passes = [
@@ -97,7 +99,7 @@ def _kernel_pipeline(target: tvm.target.Target):
     @tvm.transform.module_pass(opt_level=0, name="autoq.KernelPipeline")
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
-            return tvm.transform.Sequential(passes)(mod)
+            return drop_unused_kernels(tvm.transform.Sequential(passes)(mod))
 
     return _pipeline
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import tvm
 
+from autoq.ir.any_shape import legalize_map
 from autoq.ir.cpu_pipeline import unfused_pipeline
 
 __all__ = ["pipeline_with_loop_schedule", "rows_for", "schedule_module", "schedule_reductions"]
@@ -144,6 +145,9 @@ def rows_for(target) -> int:
 def pipeline_with_loop_schedule(target):
     """``tvm.compile``'s own default pipeline (legalization, no fusion) with
     :func:`schedule_reductions` applied to every kernel: the same kernels, the same
-    arithmetic, faster (a module pass for ``tvm.compile(..., relax_pipeline=...)``)."""
+    arithmetic, faster (a module pass for ``tvm.compile(..., relax_pipeline=...)``); the
+    elementwise binary ops get one kernel per rank and broadcast, not per shape
+    (:mod:`autoq.ir.any_shape`: the same bits, fewer kernels to compile)."""
     rows = rows_for(target)
-    return unfused_pipeline(target, lambda mod: schedule_module(mod, rows), "autoq.LoopSchedule")
+    schedule = lambda mod: schedule_module(mod, rows)  # noqa: E731
+    return unfused_pipeline(target, schedule, "autoq.LoopSchedule", legalize_map())
