@@ -102,11 +102,15 @@ def float32_thresholds(edges: np.ndarray) -> np.ndarray:
 
 
 def float32_estimate(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(lo, k)`` as float32 ``(C, 1)`` arrays such that ``int((v - lo) * k)`` computed in
-    float32 is within one bin of ``v``'s bin for every ``v`` in the range, or None when
-    float32 cannot guarantee that (a range narrow next to its magnitude, or beyond
-    ``2**126``: float64 then). The bound: the error of ``lo`` and ``k`` in float32 and
-    three float32 roundings, below a quarter of a bin."""
+    """``(lo, k)`` as float32 ``(C, 1)`` arrays such that ``(v - lo) * k`` computed in
+    float32 is within a quarter of a bin of ``v``'s position (in bins from ``lo``) for every
+    ``v`` in the range, or None when float32 cannot guarantee that (a range narrow next to
+    its magnitude, or beyond ``2**126``: float64 then). The bound: the error of ``lo`` and
+    ``k`` in float32 and three float32 roundings, below a quarter of a bin.
+
+    >>> [a.tolist() for a in float32_estimate(np.linspace([-1.0], [3.0], 9, axis=-1))]
+    [[[-1.0]], [[2.0]]]
+    """
     bins = edges.shape[1] - 1
     lo, span = edges[:, 0], edges[:, -1] - edges[:, 0]
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # (checked below)
@@ -121,24 +125,28 @@ def float32_estimate(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     return lo32[:, None], k32[:, None]
 
 
-def _bin_block32(rows: np.ndarray, est: tuple, tables: tuple) -> np.ndarray:
-    """The flat bin index into ``(C, bins)`` of each float32 value of ``rows`` (``est``:
-    :func:`float32_estimate`; ``tables``: :func:`float32_thresholds` flat, the same
-    shifted by one, and each row's offset into them and into the counts, None for one
-    row): the estimate is off by at most one bin and one comparison on each side corrects
-    it."""
-    lower, upper, offsets = tables
+def _nearest_edges(rows: np.ndarray, est: tuple, lower: np.ndarray, offsets) -> np.ndarray:
+    """Each float32 value of ``rows`` as ``1 + its bin``, offset by its row's ``offsets``
+    (None for one row) into rows of ``bins + 2`` counts (``est``: :func:`float32_estimate`;
+    ``lower``: :func:`float32_thresholds` flat). ``r``, the nearest integer to the estimate
+    ``(v - lo) * k``, is within 3/4 of a bin of ``v``'s position (the estimate is off by
+    less than a quarter, adding ``0.5`` in float32 by less than ``2**-24 * (bins + 1)``),
+    so ``v``'s bin is ``r - 1`` or ``r``: one comparison with the threshold of edge ``r``
+    decides (edge ``bins`` is ``+inf``: the last bin is closed).
+
+    >>> edges = np.linspace([0.0], [1.0], 3, axis=-1)  # bins [0, .5), [.5, 1]
+    >>> rows = np.array([[0.0, 0.49, 0.5, 0.74, 1.0]], np.float32)
+    >>> _nearest_edges(rows, float32_estimate(edges), float32_thresholds(edges).ravel(), None)
+    array([[1, 1, 2, 2, 2]], dtype=int32)
+    """
     v = np.subtract(rows, est[0])
     v *= est[1]
-    idx = v.astype(np.intp)  # (> -1: truncation gives 0 there, corrected below)
+    v += 0.5
+    r = v.astype(np.int32)  # (v > 1/4: truncation is rounding down)
     if offsets is not None:
-        idx += offsets[0]
-    below = rows < lower.take(idx)
-    idx += rows >= upper.take(idx)
-    idx -= below
-    if offsets is not None:  # from rows of bins + 2 thresholds to rows of bins
-        idx -= offsets[1]
-    return idx.ravel()
+        r += offsets
+    r += rows >= lower.take(r)
+    return r
 
 
 class UniformBins:
@@ -148,21 +156,21 @@ class UniformBins:
 
     def __init__(self, edges: np.ndarray):
         self.edges = edges
+        c, width = edges.shape[0], edges.shape[1] + 1  # rows of bins + 2 thresholds
         self.est = float32_estimate(edges)
-        self.tables = None
+        if c * width >= 2**31:  # (int32 indices into the thresholds)
+            self.est = None
         if self.est is not None:
-            lower = float32_thresholds(edges).ravel()
-            upper = np.append(lower[1:], np.float32(np.inf))
-            c, width = edges.shape[0], edges.shape[1] + 1  # rows of bins + 2 thresholds
-            rows = np.arange(c)[:, None]
-            offsets = None if c == 1 else (rows * width, rows * 2)
-            self.tables = (lower, upper, offsets)
+            self.lower = float32_thresholds(edges).ravel()
+            rows = np.arange(c, dtype=np.int32)[:, None]
+            self.offsets = None if c == 1 else rows * width
+            self.shift = rows * 2 + 1  # from 1 + bin in rows of bins + 2 to bin in rows of bins
 
     def add(self, rows: np.ndarray, out: np.ndarray, absolute: bool = False) -> None:
         """Add the :func:`histogram` of ``rows`` in these bins to ``out`` (C-contiguous
         int64 ``(C, bins)``)."""
         edges = self.edges
-        c = rows.shape[0]
+        c, width = rows.shape[0], edges.shape[1] + 1
         step = max(1, BLOCK // c)
         fast = self.est is not None and rows.dtype in FLOAT32_EXACT
         for j in range(0, rows.shape[1], step):
@@ -170,13 +178,17 @@ class UniformBins:
                 block = rows[:, j : j + step].astype(np.float64, order="C")
                 out += _bin_block(np.abs(block, out=block) if absolute else block, edges)
                 continue
-            block = rows[:, j : j + step].astype(np.float32, order="C")
-            block = np.abs(block, out=block) if absolute else block
-            idx = _bin_block32(block, self.est, self.tables)
+            block = rows[:, j : j + step]
+            if absolute:
+                block = np.abs(block, dtype=np.float32)
+            elif block.dtype != np.float32:
+                block = block.astype(np.float32)
+            idx = _nearest_edges(block, self.est, self.lower, self.offsets)
             if idx.size >= out.size:
-                out += np.bincount(idx, minlength=out.size).reshape(out.shape)
+                counts = np.bincount(idx.ravel(), minlength=c * width)
+                out += counts.reshape(c, width)[:, 1:-1]
             else:  # fewer values than bins (many channels, short rows): no zeroed counts
-                np.add.at(out.reshape(-1), idx, 1)
+                np.add.at(out.reshape(-1), (idx - self.shift).ravel(), 1)
 
 
 def histogram(rows: np.ndarray, edges: np.ndarray, absolute: bool = False) -> np.ndarray:

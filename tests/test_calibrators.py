@@ -509,6 +509,64 @@ def test_float32_binning_is_numpy_histogram(rows, bins, absolute, channels_last)
     assert np.array_equal(histogram(rows, edges, absolute), _np_histograms(rows, edges, absolute))
 
 
+def _at_edges(rows, edges, n):
+    """``n`` float32 values per row inside the row's range ``[rows.min(), rows.max()]``: the
+    float32 just below, nearest to and just above each edge of the row, and its min and max
+    (cycled to ``n``)."""
+    out = []
+    for r, e in zip(rows, edges, strict=True):
+        e32 = e.astype(np.float32)
+        cand = np.concatenate([np.nextafter(e32, -np.inf), e32, np.nextafter(e32, np.inf)])
+        cand = np.concatenate([cand[(cand >= r.min()) & (cand <= r.max())], [r.min(), r.max()]])
+        out.append(np.resize(cand, n))
+    return np.array(out, np.float32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    hnp.arrays(
+        np.float32,
+        st.tuples(st.integers(1, 3), st.integers(1, 300)),
+        elements=st.floats(-1e3, 1e3, width=32) | st.sampled_from([0.0, 1.0, 6.0]),
+    ),
+    st.integers(1, 2048),
+    st.integers(1, 600),
+    st.booleans(),
+)
+def test_observer_counts_at_edges_are_numpy_histogram(rows, bins, n, per_channel):
+    """The mse observer's counts, per tensor or per channel, over batches whose values sit
+    exactly on the bin edges (as float32: rounded down, to nearest and up), at the range's
+    min and max, constant rows (repeated values; a constant range is widened as numpy
+    does): np.histogram of each row in float64 over the observer's edges, which are
+    np.histogram's own."""
+    axis = 0 if per_channel else None
+    lo, hi = (rows.min(1), rows.max(1)) if per_channel else (rows.min(), rows.max())
+    obs = MSE(bins=bins).observer(axis, (lo, hi))
+    obs.update(rows[:, :1])  # (one value per row: the edges are fixed on the first batch)
+    flat = rows if per_channel else rows.reshape(1, -1)
+    batch = _at_edges(flat, obs.edges["signed"], n).reshape((-1, n) if per_channel else -1)
+    obs.update(batch)
+    obs.update(rows)
+    first = rows[:, :1].reshape(flat.shape[0], -1)
+    seen = np.concatenate([first, batch.reshape(flat.shape[0], -1), flat], axis=1)
+    assert np.array_equal(obs.counts["signed"], _np_histograms(seen, obs.edges["signed"]))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_observer_rejects_nan_and_inf_and_keeps_its_counts(bad):
+    """A batch holding NaN or +-Inf is an error (the batch's min/max check) and adds
+    nothing; an empty batch adds nothing."""
+    x = _gauss(5000)
+    obs = MSE().observer(None, (float(x.min()), float(x.max())))
+    obs.update(x)
+    before = obs.counts["signed"].copy()
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        obs.update(np.concatenate([x[:100], [bad]]).astype(np.float32))
+    obs.update(np.zeros((0, 3), np.float32))
+    assert np.array_equal(obs.counts["signed"], before)
+    assert np.array_equal(before, _np_histograms(x[None], obs.edges["signed"]))
+
+
 def scalar_mse_span(hist, width, dst_bins, steps=100_000):
     """One channel's greedy L2 search, one step at a time with ``np.searchsorted`` (the
     sample-by-sample form of ``ref_mse``'s walk on a given histogram; each step's error from
