@@ -59,7 +59,15 @@ from autoq.ir.attention_mask import mask_multiply, mask_where, rewrite_mask_cons
 from autoq.ir.prepare import rebind
 from autoq.ir.toolkit import bindings, const_array, free_vars, op_name, shape_of, with_main
 
-__all__ = ["CANONICAL_OPS", "RULES", "Rule", "canonicalize", "hardsigmoid", "hardswish"]
+__all__ = [
+    "CANONICAL_OPS",
+    "RULES",
+    "Rule",
+    "canonicalize",
+    "hard_te",
+    "hardsigmoid",
+    "hardswish",
+]
 
 # ------------------------------------------------------------------- canonical fp32 ops
 
@@ -70,7 +78,9 @@ CANONICAL_OPS: dict[str, str] = {
 }
 
 
-def _te_hard(x, times_x: bool):
+def hard_te(x, times_x: bool):
+    """The TE kernel of ``autoq.hardswish`` (``times_x``) or ``autoq.hardsigmoid`` on ``x``."""
+
     def f(*i):
         v = x(*i)
         h = te.max(te.min(v + tvm.tirx.const(3.0, x.dtype), 6.0), 0.0)
@@ -89,7 +99,7 @@ def _register_unary(name: str, times_x: bool) -> None:
     if op.get_attr("FInferType") is None:
         op.set_attr("FInferType", lambda call, ctx: call.args[0].ty)
         op.set_attr("FPurity", True)
-        register_legalize(name, lambda bb, call: bb.call_te(_te_hard, call.args[0], times_x))
+        register_legalize(name, lambda bb, call: bb.call_te(hard_te, call.args[0], times_x))
 
 
 _register_unary("autoq.hardswish", True)

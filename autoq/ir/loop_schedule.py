@@ -146,7 +146,7 @@ def pipeline_with_loop_schedule(target):
     """``tvm.compile``'s own default pipeline (legalization, no fusion) with
     :func:`schedule_reductions` applied to every kernel: the same kernels, the same
     arithmetic, faster (a module pass for ``tvm.compile(..., relax_pipeline=...)``); the
-    elementwise binary ops get one kernel per rank and broadcast, not per shape
+    elementwise ops get one kernel per rank (and broadcast), not per shape
     (:mod:`autoq.ir.any_shape`: the same bits, fewer kernels to compile)."""
     rows = rows_for(target)
     schedule = lambda mod: schedule_module(mod, rows)  # noqa: E731

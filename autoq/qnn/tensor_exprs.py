@@ -51,33 +51,33 @@ def call_te(bb, fn, data, params, name: str):
     return bb.call_te(fn, *args, primfunc_name_hint=name)
 
 
-def _any_shape(expr, name: str) -> te.Tensor:
-    """A placeholder of ``expr``'s rank and dtype whose dimensions other than 1 are symbolic
-    (a dimension 1 stays: :func:`param_at` reads a one-element parameter at index 0)."""
+def _any_shape(expr, name: str, every_dim: bool) -> te.Tensor:
+    """A placeholder of ``expr``'s rank and dtype whose dimensions (``every_dim``) or
+    dimensions other than 1 are symbolic (a parameter's dimension 1 stays:
+    :func:`param_at` reads a one-element parameter at index 0)."""
     one = tirx.IntImm("int64", 1)
     dims = [
-        one if d == 1 else tirx.Var(f"{name}_{k}", "int64") for k, d in enumerate(shape_of(expr))
+        one if d == 1 and not every_dim else tirx.Var(f"{name}_{k}", "int64")
+        for k, d in enumerate(shape_of(expr))
     ]
     return te.placeholder(dims, dtype_of(expr), name=name)
 
 
 def call_te_any_shape(bb, fn, data, params, name: str):
     """:func:`call_te` for an elementwise ``fn`` (its output has ``data[0]``'s shape), with
-    one PrimFunc for every shape of the same ranks: the tensors' dimensions other than 1 are
-    symbolic in the PrimFunc (bound from the arguments when it runs), so that ops that differ
-    only in their shapes (every layer's activation or weight quantize) call one compiled
-    kernel instead of one each. Tensors of unknown shape: :func:`call_te`."""
-    args = [*data, *(_scalar_or_tensor(p) for p in params)]
-    is_tensor = [isinstance(a.ty, relax.TensorType) for a in args]  # (else an immediate)
-    tensors = [a for a, t in zip(args, is_tensor, strict=True) if t]
-    if any(shape_of(a) is None for a in tensors):
+    one PrimFunc for every shape of the same ranks: the data's dimensions and the
+    parameters' dimensions other than 1 are symbolic in the PrimFunc (bound from the
+    arguments when it runs), and scalar constant parameters are rank-0 tensors, so that ops
+    that differ only in their shapes or qparam values (every layer's activation or weight
+    quantize) call one compiled kernel instead of one each. Tensors of unknown shape:
+    :func:`call_te`."""
+    args = [*data, *params]
+    if any(shape_of(a) is None for a in args):
         return call_te(bb, fn, data, params, name)
-    holders = iter([_any_shape(a, f"arg{k}") for k, a in enumerate(tensors)])
-    te_args = [next(holders) if t else a for a, t in zip(args, is_tensor, strict=True)]
-    out = fn(*te_args)
-    inputs = [a for a in te_args if isinstance(a, te.Tensor)]
-    gv = bb.add_func(te.create_prim_func([*inputs, out], "int64"), name)
-    return relax.call_tir(gv, tensors, out_ty=relax.TensorType(shape_of(data[0]), out.dtype))
+    holders = [_any_shape(a, f"arg{k}", k < len(data)) for k, a in enumerate(args)]
+    out = fn(*holders)
+    gv = bb.add_func(te.create_prim_func([*holders, out], "int64"), name)
+    return relax.call_tir(gv, args, out_ty=relax.TensorType(shape_of(data[0]), out.dtype))
 
 
 def quantize_value(x, s, z, qmin, qmax, clip_dtype="float32"):
