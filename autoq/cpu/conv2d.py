@@ -265,9 +265,7 @@ def conv2d_kernel(
     sch.unroll(xi)
     sch.unroll(ob)
     tensorize_accumulation(sch, conv, rc, oi, isa.intrinsic)
-    if out_layout is not None or epilogue is not None:
-        # blocked: a vector of channels per pixel; NCHW: a vector along the output row (the
-        # accumulators read with a stride of one lane block)
+    if out_layout is not None:  # a vector of channels per pixel
         sch.vectorize(sch.get_loops(out)[-1])
     if packs:
         pn, pc, ph, _, pi = sch.get_loops(sch.get_sblock("autoq_pack"))
