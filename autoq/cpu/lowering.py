@@ -439,9 +439,7 @@ def _lut(_isa: Isa, fallback, bb, call):
     shape = shape_of(data)
     if shape is None:
         return fallback(bb, call)
-    target = tvm.target.Target.current(allow_none=True)
-    vbmi = dtype_of(table) in VBMI_TABLE_DTYPES and target is not None
-    vbmi = vbmi and tvm.target.codegen.target_has_features("avx512vbmi", target)
+    vbmi = dtype_of(table) in VBMI_TABLE_DTYPES and _target_has_vbmi()
     dtypes = (dtype_of(data), dtype_of(table))
     if call.attrs is not None and "axis" in call.attrs:  # one table per channel
         axis = int(call.attrs["axis"]) % len(shape)
@@ -452,8 +450,21 @@ def _lut(_isa: Isa, fallback, bb, call):
         func = kernel(shape, axis, *dtypes)
     else:
         func = (vbmi_lut_kernel if vbmi else lut_kernel)(shape, *dtypes)
+    return _call_lut(bb, func, data, table)
+
+
+def _target_has_vbmi() -> bool:
+    """Whether the current target has AVX-512 VBMI (``vpermi2b``: the 256-entry lookups)."""
+    target = tvm.target.Target.current(allow_none=True)
+    return target is not None and tvm.target.codegen.target_has_features("avx512vbmi", target)
+
+
+def _call_lut(bb, func, data, table):
+    """The call of the lookup kernel ``func`` on ``data`` and its table."""
     gv = bb.add_func(func.without_attr("global_symbol"), "autoq_lut")
-    return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, dtype_of(table)))
+    return relax.call_tir(
+        gv, [data, table], out_ty=relax.TensorType(shape_of(data), dtype_of(table))
+    )
 
 
 def _constant_operand_table(call) -> tuple[relax.Expr, np.ndarray] | None:
@@ -487,17 +498,12 @@ def _constant_operand_table(call) -> tuple[relax.Expr, np.ndarray] | None:
 def _elementwise(_isa: Isa, fallback, bb, call):
     """A constant-operand elementwise op (:func:`_constant_operand_table`) -> the VBMI
     ``qnn.lut`` kernel on targets with AVX-512 VBMI; anything else -> ``fallback``."""
-    target = tvm.target.Target.current(allow_none=True)
-    vbmi = target is not None and tvm.target.codegen.target_has_features("avx512vbmi", target)
-    found = _constant_operand_table(call) if vbmi else None
+    found = _constant_operand_table(call) if _target_has_vbmi() else None
     if found is None:
         return fallback(bb, call)
     data, table = found
-    shape = shape_of(data)
-    func = vbmi_lut_kernel(shape, dtype_of(data), str(table.dtype))
-    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_lut")
-    out_ty = relax.TensorType(shape, str(table.dtype))
-    return relax.call_tir(gv, [data, relax.const(table)], out_ty=out_ty)
+    func = vbmi_lut_kernel(shape_of(data), dtype_of(data), str(table.dtype))
+    return _call_lut(bb, func, data, relax.const(table))
 
 
 def _max_pool2d(_isa: Isa, fallback, bb, call):
