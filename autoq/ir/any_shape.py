@@ -92,11 +92,16 @@ def _legalize(te_func, name: str):
             _placeholder(s, out_dims, str(a.ty.dtype), f"x{k}")
             for k, (a, s) in enumerate(zip(call.args, shapes, strict=True))
         ]
-        result = te_func(*args)
-        gv = bb.add_func(te.create_prim_func([*args, result], "int64"), name)
-        return relax.call_tir(gv, list(call.args), out_ty=relax.TensorType(out, result.dtype))
+        return _call_kernel(bb, name, args, te_func(*args), list(call.args), out)
 
     return legalize
+
+
+def _call_kernel(bb, name: str, holders: list, result, args: list, out_shape: list[int]):
+    """The call of the shape-generic kernel ``holders -> result`` on ``args`` (static
+    output shape ``out_shape``)."""
+    gv = bb.add_func(te.create_prim_func([*holders, result], "int64"), name)
+    return relax.call_tir(gv, args, out_ty=relax.TensorType(out_shape, result.dtype))
 
 
 def _immediates(call) -> bool:
@@ -113,9 +118,7 @@ def _legalize_unary(te_func, name: str):
             return default(bb, call)  # (a constant operand: TVM folds it)
         dims = [tirx.Var(f"n{k}", "int64") for k in range(len(shape))]
         arg = te.placeholder(dims, str(x.ty.dtype), name="x")
-        result = te_func(call, arg)
-        gv = bb.add_func(te.create_prim_func([arg, result], "int64"), name.split(".")[-1])
-        return relax.call_tir(gv, [x], out_ty=relax.TensorType(shape, result.dtype))
+        return _call_kernel(bb, name.split(".")[-1], [arg], te_func(call, arg), [x], shape)
 
     return legalize
 
