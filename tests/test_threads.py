@@ -50,6 +50,53 @@ def test_set_threads_takes_effect_within_the_pool():
     assert python_prints(code, tvm_threads=2) == ["2", "1"]
 
 
+_THREADS_A_KERNEL_RUNS_ON = (
+    "import numpy as np, tvm\n"
+    "from tvm.script import tirx as T\n"
+    "@T.prim_func\n"
+    "def who(out: T.Buffer((8,), 'int64')):\n"
+    "    for i in T.parallel(8):\n"
+    "        out[i] = T.call_extern('int64', 'pthread_self')\n"
+    "kernel = tvm.compile(tvm.IRModule({'main': who}), target='llvm')\n"
+    "def used():\n"
+    "    ids = tvm.runtime.tensor(np.zeros(8, 'int64'))\n"
+    "    kernel(ids)\n"
+    "    return len(set(ids.numpy().tolist()))\n"
+)
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs a process allowed on 2+ CPUs",
+)
+def test_a_parallel_kernel_runs_on_every_thread_asked_for(tmp_path):
+    """Each parallel iteration records the thread it ran on. TVM 0.27 runs a parallel kernel
+    serially when the calling thread's "max concurrency" is 1, which without a CPU list
+    falls back to TVM_NUM_THREADS read at launch: with the variable unset, the pool that
+    use_machine_cores and set_threads(2) made held 2 threads and NumThreads said 2, but
+    every kernel ran on one (ResNet-50: CPU time per call equal to wall time)."""
+    code = _THREADS_A_KERNEL_RUNS_ON + (
+        "import autoq\n"
+        "from autoq.threads import one_thread, use_machine_cores\n"
+        "use_machine_cores(); seen = [used()]\n"
+        "autoq.set_threads(1); seen.append(used())\n"
+        "autoq.set_threads(2); seen.append(used())\n"
+        "with one_thread():\n"
+        "    seen.append(used())\n"
+        "seen.append(used())\n"
+        "print(*seen)\n"
+    )
+    script = tmp_path / "threads.py"  # a file: TVMScript reads the kernel's source
+    script.write_text(code)
+    env = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    cores = min(physical_cores(), 8)
+    assert out.stdout.split() == [str(cores), "1", "2", "1", "2"]
+
+
 def _topology(root, pairs):
     for cpu, (package, core) in enumerate(pairs):
         d = root / f"cpu{cpu}" / "topology"
