@@ -1046,3 +1046,33 @@ def test_int16_accumulation_saturates_instead_of_wrapping():
     got = run({"a": a, "b": b}, body_mm)[0]
     ref = (a.astype(np.int64) + 100) @ b.astype(np.int64)
     assert_bit_exact(got, np.clip(ref, -(2**31), 2**31 - 1).astype(np.int32), "matmul int16")
+
+
+@pytest.mark.parametrize("mode", ("half_even", "half_away", "half_up"))
+def test_constant_shift_rounding_compiled(mode):
+    """``rshift_round`` with a constant shift (the one-add form the per-tensor integer
+    elementwise ops use) against :func:`autoq.primitives.rounding_right_shift`, compiled:
+    every remainder around the tie for small shifts, ties and their neighbours for large ones,
+    negative values and accumulators beyond 32 bits."""
+    from tvm import te, tirx
+
+    from autoq.qnn.tensor_exprs import rshift_round
+
+    shifts = (1, 2, 3, 7, 31, 40)
+    rng = np.random.default_rng(3)
+    base = [np.arange(-70, 71)] + [
+        np.concatenate([k * (1 << s) + (1 << (s - 1)) + np.arange(-2, 3) for k in (-5, 0, 4)])
+        for s in shifts
+    ]
+    x = np.concatenate([*base, rng.integers(-(1 << 45), 1 << 45, 500)]).astype(np.int64)
+    xt = te.placeholder((x.size,), "int64", name="x")
+
+    def rounded(s):
+        return te.compute(x.shape, lambda i: rshift_round(xt[i], tirx.const(s, "int64"), mode))
+
+    outs = [rounded(s) for s in shifts]
+    lib = tvm.compile(tvm.IRModule({"main": te.create_prim_func([xt, *outs])}), TARGET)
+    got = [tvm.runtime.tensor(np.zeros_like(x)) for _ in shifts]
+    lib["main"](tvm.runtime.tensor(x), *got)
+    for s, g in zip(shifts, got, strict=True):
+        np.testing.assert_array_equal(g.numpy(), P.rounding_right_shift(x, s, mode), f"shift {s}")

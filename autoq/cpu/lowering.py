@@ -8,7 +8,8 @@ kernels do not cover (grouped conv other than depthwise, non-constant or asymmet
 per-axis activation zero points, run-time ones other than a dense layer's, dynamic shapes,
 uint8 weights) keeps the op's own legalization. A ``qnn.dense`` with a run-time activation
 zero point (the dynamic layers, per token or per tensor) runs the kernel on the raw codes
-and subtracts ``z_x * sum(w)`` after it; per-token ``qnn.dynamic_quantize`` becomes
+and subtracts ``z_x * sum(w)`` after it (sibling layers reading one quantized input share one
+kernel call, :mod:`autoq.cpu.sibling_dense`); per-token ``qnn.dynamic_quantize`` becomes
 :mod:`autoq.cpu.dynamic_quantize`. float32 softmax over the last axis becomes
 :mod:`autoq.cpu.softmax` (row-parallel, denormal probabilities flushed to 0); int8 / uint8
 NCHW max pools :mod:`autoq.cpu.max_pool` (rows, then columns: vectorized); a
@@ -59,6 +60,7 @@ from autoq.cpu.max_pool import DTYPES as POOL_DTYPES
 from autoq.cpu.max_pool import max_pool2d_kernel
 from autoq.cpu.packing import compensation, pack_conv_weight, pack_dense_weight, round_up
 from autoq.cpu.pool_requantize import requantize_after_pools
+from autoq.cpu.sibling_dense import merge_sibling_dense, minus_zero_point
 from autoq.cpu.softmax import softmax_kernel, softmax_table
 from autoq.ir.toolkit import const_array, dtype_of, is_call, shape_of
 from autoq.qnn.accumulate import depthwise_shape
@@ -304,12 +306,15 @@ def _runtime_zero_point_operands(call):
     return None if ops is None else (data, ops[2], ops[0], z_x)
 
 
+def _raw_dense(isa: Isa, bb, data, w: np.ndarray, dt: str):
+    """The kernel's int32 ``x @ w.T`` on the raw codes (no zero point)."""
+    return _dense_call(isa, bb, data, w, dt, 0)
+
+
 def _runtime_zero_point_dense(isa: Isa, bb, data, w: np.ndarray, dt: str, z_x):
     """``(x - z_x) @ w.T`` for a run-time ``z_x``: the kernel's ``x @ w.T`` minus
-    ``z_x * sum_k(w)``, the same int32 terms as the ``qnn.dense`` legalization."""
-    acc = bb.emit(_dense_call(isa, bb, data, w, dt, 0))
-    wsum = relax.const(w.astype(np.int64).sum(axis=1).astype(np.int32))
-    return relax.op.subtract(acc, relax.op.multiply(z_x, wsum))
+    ``z_x * sum_k(w)`` (:func:`autoq.cpu.sibling_dense.minus_zero_point`)."""
+    return minus_zero_point(bb.emit(_raw_dense(isa, bb, data, w, dt)), z_x, w)
 
 
 def _dense(isa: Isa, fallback, bb, call):
@@ -575,4 +580,6 @@ def lower_to_cpu_kernels(
             )
         mod = requantize_after_pools(mod)
         mod = fuse_epilogues(mod, functools.partial(_with_epilogue, isa), *layouts, *residuals)
+        raw = functools.partial(_raw_dense, isa)
+        mod = merge_sibling_dense(mod, _runtime_zero_point_operands, raw)
         return relax.transform.LegalizeOps(customize_legalize_map=custom)(mod)
