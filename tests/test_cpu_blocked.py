@@ -55,7 +55,7 @@ def _conv(bb, x, rng, layer, z_in, z_out, out_dtype="int8", rounding="float", ba
     ic = 1 if depthwise else shape_of(x)[1]
     w_np = rng.integers(-128, 128, (oc, ic, k, k)).astype(np.int8)
     w = relax.const(w_np)
-    qx = [relax.const(np.float32(0.02)), relax.const(np.int32(z_in))]
+    qx = [relax.const(np.float32(0.02)), relax.const(np.asarray(z_in, np.int32))]
     qw = [relax.const(np.full(oc, 0.01, np.float32)), relax.const(np.zeros(oc, np.int32))]
     groups = oc if depthwise else 1
     acc = bb.emit(qnn.conv2d(x, w, *qx, *qw, (s, s), pad, groups=groups))
@@ -67,23 +67,29 @@ def _conv(bb, x, rng, layer, z_in, z_out, out_dtype="int8", rounding="float", ba
     s_in = relax.const(s_np)
     req = qnn.requantize(
         acc, s_in, relax.const(np.zeros(oc, np.int32)), relax.const(np.float32(0.05)),
-        relax.const(np.int32(z_out)), axis=1, out_dtype=out_dtype, rounding=rounding,
+        relax.const(np.asarray(z_out, np.int32)), axis=1, out_dtype=out_dtype, rounding=rounding,
     )  # fmt: skip
     return bb.emit(req), (w_np, b, s_np, z_in, z_out)
 
 
 def _chain_module(
     dtype="int8", rounding="float", residual=False, seed=0, chain=None, shape=None, lut=False,
-    bare=False,
+    bare=False, per_channel=False,
 ):  # fmt: skip
     """main(x) = the ``chain`` of convs (default CHAIN; int8 or uint8 activations, zero
     points -3 / 7 / ...); ``residual``: the second conv's output also feeds an ``add``;
     ``lut``: a random ``qnn.lut`` (an activation) after each conv but the last; ``bare``: the
-    last conv returns its int32 accumulator (no bias, no requantize)."""
+    last conv returns its int32 accumulator (no bias, no requantize); ``per_channel``: the
+    depthwise convs' inputs have one zero point per channel (and so has the requantize
+    before them) and the lookups one table per channel (PP-OCRv4 det's backbone)."""
     chain, shape = chain or CHAIN, shape or X_SHAPE
     rng = np.random.default_rng(seed)
     x = relax.Var("x", relax.TensorType(shape, dtype))
     zs = [-3, 7, -20, 0, 4] if dtype == "int8" else [130, 3, 200, 128, 90]
+    if per_channel:
+        lo, hi = (-20, 20) if dtype == "int8" else (100, 160)
+        zs = [rng.integers(lo, hi, c[0]) if c[4] else z for c, z in zip(chain, zs, strict=False)]
+        zs += [4 if dtype == "int8" else 90] * (len(chain) + 1 - len(zs))
     bb = relax.BlockBuilder()
     layers = []
     with bb.function("main", [x]):
@@ -94,8 +100,10 @@ def _chain_module(
                 h, params = _conv(bb, h, rng, layer, zs[i], zs[i + 1], dtype, rounding, last)
                 table = None
                 if lut and i < len(chain) - 1:
-                    table = rng.integers(*_RANGE[dtype], 256).astype(dtype)
-                    h = bb.emit(qnn.lut(h, relax.const(table)))
+                    rows = (layer[0], 256) if per_channel else (256,)
+                    table = rng.integers(*_RANGE[dtype], rows).astype(dtype)
+                    axis = 1 if per_channel else None
+                    h = bb.emit(qnn.lut(h, relax.const(table), axis=axis))
                 layers.append((layer, params, table))
                 if residual and i == 1:
                     side = bb.emit(relax.op.add(h, h))
@@ -109,6 +117,7 @@ def _reference(x: np.ndarray, layers, dtype: str) -> np.ndarray:
     lo, hi = (-128, 127) if dtype == "int8" else (0, 255)
     h = x
     for (_, k, s, (pt, pl, pb, pr), depthwise), (w, b, s_in, z_in, z_out), table in layers:
+        z_in = np.reshape(z_in, (1, -1, 1, 1))
         xc = np.pad(h.astype(np.int64) - z_in, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
         oh, ow = (xc.shape[2] - k) // s + 1, (xc.shape[3] - k) // s + 1
         acc = np.zeros((h.shape[0], w.shape[0], oh, ow), np.int64)
@@ -124,9 +133,11 @@ def _reference(x: np.ndarray, layers, dtype: str) -> np.ndarray:
             return acc.astype(np.int32)
         acc = (acc + b).astype(np.int32)
         real = acc.astype(np.float32) * s_in.reshape(1, -1, 1, 1)
-        q = np.round(real / np.float32(0.05)) + z_out
+        q = np.round(real / np.float32(0.05)) + np.reshape(z_out, (1, -1, 1, 1))
         h = np.clip(q, lo, hi).astype(dtype)
-        if table is not None:
+        if table is not None and table.ndim == 2:  # one table per channel
+            h = table[np.arange(len(table)).reshape(1, -1, 1, 1), h.astype(np.int32) - lo]
+        elif table is not None:
             h = table[h.astype(np.int32) - lo]
     return h
 
@@ -184,6 +195,33 @@ def _blocked_reads(mod, target, on: bool | None = True) -> int:
 )
 def test_blocked_chain_bit_exact(target, dtype, rounding, chain, lut, shape):
     mod, layers = _chain_module(dtype, rounding, chain=chain, shape=shape, lut=lut)
+    _assert_chain_exact(mod, layers, target, dtype, rounding, shape)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype", ["int8", "uint8"])
+@pytest.mark.parametrize(
+    ("chain", "shape"),
+    [
+        (DEPTHWISE_CHAIN, X_SHAPE),
+        (WIDE_DEPTHWISE_CHAIN, WIDE_SHAPE),
+        (WIDE_DEPTHWISE_CHAIN, (1, 12, 9, 64)),
+    ],
+    ids=["narrow", "wide", "wide-64-pixel-groups"],
+)
+def test_per_channel_chain_bit_exact(target, dtype, chain, shape):
+    """Per-channel depthwise zero points and per-channel lookups: everything flows blocked on
+    VNNI (the lookups too), the depthwise convs read blocked on AVX2 (the lookups are edges);
+    the same bits as the NCHW and generic lowerings and numpy."""
+    mod, layers = _chain_module(dtype, chain=chain, shape=shape, lut=True, per_channel=True)
+    vnni = tvm.target.codegen.target_has_features("avx512vnni", tvm.target.Target(target))
+    assert _blocked_reads(mod, target) == (3 if vnni else 0)
+    no_lut, _ = _chain_module(dtype, chain=chain, shape=shape, per_channel=True)
+    assert _blocked_reads(no_lut, target) == 3
+    _assert_chain_exact(mod, layers, target, dtype, "float", shape)
+
+
+def _assert_chain_exact(mod, layers, target, dtype, rounding, shape):
     rng = np.random.default_rng(1)
     lo, hi = (-128, 128) if dtype == "int8" else (0, 256)
     x = rng.integers(lo, hi, shape).astype(dtype)

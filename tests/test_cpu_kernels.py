@@ -16,7 +16,6 @@ from tvm import relax
 
 import autoq
 from autoq import Config, qnn
-from autoq.cpu import blocked as blocked_mod
 from autoq.cpu import depthwise, packing, tiling
 from autoq.cpu import isa as isa_mod
 from autoq.cpu import lut as lut_mod
@@ -192,13 +191,6 @@ def test_depthwise_kernel_bit_exact(mcpu, c, h, k, s, pad, dtype, zx):
         axis=1,
     )
     np.testing.assert_array_equal(got, ref)
-
-
-def test_depthwise_per_channel_zero_points_refuse_blocked_layouts():
-    shape = ConvShape(1, 16, 8, 8, 16, (3, 3), (1, 1), (1, 1, 1, 1))
-    layout = blocked_mod.BlockedLayout(16, "uint8", 128)
-    with pytest.raises(ValueError, match=r"per-channel zero points.*out_layout=None"):
-        depthwise_kernel(shape, "int8", np.zeros(16, np.int32), 16, out_layout=layout)
 
 
 def test_extreme_values_do_not_saturate():

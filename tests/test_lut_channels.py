@@ -14,10 +14,17 @@ from tvm import relax
 import autoq
 from autoq import Config, QParam, QuantSpec, calibrate, realize, simulate
 from autoq import primitives as P
+from autoq.build import default_target
 from autoq.calibration import samples_for
 from autoq.calibrators.percentile import Percentile
 from autoq.config import BiasCorrection
-from autoq.cpu.lut import channel_lut_kernel, vbmi_channel_lut_kernel
+from autoq.cpu.lut import (
+    blocked_channel_lut_kernel,
+    channel_lut_kernel,
+    transpose_picks,
+    vbmi_blocked_channel_lut_kernel,
+    vbmi_channel_lut_kernel,
+)
 from autoq.distributed import check_rules_in_process
 from autoq.errors import InputError
 from autoq.fallback.fidelity import compare
@@ -210,6 +217,29 @@ def test_per_channel_lut_op_and_kernels_match_numpy():
         got = tvm.runtime.tensor(np.zeros(shape, np.int8))
         lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(table), got)
         np.testing.assert_array_equal(got.numpy(), want, err_msg=kernel.__name__)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 13, 16), (1, 2, 8, 8, 16), (1, 1, 4, 5, 16)])
+def test_blocked_per_channel_lut_kernels_match_numpy(shape):
+    """The channel-blocked layout (stored byte = index, lane i of block c: channel 16 c + i):
+    the gather and (on VBMI CPUs) the transposing kernel, 64-pixel groups with and without a
+    scalar tail, every index."""
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 256, shape).astype(np.uint8)
+    x.reshape(-1)[:256] = np.arange(256)
+    table = rng.integers(0, 256, (shape[1] * 16, 256)).astype(np.uint8)
+    channel = (np.arange(shape[1]).reshape(-1, 1) * 16 + np.arange(16)).reshape(1, -1, 1, 1, 16)
+    want = table[channel, x]
+    host = default_target()
+    runs = [(blocked_channel_lut_kernel(shape, "uint8"), [])]
+    if "avx512vbmi" in open("/proc/cpuinfo").read():
+        runs.append((vbmi_blocked_channel_lut_kernel("uint8"), [transpose_picks()]))
+    for kernel, extra in runs:
+        lib = tvm.compile(tvm.IRModule({"main": kernel}), host)
+        got = tvm.runtime.tensor(np.zeros(shape, np.uint8))
+        args = [tvm.runtime.tensor(a) for a in (x, table, *extra)]
+        lib["main"](*args, got)
+        np.testing.assert_array_equal(got.numpy(), want)
 
 
 def test_per_channel_lut_type_errors_name_the_argument():

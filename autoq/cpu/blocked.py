@@ -10,14 +10,16 @@ which the zero-padded weights ignore anyway.
 
 :func:`blocked_edges` decides, per int8 tensor of a function, whether it flows blocked: the
 requantized output of a conv that stores it itself (a fused epilogue), or of a ``qnn.lut``
-that reads a blocked tensor (VNNI only: the stored byte is the table index), whose every
+(one table, or one per channel) that reads a blocked tensor (VNNI only: the stored byte is
+the table index), whose every
 user is the data operand of a conv the kernels cover, such a lookup or the shortcut of a
 residual add fused into a conv's epilogue (:mod:`autoq.cpu.residual`, which reads any
 layout); the producer writes the layout and its consumers read it instead of packing NCHW (a
 conv without top/left padding reads it as it is; the others only pad it). Everything else is
 an edge and stays NCHW: model inputs and outputs, unfused residual ``add``s, pools, dense,
-depthwise convs with per-channel input zero points and AMX convs, a tensor with any other user, or consumers
-that disagree on the layout (AVX2: different zero points).
+AMX convs, a tensor with any other user, or consumers that disagree on the layout (AVX2:
+different zero points). A depthwise conv with per-channel input zero points reads the layout
+of zero point 0 and centers each channel itself (:mod:`autoq.cpu.depthwise`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ import numpy as np
 from tvm import relax, te, tirx
 
 from autoq.cpu.isa import Isa
-from autoq.ir.toolkit import bindings, const_array, dtype_of, free_vars, is_call
+from autoq.cpu.lut import (
+    blocked_channel_lut_kernel,
+    target_has_vbmi,
+    transpose_picks,
+    vbmi_blocked_channel_lut_kernel,
+)
+from autoq.ir.toolkit import bindings, const_array, dtype_of, free_vars, is_call, shape_of
 
 __all__ = [
     "BlockedLayout",
@@ -184,8 +192,7 @@ def blocked_edges(
     cand = {v for v, (kernel, _) in chains.items() if layout_of(kernel) is not None}
     cand |= set(flexible)
     for var, e in pairs:
-        lut = is_call(e, "qnn.lut") and const_array(e.args[1]) is not None
-        lut = lut and const_array(e.args[1]).ndim == 1  # (per-channel tables: NCHW only)
+        lut = is_call(e, "qnn.lut") and _table(e) is not None
         if lut and isinstance(e.args[0], relax.Var) and lut_layout(dtype_of(e.args[0])):
             cand.add(var)
     layouts: dict = {}
@@ -234,8 +241,35 @@ def _wanted(var, readers: list, cand: set, layout_of, lut_layout, shortcuts, fle
     return wanted
 
 
-def blocked_lut(call: relax.Call, data: relax.Var, layout: BlockedLayout) -> relax.Call:
+def _table(call: relax.Call) -> np.ndarray | None:
+    """The constant table of a ``qnn.lut`` that can run blocked: one table, or one per
+    channel of NCHW data (``axis`` 1), else None."""
+    table = const_array(call.args[1])
+    if table is None or table.ndim == 1:
+        return table
+    shape = shape_of(call.args[0])
+    if table.ndim != 2 or shape is None or len(shape) != 4:
+        return None
+    return table if int(call.attrs["axis"]) % 4 == 1 else None
+
+
+def blocked_lut(bb, call: relax.Call, data: relax.Var, layout: BlockedLayout) -> relax.Expr:
     """``qnn.lut`` of ``data`` (the blocked input of ``call``, stored unsigned: the stored
-    byte is the table index) with the table's values stored in ``layout``."""
-    table = const_array(call.args[1]).astype(np.int32) + layout.shift
-    return relax.Call(call.op, [data, relax.const(table.astype(layout.dtype))], call.attrs)
+    byte is the table index) with the table's values stored in ``layout``; per-channel
+    tables (padded to whole blocks with a stored 0) by
+    :func:`autoq.cpu.lut.vbmi_blocked_channel_lut_kernel` on targets with VBMI, else
+    :func:`autoq.cpu.lut.blocked_channel_lut_kernel`."""
+    table = (_table(call).astype(np.int32) + layout.shift).astype(layout.dtype)
+    if table.ndim == 1:
+        return relax.Call(call.op, [data, relax.const(table)], call.attrs)
+    shape = shape_of(data)
+    rows = np.full((shape[1] * layout.block, 256), layout.shift, layout.dtype)
+    rows[: table.shape[0]] = table
+    args = [data, relax.const(rows)]
+    if layout.block == 16 and target_has_vbmi():
+        func = vbmi_blocked_channel_lut_kernel(layout.dtype)
+        args.append(relax.const(transpose_picks()))
+    else:
+        func = blocked_channel_lut_kernel(shape, layout.dtype)
+    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_lut_blocked")
+    return relax.call_tir(gv, args, out_ty=relax.TensorType(shape, layout.dtype))

@@ -16,8 +16,10 @@ Parallel over (batch, channel block, output row); weights packed by
 Per-channel input zero points (``zero_point`` a ``[C]`` array, :mod:`autoq.rules.depthwise_channels`):
 both kernels then take them as an int32 input after the weight (the blocked one padded to
 whole channel blocks) and center channel ``c`` by ``zero_point[c]``; padding stays the
-centered 0 (the real 0). Input and output are then NCHW (no blocked layout: its shift
-depends on one zero point).
+centered 0 (the real 0). A blocked input then holds ``x + shift`` with the layout's one
+shift (:func:`autoq.cpu.blocked.layout_for` with zero point 0: ``x + 128`` on VNNI, ``x``
+in int16 on AVX2) and the pack centers each lane by its channel's ``zero_point[c] +
+shift``; a blocked output does not depend on the input's zero points.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def _compute_blocked(s: ConvShape, data_dtype: str, zero_point: int | np.ndarray
         if in_layout is None:
             value = (int32(x[n, ch, hh, ww]) - zp_at(ch)).astype("int16")
         else:  # stored x + shift
-            value = (int32(x[n, c, hh, ww, ci]) - (zero_point + in_layout.shift)).astype("int16")
+            value = (int32(x[n, c, hh, ww, ci]) - (zp_at(ch) + in_layout.shift)).astype("int16")
         return tirx.if_then_else(inside, value, tirx.const(0, "int16"))
 
     padded = te.compute((s.batch, cb, hp, wp, lanes), pad, name="autoq_pack")
@@ -104,13 +106,20 @@ def _zero_points(zero_point, length: int):
     return [zp], lambda ch: zp[ch]
 
 
-def zero_point_input(zero_point, shape: ConvShape, lanes: int) -> np.ndarray | None:
+def zero_point_input(zero_point, shape: ConvShape, lanes: int, in_layout=None,
+                     out_layout=None) -> np.ndarray | None:  # fmt: skip
     """The ``[C]`` (row kernel) or channel-block-padded (blocked kernel) int32 zero points
-    :func:`depthwise_kernel` takes for a per-channel ``zero_point``; None per tensor."""
+    :func:`depthwise_kernel` takes for a per-channel ``zero_point`` with the same
+    ``in_layout`` / ``out_layout``; None per tensor.
+
+    >>> wide, lay = ConvShape(1, 3, 64, 64, 3, (3, 3)), BlockedLayout(4, "uint8", 128)
+    >>> zero_point_input([1, 2, 3], wide, 4), zero_point_input([1, 2, 3], wide, 4, lay)
+    (array([1, 2, 3], dtype=int32), array([1, 2, 3, 0], dtype=int32))
+    """
     if np.ndim(zero_point) == 0:
         return None
     z = np.asarray(zero_point, np.int32).reshape(-1)
-    n = round_up(z.size, lanes) if blocked(shape) else z.size
+    n = round_up(z.size, lanes) if blocked(shape, in_layout, out_layout) else z.size
     return np.concatenate([z, np.zeros(n - z.size, np.int32)])
 
 
@@ -143,8 +152,9 @@ def _blocked_kernel(
         sch.vectorize(sch.get_loops(pack)[-1])
     else:  # too few planes to share among threads: the pack and the rows in parallel
         sch.parallel(sch.fuse(n, c, y))
-        pn, pc, ph, _, _ = sch.get_loops(pack)
+        pn, pc, ph, _, pi = sch.get_loops(pack)
         sch.parallel(sch.fuse(pn, pc, ph))
+        sch.vectorize(pi)
     sch.unroll(xi)
     sch.vectorize(ci)
     init = sch.decompose_reduction(acc, rh)
@@ -235,18 +245,14 @@ def depthwise_kernel(
     out_layout: BlockedLayout | None = None,
 ) -> tirx.PrimFunc:
     """The scheduled PrimFunc ``(data, depthwise_weight(shape, w, lanes)[, zero points][,
-    table], out)`` (zero points: :func:`zero_point_input`, per-channel ``zero_point`` only) for
+    table], out)`` (zero points: :func:`zero_point_input` with the same layouts, per-channel
+    ``zero_point`` only) for
     ``shape`` with ``out_channels == in_channels`` (channel multiplier 1); with an
     ``epilogue``, ``out`` is its requantized int8/uint8 output (the table its input).
     ``in_layout`` / ``out_layout`` (blocks of ``lanes``, the channel-blocked kernel; the
     output one needs an epilogue): ``data`` / ``out`` in that layout of
     :mod:`autoq.cpu.blocked`."""
     layouts = (in_layout, out_layout)
-    if (in_layout or out_layout) and np.ndim(zero_point) != 0:
-        raise ValueError(
-            "depthwise_kernel: per-channel zero points take NCHW data and output only "
-            "(pass in_layout=None, out_layout=None)"
-        )
     if any(lay is not None and lay.block != lanes for lay in layouts):
         raise ValueError(f"depthwise_kernel: blocked layouts must have blocks of {lanes}")
     if out_layout is not None and epilogue is None:

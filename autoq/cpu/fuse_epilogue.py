@@ -247,7 +247,7 @@ class _Rewrite(relax.PyExprMutator):
             layout = self.edges[binding.var]
             if is_call(binding.value, "qnn.lut"):
                 data, _ = self.fed[binding.value.args[0]]
-                value = blocked_lut(binding.value, data, layout)
+                value = blocked_lut(self.builder_, binding.value, data, layout)
             else:  # an elementwise op
                 value = blocked_call(self.builder_, binding.value, self.fed, layout)
             self.fed[binding.var] = (self.builder_.emit(value), layout)

@@ -53,6 +53,7 @@ from autoq.cpu.lut import (
     VBMI_TABLE_DTYPES,
     channel_lut_kernel,
     lut_kernel,
+    target_has_vbmi,
     vbmi_channel_lut_kernel,
     vbmi_lut_kernel,
 )
@@ -171,8 +172,8 @@ def _layout_of(isa: Isa, call) -> BlockedLayout | None:
     plan = _conv_plan(isa, call)
     if plan is None or plan[4] == "amx":
         return None
-    if np.ndim(plan[1]) != 0:  # per-channel zero points: NCHW input (cpu.depthwise)
-        return None
+    if np.ndim(plan[1]) != 0:  # per-channel (depthwise): the layout of zero point 0, the
+        return layout_for(isa, plan[0], 0)  # kernel centers each channel (cpu.depthwise)
     return layout_for(isa, plan[0], plan[1])
 
 
@@ -206,7 +207,7 @@ def _conv2d_call(
         name = "autoq_depthwise" + ("_blocked" if in_layout or out_layout else "")
         gv = bb.add_func(func.without_attr("global_symbol"), name)
         args = [data, relax.const(depthwise_weight(shape, w, isa.lanes, in_layout, out_layout))]
-        zps = zero_point_input(zx, shape, isa.lanes)
+        zps = zero_point_input(zx, shape, isa.lanes, in_layout, out_layout)
         args = _tail(args if zps is None else [*args, relax.const(zps)], epilogue)
         return relax.call_tir(gv, args, out_ty=ty)
     if kind == "amx":
@@ -444,7 +445,7 @@ def _lut(_isa: Isa, fallback, bb, call):
     shape = shape_of(data)
     if shape is None:
         return fallback(bb, call)
-    vbmi = dtype_of(table) in VBMI_TABLE_DTYPES and _target_has_vbmi()
+    vbmi = dtype_of(table) in VBMI_TABLE_DTYPES and target_has_vbmi()
     dtypes = (dtype_of(data), dtype_of(table))
     if call.attrs is not None and "axis" in call.attrs:  # one table per channel
         axis = int(call.attrs["axis"]) % len(shape)
@@ -456,12 +457,6 @@ def _lut(_isa: Isa, fallback, bb, call):
     else:
         func = (vbmi_lut_kernel if vbmi else lut_kernel)(shape, *dtypes)
     return _call_lut(bb, func, data, table)
-
-
-def _target_has_vbmi() -> bool:
-    """Whether the current target has AVX-512 VBMI (``vpermi2b``: the 256-entry lookups)."""
-    target = tvm.target.Target.current(allow_none=True)
-    return target is not None and tvm.target.codegen.target_has_features("avx512vbmi", target)
 
 
 def _call_lut(bb, func, data, table):
@@ -503,7 +498,7 @@ def _constant_operand_table(call) -> tuple[relax.Expr, np.ndarray] | None:
 def _elementwise(_isa: Isa, fallback, bb, call):
     """A constant-operand elementwise op (:func:`_constant_operand_table`) -> the VBMI
     ``qnn.lut`` kernel on targets with AVX-512 VBMI; anything else -> ``fallback``."""
-    found = _constant_operand_table(call) if _target_has_vbmi() else None
+    found = _constant_operand_table(call) if target_has_vbmi() else None
     if found is None:
         return fallback(bb, call)
     data, table = found

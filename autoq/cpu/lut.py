@@ -11,6 +11,13 @@ PP-OCRv4 det). Same values: every int8/uint8 input is a valid table index.
   channel (``[C, 256]``, ``qnn.lut`` with ``axis``; :mod:`autoq.rules.lut_channels`): the VBMI one
   runs plane by plane (the elements after ``axis`` are contiguous and share a table), the
   four table registers loaded per plane.
+* :func:`blocked_channel_lut_kernel`: one table per channel on the channel-blocked layout
+  ``[N, C / lanes, H, W, lanes]`` of :mod:`autoq.cpu.blocked` (the stored byte is the
+  index; channel ``c * lanes + i`` for lane ``i`` of block ``c``): a gather per element,
+  parallel over (batch, channel block, row), the lanes vectorized.
+  :func:`vbmi_blocked_channel_lut_kernel` (VBMI): 64 pixels x 16 channels at a time are
+  transposed in registers to one vector per channel (:func:`transpose_stages`: four rounds
+  of two-register byte permutes), looked up as above and transposed back.
 * :func:`vbmi_lut_kernel` (targets with AVX-512 VBMI, 8-bit tables): the 256-byte table
   lives in four 64-byte registers; 64 inputs at a time go through two ``vpermi2b`` (each
   picks from 128 table bytes by the input's low 7 bits) and the input's top bit chooses
@@ -30,9 +37,13 @@ True
 
 from __future__ import annotations
 
+import functools
 import math
 
+import numpy as np
+import tvm
 from tvm import te, tirx
+from tvm.s_tir import Schedule
 from tvm.script import tirx as T
 
 from autoq.cpu.injective import KERNEL_ATTR, schedule_fused
@@ -40,8 +51,12 @@ from autoq.cpu.tiling import i64
 
 __all__ = [
     "VBMI_TABLE_DTYPES",
+    "blocked_channel_lut_kernel",
     "channel_lut_kernel",
     "lut_kernel",
+    "transpose_picks",
+    "transpose_stages",
+    "vbmi_blocked_channel_lut_kernel",
     "vbmi_channel_lut_kernel",
     "vbmi_lut_kernel",
 ]
@@ -50,6 +65,12 @@ VBMI_TABLE_DTYPES = ("int8", "uint8")
 _W = 64  # bytes per AVX-512 register
 _VECTORS_PER_TASK = 64
 _PERMUTE = "llvm.x86.avx512.vpermi2var.qi.512"
+
+
+def target_has_vbmi() -> bool:
+    """Whether the current target has AVX-512 VBMI (``vpermi2b``: the 256-entry lookups)."""
+    target = tvm.target.Target.current(allow_none=True)
+    return target is not None and tvm.target.codegen.target_has_features("avx512vbmi", target)
 
 
 def _qmin(data_dtype: str) -> int:
@@ -171,3 +192,160 @@ def vbmi_channel_lut_kernel(shape, axis: int, data_dtype: str, table_dtype: str)
                 out[i] = table[row + T.Cast("int32", x[i]) - qmin]
 
     return vbmi_channel_lut.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
+
+
+def blocked_channel_lut_kernel(shape, table_dtype: str) -> tirx.PrimFunc:
+    """PrimFunc ``(data[shape], table[C, 256], out[shape])`` for blocked ``uint8`` data of
+    ``shape = (N, C / lanes, H, W, lanes)`` (``C`` = blocks x lanes): lane ``i`` of block
+    ``c`` reads row ``c * lanes + i`` at the stored byte."""
+    n, blocks, h, w, lanes = (int(d) for d in shape)
+    data = te.placeholder((n, blocks, h, w, lanes), "uint8", name="data")
+    table = te.placeholder((blocks * lanes, 256), table_dtype, name="table")
+    out = te.compute(
+        data.shape,
+        lambda b, c, y, x, i: table[c * lanes + i, data[b, c, y, x, i].astype("int32")],
+        name="autoq_lut",
+    )
+    sch = Schedule(te.create_prim_func([data, table, out]))
+    b, c, y, _, i = sch.get_loops(sch.get_sblock("autoq_lut"))
+    sch.parallel(sch.fuse(b, c, y))
+    sch.vectorize(i)
+    return sch.mod["main"].with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
+
+
+def transpose_stages(to_channels: bool) -> list[tuple[list[int], list[int]]]:
+    """The byte picks of the 16 x 64-byte transpose between 64 pixels of 16 channels
+    (vector ``v`` lane ``l`` = pixel ``4 v + l // 16``, channel ``l % 16``) and one vector
+    per channel (vector ``j`` lane ``p``: pixel ``p``, channel ``j``), ``to_channels`` or
+    back: in round ``k`` each pair of vectors ``(v, v + 2**k)`` (bit ``k`` of ``v`` clear)
+    becomes the two vectors ``(low, high)`` that pick these lanes of the pair's 128 bytes,
+    split by bit ``k`` of the channel (to channels) or bit ``k + 2`` of the pixel (back).
+    The same picks serve every pair of a round.
+
+    >>> import numpy as np
+    >>> x = np.arange(1024).reshape(16, 64)  # 64 pixels x 16 channels, blocked
+    >>> def run(vectors, stages):
+    ...     for r, (low, high) in enumerate(stages):
+    ...         out = list(vectors)
+    ...         for v in range(16):
+    ...             if not v >> r & 1:
+    ...                 pair = np.concatenate([vectors[v], vectors[v | 1 << r]])
+    ...                 out[v], out[v | 1 << r] = pair[low], pair[high]
+    ...         vectors = out
+    ...     return np.stack(vectors)
+    >>> channels = run(list(x), transpose_stages(True))
+    >>> bool((channels == x.reshape(64, 16).T).all())
+    True
+    >>> bool((run(list(channels), transpose_stages(False)) == x).all())
+    True
+    """
+    if to_channels:
+        vectors = [[v * _W + lane for lane in range(_W)] for v in range(16)]
+    else:
+        vectors = [[p * 16 + j for p in range(_W)] for j in range(16)]
+    stages = []
+    for r in range(4):
+        bit = r if to_channels else r + 2
+        pair = vectors[0] + vectors[1 << r]  # (every pair has this structure)
+        where = {e: i for i, e in enumerate(pair)}
+        split = [e for e in sorted(pair) if not (e % 16 if to_channels else e // 16) >> bit & 1]
+        rest = [e for e in sorted(pair) if e not in set(split)]
+        stages.append(([where[e] for e in split], [where[e] for e in rest]))
+        for v in range(16):
+            if not v >> r & 1:
+                both = sorted(vectors[v] + vectors[v | 1 << r])
+                key = (lambda e: e % 16) if to_channels else (lambda e: e // 16)
+                vectors[v] = [e for e in both if not key(e) >> bit & 1]
+                vectors[v | 1 << r] = [e for e in both if key(e) >> bit & 1]
+    return stages
+
+
+_GROUP = 16 * _W  # bytes of one transposed group: 64 pixels x 16 channels
+_GROUPS_PER_TASK = 16
+
+
+def transpose_picks() -> np.ndarray:
+    """The ``[16, 64]`` int8 ``vpermi2b`` indices :func:`vbmi_blocked_channel_lut_kernel`
+    takes: row ``4 d + r`` pairs with ``8 + 4 d + r`` as the (low, high) picks of round
+    ``r`` of :func:`transpose_stages` (``d`` 0: to channels, 1: back).
+
+    >>> transpose_picks().shape, int(transpose_picks().max())
+    ((16, 64), 127)
+    """
+    stages = transpose_stages(True) + transpose_stages(False)
+    return np.array([s[0] for s in stages] + [s[1] for s in stages], np.int8)
+
+
+@functools.cache
+def vbmi_blocked_channel_lut_kernel(table_dtype: str) -> tirx.PrimFunc:
+    """PrimFunc ``(data[N, B, H, W, 16], table[16 B, 256], picks[16, 64], out)`` (any
+    shape, bound at run time: one kernel for every layer): :func:`blocked_channel_lut_kernel`
+    (``table_dtype`` one of :data:`VBMI_TABLE_DTYPES`) with ``vpermi2b``, ``picks`` =
+    :func:`transpose_picks`: each group of 64 pixels of a channel block is transposed to 16
+    channel vectors, looked up, transposed back; the last ``H * W % 64`` pixels of each
+    block by a scalar gather."""
+    vec = f"int8x{_W}"
+
+    def permute(first, index, second):
+        return T.call_llvm_pure_intrin(vec, _PERMUTE, first, index, second)
+
+    @T.macro
+    def transpose_round(src, dst, src_base, dst_base, picks, row):
+        r = row % 4
+        for pr in range(8):  # the pairs (v, v + 2**r), bit r of v clear
+            v = (pr >> r << r + 1) | (pr & (1 << r) - 1)
+            first = src[T.Ramp(src_base + v * _W, 1, _W)]
+            second = src[T.Ramp(src_base + (v + (1 << r)) * _W, 1, _W)]
+            low, high = picks[T.Ramp(row * _W, 1, _W)], picks[T.Ramp((row + 8) * _W, 1, _W)]
+            dst[T.Ramp(dst_base + v * _W, 1, _W)] = permute(first, low, second)
+            dst[T.Ramp(dst_base + (v + (1 << r)) * _W, 1, _W)] = permute(first, high, second)
+
+    @T.prim_func
+    def vbmi_blocked_channel_lut(x_h: T.handle, table_h: T.handle, picks_h: T.handle,
+                                 out_h: T.handle):  # fmt: skip
+        T.func_attr({"tirx.noalias": True})
+        n, blocks, h, w = T.int64(), T.int64(), T.int64(), T.int64()
+        x_in = T.match_buffer(x_h, (n, blocks, h, w, 16), "uint8")
+        table_in = T.match_buffer(table_h, (blocks * 16, 256), table_dtype)
+        picks_in = T.match_buffer(picks_h, (16, _W), "int8")
+        out_ = T.match_buffer(out_h, (n, blocks, h, w, 16), table_dtype)
+        plane = T.meta_var(h * w * 16)  # bytes per (batch, channel block)
+        groups = T.meta_var(plane // _GROUP)
+        chunks = T.meta_var(T.max((groups + _GROUPS_PER_TASK - 1) // _GROUPS_PER_TASK, 1))
+        planes = T.meta_var(n * blocks)
+        total = T.meta_var(planes * plane)
+        x = T.decl_buffer((total,), "int8", data=x_in.data)
+        index = T.decl_buffer((total,), "uint8", data=x_in.data)
+        table = T.decl_buffer((blocks * 16 * 256,), "int8", data=table_in.data)
+        picks = T.decl_buffer((16 * _W,), "int8", data=picks_in.data)
+        out = T.decl_buffer((total,), "int8", data=out_.data)
+        for task in T.parallel(planes * chunks):
+            b = task // chunks
+            first = task % chunks * _GROUPS_PER_TASK
+            for g in range(T.min(_GROUPS_PER_TASK, groups - first)):
+                base = b * plane + (first + g) * _GROUP
+                a = T.alloc_buffer((_GROUP,), "int8", scope="local")
+                c = T.alloc_buffer((_GROUP,), "int8", scope="local")
+                transpose_round(x, a, base, 0, picks, 0)
+                transpose_round(a, c, 0, 0, picks, 1)
+                transpose_round(c, a, 0, 0, picks, 2)
+                transpose_round(a, c, 0, 0, picks, 3)
+                for j in range(16):  # channel j's 64 pixels: 2 x 128 table bytes
+                    v = c[T.Ramp(j * _W, 1, _W)]
+                    row = ((b % blocks) * 16 + j) * 256
+                    lo = permute(table[T.Ramp(row, 1, _W)], v, table[T.Ramp(row + _W, 1, _W)])
+                    hi = permute(
+                        table[T.Ramp(row + 128, 1, _W)], v, table[T.Ramp(row + 192, 1, _W)]
+                    )
+                    a[T.Ramp(j * _W, 1, _W)] = T.Select(v < T.Broadcast(T.int8(0), _W), hi, lo)
+                transpose_round(a, c, 0, 0, picks, 4)
+                transpose_round(c, a, 0, 0, picks, 5)
+                transpose_round(a, c, 0, 0, picks, 6)
+                transpose_round(c, out, 0, base, picks, 7)
+        for b in T.parallel(planes):
+            for k in range(plane - groups * _GROUP):
+                i = b * plane + groups * _GROUP + k
+                row = ((b % blocks) * 16 + i % 16) * 256
+                out[i] = table[row + T.Cast("int32", index[i])]
+
+    return vbmi_blocked_channel_lut.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
