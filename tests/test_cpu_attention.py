@@ -43,24 +43,37 @@ def _relax_vm(build, inputs, fuse_schedule: bool):
     return vm["main"](*[tvm.runtime.tensor(a) for a in inputs]).numpy()
 
 
-@pytest.mark.parametrize("shape", [(1, 3, 5, 40), (7, 33), (2, 4, 16), (2, 20, 48)])
+@pytest.mark.parametrize(
+    ("shape", "axis"),
+    [
+        ((1, 3, 5, 40), -1),
+        ((7, 33), -1),
+        ((2, 4, 16), -1),
+        ((2, 20, 48), -1),
+        ((1, 16, 4, 37), 1),  # YOLOv8's box bins: 148 positions, the last 4 in scalar loops
+        ((2, 6, 3, 16), 1),  # whole vectors of positions, two outer indices
+        ((9, 5, 7), 0),
+    ],
+)
 @pytest.mark.parametrize(("isa", "mcpu"), PATHS)
-def test_softmax_same_floats_except_flushed_denormals(isa, mcpu, shape):
+def test_softmax_same_floats_except_flushed_denormals(isa, mcpu, shape, axis):
     rng = np.random.default_rng(0)
     x = (rng.normal(size=shape) * 3).astype(np.float32)
-    x[..., shape[-1] // 2 :] -= 100.0  # an attention mask: exp(-100) is denormal
+    masked = [slice(None)] * len(shape)
+    masked[axis] = slice(shape[axis] // 2, None)
+    x[tuple(masked)] -= 100.0  # an attention mask: exp(-100) is denormal
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
-    lib = tvm.compile(tvm.IRModule({"main": softmax_kernel(shape)}), target)
+    lib = tvm.compile(tvm.IRModule({"main": softmax_kernel(shape, axis)}), target)
     out = tvm.runtime.tensor(np.zeros(shape, np.float32))
     lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(softmax_table()), out)
     got = out.numpy()
-    ref = _relax_vm(lambda v: relax.op.nn.softmax(v, axis=-1), [x], fuse_schedule=False)
+    ref = _relax_vm(lambda v: relax.op.nn.softmax(v, axis=axis), [x], fuse_schedule=False)
     assert np.any((ref > 0) & (ref < TINY)), "the case must contain denormal probabilities"
     normal = ref >= TINY
     np.testing.assert_array_equal(got[normal], ref[normal])
     assert not np.any(got[~normal])
-    e = np.exp(x.astype(np.float64) - x.max(axis=-1, keepdims=True))
-    np.testing.assert_allclose(got, e / e.sum(axis=-1, keepdims=True), rtol=1e-5, atol=1e-30)
+    e = np.exp(x.astype(np.float64) - x.max(axis=axis, keepdims=True))
+    np.testing.assert_allclose(got, e / e.sum(axis=axis, keepdims=True), rtol=1e-5, atol=1e-30)
 
 
 def _exp_lib(body, args, mcpu: str):
@@ -100,9 +113,20 @@ def test_expf_expr_gives_libm_floats(isa, mcpu):
     np.testing.assert_array_equal(got.numpy().view(np.uint32), want.numpy().view(np.uint32))
 
 
-def test_softmax_lowered_only_for_last_axis_float32():
-    x = np.random.default_rng(1).normal(size=(2, 6, 5)).astype(np.float32)
-    for axis in (1, -1):
+def test_softmax_lowered_where_covered_same_floats():
+    """Every axis with a vector of positions after it runs on the kernel (axis 2 of
+    ``[2, 6, 5, 4]`` has 4: TVM's own softmax); the floats are TVM's either way."""
+    from autoq.cpu.lowering import lower_to_cpu_kernels
+
+    x = np.random.default_rng(1).normal(size=(2, 6, 5, 4)).astype(np.float32)
+    for axis, kernel in ((0, True), (1, True), (2, False), (-1, True)):
+        bb = relax.BlockBuilder()
+        v = relax.Var("x", relax.TensorType(x.shape, "float32"))
+        with bb.function("main", [v]):
+            bb.emit_func_output(bb.emit(relax.op.nn.softmax(v, axis=axis)))
+        lowered = lower_to_cpu_kernels(bb.get(), TARGET)
+        names = [gv.name_hint for gv in lowered.functions]
+        assert ("autoq_softmax" in names) == kernel, (axis, names)
         got = _relax_vm(lambda v, a=axis: relax.op.nn.softmax(v, axis=a), [x], True)
         ref = _relax_vm(lambda v, a=axis: relax.op.nn.softmax(v, axis=a), [x], False)
         np.testing.assert_array_equal(got, ref)  # no denormals here: identical

@@ -19,7 +19,7 @@ import autoq
 from autoq import qnn
 from autoq.cpu import amx, epilogue
 from autoq.cpu.lowering import lower_to_cpu_kernels
-from autoq.ir.toolkit import shape_of
+from autoq.ir.toolkit import bindings, dtype_of, is_call, shape_of
 
 HOST = tvm.target.codegen.llvm_get_system_cpu()
 FLAGS = amx.cpu_flags(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
@@ -60,7 +60,9 @@ CASES = {
 def _chain(case, rounding="float", out_dtype="int8", per_channel=True, bias=True, seed=0, odd=None):
     """main(x) = requantize(kernel(x) [+ bias]) with random per-channel scales; ``odd``:
     "output" also returns the int32 accumulator, "axis" gives the requantize per-axis
-    parameters along axis 1 of a dense output (its rows, not the channels)."""
+    parameters along axis 1 of a dense output (its rows, not the channels), "two"
+    requantizes the accumulator twice (other output qparams) and concatenates both along
+    the channels (YOLOv8's head convs, read by two concats)."""
     kind, x_shape, w_shape, strides, padding = CASES[case]
     rng = np.random.default_rng(seed)
     x = relax.Var("x", relax.TensorType(x_shape, "int8"))
@@ -98,6 +100,12 @@ def _chain(case, rounding="float", out_dtype="int8", per_channel=True, bias=True
                 relax.const(np.int32(z_out)), axis=axis, out_dtype=out_dtype, rounding=rounding,
             )  # fmt: skip
             out = bb.emit(req)
+            if odd == "two":
+                again = qnn.requantize(
+                    acc, s_in, relax.const(np.zeros(n, np.int32)), relax.const(np.float32(0.03)),
+                    relax.const(np.int32(11)), axis=axis, out_dtype=out_dtype, rounding=rounding,
+                )  # fmt: skip
+                out = bb.emit(relax.op.concat([out, bb.emit(again)], axis=axis))
             out = bb.emit_output(relax.Tuple([out, acc]) if odd == "output" else out)
         bb.emit_func_output(out)
     return tvm.IRModule({"main": bb.get()["main"]}), x_shape
@@ -145,6 +153,23 @@ def test_fused_epilogue_variants(target, case, rounding, out_dtype, per_channel,
     target = tvm.target.Target(target)
     mod, x_shape = _chain(case, rounding, out_dtype, per_channel, bias, seed=2)
     assert _fused(mod, target)
+    _same_as_generic(mod, x_shape, target)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(
+    ("case", "rounding"), [("conv1x1", "float"), ("conv3x3", "half_even"), ("dense", "float")]
+)
+def test_accumulator_read_by_two_requantizes_fuses_into_two_kernels(target, case, rounding):
+    """Each requantize of a biased accumulator read only by requantizes gets its own kernel
+    call storing int8 (the int32 tensor is never written), bit for bit."""
+    target = tvm.target.Target(target)
+    mod, x_shape = _chain(case, rounding, odd="two", seed=3)
+    assert _fused(mod, target)
+    lowered = lower_to_cpu_kernels(mod, target)
+    calls = [e for _, e in bindings(lowered["main"]) if is_call(e, "relax.call_tir")]
+    kernels = [c for c in calls if c.args[0].name_hint.startswith("autoq")]
+    assert len(kernels) == 2 and all(dtype_of(c) == "int8" for c in kernels)
     _same_as_generic(mod, x_shape, target)
 
 

@@ -3,8 +3,9 @@
 ``realize`` writes a quantized conv / dense as ``qnn.conv2d`` (int32 accumulator), an
 ``add`` of the int32 bias constant, and a ``qnn.requantize`` to int8/uint8 (a folded ReLU or
 ReLU6 is the requantize's output range). :func:`fuse_epilogues` rewrites each such chain
-whose intermediate int32 results have no other user, and whose requantize has constant
-scalar or per-channel (along the kernel's output channel axis) operands, into what
+whose intermediate int32 results have no other user (a biased accumulator read only by
+requantizes is one chain per requantize, the kernel run for each), and whose requantize has
+constant scalar or per-channel (along the kernel's output channel axis) operands, into what
 ``lower(builder, kernel call, Epilogue)`` returns (a kernel call storing int8 directly); when
 ``lower`` returns None (the kernels do not cover that call) the chain is left as it is. The
 canonical graph is untouched: this runs inside the CPU lowering only. With a ``layout_of``,
@@ -133,6 +134,14 @@ def _chains(func: relax.Function, covered=None) -> tuple[dict, dict, dict]:
     for _, e in pairs:
         uses.update(free_vars(e))
     uses.update(free_vars(func.body.body))
+    # requantizes reading each variable: a biased accumulator read only by requantizes
+    # (YOLOv8's head convs: one per concat scale) is one chain per requantize, the kernel
+    # run once per chain instead of writing the int32 tensor for all of them
+    requantized = Counter(
+        e.args[0]
+        for _, e in pairs
+        if is_call(e, "qnn.requantize") and isinstance(e.args[0], relax.Var)
+    )
     found, parts, residuals = {}, {}, {}
     for var, req in pairs:
         if not is_call(req, "qnn.requantize") or not isinstance(req.args[0], relax.Var):
@@ -143,7 +152,7 @@ def _chains(func: relax.Function, covered=None) -> tuple[dict, dict, dict]:
             found[var], parts[var], residuals[var] = res[:2], res[2].parts, res[2:]
             continue
         kernel = value_of.get(src)
-        if is_call(kernel, "relax.add") and uses[src] == 1:
+        if is_call(kernel, "relax.add") and uses[src] == requantized[src]:
             add_var = src
             src = next((a for a in kernel.args if isinstance(a, relax.Var)), None)
             kernel = value_of.get(src)

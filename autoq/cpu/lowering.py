@@ -10,8 +10,8 @@ uint8 weights) keeps the op's own legalization. A ``qnn.dense`` with a run-time 
 zero point (the dynamic layers, per token or per tensor) runs the kernel on the raw codes
 and subtracts ``z_x * sum(w)`` after it (sibling layers reading one quantized input share one
 kernel call, :mod:`autoq.cpu.sibling_dense`); per-token ``qnn.dynamic_quantize`` becomes
-:mod:`autoq.cpu.dynamic_quantize`. float32 softmax over the last axis becomes
-:mod:`autoq.cpu.softmax` (row-parallel, denormal probabilities flushed to 0); int8 / uint8
+:mod:`autoq.cpu.dynamic_quantize`. float32 softmax becomes
+:mod:`autoq.cpu.softmax` (parallel, denormal probabilities flushed to 0); int8 / uint8
 NCHW max pools :mod:`autoq.cpu.max_pool` (rows, then columns: vectorized); a
 ``qnn.matmul`` of two activations (int8 rhs, same batch axes) :mod:`autoq.cpu.batch_matmul`.
 On targets with AMX int8 tiles, dense (>= ``AMX_MIN_ROWS`` rows) and the convs
@@ -62,7 +62,7 @@ from autoq.cpu.max_pool import max_pool2d_kernel
 from autoq.cpu.packing import compensation, pack_conv_weight, pack_dense_weight, round_up
 from autoq.cpu.pool_requantize import requantize_after_pools
 from autoq.cpu.sibling_dense import merge_sibling_dense, minus_zero_point
-from autoq.cpu.softmax import softmax_kernel, softmax_table
+from autoq.cpu.softmax import inner_axis_covered, softmax_kernel, softmax_table
 from autoq.ir.toolkit import const_array, dtype_of, is_call, shape_of
 from autoq.qnn.accumulate import depthwise_shape
 from autoq.qnn.dynamic_quantize import qparam_range
@@ -404,9 +404,11 @@ def _softmax(_isa: Isa, fallback, bb, call):
     axis = int(call.attrs["axis"])
     if shape is None or dtype_of(data) != "float32" or len(shape) < 2:
         return fallback(bb, call)
-    if axis not in (-1, len(shape) - 1):
+    last = axis in (-1, len(shape) - 1)
+    if not last and not inner_axis_covered(tuple(int(d) for d in shape), axis):
         return fallback(bb, call)
-    gv = bb.add_func(softmax_kernel(shape).without_attr("global_symbol"), "autoq_softmax")
+    func = softmax_kernel(shape, axis).without_attr("global_symbol")
+    gv = bb.add_func(func, "autoq_softmax")
     table = relax.const(softmax_table(), "int64")
     return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, "float32"))
 
