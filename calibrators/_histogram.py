@@ -5,8 +5,9 @@ tensor (scalars, or one value per channel), gathered by the calibrate driver in 
 min/max pass. Its bins are therefore fixed before any data arrives: counts are integers
 added batch by batch, so the histogram does not depend on the order of the batches, two
 shards merge exactly (same range, add the counts), and memory is ``bins`` integers per
-channel and per kind, whatever the number of batches. Each value's bin depends on that value
-alone, so the counts do not depend on how the data is batched either; the calibrators'
+channel and per kind, whatever the number of batches (plus, for batches of short rows, fewer
+than :func:`batch_width` values per row kept to be binned together). Each value's bin depends
+on that value alone, so the counts do not depend on how the data is batched either; the calibrators'
 ``choose_range`` is a function of the counts and the range only, so it runs once, where the
 states are merged. :meth:`HistogramObserver.state` is the range and the int64 counts.
 
@@ -48,9 +49,11 @@ __all__ = [
     "HistogramMethod",
     "HistogramObserver",
     "UniformBins",
+    "batch_width",
     "check_bins",
     "float32_estimate",
     "float32_thresholds",
+    "group_rows",
     "histogram",
 ]
 
@@ -61,6 +64,9 @@ def check_bins(owner: Any, bins: Any) -> None:
 
 
 BLOCK = 1 << 16  # elements per block: the temporaries stay in cache (numpy does the same)
+#: bytes of thresholds and counts of the rows binned together (:func:`group_rows`): half of
+#: a 1 MB L2 cache
+GROUP_BYTES = 1 << 19
 
 
 def _bin_block(rows: np.ndarray, edges: np.ndarray) -> np.ndarray:
@@ -168,27 +174,58 @@ class UniformBins:
 
     def add(self, rows: np.ndarray, out: np.ndarray, absolute: bool = False) -> None:
         """Add the :func:`histogram` of ``rows`` in these bins to ``out`` (C-contiguous
-        int64 ``(C, bins)``)."""
-        edges = self.edges
-        c, width = rows.shape[0], edges.shape[1] + 1
-        step = max(1, BLOCK // c)
-        fast = self.est is not None and rows.dtype in FLOAT32_EXACT
-        for j in range(0, rows.shape[1], step):
-            if not fast:
-                block = rows[:, j : j + step].astype(np.float64, order="C")
-                out += _bin_block(np.abs(block, out=block) if absolute else block, edges)
-                continue
-            block = rows[:, j : j + step]
-            if absolute:
-                block = np.abs(block, dtype=np.float32)
-            elif block.dtype != np.float32:
-                block = block.astype(np.float32)
-            idx = _nearest_edges(block, self.est, self.lower, self.offsets)
-            if idx.size >= out.size:
-                counts = np.bincount(idx.ravel(), minlength=c * width)
-                out += counts.reshape(c, width)[:, 1:-1]
-            else:  # fewer values than bins (many channels, short rows): no zeroed counts
-                np.add.at(out.reshape(-1), (idx - self.shift).ravel(), 1)
+        int64 ``(C, bins)``), in groups of :func:`group_rows` rows (their thresholds and
+        counts stay in cache), each in blocks of about ``BLOCK`` values."""
+        group = group_rows(rows.shape[0], self.edges.shape[1] - 1)
+        for c0 in range(0, rows.shape[0], group):
+            c1 = min(c0 + group, rows.shape[0])
+            step = max(1, BLOCK // (c1 - c0))
+            for j in range(0, rows.shape[1], step):
+                self._add_block(rows[c0:c1, j : j + step], c0, out[c0:c1], absolute)
+
+    def _add_block(self, block: np.ndarray, c0: int, out: np.ndarray, absolute: bool) -> None:
+        """Add the counts of ``block``, rows ``c0, c0 + 1, ...`` of the bins, to ``out``."""
+        c, width = block.shape[0], self.edges.shape[1] + 1
+        if self.est is None or block.dtype not in FLOAT32_EXACT:
+            block = block.astype(np.float64, order="C")
+            out += _bin_block(np.abs(block, out=block) if absolute else block, self.edges[c0:][:c])
+            return
+        if absolute:
+            block = np.abs(block, dtype=np.float32)
+        elif block.dtype != np.float32:
+            block = block.astype(np.float32)
+        est = (self.est[0][c0:][:c], self.est[1][c0:][:c])
+        lower = self.lower[c0 * width :][: c * width]
+        idx = _nearest_edges(block, est, lower, None if c == 1 else self.offsets[:c])
+        if idx.size >= out.size:
+            counts = np.bincount(idx.ravel(), minlength=c * width)
+            out += counts.reshape(c, width)[:, 1:-1]
+        else:  # fewer values than bins (many channels, short rows): no zeroed counts
+            np.add.at(out.reshape(-1), (idx - self.shift[:c]).ravel(), 1)
+
+
+def group_rows(channels: int, bins: int) -> int:
+    """How many rows of a histogram of ``bins`` bins per row :meth:`UniformBins.add` bins
+    together: as many as fit their float32 thresholds and int64 counts in
+    :data:`GROUP_BYTES` (a row's values only touch its own row of both), at least one. Many
+    channels binned all at once (blocks of all the rows) spread every block over every
+    row's thresholds and counts (3 MB for 192 channels of 2048 bins): measured 16-29 ns per
+    value against 5-7 in groups, on PP-OCRv4 det's per-channel histograms.
+
+    >>> group_rows(192, 2048), group_rows(1, 2048), group_rows(4, 10**6)
+    (21, 1, 1)
+    """
+    return max(1, min(channels, GROUP_BYTES // (12 * (bins + 2))))
+
+
+def batch_width(bins: int) -> int:
+    """Values per row that :class:`HistogramObserver` bins at once, at least: two per bin
+    (a row's thresholds and counts are read once for every two values).
+
+    >>> batch_width(2048)
+    4100
+    """
+    return 2 * (bins + 2)
 
 
 def histogram(rows: np.ndarray, edges: np.ndarray, absolute: bool = False) -> np.ndarray:
@@ -233,11 +270,28 @@ class HistogramObserver:
         self.lo, self.hi = lo, hi
         self.edges: dict[str, np.ndarray] = {}
         self._bins: dict[str, UniformBins] = {}
-        self.counts: dict[str, np.ndarray] | None = None
+        self._counts: dict[str, np.ndarray] | None = None
+        self._pending: list[np.ndarray] = []  # batches not binned yet (short rows)
+        self._pending_width = 0  # their values per row
 
     @property
     def channels(self) -> int:
         return self.lo.size
+
+    @property
+    def counts(self) -> dict[str, np.ndarray] | None:
+        """kind -> int64 ``(C, bins)`` counts of every batch so far (None before any)."""
+        self._flush()
+        return self._counts
+
+    @property
+    def kept(self) -> int:
+        """Values per row kept to be binned with the next batches (:meth:`update`)."""
+        return self._pending_width
+
+    def __getstate__(self) -> dict:
+        self._flush()  # (sent with every batch binned)
+        return self.__dict__
 
     def _start(self, channels: int) -> None:
         """Fix the channel count (a scalar range is shared by all channels) and the edges."""
@@ -252,7 +306,7 @@ class HistogramObserver:
             lo, hi = lo - pad, hi + pad
             self.edges[kind] = np.linspace(lo, hi, self.calibrator.bins + 1, axis=-1)
             self._bins[kind] = UniformBins(self.edges[kind])
-        self.counts = {k: np.zeros((channels, self.calibrator.bins), np.int64) for k in self.edges}
+        self._counts = {k: np.zeros((channels, self.calibrator.bins), np.int64) for k in self.edges}
 
     def bounds(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
         """The (unwidened) range ``(lo, hi)`` per channel of the histogram ``kind``."""
@@ -261,10 +315,16 @@ class HistogramObserver:
         return self.lo, self.hi
 
     def update(self, x) -> None:
+        """Check the batch ``x`` against the range and add it to the counts: at once when
+        its rows have at least :func:`batch_width` values, else copied and binned with the
+        next batches once their rows have that many (a batch's values touch every row's
+        thresholds and counts: 2048-bin rows of 225 values, a per-channel histogram of a
+        15x15 image, cost 29 ns per value binned one sample at a time, 6 in batches). The
+        counts are integers: the same whatever the batches binned together."""
         rows = as_channels(x, self.axis)
         if rows.size == 0:
             return
-        if self.counts is None:
+        if self._counts is None:
             self._start(rows.shape[0])
         elif rows.shape[0] != self.channels:
             raise ValueError(f"channel count changed from {self.channels} to {rows.shape[0]}")
@@ -274,8 +334,24 @@ class HistogramObserver:
                 f"batch range [{bmin.min()}, {bmax.max()}] is outside the data_range "
                 f"[{self.lo.min()}, {self.hi.max()}] this observer was created with"
             )
+        width = batch_width(self.calibrator.bins)
+        if not self._pending and rows.shape[1] >= width:
+            self._add(rows)
+            return
+        self._pending.append(np.array(rows))  # (a copy: the caller may reuse its buffer)
+        self._pending_width += rows.shape[1]
+        if self._pending_width >= width:
+            self._flush()
+
+    def _add(self, rows: np.ndarray) -> None:
         for kind, bins in self._bins.items():
-            bins.add(rows, self.counts[kind], absolute=kind == "abs")
+            bins.add(rows, self._counts[kind], absolute=kind == "abs")
+
+    def _flush(self) -> None:
+        """Bin the batches :meth:`update` kept, together."""
+        if self._pending:
+            pending, self._pending, self._pending_width = self._pending, [], 0
+            self._add(pending[0] if len(pending) == 1 else np.concatenate(pending, axis=1))
 
     def merge(self, other: HistogramObserver) -> None:
         if not (

@@ -7,6 +7,8 @@ import doctest
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference_ops import conv2d_loops
 
 import autoq.accuracy.bias_correction as B
@@ -149,3 +151,38 @@ def test_patch_sums_of_integer_codes_are_exact(geom):
     assert sums.dtype == np.float64 and np.array_equal(sums, ref.reshape(g.groups, -1))
     floats, float_rows = B.PatchMean(g).sums(codes.astype(np.float32))
     assert float_rows == rows and sums.tobytes() == floats.tobytes()
+
+
+def _tap_sums_padded(x, g):
+    """Per channel and tap, the float64 sum over the output positions, the straightforward
+    way: np.pad of the batch in float64, one strided slice per tap."""
+    (kh, kw), (sh, sw), (dh, dw) = g.kernel, g.strides, g.dilation
+    top, left, bottom, right = g.padding
+    xp = np.pad(np.asarray(x, np.float64), ((0, 0), (0, 0), (top, bottom), (left, right)))
+    oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    out = np.empty((x.shape[1], kh, kw))
+    for i in range(kh):
+        for j in range(kw):
+            tap = xp[:, :, i * dh :: sh][:, :, :oh, j * dw :: sw][:, :, :, :ow]
+            out[:, i, j] = tap.sum(axis=(0, 2, 3))
+    return out.reshape(g.groups, -1), x.shape[0] * oh * ow
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 2), st.integers(1, 40), st.integers(1, 40), st.integers(1, 3),
+    st.integers(1, 2), st.integers(0, 2), st.sampled_from([np.float32, np.float64]),
+)  # fmt: skip
+def test_float_patch_sums_are_the_padded_tap_sums_bit_for_bit(n, h, w, k, s, pad, dtype):
+    """Float batches (any size, kernel, stride, padding): PatchMean's sums are, to the bit,
+    the float64 sums of each tap's slice of the zero-padded batch."""
+    from autoq.accuracy.hessian import ConvGeometry
+
+    g = ConvGeometry(kernel=k, strides=s, padding=pad, groups=2)
+    if h + 2 * pad < k or w + 2 * pad < k:
+        return
+    x = np.random.default_rng(h * 41 + w).normal(size=(n, 4, h, w)).astype(dtype) * 3.0
+    sums, rows = B.PatchMean(g).sums(x)
+    want, want_rows = _tap_sums_padded(x, g)
+    assert rows == want_rows and sums.tobytes() == want.tobytes()

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from scipy.stats import entropy
 
 from autoq import calibrators as cal
-from autoq.calibrators._histogram import float32_estimate, histogram
+from autoq.calibrators._common import as_channels
+from autoq.calibrators._histogram import batch_width, float32_estimate, histogram
 from autoq.calibrators.kl import KL, kl_divergences, kl_threshold_bins
 from autoq.calibrators.max import Max
 from autoq.calibrators.moving_average import MovingAverage
@@ -718,7 +719,27 @@ def test_state_does_not_grow_with_batches(calibrator, data):
     rng = data_range(batches, axis)
     few = observe(calibrator, batches, axis, rng)
     many = observe(calibrator, batches * 25, axis, rng)
+    few.state(), many.state()  # (histograms bin the batches they keep: see the next test)
     assert state_size(few) == state_size(many) > 0
+
+
+@PROPERTY
+@given(data=batch_lists(min_size=2), bins=st.integers(1, 64))
+def test_histogram_keeps_fewer_values_than_a_batch_width(data, bins):
+    """A histogram observer keeps short batches to bin them together, fewer than
+    ``batch_width(bins)`` values per row (plus the last batch) whatever the number of batches,
+    and its counts are np.histogram of every batch so far at any point."""
+    axis, batches = data
+    rng = data_range(batches, axis)
+    obs = MSE(bins=bins).observer(axis, rng)
+    seen = []
+    for i, b in enumerate(batches * 25):
+        obs.update(b)
+        seen.append(as_channels(b, axis))
+        assert obs.kept < batch_width(bins) + seen[-1].shape[1]
+        if i % 7 == 0:
+            want = _np_histograms(np.concatenate(seen, axis=1), obs.edges["signed"])
+            assert np.array_equal(obs.counts["signed"], want)
 
 
 @pytest.mark.parametrize("calibrator", CALIBRATORS, ids=IDS)
