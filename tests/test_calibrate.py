@@ -10,7 +10,7 @@ import autoq
 from autoq import Config, QParams, QuantSpec, calibrate, load_qparams, realize, simulate
 from autoq import primitives as P
 from autoq.config import Resources
-from models import TARGET, Runner, conv2d_nchw, small_cnn, two_convs
+from models import TARGET, Runner, conv2d_nchw, image_data, small_cnn, two_convs
 
 MAX = QuantSpec(dtype="int8", symmetric=False, calibrator="max")
 WMAX = QuantSpec(
@@ -270,3 +270,47 @@ def test_observers_on_the_runner_thread_match_the_plain_ones(tmp_path, budget):
     single.close()
     with pytest.raises(RuntimeError, match="closed before"):
         waiting.resolve()
+
+
+def test_segments_compute_no_quantize_whose_result_is_unread():
+    """A lookup's output slot (the next conv reads the table's integers) and the model
+    output: their quantizes are left out of the compiled segments, every slot still heads
+    a segment, and its input is cached up to it (a model input or an earlier segment's
+    output), so that its observer finds it."""
+    from tvm import relax
+
+    from autoq.calibration import build_plan
+    from autoq.ir.canonicalize import hardswish
+    from autoq.ir.toolkit import bindings, free_vars
+    from models import Builder
+
+    b = Builder(5)
+    x = b.input("x", (1, 3, 8, 8))
+
+    def body(b):
+        y = b.emit(relax.op.nn.conv2d(x, b.randw("c1.weight", (6, 3, 3, 3)), padding=1))
+        h = b.emit(hardswish(y))
+        return b.emit(hardswish(b.emit(relax.op.nn.conv2d(h, b.randw("c2.weight", (6, 6, 1, 1))))))
+
+    mod, params = b.build(body)
+    sim = simulate(mod, params, cfg())
+    plan, functions = build_plan(sim)
+    computed = 0
+    for seg in plan.segments:
+        pairs = bindings(functions[seg.name])
+        read = {u for _, e in pairs for u in free_vars(e)} | set(
+            free_vars(functions[seg.name].body.body)
+        )
+        ops = [(v, getattr(getattr(e, "op", None), "name", "")) for v, e in pairs]
+        quantizes = [v for v, op in ops if op == "qnn.simulated_quantize"]
+        assert all(v in read for v in quantizes), seg.name
+        computed += len(quantizes)
+    assert computed <= len(sim.activation_slots()) - 2  # the lookups' outputs left out
+    assert sorted(h for s in plan.segments for h in s.heads) == sorted(sim.activation_slots())
+    available = {k for _, k in plan.inputs}
+    for seg in plan.segments:
+        assert all(plan.head_tensor[h] in available for h in seg.heads), seg.heads
+        available |= set(seg.outputs)
+    data = image_data((1, 3, 8, 8), 2, 4)
+    qp = calibrate(sim, params, data, cfg(), target=TARGET)
+    assert set(sim.activation_slots()) <= set(qp.params)

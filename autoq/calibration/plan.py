@@ -129,6 +129,15 @@ def _prologue_parts(prologue: list, outputs: list, params: set, key: dict) -> li
     return [(sorted(ins, key=key.get), outs) for ins, outs in groups.items()]
 
 
+def _unread_quantizes(segs: list[tuple[Segment, list]], sq_slot: dict) -> set:
+    """The activation quantizes whose result no binding reads: a lookup's output slot (the
+    next layer reads the table's integers) or a model output. The compiled segments leave
+    them out; the plan keeps them, so that their input is still cached for the slot's
+    observer up to the segment they head."""
+    read = {u for _, b in segs for _, value in b for u in free_vars(value)}
+    return {v for v in sq_slot if v not in read}
+
+
 def build_plan(sim: SimResult) -> tuple[CalibrationPlan, dict[str, relax.Function]]:
     """The plan of ``sim``'s topological calibration and the functions to compile
     (``prologue`` and one per segment)."""
@@ -161,8 +170,10 @@ def build_plan(sim: SimResult) -> tuple[CalibrationPlan, dict[str, relax.Functio
         )
         parts.append(part)
     static = (params - set(inputs)) | pro_vars  # never cached per sample
+    unread = _unread_quantizes(segs, sq_slot)
     for i, (seg, b) in enumerate(segs):
-        functions[seg.name] = make_function(seg.name, ins[i], b, outs[i])
+        live = [(v, e) for v, e in b if v not in unread]
+        functions[seg.name] = make_function(seg.name, ins[i], live, outs[i])
         seg.inputs = [key[v] for v in ins[i]]
         seg.outputs = [key[v] for v in outs[i]]
         seg.drop = [key[v] for v in ins[i] if last_use.get(v) == i and v not in static]
