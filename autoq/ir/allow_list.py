@@ -30,19 +30,17 @@ from tvm import relax
 from autoq.ir.toolkit import const
 from autoq.primitives import qrange
 
-__all__ = ["ALLOW_LIST", "AllowRule", "Grid", "axis_grid", "grid_point"]
+__all__ = ["ALLOW_LIST", "AllowRule", "Grid", "grid_point"]
 
 
 @dataclass(frozen=True)
 class Grid:
     """The integer grid a rewrite works on: ``zero_point``, ``dtype`` and, when known (a
-    quantize moving up), ``of(real) -> int``, the grid point of a real value. A per-axis
-    grid (a per-channel quantize moving up) has an array ``zero_point`` and ``of`` returns
-    arrays, both shaped to broadcast against the tensor (``[1, C, 1, 1]``)."""
+    quantize moving up), ``of(real) -> int``, the grid point of a real value."""
 
-    zero_point: int | np.ndarray
+    zero_point: int
     dtype: str
-    of: Callable[[float], int | np.ndarray] | None = None
+    of: Callable[[float], int] | None = None
 
 
 def _same_op(call, x, grid: Grid):
@@ -50,7 +48,7 @@ def _same_op(call, x, grid: Grid):
 
 
 def _relu(call, x, grid: Grid):
-    if np.all(grid.zero_point <= qrange(grid.dtype)[0]):
+    if grid.zero_point <= qrange(grid.dtype)[0]:
         return x  # every integer is >= the zero point: relu is the identity
     return relax.op.maximum(x, const(grid.zero_point, grid.dtype))
 
@@ -58,17 +56,15 @@ def _relu(call, x, grid: Grid):
 def _clip(call, x, grid: Grid):
     """``maximum(minimum(q, Q(hi)), Q(lo))``, each side dropped when its bound covers the
     grid (``Q(hi) == qmax``, ``Q(lo) == qmin``: the identity on every integer of the dtype);
-    ``x`` itself when both do (a relu6 whose slot is calibrated on [0, 6], say). On a
-    per-axis grid each channel clamps at its own codes of ``lo`` and ``hi`` (a side is
-    dropped when it covers the grid in every channel)."""
+    ``x`` itself when both do (a relu6 whose slot is calibrated on [0, 6], say)."""
     if grid.of is None:
         return None
     qmin, qmax = qrange(grid.dtype)
     lo = grid.of(float(call.args[1].value))
     hi = grid.of(float(call.args[2].value))
-    if np.any(hi < qmax):
+    if hi < qmax:
         x = relax.op.minimum(x, const(hi, grid.dtype))
-    if np.any(lo > qmin):
+    if lo > qmin:
         x = relax.op.maximum(x, const(lo, grid.dtype))
     return x
 
@@ -95,8 +91,7 @@ class AllowRule:
     ``integer``: the rewrite on integers. ``dequantize_below``: a ``qnn.dequantize`` may move
     below the op (exact for data movement, relu and max pool; not for clip, whose bounds
     need the *output* grid). ``per_axis``: it may also move below with per-axis scales (the
-    zero points all equal). ``quantize_per_axis``: a per-axis ``qnn.quantize`` may move above
-    it (an elementwise clamp: ``integer`` works on a per-axis :class:`Grid`). ``operands``: what a quantize moving above it quantizes:
+    zero points all equal). ``operands``: what a quantize moving above it quantizes:
     ``"first"`` (the first argument), ``"fields"`` (each field of the tuple argument,
     concat) or ``"tuple"`` (the tuple op feeding a ``TupleGetItem``, split)."""
 
@@ -104,7 +99,6 @@ class AllowRule:
     integer: Callable | None = _same_op
     dequantize_below: bool = True
     per_axis: bool = False
-    quantize_per_axis: bool = False
     operands: str = "first"
     doc: str = ""
 
@@ -120,14 +114,11 @@ def _moves(doc: str, **kw) -> AllowRule:
 
 
 ALLOW_LIST: dict[str, AllowRule] = {
-    "relax.nn.relu": _moves(
-        "max(q, zero_point)", integer=_relu, per_axis=True, quantize_per_axis=True
-    ),
+    "relax.nn.relu": _moves("max(q, zero_point)", integer=_relu, per_axis=True),
     "relax.clip": _moves(
         "clip(q, Q(lo), Q(hi)); a side whose bound covers the grid is dropped",
         integer=_clip,
         dequantize_below=False,
-        quantize_per_axis=True,
     ),
     "relax.nn.max_pool2d": _moves("max pool on integers", per_axis=True),
     "relax.reshape": _moves("same op on integers"),
@@ -166,24 +157,3 @@ def grid_point(scale: float, zero_point: int, dtype: str) -> Callable[[float], i
         return int(np.clip(v, lo, hi))
 
     return of
-
-
-def axis_grid(scale, zero_point, dtype: str, axis: int, ndim: int) -> Grid:
-    """The per-axis :class:`Grid` of a per-channel quantize (``scale``, ``zero_point`` of
-    length ``C`` on ``axis`` of an ``ndim``-D tensor): zero points and grid points shaped to
-    broadcast (``[1, C, 1, 1]`` for axis 1 of 4-D).
-
-    >>> g = axis_grid([0.5, 0.1], [-128, -3], "int8", 1, 2)
-    >>> g.of(6.0).tolist(), g.zero_point.tolist()
-    ([[-116, 57]], [[-128, -3]])
-    """
-    shape = [1] * ndim
-    shape[axis] = -1
-    s = np.asarray(scale, np.float32).reshape(shape)
-    z = np.asarray(zero_point, np.int64).reshape(shape)
-    lo, hi = qrange(dtype)
-
-    def of(real: float) -> np.ndarray:
-        return np.clip(np.rint(np.float32(real) / s) + z, lo, hi).astype(np.int64)
-
-    return Grid(z, dtype, of)

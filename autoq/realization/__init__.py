@@ -29,7 +29,7 @@ from tvm.relax.dpl import is_op, rewrite_call, wildcard
 from autoq import primitives as P
 from autoq import qnn
 from autoq.config import Config
-from autoq.ir.allow_list import ALLOW_LIST, AllowRule, Grid, axis_grid, grid_point
+from autoq.ir.allow_list import ALLOW_LIST, AllowRule, Grid, grid_point
 from autoq.ir.graph import Graph
 from autoq.ir.matching import as_matched
 from autoq.ir.registry import Match, slot_id_of
@@ -43,7 +43,6 @@ from autoq.ir.toolkit import (
     is_call,
     op_name,
     remap_expr,
-    shape_of,
     with_main,
 )
 from autoq.qparams import QParam, QParams
@@ -281,32 +280,23 @@ def _per_tensor(e) -> bool:
 
 @dataclass
 class _Quantize:
-    """A ``qnn.quantize`` with constant qparams being moved (per tensor, or per axis of an
-    ``ndim``-D tensor)."""
+    """A per-tensor ``qnn.quantize`` with constant qparams being moved."""
 
     scale: relax.Expr
     zp: relax.Expr
     dtype: str
-    axis: int = -1
-    ndim: int = 0
 
     @staticmethod
     def of_call(call) -> _Quantize:
-        s, z, dtype = call.args[1], call.args[2], str(call.attrs["out_dtype"])
-        if _per_tensor(s):
-            return _Quantize(s, z, dtype)
-        ndim = len(shape_of(call.args[0]) or ())
-        return _Quantize(s, z, dtype, int(call.attrs["axis"]), ndim)
+        return _Quantize(call.args[1], call.args[2], str(call.attrs["out_dtype"]))
 
     def q(self, x):
-        return qnn.quantize(x, self.scale, self.zp, axis=self.axis, out_dtype=self.dtype)
+        return qnn.quantize(x, self.scale, self.zp, out_dtype=self.dtype)
 
     @property
     def grid(self) -> Grid:
-        s, z = const_array(self.scale), const_array(self.zp)
-        if z.ndim:
-            return axis_grid(s, z, self.dtype, self.axis, self.ndim)
-        return Grid(int(z), self.dtype, grid_point(s, int(z), self.dtype))
+        zp = int(const_array(self.zp))
+        return Grid(zp, self.dtype, grid_point(const_array(self.scale), zp, self.dtype))
 
     def same_as_dequantize(self, deq) -> bool:
         w, s1, z1 = deq.args
@@ -378,7 +368,7 @@ class _Round:
         if is_call(value, "qnn.quantize") and _per_tensor(value.args[1]):
             return self.quantize(value)
         if is_call(value, "qnn.quantize"):
-            return self.quantize_per_axis(value)
+            return _per_axis_requantize(value, self.val(value.args[0]), self.rounding)
         if self.phase == "down" and is_call(value) and value.args:
             return self.dequantize_below(value)
         return None
@@ -409,19 +399,6 @@ class _Round:
         if rule is None or rule.kind != "commute" or rule.operands == "tuple":
             return None
         return self.move_above(src, rule, quant)
-
-    def quantize_per_axis(self, value):
-        """A per-axis quantize (a depthwise input per channel): one requantize with the
-        dequantize under it, or (phase "up") moved above an elementwise clamp, which then
-        clamps each channel at its own codes (:func:`autoq.ir.allow_list.axis_grid`)."""
-        src = self.val(value.args[0])
-        out = _per_axis_requantize(value, src, self.rounding)
-        if out is not None or self.phase != "up":
-            return out
-        rule = ALLOW_LIST.get(op_name(src))
-        if rule is None or not rule.quantize_per_axis:
-            return None
-        return self.move_above(src, rule, _Quantize.of_call(value))
 
     def move_above(self, src, rule: AllowRule, quant: _Quantize):
         grid = quant.grid

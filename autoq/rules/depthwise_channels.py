@@ -14,16 +14,10 @@ What writes that input onto per-channel grids costs nothing more either:
   own grid;
 - a ``conv2d*`` layer: its requantize takes a per-channel output scale and zero point (the
   int32 accumulator is already per channel; ``autoq.realization.propagate`` merges the
-  per-axis quantize of its dequantize into one per-channel ``qnn.requantize``);
-- either of those followed by an elementwise clamp (ReLU, ReLU6 and any ``relax.clip``: the
-  rows of :data:`autoq.ir.allow_list.ALLOW_LIST` with ``quantize_per_axis``) that is its
-  only reader: the slot is the clamp's output, the per-axis quantize moves above the clamp
-  and the clamp runs on integers at each channel's own codes of its bounds (ReLU6 with
-  ``s_x[c]``, ``z_x[c]``: ``min(max(q, z_x[c]), Q_c(6))``, each side dropped when it covers
-  every channel's grid, as when each channel's range lies inside [0, 6]).
+  per-axis quantize of its dequantize into one per-channel ``qnn.requantize``).
 
-Which tensors (:func:`depthwise_inputs`): a 4-D tensor written by one of those (the
-clamp's output when there is one), neither it nor the producer's output a model output, whose every use is one ``conv2d*`` match reading it as its data (not as a
+Which tensors (:func:`depthwise_inputs`): a 4-D tensor written by one of those, not a
+model output, whose every use is one ``conv2d*`` match reading it as its data (not as a
 residual), that conv depthwise with channel multiplier 1 and not dynamic, the slot 8-bit
 (``Config.int16_tensors`` and overrides included; for a lookup its input too: a 16-bit side
 computes the activation in float). Anything else stays per tensor (the option never errors
@@ -46,8 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from autoq.ir.activations import LUT_DTYPES
-from autoq.ir.allow_list import ALLOW_LIST
-from autoq.ir.toolkit import op_name, shape_of
+from autoq.ir.toolkit import shape_of
 from autoq.qnn.accumulate import depthwise_shape
 from autoq.rules import hybrid
 from autoq.rules.lut_channels import AXIS, LUT_PATTERNS
@@ -76,15 +69,14 @@ def depthwise_inputs(g, matches, config) -> dict:
     roots = {m.root: m for m in matches}
     outputs = set(g.output_vars())
     dynamic = hybrid.dynamic_names(config, matches)
-    covered = {u for m in matches for u in m.covered}
     out = {}
     for m in matches:
         lookup = m.pattern.name in LUT_PATTERNS
         if not (lookup or m.pattern.name in _CONV) or m.root in outputs:
             continue
-        var = _through_clamp(g, m.root, covered)
-        shape, users = shape_of(var), g.users.get(var, [])
-        if var in outputs or shape is None or len(shape) != 4 or not users:
+        var, shape = m.root, shape_of(m.root)
+        users = g.users.get(var, [])
+        if shape is None or len(shape) != 4 or not users:
             continue
         conv = _only_reader(users, matches)
         if conv is None or conv.pattern.name not in _CONV or conv.layer in dynamic:
@@ -106,17 +98,6 @@ def depthwise_inputs(g, matches, config) -> dict:
         if all(spec.dtype in LUT_DTYPES for spec in specs):
             out[var] = (channels, conv.layer)
     return out
-
-
-def _through_clamp(g, var, covered):
-    """The output of the elementwise clamp, in no match, that is ``var``'s only reader (a
-    row of the allow-list a per-axis quantize moves above: ReLU, clip), else ``var``."""
-    users = g.users.get(var, [])
-    call = g.value.get(users[0]) if len(users) == 1 and users[0] not in covered else None
-    rule = ALLOW_LIST.get(op_name(call)) if call is not None else None
-    if rule is None or not rule.quantize_per_axis or not call.args[0].same_as(var):
-        return var
-    return users[0]
 
 
 def _only_reader(users, matches):
