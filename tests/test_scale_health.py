@@ -311,3 +311,33 @@ def test_bands_of_a_large_batch_come_from_a_regular_sample():
     assert obs.bands.tolist() == want.tolist()
     h = obs.compute()
     assert (h.count, h.hi, h.clipped, h.reaching) == (n, 250.0, 1, 1)
+
+
+def test_per_channel_grids_are_counted_on_each_channels_own_grid():
+    """A per-channel slot (a depthwise input per channel): the counts are those of each
+    channel's own grid, q = rint(x / s[c]) + z[c] in numpy; a channel of small values on
+    its own fine grid is not collapsed (the grid covering every channel called most of this
+    slot's values collapsed and sent its reader to fp32), a channel that is coarse for its
+    values still is, and values beyond a channel's grid clip."""
+    from autoq.qparams import QParam
+
+    rng = np.random.default_rng(3)
+    x = np.abs(rng.normal(size=(4, 3, 5, 5))).astype(np.float32)
+    x[:, 0] *= 0.01  # small channel, own fine grid
+    x[:, 2] *= 0.01  # small values on a coarse grid: collapsed
+    x[0, 1, 0, 0] = 50.0  # beyond channel 1's grid
+    qp = QParam.from_range(np.zeros(3), np.array([0.05, 6.0, 6.0]), "int8", axis=1)
+    obs = scale_health.HealthCheck(qp).observer()
+    obs.update(x)
+    s = qp.scale.reshape(1, 3, 1, 1).astype(np.float64)
+    z = qp.zero_point.reshape(1, 3, 1, 1)
+    q = np.rint(x.astype(np.float64) / s) + z
+    nonzero = x != 0
+    want = [x.size, nonzero.sum(), (nonzero & (q == z)).sum(), ((q < -128) | (q > 127)).sum()]
+    assert obs.counts.tolist() == [int(v) for v in want]
+    per_channel = [(nonzero & (q == z))[:, c].sum() for c in range(3)]
+    assert per_channel[0] < 0.05 * x[:, 0].size and per_channel[2] > 0.5 * x[:, 2].size
+    assert (obs.lo, obs.hi) == (float(x.min()), 50.0)
+    covering = scale_health.HealthObserver(6.0 / 255, -128, -128, 127)  # main's summary
+    covering.update(x)
+    assert covering.counts[2] > obs.counts[2]

@@ -122,9 +122,16 @@ class HealthObserver:
     """Streaming :class:`SlotHealth` of one slot for a given per-tensor scale and zero
     point (mergeable across shards, like every observer)."""
 
-    def __init__(self, scale, zero_point, qmin: int, qmax: int):
-        self.scale = float(np.asarray(scale).reshape(-1)[0])
-        self.zero_point = int(np.asarray(zero_point).reshape(-1)[0])
+    def __init__(self, scale, zero_point, qmin: int, qmax: int, axis: int | None = None):
+        s = np.asarray(scale, np.float64).reshape(-1)
+        z = np.asarray(zero_point, np.int64).reshape(-1)
+        #: per-channel grids (``axis``, a depthwise input): each channel is counted on its
+        #: own grid, its values measured in steps of its own scale (the thresholds below
+        #: then have scale 1 and one zero point per channel)
+        self.axis = axis if s.size > 1 else None
+        self.channel_scale = s.astype(np.float32) if self.axis is not None else None
+        self.scale = 1.0 if self.axis is not None else float(s[0])
+        self.zero_point = z if self.axis is not None else int(z[0])
         self.qmin, self.qmax = qmin, qmax
         # rint(x / s) + zp is the zero point iff |x| <= s / 2, below the grid iff
         # x < (qmin - zp - 1/2) s, above it iff x > (qmax - zp + 1/2) s: thresholds, so an
@@ -147,20 +154,31 @@ class HealthObserver:
         x = np.asarray(x)
         if not np.issubdtype(x.dtype, np.floating):
             x = x.astype(np.float64)
-        x = x.reshape(-1)
         if not x.size:
             return
+        real = (float(x.min()), float(x.max()))
+        below, above = self.below, self.above
+        if self.axis is not None:  # in steps of each channel's scale
+            shape = [1] * x.ndim
+            shape[self.axis] = -1
+            x = x / self.channel_scale.reshape(shape).astype(x.dtype)
+            below, above = below.reshape(shape), above.reshape(shape)
         lo, hi = float(x.min()), float(x.max())
         zeros = int(np.count_nonzero(x == 0))  # (count_nonzero of floats is 4x slower)
-        near_zero = self._near_zero(x, lo)  # zeros included
-        clipped = int(np.count_nonzero(x < self.below)) if lo < self.below else 0
-        clipped += int(np.count_nonzero(x > self.above)) if hi > self.above else 0
+        near_zero = self._near_zero(x.reshape(-1), lo)  # zeros included
+        clipped = int(np.count_nonzero(x < below)) if lo < np.min(below) else 0
+        clipped += int(np.count_nonzero(x > above)) if hi > np.max(above) else 0
         self.counts += (x.size, x.size - zeros, near_zero - zeros, clipped)
         step = -(-x.size // BAND_SAMPLE)  # bands from a regular sample of a large batch
-        self.bands += self._band_counts(x[::step], finite=np.isfinite(lo) and np.isfinite(hi))
+        finite = np.isfinite(lo) and np.isfinite(hi)
+        if self.axis is not None:  # positions on each channel's grid, then the sample
+            pos = np.subtract(x, below, dtype=x.dtype).reshape(-1)[::step]
+            self.bands += self._band_counts(pos, 0.0, finite)
+        else:
+            self.bands += self._band_counts(x.reshape(-1)[::step], self.below, finite)
         self.batches += (1, max(-lo, hi) >= self.far)
-        self.lo = min(self.lo, lo)
-        self.hi = max(self.hi, hi)
+        self.lo = min(self.lo, real[0])
+        self.hi = max(self.hi, real[1])
 
     def _near_zero(self, x: np.ndarray, lo: float) -> int:
         """How many values of ``x`` satisfy ``|x| <= half`` (``half`` rounded to ``x``'s
@@ -171,13 +189,14 @@ class HealthObserver:
         n = int(np.count_nonzero(x <= half))
         return n - int(np.count_nonzero(x < -half)) if not lo >= -half else n
 
-    def _band_counts(self, x: np.ndarray, finite: bool = True) -> np.ndarray:
+    def _band_counts(self, x: np.ndarray, below, finite: bool = True) -> np.ndarray:
         """Values per band, positions computed in ``x``'s dtype in one buffer (an overflow
         to inf lands in the last band; a value on a band edge may land on either side: bands
         are a coarse count, not the rounding). ``finite``: ``x`` holds no nan/inf (the
         common case skips ``nan_to_num``, which made this count 7x slower than the rest of
-        :meth:`update` on a ResNet-50 activation)."""
-        pos = np.subtract(x, self.below, dtype=x.dtype)  # no float64 copy of x
+        :meth:`update` on a ResNet-50 activation). ``below``: the grid's lower edge (0 when
+        ``x`` already holds positions from it)."""
+        pos = np.subtract(x, below, dtype=x.dtype)  # no float64 copy of x
         pos *= self.band_scale
         if not finite:
             np.nan_to_num(pos, copy=False, nan=0.0, posinf=BANDS - 1, neginf=0.0)
@@ -218,15 +237,21 @@ class HealthCheck:
     needs_range = False
 
     def observer(self, axis=None, data_range=None) -> HealthObserver:
-        """A per-axis qparam (a lookup input, :mod:`autoq.rules.lut_channels`) is checked against
-        the one grid of its dtype spanning every channel's grid: a per-tensor summary."""
+        """A per-axis qparam (a lookup or depthwise input per channel) is checked on each
+        channel's own grid: a value collapses when it rounds to its channel's zero point,
+        clips outside its channel's grid (a grid covering every channel would call a
+        channel of small values collapsed that its own grid represents well).
+
+        >>> from autoq.qparams import QParam
+        >>> qp = QParam.from_range(np.zeros(2), np.array([0.1, 10.0]), "uint8", axis=1)
+        >>> obs = HealthCheck(qp).observer()
+        >>> obs.update(np.array([[0.05, 0.08], [5.0, 9.0]]).reshape(1, 2, 2))
+        >>> h = obs.compute()
+        >>> h.collapsed, h.clipped, (h.lo, h.hi)
+        (0, 0, (0.05, 9.0))
+        """
         qp = self.qparam
-        scale, zp = qp.scale, qp.zero_point
-        if np.ndim(scale) == 1 and np.size(scale) > 1:
-            lo, hi = qp.grid_range()
-            covering = type(qp).from_range(float(lo.min()), float(hi.max()), qp.dtype)
-            scale, zp = covering.scale, int(covering.zero_point)
-        return HealthObserver(scale, zp, qp.qmin, qp.qmax)
+        return HealthObserver(qp.scale, qp.zero_point, qp.qmin, qp.qmax, qp.axis)
 
 
 def problem(h: SlotHealth, scale: float, bounded: bool = False) -> str | None:
