@@ -28,10 +28,11 @@ __all__ = ["KERNEL_ATTR", "ScheduleFused", "schedule_fused"]
 KERNEL_ATTR = "autoq.kernel"  # PrimFuncs that already carry their own schedule
 MIN_PARALLEL_ELEMENTS = 4096  # below this a thread-pool launch costs more than it saves
 # a block with more int64 nodes is not inlined into a consumer with more: integer-mode
-# requantizes (a TFLite / half-even add or multiply: 80-170 nodes, nearly all int64
-# fixed-point arithmetic) inlined into each other make expressions the TIR simplifier takes
-# seconds over (MiniLM: 11 s for its embedding sum); into a small consumer (a dequantize)
-# they inline (keeping that one measured 17% faster on MiniLM); float chains always inline
+# requantizes with a general shift (80-170 nodes, nearly all int64 fixed-point arithmetic)
+# inlined into each other made expressions the TIR simplifier took seconds over (MiniLM:
+# 11 s for its embedding sum, before constant shifts became one add and one shift: ~30
+# nodes per add, which inline); into a small consumer (a dequantize) they inline (keeping
+# that one measured 17% faster on MiniLM); float chains always inline
 MAX_INLINE_INT64_NODES = 48
 
 
