@@ -16,7 +16,7 @@ from tvm import relax
 
 import autoq
 from autoq import Config, qnn
-from autoq.cpu import depthwise, packing, tiling
+from autoq.cpu import depthwise, injective, packing, tiling
 from autoq.cpu import isa as isa_mod
 from autoq.cpu import lut as lut_mod
 from autoq.cpu.conv2d import ConvBlocking, ConvShape, conv2d_kernel, register_tile
@@ -406,7 +406,7 @@ def test_large_blocks_are_not_inlined_into_each_other(limit, blocks, monkeypatch
 
 
 def test_doctests():
-    for module in (packing, tiling, isa_mod, lut_mod, depthwise):
+    for module in (packing, tiling, isa_mod, lut_mod, depthwise, injective):
         assert doctest.testmod(module).failed == 0
 
 

@@ -20,7 +20,7 @@ import tvm
 from tvm.script import tirx as T
 
 from autoq import primitives as P
-from autoq.cpu.injective import KERNEL_ATTR
+from autoq.cpu.injective import KERNEL_ATTR, memoized_kernel
 from autoq.qnn.dynamic_quantize import runtime_scale, runtime_zero_point
 from autoq.qnn.tensor_exprs import quantize_value
 
@@ -29,6 +29,7 @@ __all__ = ["LANES", "dynamic_quantize_kernel"]
 LANES = 16  # float32 lanes of an AVX-512 register (two AVX2 registers)
 
 
+@memoized_kernel
 def dynamic_quantize_kernel(
     rows: int, k: int, out_dtype: str, qrange: tuple[int, int], symmetric: bool
 ) -> tvm.tirx.PrimFunc:

@@ -10,10 +10,15 @@ blocked by :func:`autoq.ir.loop_schedule.schedule_reductions`, then every remain
 parallel over its leading spatial loops (the innermost loop is left to LLVM's vectorizer;
 when it reads ``x[..., i // k]``, a fused nearest-neighbour upsampling, it is split by ``k``
 and the ``k`` copies unrolled). Semantics are unchanged: every output keeps its reduction order, bit for bit.
+
+:func:`memoized_kernel` is the cache of the kernel builders whose arguments are all
+hashable (shapes as tuples, dtypes, ints): a model's layers of one shape build their kernel
+once.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import tvm
@@ -23,7 +28,7 @@ from tvm.s_tir import Schedule, ScheduleError
 from autoq.cpu.int_sum import schedule_integer_sum
 from autoq.ir.loop_schedule import rows_for, schedule_reductions
 
-__all__ = ["KERNEL_ATTR", "ScheduleFused", "schedule_fused"]
+__all__ = ["KERNEL_ATTR", "ScheduleFused", "memoized_kernel", "schedule_fused"]
 
 KERNEL_ATTR = "autoq.kernel"  # PrimFuncs that already carry their own schedule
 MIN_PARALLEL_ELEMENTS = 4096  # below this a thread-pool launch costs more than it saves
@@ -34,6 +39,21 @@ MIN_PARALLEL_ELEMENTS = 4096  # below this a thread-pool launch costs more than 
 # nodes per add, which inline); into a small consumer (a dequantize) they inline (keeping
 # that one measured 17% faster on MiniLM); float chains always inline
 MAX_INLINE_INT64_NODES = 48
+# kernels a builder remembers (PrimFuncs are immutable: a repeated call returns the same one)
+KERNELS_PER_BUILDER = 256
+
+
+def memoized_kernel(builder):
+    """``builder`` (a function of hashable arguments returning a PrimFunc) remembering its
+    last ``KERNELS_PER_BUILDER`` results: a model's 24 per-token quantizes of one shape are
+    one TVMScript parse instead of 24 (parsing is most of the lowering's time).
+
+    >>> calls = []
+    >>> build = memoized_kernel(lambda shape: calls.append(shape) or tirx.PrimFunc([], tirx.Evaluate(0)))
+    >>> build((2, 3)) is build((2, 3)), calls
+    (True, [(2, 3)])
+    """
+    return functools.wraps(builder)(functools.lru_cache(maxsize=KERNELS_PER_BUILDER)(builder))
 
 
 def _blocks(sch: Schedule) -> list:

@@ -46,7 +46,7 @@ from tvm import te, tirx
 from tvm.s_tir import Schedule
 from tvm.script import tirx as T
 
-from autoq.cpu.injective import KERNEL_ATTR, schedule_fused
+from autoq.cpu.injective import KERNEL_ATTR, memoized_kernel, schedule_fused
 from autoq.cpu.tiling import i64
 
 __all__ = [
@@ -77,6 +77,7 @@ def _qmin(data_dtype: str) -> int:
     return -128 if data_dtype == "int8" else 0
 
 
+@memoized_kernel
 def lut_kernel(shape, data_dtype: str, table_dtype: str) -> tirx.PrimFunc:
     """PrimFunc ``(data[shape], table[256], out[shape])``."""
     qmin = _qmin(data_dtype)
@@ -87,6 +88,7 @@ def lut_kernel(shape, data_dtype: str, table_dtype: str) -> tirx.PrimFunc:
     return func.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
 
 
+@memoized_kernel
 def vbmi_lut_kernel(shape, data_dtype: str, table_dtype: str) -> tirx.PrimFunc:
     """PrimFunc ``(data[shape], table[256], out[shape])`` with ``vpermi2b`` (AVX-512 VBMI;
     ``table_dtype`` one of :data:`VBMI_TABLE_DTYPES`); the last ``size % 64`` elements by a
@@ -131,6 +133,7 @@ def vbmi_lut_kernel(shape, data_dtype: str, table_dtype: str) -> tirx.PrimFunc:
     return vbmi_lut.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
 
 
+@memoized_kernel
 def channel_lut_kernel(shape, axis: int, data_dtype: str, table_dtype: str) -> tirx.PrimFunc:
     """PrimFunc ``(data[shape], table[C, 256], out[shape])``, ``C = shape[axis]``: the
     table of each element's channel."""
@@ -146,6 +149,7 @@ def channel_lut_kernel(shape, axis: int, data_dtype: str, table_dtype: str) -> t
     return func.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
 
 
+@memoized_kernel
 def vbmi_channel_lut_kernel(shape, axis: int, data_dtype: str, table_dtype: str) -> tirx.PrimFunc:
     """PrimFunc ``(data[shape], table[C, 256], out[shape])`` with ``vpermi2b``, one plane
     (the elements sharing the index up to ``axis``) per task; each plane's last

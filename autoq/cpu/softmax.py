@@ -35,7 +35,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from autoq.cpu.expf import EXPF_TABLE, expf_expr
-from autoq.cpu.injective import KERNEL_ATTR
+from autoq.cpu.injective import KERNEL_ATTR, memoized_kernel
 
 __all__ = [
     "LOG_SMALLEST_NORMAL",
@@ -66,6 +66,7 @@ def _prob(d, table):
     return tirx.Select(d >= low, e, tirx.const(0.0, "float32"))
 
 
+@memoized_kernel
 def softmax_kernel(shape: tuple[int, ...], axis: int = -1) -> tirx.PrimFunc:
     """The PrimFunc ``(data, table, out)`` of float32 softmax over ``axis`` of a static
     ``shape`` (``table``: :func:`softmax_table`, int64[32]). Over the last axis: parallel
