@@ -153,8 +153,8 @@ class Quantizer:
             warnings.simplefilter("always")
             use_machine_cores()  # a TVM_NUM_THREADS capped to the CPUs: in the warnings
             # calibration runs its VMs and observers on threads of its own: a pool of every
-            # core under each oversubscribes them (measured with 2-thread pools, 2 vCPUs:
-            # PP-OCRv4 det 81.7 -> 111.3 CPU s, wall 82 -> 101 s); the model runs on the
+            # core under each oversubscribes them (2 vCPUs, warm cache, same hour: PP-OCRv4
+            # det 104.2 CPU s with 2-thread pools, 85.9 with this); the model runs on the
             # whole pool afterwards
             with shown(self.resources.show_progress), one_thread():
                 result = self._run(mod, params, dataset)
