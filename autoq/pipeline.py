@@ -75,7 +75,7 @@ from autoq.recipes import resolve
 from autoq.rules.dynamic_lookups import REASON as LOOKUP_REASON
 from autoq.rules.dynamic_lookups import lookups_between_dynamic
 from autoq.simulation import simulate
-from autoq.threads import one_thread, use_machine_cores
+from autoq.threads import one_thread
 
 __all__ = ["QuantizeResult", "Quantizer", "check_scales", "quantize", "realize_like"]
 
@@ -151,11 +151,11 @@ class Quantizer:
     def run(self, mod: tvm.IRModule, params: dict | None, dataset) -> QuantizeResult:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            use_machine_cores()  # a TVM_NUM_THREADS capped to the CPUs: in the warnings
-            # calibration runs its VMs and observers on threads of its own: a pool of every
-            # core under each oversubscribes them (2 vCPUs, warm cache, same hour: PP-OCRv4
-            # det 104.2 CPU s with 2-thread pools, 85.9 with this); the model runs on the
-            # whole pool afterwards
+            # one_thread makes this thread's pool first (a TVM_NUM_THREADS capped to the CPUs:
+            # in the warnings). Calibration runs its VMs and observers on threads of its own:
+            # a pool of every core under each oversubscribes them (2 vCPUs, warm cache, same
+            # hour: PP-OCRv4 det 104.2 CPU s with 2-thread pools, 85.9 with this); the model
+            # runs on the whole pool afterwards
             with shown(self.resources.show_progress), one_thread():
                 result = self._run(mod, params, dataset)
         for w in caught:  # re-raise for the caller's filters, after the run is complete
