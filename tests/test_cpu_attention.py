@@ -20,8 +20,9 @@ from autoq.cpu import expf as expf_mod
 from autoq.cpu import softmax as softmax_mod
 from autoq.cpu.batch_matmul import batch_matmul_kernel, matmul_zero_points
 from autoq.cpu.epilogue import Epilogue
-from autoq.cpu.expf import EXPF_TABLE, expf_expr
+from autoq.cpu.expf import EXPF_TABLE, PERMUTE_LANES, expf_expr
 from autoq.cpu.injective import schedule_fused
+from autoq.cpu.isa import VNNI
 from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.cpu.softmax import LOG_SMALLEST_NORMAL, softmax_kernel, softmax_table
 
@@ -63,7 +64,8 @@ def test_softmax_same_floats_except_flushed_denormals(isa, mcpu, shape, axis):
     masked[axis] = slice(shape[axis] // 2, None)
     x[tuple(masked)] -= 100.0  # an attention mask: exp(-100) is denormal
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
-    lib = tvm.compile(tvm.IRModule({"main": softmax_kernel(shape, axis)}), target)
+    kernel = softmax_kernel(shape, axis, permute=isa is VNNI)  # the AVX-512 path permutes
+    lib = tvm.compile(tvm.IRModule({"main": kernel}), target)
     out = tvm.runtime.tensor(np.zeros(shape, np.float32))
     lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(softmax_table()), out)
     got = out.numpy()
@@ -76,12 +78,16 @@ def test_softmax_same_floats_except_flushed_denormals(isa, mcpu, shape, axis):
     np.testing.assert_allclose(got, e / e.sum(axis=axis, keepdims=True), rtol=1e-5, atol=1e-30)
 
 
-def _exp_lib(body, args, mcpu: str):
-    """out[i] = body(x[i]) over a flat float32 vector, vectorized by 16 lanes."""
+def _exp_lib(body, args, mcpu: str, lanes: int = 16):
+    """out[i] = body(x[i]) over a flat float32 vector, vectorized by ``lanes``."""
     sch = tvm.s_tir.Schedule(te.create_prim_func([*args, body]))
     (loop,) = sch.get_loops(sch.get_sblock(body.op.name))
-    sch.vectorize(sch.split(loop, [None, 16])[1])
+    sch.vectorize(sch.split(loop, [None, lanes])[1])
     return tvm.compile(sch.mod, tvm.target.Target({"kind": "llvm", "mcpu": mcpu}))
+
+
+def _exp_of(xp, table, lane):
+    return lambda i: expf_expr(xp[i], table, lane(i))
 
 
 @pytest.mark.parametrize(("isa", "mcpu"), PATHS)
@@ -103,14 +109,18 @@ def test_expf_expr_gives_libm_floats(isa, mcpu):
     x = x[: len(x) // 16 * 16]
     xp = te.placeholder(x.shape, "float32", name="x")
     table = te.placeholder((32,), "int64", name="table")
-    mine = _exp_lib(
-        te.compute(x.shape, lambda i: expf_expr(xp[i], table), name="e"), [xp, table], mcpu
-    )
     ref = _exp_lib(te.compute(x.shape, lambda i: te.exp(xp[i]), name="e"), [xp], mcpu)
-    got, want = (tvm.runtime.tensor(np.zeros_like(x)) for _ in range(2))
-    mine["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(EXPF_TABLE), got)
+    want = tvm.runtime.tensor(np.zeros_like(x))
     ref["main"](tvm.runtime.tensor(x), want)
-    np.testing.assert_array_equal(got.numpy().view(np.uint32), want.numpy().view(np.uint32))
+    variants = [(lambda i: None, 16)]  # (lane of element i, vector width)
+    if isa is VNNI:  # AVX-512: the table read by permutes, 8 lanes
+        variants.append((lambda i: i % PERMUTE_LANES, PERMUTE_LANES))
+    for lane, width in variants:
+        body = te.compute(x.shape, _exp_of(xp, table, lane), name="e")
+        mine = _exp_lib(body, [xp, table], mcpu, width)
+        got = tvm.runtime.tensor(np.zeros_like(x))
+        mine["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(EXPF_TABLE), got)
+        np.testing.assert_array_equal(got.numpy().view(np.uint32), want.numpy().view(np.uint32))
 
 
 def test_softmax_lowered_where_covered_same_floats():

@@ -407,7 +407,8 @@ def _softmax(_isa: Isa, fallback, bb, call):
     last = axis in (-1, len(shape) - 1)
     if not last and not inner_axis_covered(tuple(int(d) for d in shape), axis):
         return fallback(bb, call)
-    func = softmax_kernel(shape, axis).without_attr("global_symbol")
+    avx512 = tvm.target.codegen.target_has_features("avx512f", tvm.target.Target.current())
+    func = softmax_kernel(shape, axis, avx512).without_attr("global_symbol")
     gv = bb.add_func(func, "autoq_softmax")
     table = relax.const(softmax_table(), "int64")
     return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, "float32"))
