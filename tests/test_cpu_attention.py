@@ -16,10 +16,11 @@ from tvm import relax, te
 import autoq
 from autoq import primitives as P
 from autoq.cpu import batch_matmul as batch_matmul_mod
+from autoq.cpu import epilogue as epilogue_mod
 from autoq.cpu import expf as expf_mod
 from autoq.cpu import softmax as softmax_mod
-from autoq.cpu.batch_matmul import batch_matmul_kernel, matmul_zero_points
-from autoq.cpu.epilogue import Epilogue
+from autoq.cpu.batch_matmul import accumulator_bound, batch_matmul_kernel, matmul_zero_points
+from autoq.cpu.epilogue import Epilogue, float64_fixed_point
 from autoq.cpu.expf import EXPF_TABLE, PERMUTE_LANES, expf_expr
 from autoq.cpu.injective import schedule_fused
 from autoq.cpu.isa import VNNI
@@ -27,7 +28,8 @@ from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.cpu.softmax import LOG_SMALLEST_NORMAL, softmax_kernel, softmax_table
 
 TINY = np.finfo(np.float32).tiny
-TARGET = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
+HOST_CPU = tvm.target.codegen.llvm_get_system_cpu()
+TARGET = tvm.target.Target({"kind": "llvm", "mcpu": HOST_CPU})
 
 
 def _relax_vm(build, inputs, fuse_schedule: bool):
@@ -237,11 +239,14 @@ def test_batch_matmul_zero_points_at_run_time(isa, mcpu):
             np.testing.assert_array_equal(_run_batch_matmul(lib, a, b, za, zb), want)
 
 
+@pytest.mark.parametrize("known_zero_points", [False, True])
 @pytest.mark.parametrize("rounding", ["half_even", "float"])
 @pytest.mark.parametrize(("isa", "mcpu"), PATHS)
-def test_batch_matmul_requantize_epilogue(isa, mcpu, rounding):
+def test_batch_matmul_requantize_epilogue(isa, mcpu, rounding, known_zero_points):
     """The requantized output of each tile (``qnn.matmul -> qnn.requantize``, as attention's
-    scores leave the kernel) == numpy's requantize of the exact int32 product."""
+    scores leave the kernel) == numpy's requantize of the exact int32 product; with the
+    zero points known (as the lowering passes them) the half-even requantize runs in
+    float64."""
     rng = np.random.default_rng(6)
     batch, m, k, n, za, zb = 3, 20, 32, 48, 2, 9
     a = rng.integers(-128, 128, (batch, m, k)).astype(np.int8)
@@ -252,7 +257,10 @@ def test_batch_matmul_requantize_epilogue(isa, mcpu, rounding):
         mult, shift = P.quantize_multiplier(np.float64(s_in) / np.float64(s_out))
         params = (*params, int(mult), int(shift))
     epi = Epilogue(None, params, rounding, "int8", n)
-    func = batch_matmul_kernel(batch, m, k, n, isa, "int8", epi)
+    zero_points = (za, zb) if known_zero_points else None
+    bound = accumulator_bound(k, "int8", za, zb)
+    assert epi.exact_in_float64(bound) == (rounding == "half_even")
+    func = batch_matmul_kernel(batch, m, k, n, isa, "int8", epi, zero_points)
     lib = tvm.compile(
         tvm.IRModule({"main": func}), tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
     )
@@ -263,8 +271,41 @@ def test_batch_matmul_requantize_epilogue(isa, mcpu, rounding):
     np.testing.assert_array_equal(got, want)
 
 
+def _float64_requantize(acc: np.ndarray, p: dict, qmin: int, qmax: int, out_dtype: str):
+    """:func:`float64_fixed_point` of every int32 in ``acc`` (8 float64 lanes)."""
+    x = te.placeholder(acc.shape, "int32", name="acc")
+    body = te.compute(
+        acc.shape, lambda i: float64_fixed_point(x[i], p, qmin, qmax, out_dtype), name="q"
+    )
+    got = tvm.runtime.tensor(np.zeros(acc.shape, out_dtype))
+    _exp_lib(body, [x], HOST_CPU, 8)["main"](tvm.runtime.tensor(acc), got)
+    return got.numpy()
+
+
+@pytest.mark.parametrize(
+    ("multiplier", "shift", "z_out"),
+    [(1 << 30, 0, 0), (1 << 30, -3, 5), (2052733609, -8, 39), (1518500250, 2, -7)],
+)
+def test_float64_requantize_same_integers_ties_included(multiplier, shift, z_out):
+    """The float64 half-even requantize == numpy's integer one on every accumulator of a
+    range around 0 (every tie of ``m = 2**30``: x / 2, x / 16) and at the bound's ends,
+    clipped to int8 and (a wide output range) not clipped."""
+    bound = 1 << 21
+    epi = Epilogue(None, (np.float32(1), 0, np.float32(1), z_out, multiplier, shift),
+                   "half_even", "int8", 1)  # fmt: skip
+    assert epi.exact_in_float64(bound)
+    acc = np.concatenate([np.arange(-5000, 5000), [-bound, bound, 1 - bound, bound - 1]])
+    acc = acc.astype(np.int32)
+    p = {"z_in": 0, "multiplier": multiplier, "shift": shift, "z_out": z_out}
+    p = {name: tvm.tirx.const(v, "int32") for name, v in p.items()}
+    y = P.fixed_point_multiply(acc, multiplier, shift, "half_even") + z_out
+    for qmin, qmax, dtype in ((-128, 127, "int8"), (-(2**31), 2**31 - 1, "int32")):
+        got = _float64_requantize(acc, p, qmin, qmax, dtype)
+        np.testing.assert_array_equal(got, np.clip(y, qmin, qmax).astype(dtype))
+
+
 def test_doctests():
-    for module in (softmax_mod, batch_matmul_mod, expf_mod):
+    for module in (softmax_mod, batch_matmul_mod, expf_mod, epilogue_mod):
         assert doctest.testmod(module).failed == 0
 
 
