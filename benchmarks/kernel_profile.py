@@ -1,7 +1,8 @@
 """Where the time goes, by kind of kernel: autoq's per-call profile next to OpenVINO's
 ``PERF_COUNT`` on the same model, batch 1, 1 thread.
 
-Per model (ResNet-50 open_nsfw and YOLOv8n by default):
+Per model (ResNet-50 open_nsfw and YOLOv8n by default; also PP-OCRv4 det, MobileNetV2 and
+all-MiniLM-L6-v2, whose NNCF model is quantized with ``model_type=TRANSFORMER``):
 
 1. ``autoq.quantize`` (default config, ``--calib`` samples) and ``nncf.quantize`` (its
    defaults, in a fresh process, as ``peers.py`` does it) on the same samples;
@@ -38,14 +39,18 @@ import common
 import peers
 import tuned_latency
 
-MODELS = ("resnet50", "yolov8n", "ppocr_det", "mobilenetv2")
+MODELS = ("resnet50", "yolov8n", "ppocr_det", "mobilenetv2", "minilm")
 # glue kinds by the ops a fused function's name lists, first match wins
 GLUE = (
+    ("layer norm", ("layer_norm",)),
+    ("GELU (with its dense's float tail)", ("gelu",)),
+    ("attention head split (float tail, quantize, transpose)", ("strided_slice",)),
     ("max / avg pool", ("max_pool", "avg_pool", "pool2d")),
     ("residual / int8 elementwise", ("qnn_add", "qnn_subtract", "qnn_multiply")),
     ("lookups (activations)", ("lut",)),
     ("pad / quantize / layout", ("pad", "quantize", "transpose", "layout", "reshape", "concat")),
     ("requantize", ("requantize",)),
+    ("dense float tail (dynamic layers)", ("subtract",)),
 )
 
 

@@ -75,6 +75,7 @@ def _dense(x: np.ndarray, w: np.ndarray, zx: int) -> np.ndarray:
         (32, 64, 32, "int8", 0),  # one block, one step
         (128, 384, 96, "int8", -5),  # several blocks, tasks split over channel groups
         (37, 70, 19, "int8", 3),  # every dimension padded
+        (40, 130, 50, "int8", 7),  # a complete block (stored in place) next to partial ones
         (9, 200, 50, "uint8", 128),  # uint8 activations: no shift, zx * sum(w) compensation
     ],
 )

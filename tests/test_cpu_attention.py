@@ -16,17 +16,20 @@ from tvm import relax, te
 import autoq
 from autoq import primitives as P
 from autoq.cpu import batch_matmul as batch_matmul_mod
+from autoq.cpu import epilogue as epilogue_mod
 from autoq.cpu import expf as expf_mod
 from autoq.cpu import softmax as softmax_mod
-from autoq.cpu.batch_matmul import batch_matmul_kernel, matmul_zero_points
-from autoq.cpu.epilogue import Epilogue
-from autoq.cpu.expf import EXPF_TABLE, expf_expr
+from autoq.cpu.batch_matmul import accumulator_bound, batch_matmul_kernel, matmul_zero_points
+from autoq.cpu.epilogue import Epilogue, float64_fixed_point
+from autoq.cpu.expf import EXPF_TABLE, PERMUTE_LANES, expf_expr
 from autoq.cpu.injective import schedule_fused
+from autoq.cpu.isa import VNNI
 from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.cpu.softmax import LOG_SMALLEST_NORMAL, softmax_kernel, softmax_table
 
 TINY = np.finfo(np.float32).tiny
-TARGET = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
+HOST_CPU = tvm.target.codegen.llvm_get_system_cpu()
+TARGET = tvm.target.Target({"kind": "llvm", "mcpu": HOST_CPU})
 
 
 def _relax_vm(build, inputs, fuse_schedule: bool):
@@ -63,7 +66,8 @@ def test_softmax_same_floats_except_flushed_denormals(isa, mcpu, shape, axis):
     masked[axis] = slice(shape[axis] // 2, None)
     x[tuple(masked)] -= 100.0  # an attention mask: exp(-100) is denormal
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
-    lib = tvm.compile(tvm.IRModule({"main": softmax_kernel(shape, axis)}), target)
+    kernel = softmax_kernel(shape, axis, permute=isa is VNNI)  # the AVX-512 path permutes
+    lib = tvm.compile(tvm.IRModule({"main": kernel}), target)
     out = tvm.runtime.tensor(np.zeros(shape, np.float32))
     lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(softmax_table()), out)
     got = out.numpy()
@@ -76,12 +80,16 @@ def test_softmax_same_floats_except_flushed_denormals(isa, mcpu, shape, axis):
     np.testing.assert_allclose(got, e / e.sum(axis=axis, keepdims=True), rtol=1e-5, atol=1e-30)
 
 
-def _exp_lib(body, args, mcpu: str):
-    """out[i] = body(x[i]) over a flat float32 vector, vectorized by 16 lanes."""
+def _exp_lib(body, args, mcpu: str, lanes: int = 16):
+    """out[i] = body(x[i]) over a flat float32 vector, vectorized by ``lanes``."""
     sch = tvm.s_tir.Schedule(te.create_prim_func([*args, body]))
     (loop,) = sch.get_loops(sch.get_sblock(body.op.name))
-    sch.vectorize(sch.split(loop, [None, 16])[1])
+    sch.vectorize(sch.split(loop, [None, lanes])[1])
     return tvm.compile(sch.mod, tvm.target.Target({"kind": "llvm", "mcpu": mcpu}))
+
+
+def _exp_of(xp, table, lane):
+    return lambda i: expf_expr(xp[i], table, lane(i))
 
 
 @pytest.mark.parametrize(("isa", "mcpu"), PATHS)
@@ -103,14 +111,18 @@ def test_expf_expr_gives_libm_floats(isa, mcpu):
     x = x[: len(x) // 16 * 16]
     xp = te.placeholder(x.shape, "float32", name="x")
     table = te.placeholder((32,), "int64", name="table")
-    mine = _exp_lib(
-        te.compute(x.shape, lambda i: expf_expr(xp[i], table), name="e"), [xp, table], mcpu
-    )
     ref = _exp_lib(te.compute(x.shape, lambda i: te.exp(xp[i]), name="e"), [xp], mcpu)
-    got, want = (tvm.runtime.tensor(np.zeros_like(x)) for _ in range(2))
-    mine["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(EXPF_TABLE), got)
+    want = tvm.runtime.tensor(np.zeros_like(x))
     ref["main"](tvm.runtime.tensor(x), want)
-    np.testing.assert_array_equal(got.numpy().view(np.uint32), want.numpy().view(np.uint32))
+    variants = [(lambda i: None, 16)]  # (lane of element i, vector width)
+    if isa is VNNI:  # AVX-512: the table read by permutes, 8 lanes
+        variants.append((lambda i: i % PERMUTE_LANES, PERMUTE_LANES))
+    for lane, width in variants:
+        body = te.compute(x.shape, _exp_of(xp, table, lane), name="e")
+        mine = _exp_lib(body, [xp, table], mcpu, width)
+        got = tvm.runtime.tensor(np.zeros_like(x))
+        mine["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(EXPF_TABLE), got)
+        np.testing.assert_array_equal(got.numpy().view(np.uint32), want.numpy().view(np.uint32))
 
 
 def test_softmax_lowered_where_covered_same_floats():
@@ -227,11 +239,14 @@ def test_batch_matmul_zero_points_at_run_time(isa, mcpu):
             np.testing.assert_array_equal(_run_batch_matmul(lib, a, b, za, zb), want)
 
 
+@pytest.mark.parametrize("known_zero_points", [False, True])
 @pytest.mark.parametrize("rounding", ["half_even", "float"])
 @pytest.mark.parametrize(("isa", "mcpu"), PATHS)
-def test_batch_matmul_requantize_epilogue(isa, mcpu, rounding):
+def test_batch_matmul_requantize_epilogue(isa, mcpu, rounding, known_zero_points):
     """The requantized output of each tile (``qnn.matmul -> qnn.requantize``, as attention's
-    scores leave the kernel) == numpy's requantize of the exact int32 product."""
+    scores leave the kernel) == numpy's requantize of the exact int32 product; with the
+    zero points known (as the lowering passes them) the half-even requantize runs in
+    float64."""
     rng = np.random.default_rng(6)
     batch, m, k, n, za, zb = 3, 20, 32, 48, 2, 9
     a = rng.integers(-128, 128, (batch, m, k)).astype(np.int8)
@@ -242,7 +257,10 @@ def test_batch_matmul_requantize_epilogue(isa, mcpu, rounding):
         mult, shift = P.quantize_multiplier(np.float64(s_in) / np.float64(s_out))
         params = (*params, int(mult), int(shift))
     epi = Epilogue(None, params, rounding, "int8", n)
-    func = batch_matmul_kernel(batch, m, k, n, isa, "int8", epi)
+    zero_points = (za, zb) if known_zero_points else None
+    bound = accumulator_bound(k, "int8", za, zb)
+    assert epi.exact_in_float64(bound) == (rounding == "half_even")
+    func = batch_matmul_kernel(batch, m, k, n, isa, "int8", epi, zero_points)
     lib = tvm.compile(
         tvm.IRModule({"main": func}), tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
     )
@@ -253,8 +271,41 @@ def test_batch_matmul_requantize_epilogue(isa, mcpu, rounding):
     np.testing.assert_array_equal(got, want)
 
 
+def _float64_requantize(acc: np.ndarray, p: dict, qmin: int, qmax: int, out_dtype: str):
+    """:func:`float64_fixed_point` of every int32 in ``acc`` (8 float64 lanes)."""
+    x = te.placeholder(acc.shape, "int32", name="acc")
+    body = te.compute(
+        acc.shape, lambda i: float64_fixed_point(x[i], p, qmin, qmax, out_dtype), name="q"
+    )
+    got = tvm.runtime.tensor(np.zeros(acc.shape, out_dtype))
+    _exp_lib(body, [x], HOST_CPU, 8)["main"](tvm.runtime.tensor(acc), got)
+    return got.numpy()
+
+
+@pytest.mark.parametrize(
+    ("multiplier", "shift", "z_out"),
+    [(1 << 30, 0, 0), (1 << 30, -3, 5), (2052733609, -8, 39), (1518500250, 2, -7)],
+)
+def test_float64_requantize_same_integers_ties_included(multiplier, shift, z_out):
+    """The float64 half-even requantize == numpy's integer one on every accumulator of a
+    range around 0 (every tie of ``m = 2**30``: x / 2, x / 16) and at the bound's ends,
+    clipped to int8 and (a wide output range) not clipped."""
+    bound = 1 << 21
+    epi = Epilogue(None, (np.float32(1), 0, np.float32(1), z_out, multiplier, shift),
+                   "half_even", "int8", 1)  # fmt: skip
+    assert epi.exact_in_float64(bound)
+    acc = np.concatenate([np.arange(-5000, 5000), [-bound, bound, 1 - bound, bound - 1]])
+    acc = acc.astype(np.int32)
+    p = {"z_in": 0, "multiplier": multiplier, "shift": shift, "z_out": z_out}
+    p = {name: tvm.tirx.const(v, "int32") for name, v in p.items()}
+    y = P.fixed_point_multiply(acc, multiplier, shift, "half_even") + z_out
+    for qmin, qmax, dtype in ((-128, 127, "int8"), (-(2**31), 2**31 - 1, "int32")):
+        got = _float64_requantize(acc, p, qmin, qmax, dtype)
+        np.testing.assert_array_equal(got, np.clip(y, qmin, qmax).astype(dtype))
+
+
 def test_doctests():
-    for module in (softmax_mod, batch_matmul_mod, expf_mod):
+    for module in (softmax_mod, batch_matmul_mod, expf_mod, epilogue_mod):
         assert doctest.testmod(module).failed == 0
 
 

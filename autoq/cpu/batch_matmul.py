@@ -31,13 +31,14 @@ import numpy as np
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
+from autoq import primitives as P
 from autoq.cpu.epilogue import Epilogue, epilogue_compute
 from autoq.cpu.injective import KERNEL_ATTR
 from autoq.cpu.isa import AVX2, VNNI, Isa  # noqa: F401  (VNNI/AVX2: doctest)
 from autoq.cpu.packing import round_up
 from autoq.cpu.tiling import i64, int32, pick_tile, tensorize_accumulation
 
-__all__ = ["batch_matmul_kernel", "matmul_zero_points", "start"]
+__all__ = ["accumulator_bound", "batch_matmul_kernel", "matmul_zero_points", "start"]
 
 
 def matmul_zero_points(za: int, zb: int) -> np.ndarray:
@@ -57,6 +58,16 @@ def start(isa: Isa, k_dim: int, za, zb, shift, row_sum, col_sum):
         return 0
     za2 = za + shift
     return k_dim * za2 * zb - zb * row_sum - za2 * col_sum
+
+
+def accumulator_bound(k_dim: int, a_dtype: str, za: int, zb: int) -> int:
+    """The largest ``|sum_k((a - za)(b - zb))|`` over ``a_dtype`` ``a`` and int8 ``b``.
+
+    >>> accumulator_bound(32, "int8", 0, 0), accumulator_bound(2, "uint8", 3, -9)
+    (524288, 68544)
+    """
+    lo, hi = P.qrange(a_dtype)
+    return k_dim * max(abs(lo - za), abs(hi - za)) * max(abs(-128 - zb), abs(127 - zb))
 
 
 def _pack_b(b, batch: int, k_dim: int, n: int, isa: Isa, zb):
@@ -94,7 +105,7 @@ def _sums(isa: Isa, a, b, batch, m, k_dim, n, shift):
     return rows, cols
 
 
-def _compute(batch, m, k_dim, n, isa: Isa, a_dtype: str, epi):
+def _compute(batch, m, k_dim, n, isa: Isa, a_dtype: str, epi, bound):
     lanes, k = isa.lanes, isa.k
     tile = pick_tile(m, isa.max_tile)
     mp, kp, np_ = round_up(m, tile), round_up(k_dim, k), isa.padded_channels(n)
@@ -127,7 +138,7 @@ def _compute(batch, m, k_dim, n, isa: Isa, a_dtype: str, epi):
         v = acc[t, i, j // lanes, j % lanes]
         return v if rows is None else v + start(isa, k_dim, za, zb, shift, rows[t, i], cols[t, j])
 
-    out = epilogue_compute((batch, m, n), value, 2, epi, inputs)  # int32 loops: tensorize
+    out = epilogue_compute((batch, m, n), value, 2, epi, inputs, bound)  # int32 loops: tensorize
     return [*inputs, out], tile
 
 
@@ -139,12 +150,17 @@ def batch_matmul_kernel(
     isa: Isa,
     a_dtype: str,
     epilogue: Epilogue | None = None,
+    zero_points: tuple[int, int] | None = None,
 ):
     """The scheduled PrimFunc ``(lhs[batch, m, k], rhs[batch, k, n] int8, zero_points[2]
     int32[, table], out[batch, m, n])`` of ``(lhs - za) @ (rhs - zb)`` in int32 (or, with an
     ``epilogue``, requantized to int8/uint8), ``zero_points`` = :func:`matmul_zero_points`;
-    parallel over the batch (each head packs and sums its operands, then runs its tiles)."""
-    tensors, tile = _compute(batch, m, k, n, isa, a_dtype, epilogue)
+    parallel over the batch (each head packs and sums its operands, then runs its tiles).
+    ``zero_points``: the ``(za, zb)`` the kernel will be called with, when known: they bound
+    the accumulator (:func:`accumulator_bound`), which may let the epilogue requantize in
+    float64 (:meth:`autoq.cpu.epilogue.Epilogue.exact_in_float64`)."""
+    bound = None if zero_points is None else accumulator_bound(k, a_dtype, *zero_points)
+    tensors, tile = _compute(batch, m, k, n, isa, a_dtype, epilogue, bound)
     sch = Schedule(te.create_prim_func(tensors))
     # the output's (head, row tile, column tile) loops are the kernel's; each tile's
     # accumulation is computed right before the tile is stored

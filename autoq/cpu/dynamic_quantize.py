@@ -7,7 +7,8 @@ the qparams, the quantize. Here each thread takes whole rows and, per row, reduc
 the lanes, computes the scale and zero point with the legalization's own expressions
 (:func:`autoq.qnn.dynamic_quantize.runtime_scale` / ``runtime_zero_point``) and quantizes the
 row while it is in cache (:func:`autoq.qnn.tensor_exprs.quantize_value`: a true division, so
-the outputs are those of the generic lowering bit for bit).
+the outputs are those of the generic lowering bit for bit), ``LANES`` at a time (LLVM's own
+vectorization of that loop took 8: 128 x 1536 70 -> 64 us, 1 thread).
 
 >>> f = dynamic_quantize_kernel(3, 20, "int8", (-128, 127), False)
 >>> [p.name for p in f.params]
@@ -71,7 +72,15 @@ def dynamic_quantize_kernel(
                     ext[1] = T.max(ext[1], hi[j])
                 scale[r, 0] = runtime_scale(ext[0], ext[1], qmin, qmax, symmetric)
                 zero_point[r, 0] = runtime_zero_point(ext[0], scale[r, 0], qmin, qmax, symmetric)
-                for j in range(k):
+                for b in range(blocks):
+                    for j in T.vectorized(LANES):
+                        q[r, b * LANES + j] = T.Cast(
+                            out_dtype,
+                            quantize_value(
+                                x[r, b * LANES + j], scale[r, 0], zero_point[r, 0], lo_q, hi_q
+                            ),
+                        )
+                for j in range(blocks * LANES, k):
                     q[r, j] = T.Cast(
                         out_dtype,
                         quantize_value(x[r, j], scale[r, 0], zero_point[r, 0], lo_q, hi_q),

@@ -48,6 +48,7 @@ __all__ = [
     "drop_params",
     "drop_table",
     "epilogue_compute",
+    "float64_fixed_point",
     "round_clip",
     "saturate_int32",
     "table_shape",
@@ -112,11 +113,32 @@ class Epilogue:
             out[r] = v.view(np.int32)
         return out
 
-    def value(self, acc, channel, load, saturates: bool = True):
+    def exact_in_float64(self, bound: int | None) -> bool:
+        """Whether the half-even fixed-point requantize of every accumulator with ``|acc|
+        <= bound`` is exact in float64: ``|acc + bias - z_in| * multiplier`` (times the
+        left shift, if any) below 2**53, so the product, its power-of-two scaling and
+        ``rint`` (ties to even) give :func:`fixed_point_multiply`'s integer."""
+        if bound is None or self.rounding != "half_even" or self.out_dtype == "int32":
+            return False
+        z_in = int(np.abs(np.asarray(self.params[1], np.int64)).max())
+        bias = 0 if self.bias is None else int(np.abs(self.bias.astype(np.int64)).max())
+        m, shift = np.broadcast_arrays(
+            np.abs(np.asarray(self.params[4], np.int64)).reshape(-1),
+            np.asarray(self.params[5], np.int64).reshape(-1),
+        )
+        if np.abs(shift).max() >= 1000:  # (2**(shift - 31) a normal double)
+            return False
+        factor = max(int(mi) << max(int(si) - 31, 0) for mi, si in zip(m, shift, strict=True))
+        return (bound + bias + z_in) * factor < 2**53
+
+    def value(self, acc, channel, load, saturates: bool = True, bound: int | None = None):
         """The output value (``out_dtype``) of int32 ``acc`` in output channel ``channel``;
         ``load(row, channel)`` reads the table (an int32 PrimExpr). ``saturates=False``
         (float rounding; the caller proved the result always inside the output range):
-        without the clip, which would never act."""
+        without the clip, which would never act. ``bound``: the largest ``|acc|`` the
+        kernel produces; when :meth:`exact_in_float64` holds for it the half-even
+        requantize runs in float64 lanes (:func:`float64_fixed_point`, the same integers in
+        about a third of the int64 instructions)."""
         rows = self.rows
 
         def get(name, v):
@@ -143,9 +165,32 @@ class Epilogue:
                 return round_clip(r / p["s_out"], p["z_out"], qmin, qmax, self.out_dtype)
             # int32 outputs (a residual's shortcut on the accumulator grid)
             return saturate_int32(te.round(r / p["s_out"]) + p["z_out"].astype("float32"))
+        if self.exact_in_float64(bound):
+            return float64_fixed_point(acc, p, qmin, qmax, self.out_dtype)
         d = acc.astype("int64") - p["z_in"].astype("int64")
         y = fixed_point_multiply(d, p["multiplier"], p["shift"], self.rounding)
         return clip_int64(y + p["z_out"].astype("int64"), qmin, qmax, self.out_dtype)
+
+
+def float64_fixed_point(acc, p: dict, qmin: int, qmax: int, dtype: str):
+    """``clip(fixed_point_multiply(acc - z_in, m, shift, "half_even") + z_out)`` as ``dtype``
+    in float64, for accumulators :meth:`Epilogue.exact_in_float64` proves exact:
+    ``rint(double(acc - z_in) * (m * 2**(shift - 31)))`` (one exact product: the integer
+    ``(acc - z_in) * m`` has at most 53 significant bits and the factor is ``m`` times a
+    power of two) plus ``z_out``, clamped to ``[qmin, qmax]``. ``p``: the requantize
+    operands by name (int32 PrimExprs)."""
+    f64 = "float64"
+    x = acc.astype(f64) - p["z_in"].astype(f64)
+    # 2**(shift - 31) from its exponent bits (|shift| < 1000: a normal double)
+    power = tirx.reinterpret(
+        f64, tirx.shift_left(p["shift"].astype("int64") + (1023 - 31), tirx.const(52, "int64"))
+    )
+    y = tirx.call_llvm_pure_intrin(f64, "llvm.rint", x * (p["multiplier"].astype(f64) * power))
+    t = te.min(
+        te.max(y + p["z_out"].astype(f64), tirx.const(float(qmin), f64)),
+        tirx.const(float(qmax), f64),
+    )
+    return t.astype("int32").astype(dtype)
 
 
 def round_clip(u, z, qmin: int, qmax: int, dtype: str):
@@ -185,17 +230,20 @@ def _immediate(name: str, v) -> bool:
     return name == "z_in" and np.size(v) == 1 and not np.any(v)
 
 
-def epilogue_compute(shape, value, axis: int, epilogue: Epilogue | None, inputs: list):
+def epilogue_compute(
+    shape, value, axis: int, epilogue: Epilogue | None, inputs: list, bound: int | None = None
+):
     """The kernel's ``autoq_out`` TE stage: ``value(*index)`` (the int32 accumulator), or,
     with an ``epilogue``, its requantized value for the channel ``index[axis]``; the
-    epilogue's table placeholder is appended to ``inputs``."""
+    epilogue's table placeholder is appended to ``inputs``. ``bound``: see
+    :meth:`Epilogue.value`."""
     if epilogue is None:
         return te.compute(shape, value, name="autoq_out")
     table = te.placeholder(epilogue.table().shape, "int32", name="epilogue")
     inputs.append(table)
 
     def f(*i):
-        return epilogue.value(value(*i), i[axis], lambda r, ch: table[r, ch])
+        return epilogue.value(value(*i), i[axis], lambda r, ch: table[r, ch], bound=bound)
 
     return te.compute(shape, f, name="autoq_out")
 

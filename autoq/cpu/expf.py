@@ -26,11 +26,14 @@ import decimal
 import numpy as np
 from tvm import tirx
 
-__all__ = ["EXPF_TABLE", "TABLE_BITS", "expf_expr"]
+__all__ = ["EXPF_TABLE", "PERMUTE_LANES", "TABLE_BITS", "expf_expr"]
 
 TABLE_BITS = 5
 _N = 1 << TABLE_BITS
 _INV_LN2_N = float.fromhex("0x1.71547652b82fep+0") * _N
+PERMUTE_LANES = 8  # int64 lanes of an AVX-512 register: the vector width of the permuted lookup
+_LANES = PERMUTE_LANES
+_PERMUTE = "llvm.x86.avx512.vpermi2var.q.512"
 _SHIFT = float.fromhex("0x1.8p52")  # adding it rounds a double of |value| < 2**51 to an integer
 _C0 = float.fromhex("0x1.c6af84b912394p-5") / _N**3
 _C1 = float.fromhex("0x1.ebfce50fac4f3p-3") / _N**2
@@ -60,18 +63,39 @@ def _f64(v: float):
     return tirx.const(v, "float64")
 
 
-def expf_expr(x, table):
+def _permuted_entry(table, ki, lane):
+    """``table[ki & 31]`` for the 8 lanes of a loop over ``lane`` vectorized by 8 (AVX-512):
+    each half of the table is one 8 x int64 register pair that ``vpermi2q`` indexes by the
+    low 4 bits of ``ki``, bit 4 picks the half. (A load at a computed index is scalarized
+    by LLVM into a load and an insert per lane: most of a softmax's time.)"""
+
+    def permute(first: int):
+        return tirx.call_llvm_pure_intrin(
+            "int64", _PERMUTE, table[first + lane], ki, table[first + _LANES + lane]
+        )
+
+    low = tirx.bitwise_and(ki, tirx.const(_N // 2, "int64")) == tirx.const(0, "int64")
+    return tirx.Select(low, permute(0), permute(_N // 2))
+
+
+def expf_expr(x, table, lane=None):
     """The float32 ``exp(x)`` of a float32 expression ``x`` (|x| < 88, not NaN) reading the
     int64 ``table`` buffer (:data:`EXPF_TABLE`, 32 entries). The expression repeats its
-    sub-terms (no let-bindings: TVM's vectorizer mishandles lets); LLVM shares them."""
+    sub-terms (no let-bindings: TVM's vectorizer mishandles lets); LLVM shares them.
+    ``lane``: the variable of the innermost loop when it is vectorized by
+    :data:`PERMUTE_LANES` on an AVX-512 target: the table is then read by permutes
+    (:func:`_permuted_entry`, the same entries)."""
     xd = tirx.Cast("float64", x)
     kds = _fma(_f64(_INV_LN2_N), xd, _f64(_SHIFT))
     ki = tirx.reinterpret("int64", kds)
     kd = kds - _f64(_SHIFT)
     r = _fma(_f64(_INV_LN2_N), xd, -kd)
-    bits = table[tirx.bitwise_and(ki, tirx.const(_N - 1, "int64"))] + tirx.shift_left(
-        ki, tirx.const(52 - TABLE_BITS, "int64")
+    entry = (
+        table[tirx.bitwise_and(ki, tirx.const(_N - 1, "int64"))]
+        if lane is None
+        else _permuted_entry(table, ki, lane)
     )
+    bits = entry + tirx.shift_left(ki, tirx.const(52 - TABLE_BITS, "int64"))
     s = tirx.reinterpret("float64", bits)
     z = _fma(r, _f64(_C0), _f64(_C1))
     y = _fma(r, _f64(_C2), _f64(1.0))

@@ -354,7 +354,7 @@ def _activation_matmul(isa: Isa, bb, call, epilogue: Epilogue | None = None):
     (m, k), n = sa[-2:], sb[-1]
     a3 = bb.emit(relax.op.reshape(a, [batch, m, k]))
     b3 = bb.emit(relax.op.reshape(b, [batch, k, n]))
-    func = batch_matmul_kernel(batch, m, k, n, isa, dtype_of(a), epilogue)
+    func = batch_matmul_kernel(batch, m, k, n, isa, dtype_of(a), epilogue, (za, zb))
     gv = bb.add_func(func.without_attr("global_symbol"), f"autoq_batch_matmul_{isa.name}")
     args = _tail([a3, b3, relax.const(matmul_zero_points(za, zb))], epilogue)
     out = bb.emit(relax.call_tir(gv, args, out_ty=_out_type((batch, m, n), epilogue)))
@@ -407,7 +407,8 @@ def _softmax(_isa: Isa, fallback, bb, call):
     last = axis in (-1, len(shape) - 1)
     if not last and not inner_axis_covered(tuple(int(d) for d in shape), axis):
         return fallback(bb, call)
-    func = softmax_kernel(shape, axis).without_attr("global_symbol")
+    avx512 = tvm.target.codegen.target_has_features("avx512f", tvm.target.Target.current())
+    func = softmax_kernel(shape, axis, avx512).without_attr("global_symbol")
     gv = bb.add_func(func, "autoq_softmax")
     table = relax.const(softmax_table(), "int64")
     return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, "float32"))
