@@ -118,15 +118,16 @@ def test_wide_blocking_cases_use_the_row():
         assert register_tile(shape, AVX2)[1] == AVX2.channel_blocks(o)
 
 
-def test_avx2_3x3_cases_use_the_row():
-    """The AVX2 3x3 cases with 7 output columns or more take the 1-lane-block tile of their
-    CONV_BLOCKINGS row, narrower ones and VNNI the default 2 blocks: the bit-exact test
-    covers both tilings."""
+def test_avx2_3x3_row_needs_a_blocked_output():
+    """The AVX2 3x3 row (1 lane block) covers convs storing the blocked layout with 7
+    output columns or more (test_cpu_blocked's 3x3 chain runs it bit-exact); NCHW outputs,
+    narrower ones and VNNI keep the default 2 blocks (the bit-exact tests above)."""
     for key, tile in (("3x3", (5, 1)), ("asym-pad-dilated", (6, 1)), ("3x3-stride2", (6, 2))):
         n, c, h, w_, o, k, s, pad, d, _, _ = CONVS[key]
         shape = ConvShape(n, c, h, w_, o, (k, k), (s, s), pad, (d, d))
-        assert register_tile(shape, AVX2) == tile
-        assert register_tile(shape, VNNI)[1] == VNNI.channel_blocks(o)
+        assert register_tile(shape, AVX2, blocked_out=True) == tile
+        assert register_tile(shape, AVX2)[1] == AVX2.channel_blocks(o)
+        assert register_tile(shape, VNNI, blocked_out=True)[1] == VNNI.channel_blocks(o)
 
 
 def test_conv_blocking_rejects_too_many_registers():
