@@ -44,6 +44,13 @@ WIDE_DEPTHWISE_CHAIN = [
     (40, 3, 2, (1, 1, 1, 1), True),
     (16, 1, 1, (0, 0, 0, 0), False),
 ]
+# 3x3 convs storing the blocked layout with 16 / 8 output channels, 12 columns: the AVX2
+# CONV_BLOCKINGS row's 6 x 1 tiles (autoq.cpu.conv2d), then a 1x1 to the NCHW output
+WIDE_3X3_CHAIN = [
+    (16, 3, 1, (1, 1, 1, 1), False),
+    (8, 3, 1, (1, 1, 1, 1), False),
+    (8, 1, 1, (0, 0, 0, 0), False),
+]
 X_SHAPE = (1, 12, 11, 12)
 WIDE_SHAPE = (1, 12, 5, 70)
 _RANGE = {"int8": (-128, 128), "uint8": (0, 256)}
@@ -187,11 +194,12 @@ def _blocked_reads(mod, target, on: bool | None = True) -> int:
     ("chain", "lut", "shape"),
     [
         (CHAIN, False, X_SHAPE),
+        (WIDE_3X3_CHAIN, False, X_SHAPE),
         (DEPTHWISE_CHAIN, False, X_SHAPE),
         (DEPTHWISE_CHAIN, True, X_SHAPE),
         (WIDE_DEPTHWISE_CHAIN, False, WIDE_SHAPE),
     ],
-    ids=["convs", "depthwise", "depthwise-lut", "depthwise-wide"],
+    ids=["convs", "3x3-row", "depthwise", "depthwise-lut", "depthwise-wide"],
 )
 def test_blocked_chain_bit_exact(target, dtype, rounding, chain, lut, shape):
     mod, layers = _chain_module(dtype, rounding, chain=chain, shape=shape, lut=lut)

@@ -118,6 +118,18 @@ def test_wide_blocking_cases_use_the_row():
         assert register_tile(shape, AVX2)[1] == AVX2.channel_blocks(o)
 
 
+def test_avx2_3x3_row_needs_a_blocked_output():
+    """The AVX2 3x3 row (1 lane block) covers convs storing the blocked layout with 7
+    output columns or more (test_cpu_blocked's 3x3 chain runs it bit-exact); NCHW outputs,
+    narrower ones and VNNI keep the default 2 blocks (the bit-exact tests above)."""
+    for key, tile in (("3x3", (5, 1)), ("asym-pad-dilated", (6, 1)), ("3x3-stride2", (6, 2))):
+        n, c, h, w_, o, k, s, pad, d, _, _ = CONVS[key]
+        shape = ConvShape(n, c, h, w_, o, (k, k), (s, s), pad, (d, d))
+        assert register_tile(shape, AVX2, blocked_out=True) == tile
+        assert register_tile(shape, AVX2)[1] == AVX2.channel_blocks(o)
+        assert register_tile(shape, VNNI, blocked_out=True)[1] == VNNI.channel_blocks(o)
+
+
 def test_conv_blocking_rejects_too_many_registers():
     with pytest.raises(ValueError, match="exceed 32 registers"):
         ConvBlocking("vnni", (1, 1), min_width=14, max_tile=8, out_blocks=4, max_group_bytes=1)
@@ -145,7 +157,13 @@ def test_conv2d_kernel_bit_exact(isa, mcpu, case):
 
 @pytest.mark.parametrize(
     ("m", "k", "n", "dtype", "zx"),
-    [(7, 33, 20, "int8", -5), (1, 64, 16, "uint8", 128), (20, 9, 3, "int8", 0)],
+    # 64 rows: AVX2 pads them to 66 (6-row tiles, Isa.row_slack), VNNI runs 8 tiles of 8
+    [
+        (7, 33, 20, "int8", -5),
+        (1, 64, 16, "uint8", 128),
+        (20, 9, 3, "int8", 0),
+        (64, 40, 24, "int8", 3),
+    ],
 )
 @pytest.mark.parametrize(("isa", "mcpu"), PATHS)
 def test_dense_kernel_bit_exact(isa, mcpu, m, k, n, dtype, zx):

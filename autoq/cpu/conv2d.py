@@ -71,7 +71,8 @@ class ConvBlocking:
     (``out_blocks`` lane blocks x all input channels and taps) take at most
     ``max_group_bytes`` accumulates a register tile of ``pick_tile(width, max_tile)``
     columns x ``out_blocks`` lane blocks (instead of the ISA's ``max_tile`` x
-    ``out_blocks``). The tile plus one weight register per lane block
+    ``out_blocks``); ``blocked_out``: only convs that store the blocked layout of
+    :mod:`autoq.cpu.blocked`. The tile plus one weight register per lane block
     and one broadcast register must fit the 32 zmm / 16 ymm registers."""
 
     isa: str
@@ -80,6 +81,7 @@ class ConvBlocking:
     max_tile: int
     out_blocks: int
     max_group_bytes: int
+    blocked_out: bool = False
 
     def __post_init__(self):
         if self.max_tile < 4 or self.out_blocks < 1 or self.max_group_bytes < 1:
@@ -96,8 +98,9 @@ class ConvBlocking:
                 "registers; lower max_tile or out_blocks"
             )
 
-    def applies(self, shape: ConvShape, isa: Isa) -> bool:
-        """Whether this row covers ``shape`` on ``isa``."""
+    def applies(self, shape: ConvShape, isa: Isa, blocked_out: bool = False) -> bool:
+        """Whether this row covers ``shape`` on ``isa`` (storing the blocked layout when
+        ``blocked_out``)."""
         (kh, kw), lanes = shape.kernel, isa.lanes * self.out_blocks
         group = round_up(shape.in_channels, isa.k) * kh * kw * lanes
         group *= 2 if isa.weight_dtype == "int16" else 1
@@ -107,21 +110,38 @@ class ConvBlocking:
             and shape.kernel == self.kernel
             and shape.out_channels % (isa.lanes * self.out_blocks) == 0
             and shape.out_hw[1] >= self.min_width
+            and (blocked_out or not self.blocked_out)
         )
 
 
 # 1x1 convs (ResNet-50's bottlenecks, 14..56 columns, <= 256 input channels): 4..6 columns x
 # 4 lane blocks (16-24 zmm accumulators, 4 weight loads per 16-24 vpdpbusd) measured
 # 0.85-0.95x the time of 7-8 x 2 per kernel on Zen 5; slower: 7-column rows (padded to 8),
-# 512 input channels (a group's 32 KiB of weights per tile of columns), 3x3 convs
+# 512 input channels (a group's 32 KiB of weights per tile of columns), 3x3 convs.
+# AVX2 3x3 convs that store the blocked layout: 7 columns x 1 lane block (7 ymm
+# accumulators, one weight load per 7 vpmaddwd) measured 0.84-0.96x the time of the default
+# 6 x 2 per kernel (SPR, 1 thread, CPU time; 7..120 columns, 16..512 input channels, stride
+# 1 and 2; the 7- and 14-column rows no longer pad to 8 / 15); slower with an NCHW output
+# (PP-OCRv4 det's 96 -> 24 head convs, 120 / 60 columns: 1.1x) and not faster on AVX2 1x1
+# convs or the 7x7 stem (0.95-1.1x)
 CONV_BLOCKINGS = (
     ConvBlocking("vnni", (1, 1), min_width=14, max_tile=6, out_blocks=4, max_group_bytes=16384),
+    ConvBlocking(
+        "avx2",
+        (3, 3),
+        min_width=7,
+        max_tile=7,
+        out_blocks=1,
+        max_group_bytes=73728,
+        blocked_out=True,
+    ),
 )
 
 
-def register_tile(shape: ConvShape, isa: Isa) -> tuple[int, int]:
-    """(output columns, lane blocks of output channels) of the register tile of ``shape``:
-    the first row of :data:`CONV_BLOCKINGS` that applies, else the ISA's default. The
+def register_tile(shape: ConvShape, isa: Isa, blocked_out: bool = False) -> tuple[int, int]:
+    """(output columns, lane blocks of output channels) of the register tile of ``shape``
+    (storing the blocked layout when ``blocked_out``): the first row of
+    :data:`CONV_BLOCKINGS` that applies, else the ISA's default. The
     output channels stay padded to :meth:`Isa.padded_channels` either way (a row applies
     only when they fill its groups).
 
@@ -136,10 +156,13 @@ def register_tile(shape: ConvShape, isa: Isa) -> tuple[int, int]:
     (8, 2)
     >>> register_tile(ConvShape(1, 64, 56, 56, 128, (1, 1)), AVX2)
     (4, 2)
+    >>> s = ConvShape(1, 128, 14, 14, 128, (3, 3), padding=(1, 1, 1, 1))
+    >>> register_tile(s, AVX2, blocked_out=True), register_tile(s, AVX2)
+    ((7, 1), (5, 2))
     """
     ow = shape.out_hw[1]
     for row in CONV_BLOCKINGS:
-        if row.applies(shape, isa):
+        if row.applies(shape, isa, blocked_out):
             return pick_tile(ow, row.max_tile), row.out_blocks
     return pick_tile(ow, isa.max_tile), isa.channel_blocks(shape.out_channels)
 
@@ -181,7 +204,7 @@ def _compute(shape: ConvShape, isa: Isa, data_dtype: str, shift: int, pad_value:
     icp, ocp = round_up(s.in_channels, icb), isa.padded_channels(s.out_channels)
     (kh, kw), (sh, sw), (dh, dw) = s.kernel, s.strides, s.dilation
     oh, ow = s.out_hw
-    tile = register_tile(s, isa)[0]
+    tile = register_tile(s, isa, out_layout is not None)[0]
     owp = round_up(ow, tile)
     hp, wp = (oh - 1) * sh + (kh - 1) * dh + 1, (owp - 1) * sw + (kw - 1) * dw + 1
     x, packed = _pack(s, isa, data_dtype, shift, pad_value, icb, hp, wp, in_layout)
@@ -256,7 +279,7 @@ def conv2d_kernel(
     conv = sch.get_sblock("autoq_acc")
     n, o, y, x_, oi, rc, rh, rw, rb, rk = sch.get_loops(conv)
     xo, xi = sch.split(x_, [None, tile])
-    oo, ob = sch.split(o, [None, register_tile(shape, isa)[1]])
+    oo, ob = sch.split(o, [None, register_tile(shape, isa, out_layout is not None)[1]])
     sch.reorder(n, oo, y, xo, rc, rh, rw, rb, xi, ob, oi, rk)
     # an epilogue runs per output row (vectorized along it), a plain unpack per tile
     out = sch.get_consumers(conv)[0]

@@ -25,7 +25,7 @@ def _compute(
     m: int, k_dim: int, n: int, isa: Isa, data_dtype: str, shift: int, pad_value: int, epi
 ):
     lanes, k = isa.lanes, isa.k
-    tile = pick_tile(m, isa.max_tile)
+    tile = pick_tile(m, isa.max_tile, isa.row_slack)
     mp, kp, np_ = round_up(m, tile), round_up(k_dim, k), isa.padded_channels(n)
     x = te.placeholder(i64(m, k_dim), data_dtype, name="data")
     w = te.placeholder((np_ // lanes, kp // k, lanes, k), isa.weight_dtype, name="weight")

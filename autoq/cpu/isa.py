@@ -42,6 +42,10 @@ class Isa:
     # with the residual epilogue: measured faster on VNNI and, together, on AVX2 (ResNet-50
     # 0.86x of NCHW idle; the blocked layout alone, int16 blocks of 8, was not faster there)
     blocked: bool = True
+    # dense register tiles may pad this fraction more rows than the least-padding tile
+    # (autoq.cpu.tiling.pick_tile's slack): on AVX2, 6 x 2 tiles on 128 rows (132 padded)
+    # measured 0.93-0.98x the time of the unpadded 4 x 2 (SPR, 1 thread, CPU time; K 384..1536)
+    row_slack: float = 0.0
 
     def channel_blocks(self, channels: int) -> int:
         """Lane blocks per register tile for ``channels`` output channels.
@@ -73,7 +77,9 @@ class Isa:
 
 # tiles: VNNI 8 x 2 zmm accumulators of 32 registers, AVX2 6 x 2 ymm of 16
 VNNI = Isa("vnni", "avx512vnni", VNNI_DOT, 16, 4, "uint8", "int8", centered=False, max_tile=8)
-AVX2 = Isa("avx2", "avx2", AVX2_DOT, 8, 2, "int16", "int16", centered=True, max_tile=6)
+AVX2 = Isa(
+    "avx2", "avx2", AVX2_DOT, 8, 2, "int16", "int16", centered=True, max_tile=6, row_slack=0.05
+)
 # preferred first
 ISAS = (VNNI, AVX2)
 

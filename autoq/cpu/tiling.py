@@ -10,17 +10,22 @@ from autoq.cpu.intrinsics import register_intrinsics
 __all__ = ["i64", "int32", "pick_tile", "tensorize_accumulation"]
 
 
-def pick_tile(extent: int, largest: int = 8) -> int:
+def pick_tile(extent: int, largest: int = 8, slack: float = 0.0) -> int:
     """Register-tile size for a loop of ``extent`` (rows of the accumulator tile): the size
     in 4..largest that wastes the fewest padded iterations, larger on ties; the extent itself
-    when it is smaller.
+    when it is smaller. ``slack``: the largest size whose padded extent is within that
+    fraction of the fewest (a larger tile amortizes its loads and stores over more rows).
 
     >>> [pick_tile(n) for n in (1, 3, 7, 14, 28, 56, 112, 196, 13)]
     [1, 3, 7, 7, 7, 8, 8, 7, 7]
+    >>> pick_tile(128, 6), pick_tile(128, 6, slack=0.05), pick_tile(14, 6, slack=0.05)
+    (4, 6, 5)
     """
     if extent <= largest:
         return extent
-    return min(range(largest, 3, -1), key=lambda t: -(-extent // t) * t)
+    padded = {t: -(-extent // t) * t for t in range(largest, 3, -1)}
+    least = min(padded.values())
+    return next(t for t, p in padded.items() if p <= least * (1 + slack))
 
 
 def i64(*dims: int) -> tuple:
