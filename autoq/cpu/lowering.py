@@ -163,7 +163,7 @@ def _conv_plan(isa: Isa, call, vnni: frozenset = frozenset()):
     if depthwise:
         kind = "depthwise"
     else:
-        amx = isa.amx and amx_conv_applies(shape) and weight_key(w) not in vnni
+        amx = isa.amx and amx_conv_applies(shape) and not (vnni and weight_key(w) in vnni)
         kind = "amx" if amx else "packed"
     return dt, zx, w, shape, kind
 
