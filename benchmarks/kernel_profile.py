@@ -73,9 +73,14 @@ def conv_kernels(qmod, target) -> dict[str, dict]:
         entry = out.setdefault(name, {"kind": "", "macs": 0, "calls": 0})
         entry["calls"] += 1
         if name.startswith("autoq_conv2d"):
-            w = [int(d) for d in shape_of(e.args[1][1])]  # (ocb, icb, kh, kw, ic/k, lanes, k)
+            w = [int(d) for d in shape_of(e.args[1][1])]
             cin = data[1] * data[4] if len(data) == 5 else data[1]
-            oc, (kh, kw) = w[0] * w[5], (w[2], w[3])
+            if len(w) == 4:  # AMX: (OCp/16, taps * ICp/64, 16, 64)
+                taps = w[1] * 64 // (-(-cin // 64) * 64)
+                kh, kw = (1, 1) if taps == 1 else (3, 3) if taps == 9 else (taps, 1)
+                oc = w[0] * 16
+            else:  # VNNI / AVX2: (ocb, icb, kh, kw, ic/k, lanes, k)
+                oc, (kh, kw) = w[0] * w[5], (w[2], w[3])
             hw = res[2] * res[3]
             entry["macs"] = hw * oc * cin * kh * kw
             size = "stem" if cin <= 4 else f"{kh}x{kw}" if (kh, kw) in ((1, 1), (3, 3)) else "kxk"
@@ -83,7 +88,7 @@ def conv_kernels(qmod, target) -> dict[str, dict]:
                 f"conv {size}" + (" + residual" if "residual" in name else "")
                 if size != "stem"
                 else "conv stem"
-            )
+            ) + (" (AMX)" if len(w) == 4 else "")
         elif name.startswith("autoq_depthwise"):
             entry["kind"] = "depthwise"
         else:

@@ -2,7 +2,8 @@
 the NCHW kernel lowering, the generic lowering and a numpy reference, on the VNNI path (skipped
 with the reason on CPUs without AVX-512 VNNI) and the AVX2 path ("haswell" target, any AVX2
 CPU); which tensors flow blocked (conv -> conv) and which stay NCHW edges (model outputs,
-residual adds, convs that disagree); and that the consumer's pack stage is gone."""
+residual adds, convs that disagree); that the consumer's pack stage is gone; and that on AMX
+targets the convs around depthwise ones stay on VNNI (autoq.cpu.depthwise_neighbours)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tvm import relax
 import autoq
 from autoq import qnn
 from autoq.cpu import blocked
+from autoq.cpu.depthwise_neighbours import depthwise_neighbours, weight_key
 from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.ir.toolkit import bindings, is_call, shape_of
 
@@ -332,3 +334,52 @@ def test_layout_validation_and_json():
 
 def test_doctests():
     assert doctest.testmod(blocked).failed == 0
+
+
+AMX_TARGETS = [p for p in EPILOGUE_TARGETS if p.id == "amx"]
+# pointwise (feeds the depthwise conv) -> depthwise -> pointwise (reads it) -> pointwise (reads
+# a pointwise conv: neither); 64+ channels, so that AMX accepts every pointwise conv
+AMX_DEPTHWISE_CHAIN = [
+    (96, 1, 1, (0, 0, 0, 0), False),
+    (96, 3, 1, (1, 1, 1, 1), True),
+    (64, 1, 1, (0, 0, 0, 0), False),
+    (64, 1, 1, (0, 0, 0, 0), False),
+]
+AMX_SHAPE = (1, 64, 6, 10)
+
+
+@pytest.mark.parametrize("lut", [False, True], ids=["requantize", "requantize-lut"])
+def test_depthwise_neighbours_are_the_convs_around_depthwise(lut):
+    """autoq.cpu.depthwise_neighbours: the convs reading a depthwise conv's output or
+    feeding its input (through a bias add, a requantize, a lookup), no other."""
+    mod, layers = _chain_module(chain=AMX_DEPTHWISE_CHAIN, shape=AMX_SHAPE, lut=lut)
+    keys = [weight_key(params[0]) for _, params, _ in layers]
+    assert depthwise_neighbours(mod) == {keys[0], keys[2]}
+    plain, _ = _chain_module(
+        chain=[AMX_DEPTHWISE_CHAIN[0], AMX_DEPTHWISE_CHAIN[2]], shape=AMX_SHAPE
+    )
+    assert depthwise_neighbours(plain) == frozenset()
+
+
+def _conv_kernels(mod, target) -> list[str]:
+    """The kernel each conv call of the lowered module runs, in order."""
+    lowered = lower_to_cpu_kernels(mod, tvm.target.Target(target))
+    calls = [e for _, e in bindings(lowered["main"]) if is_call(e, "relax.call_tir")]
+    names = [c.args[0].name_hint for c in calls]
+    return [n for n in names if n.startswith(("autoq_conv2d", "autoq_depthwise"))]
+
+
+@pytest.mark.parametrize("target", AMX_TARGETS)
+def test_amx_keeps_depthwise_neighbours_on_vnni_bit_exact(target):
+    """On AMX the depthwise conv's neighbours (a lookup after each) run the VNNI kernel (the
+    chain flows blocked), the conv after them stays on AMX; the bits of the generic lowering
+    and numpy."""
+    mod, layers = _chain_module(chain=AMX_DEPTHWISE_CHAIN, shape=AMX_SHAPE, lut=True)
+    kinds = _conv_kernels(mod, target)
+    assert [k.startswith("autoq_conv2d_vnni_blocked") for k in kinds] == [1, 0, 1, 0]
+    assert kinds[1].startswith("autoq_depthwise_blocked")
+    assert kinds[3].startswith("autoq_conv2d_amx")
+    x = np.random.default_rng(1).integers(-128, 128, AMX_SHAPE).astype(np.int8)
+    got = _run(mod, target, x)[0]
+    np.testing.assert_array_equal(got, _run(mod, target, x, cpu_kernels=False)[0])
+    np.testing.assert_array_equal(got, _reference(x, layers, "int8"))

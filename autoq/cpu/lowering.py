@@ -45,6 +45,7 @@ from autoq.cpu.conv2d import ConvShape, conv2d_kernel
 from autoq.cpu.conv_transpose import conv2d_transpose_kernel
 from autoq.cpu.dense import dense_kernel
 from autoq.cpu.depthwise import depthwise_kernel, depthwise_weight, zero_point_input
+from autoq.cpu.depthwise_neighbours import depthwise_neighbours, weight_key
 from autoq.cpu.dynamic_quantize import dynamic_quantize_kernel
 from autoq.cpu.epilogue import Epilogue
 from autoq.cpu.fuse_epilogue import fuse_epilogues
@@ -137,9 +138,11 @@ def _call(bb, isa: Isa, func, name: str, data, w_packed, w, z: int, out_ty, epil
     return relax.call_tir(gv, _tail(args, epilogue), out_ty=out_ty)
 
 
-def _conv_plan(isa: Isa, call):
+def _conv_plan(isa: Isa, call, vnni: frozenset = frozenset()):
     """(data dtype, zero point, weights, ConvShape, kind) of a ``qnn.conv2d`` the kernels
-    cover (kind: "depthwise", "amx" or "packed"), or None."""
+    cover (kind: "depthwise", "amx" or "packed"), or None; ``vnni``: the
+    :func:`~autoq.cpu.depthwise_neighbours.weight_key` of the convs kept off AMX (the
+    neighbours of depthwise convs, which flow blocked on VNNI)."""
     data, weight, _s_x, z_x, _s_w, z_w = call.args
     ops = _operands(data, weight, z_x, z_w)
     a = call.attrs
@@ -160,16 +163,17 @@ def _conv_plan(isa: Isa, call):
     if depthwise:
         kind = "depthwise"
     else:
-        kind = "amx" if isa.amx and amx_conv_applies(shape) else "packed"
+        amx = isa.amx and amx_conv_applies(shape) and not (vnni and weight_key(w) in vnni)
+        kind = "amx" if amx else "packed"
     return dt, zx, w, shape, kind
 
 
-def _layout_of(isa: Isa, call) -> BlockedLayout | None:
+def _layout_of(isa: Isa, call, vnni: frozenset = frozenset()) -> BlockedLayout | None:
     """The blocked layout the packed conv kernel reads ``call``'s data in, or None (not a
     conv, or one another kernel runs)."""
     if not is_call(call, "qnn.conv2d"):
         return None
-    plan = _conv_plan(isa, call)
+    plan = _conv_plan(isa, call, vnni)
     if plan is None or plan[4] == "amx":
         return None
     if np.ndim(plan[1]) != 0:  # per-channel (depthwise): the layout of zero point 0, the
@@ -177,20 +181,28 @@ def _layout_of(isa: Isa, call) -> BlockedLayout | None:
     return layout_for(isa, plan[0], plan[1])
 
 
-def _takes_residual(isa: Isa, call) -> bool:
+def _takes_residual(isa: Isa, call, vnni: frozenset = frozenset()) -> bool:
     """Whether the kernel of ``call`` (a ``qnn.conv2d``) adds a residual in its epilogue
     (:mod:`autoq.cpu.residual`: the packed and the AMX conv kernels)."""
-    plan = _conv_plan(isa, call)
+    plan = _conv_plan(isa, call, vnni)
     return plan is not None and plan[4] in _RESIDUAL_KINDS
 
 
 def _conv2d_call(
-    isa: Isa, bb, call, epilogue: Epilogue | None = None, fed=None, out_layout=None, residual=None
+    isa: Isa,
+    bb,
+    call,
+    epilogue: Epilogue | None = None,
+    fed=None,
+    out_layout=None,
+    residual=None,
+    vnni: frozenset = frozenset(),
 ):
     """The kernel call of a ``qnn.conv2d`` (with ``epilogue``; ``fed``: its data as a blocked
     (variable, layout); ``out_layout``: store the output blocked; ``residual``: (Residual,
-    shortcut expression) added before the epilogue), or None when no kernel covers it."""
-    plan = _conv_plan(isa, call)
+    shortcut expression) added before the epilogue; ``vnni``: see :func:`_conv_plan`), or None
+    when no kernel covers it."""
+    plan = _conv_plan(isa, call, vnni)
     if plan is None or (residual is not None and plan[4] not in _RESIDUAL_KINDS):
         return None
     dt, zx, w, shape, kind = plan
@@ -227,8 +239,8 @@ def _conv2d_call(
     return _call(bb, isa, func, name, data, packed, w, z, ty, epilogue, extra)
 
 
-def _conv2d(isa: Isa, fallback, bb, call):
-    out = _conv2d_call(isa, bb, call)
+def _conv2d(isa: Isa, fallback, bb, call, vnni: frozenset = frozenset()):
+    out = _conv2d_call(isa, bb, call, vnni=vnni)
     return fallback(bb, call) if out is None else out
 
 
@@ -327,11 +339,12 @@ def _dense(isa: Isa, fallback, bb, call):
     return fallback(bb, call)
 
 
-def _with_epilogue(isa: Isa, bb, call, epilogue: Epilogue, fed=None, out_layout=None, res=None):
-    """The kernel call of ``call`` storing ``epilogue``'s int8 output (blocked, residual:
-    see :func:`_conv2d_call`), or None."""
+def _with_epilogue(isa: Isa, bb, call, epilogue: Epilogue, fed=None, out_layout=None, res=None,
+                   *, vnni: frozenset = frozenset()):  # fmt: skip
+    """The kernel call of ``call`` storing ``epilogue``'s int8 output (blocked, residual,
+    ``vnni``: see :func:`_conv2d_call`), or None."""
     if is_call(call, "qnn.conv2d"):
-        return _conv2d_call(isa, bb, call, epilogue, fed, out_layout, res)
+        return _conv2d_call(isa, bb, call, epilogue, fed, out_layout, res, vnni)
     if res is not None:
         return None
     if is_call(call, "qnn.matmul") and const_array(call.args[1]) is None:
@@ -560,24 +573,31 @@ def lower_to_cpu_kernels(
     isa = kernel_isa(target)
     if isa is None:
         return mod
+    blocked = isa.blocked if blocked_layout is None else blocked_layout
+    # on AMX targets the convs next to depthwise ones stay on VNNI: the chain flows blocked
+    vnni = depthwise_neighbours(mod) if isa.amx and blocked else frozenset()
     custom = {}
     for name, lower in _LOWERINGS.items():
         own = tvm.ir.Op.get(name).get_attr("FLegalize")
         custom[name] = functools.partial(lower, isa, own)
-    blocked = isa.blocked if blocked_layout is None else blocked_layout
+    custom["qnn.conv2d"] = functools.partial(custom["qnn.conv2d"], vnni=vnni)
     residual = blocked if residual_epilogue is None else residual_epilogue
     with target:
         layouts = (None, None)
         if blocked:
-            layouts = (functools.partial(_layout_of, isa), functools.partial(lut_layout, isa))
+            layouts = (
+                functools.partial(_layout_of, isa, vnni=vnni),
+                functools.partial(lut_layout, isa),
+            )
         residuals = (None, None)
         if residual:
             residuals = (
-                functools.partial(_takes_residual, isa),
+                functools.partial(_takes_residual, isa, vnni=vnni),
                 functools.partial(layout_for, isa, zero_point=0),
             )
         mod = requantize_after_pools(mod)
-        mod = fuse_epilogues(mod, functools.partial(_with_epilogue, isa), *layouts, *residuals)
+        epilogue = functools.partial(_with_epilogue, isa, vnni=vnni)
+        mod = fuse_epilogues(mod, epilogue, *layouts, *residuals)
         raw = functools.partial(_raw_dense, isa)
         mod = merge_sibling_dense(mod, _runtime_zero_point_operands, raw)
         return relax.transform.LegalizeOps(customize_legalize_map=custom)(mod)
