@@ -1,17 +1,15 @@
 """The ``autoq`` command end to end on a tiny ONNX model in a temporary folder, ``autoq
 inspect``, and every bad-input path (exit code 2, one ``autoq: error:`` line, no traceback).
 
-The CLI runs in-process (``autoq.cli.main(argv)`` returns the exit code); one test runs the
-installed ``autoq`` entry point. References are independent of autoq: ONNX Runtime for the
-model's fp32 output, the ONNX initializers for the fp32 weight bytes, numpy for the
-preprocessed image range.
+The CLI runs in-process (``autoq.cli.main(argv)`` returns the exit code; the installed
+``autoq`` entry point runs in tests/test_console.py). References are independent of
+autoq: ONNX Runtime for the model's fp32 output, the ONNX initializers for the fp32 weight
+bytes, numpy for the preprocessed image range.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -346,19 +344,3 @@ def test_internal_error_exit_1(files, capsys, monkeypatch):
         .splitlines()[-1]
         .startswith("autoq: internal error: RuntimeError: realize exploded")
     )
-
-
-def test_installed_entry_point(files):
-    """The console script (pyproject [project.scripts]) propagates exit codes and messages."""
-    exe = Path(sys.executable).parent / "autoq"
-    if not exe.exists():
-        pytest.skip("the autoq entry point is not installed next to this Python")
-    d, model = files
-    proc = subprocess.run(
-        [str(exe), "quantize", str(model), "--calib", str(d / "calib.npz"), "--skip", "nope"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2
-    assert_user_error(proc.returncode, proc.stderr, "fallback id 'nope' matches no layer")

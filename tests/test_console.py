@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_cli import TARGET, tiny_onnx
+from test_cli import TARGET, assert_user_error, tiny_onnx
 
 import autoq
 from autoq.config import progress
@@ -86,7 +86,7 @@ def _on_a_terminal(argv: list[str]) -> tuple[int, str, str]:
     return p.returncode, tty.decode(errors="replace"), out
 
 
-def test_terminal_shows_every_stage_live_and_no_progress_turns_it_off(files):
+def test_terminal_shows_every_stage_live(files):
     code, tty, out = _on_a_terminal(_argv(files, "tty"))
     assert code == 0, tty
     # the live status of each stage (its name and elapsed time, redrawn with '\r') and the
@@ -97,16 +97,40 @@ def test_terminal_shows_every_stage_live_and_no_progress_turns_it_off(files):
     for desc, unit in bars.items():
         assert re.search(rf"\r{desc}: +\d+%\|.*{unit}", tty), (desc, tty)
     assert "\r" not in out and re.search(r"^compile +\d+\.\d s  model.so$", out, re.M), out
-    code, tty, out = _on_a_terminal(_argv(files, "tty2", "--no-progress"))
-    assert code == 0 and "\r" not in tty and "\r" not in out, tty
+
+
+class _Terminal(io.StringIO):
+    """Standard error as a terminal looks to autoq (``isatty()`` true), read back as text."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_no_progress_turns_it_off_on_a_terminal(files, capsys, monkeypatch):
+    """In-process, standard error a stand-in terminal (the real one is the test above):
+    with ``--no-progress`` nothing is redrawn and the stage lines are printed."""
+    from autoq import cli
+    from autoq.config import Resources
+
+    tty = _Terminal()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert Resources().show_progress  # without the option it would draw
+    code = cli.main(_argv(files, "tty2", "--no-progress")[1:])
+    out = capsys.readouterr().out
+    assert code == 0 and "\r" not in tty.getvalue() and "\r" not in out, tty.getvalue()
     assert re.search(r"^realize +\d+\.\d s  2 int8 layers$", out, re.M), out
 
 
-def test_piped_output_has_stage_lines_and_no_redraws(files):
-    p = _quantize(files, "piped")
-    assert p.returncode == 0, p.stderr
-    assert "\r" not in p.stdout and "\r" not in p.stderr
-    lines = p.stdout.splitlines()
+def test_piped_output_has_stage_lines_and_no_redraws(files, capfd):
+    """In-process (what a pipe gets is what the process writes to its two file descriptors,
+    which capfd reads; the real pipes of a process are in the --quiet test)."""
+    from autoq import cli
+
+    code = cli.main(_argv(files, "piped")[1:])
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    assert "\r" not in out and "\r" not in err
+    lines = out.splitlines()
     stage = {
         m.group(1): m.group(2)
         for m in map(re.compile(r"^(\w+) +\d+\.\d s *(.*)$").match, lines)
@@ -120,12 +144,15 @@ def test_piped_output_has_stage_lines_and_no_redraws(files):
 
 
 def test_quiet_prints_nothing_and_errors_still_show(files):
+    """The installed console script (pyproject [project.scripts]) in a process of its own:
+    ``--quiet`` prints nothing at all; a user error still shows as its one line, with the
+    exit code propagated."""
     p = _quantize(files, "quiet", "--quiet")
     assert (p.returncode, p.stdout, p.stderr) == (0, "", ""), p.stderr
     assert (files[0] / "quiet" / "model.so").is_file()
     p = _quantize(files, "quiet2", "-q", "--skip", "nope")
-    assert p.returncode == 2 and p.stdout == ""
-    assert p.stderr.startswith("autoq: error: ") and "nope" in p.stderr
+    assert p.stdout == ""
+    assert_user_error(p.returncode, p.stderr, "fallback id 'nope' matches no layer")
 
 
 def test_version():

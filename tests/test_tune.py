@@ -46,8 +46,10 @@ needs_tornado = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(scope="module")
 def one_conv():
-    """An int8 conv 4->8, 3x3, with bias (realized by autoq.quantize)."""
+    """An int8 conv 4->8, 3x3, with bias (realized by autoq.quantize) and two samples; one
+    per file (the tests tune copies of it, never change it)."""
     b = Builder(5)
     x = b.input("x", (1, 4, 8, 8))
     mod, params = b.build(lambda b: conv(b, x, "c", 4, 8))
@@ -62,13 +64,17 @@ def outputs(qmod, samples, database=None, cpu_kernels=False):
     return [vm["main"](tvm.runtime.tensor(x)).numpy() for x in samples]
 
 
-def check_tuned(qmod, samples, folder, kept_default: int = 0):
-    """Every kernel of the generic lowering (cpu_kernels=False) tuned but ``kept_default``
-    of them (their default schedule measured faster); outputs unchanged."""
-    done, kernels = tuned_kernels(qmod, autoq.default_target(), folder, cpu_kernels=False)
+def check_tuned(qmod, samples, folder, kept_default: int = 0, cpu_kernels: bool = False):
+    """Every kernel of the lowering (``cpu_kernels`` as in autoq.compile; with autoq's CPU
+    kernels the conv keeps its own schedule and is not among them) tuned but
+    ``kept_default`` of them (their default schedule measured faster); outputs unchanged
+    from the untuned generic lowering."""
+    done, kernels = tuned_kernels(qmod, autoq.default_target(), folder, cpu_kernels=cpu_kernels)
     assert len(kernels) == 2 and len(done) == 2 - kept_default, (done, kernels)
     assert set(done) <= set(kernels)
-    for got, ref in zip(outputs(qmod, samples, folder), outputs(qmod, samples), strict=True):
+    assert not any(k.startswith("autoq_") for k in kernels), kernels
+    tuned = outputs(qmod, samples, folder, cpu_kernels=cpu_kernels)
+    for got, ref in zip(tuned, outputs(qmod, samples), strict=True):
         assert got.dtype == ref.dtype and np.array_equal(got, ref)
 
 
@@ -114,14 +120,15 @@ def tune_module():
 
 @pytest.mark.tuning
 @needs_tune_deps
-def test_tune_database_reuse_and_default_schedules(tmp_path, monkeypatch):
-    """A limited tuning run (one trial per kernel) writes a database that compiles reuse,
-    bit-exact with the untuned module; the same shapes again run no trial. Records that
-    measure slower than autoq's default schedule must not replace it: the decision comes
-    from the measured seconds (measured for real first, then injected), is stored next to
-    the database and honoured by every compile; a faster record is used. (One test: the
-    real tuning run, whose worker processes take most of the time, is shared.)"""
-    qmod, samples = one_conv()
+def test_tune_database_reuse_and_default_schedules(tmp_path, monkeypatch, one_conv):
+    """A limited tuning run (one trial per kernel) of the generic lowering writes a database
+    that compiles reuse, bit-exact with the untuned module; the same shapes again run no
+    trial. Records that measure slower than autoq's default schedule must not replace it:
+    the decision comes from the measured seconds (measured for real first, then injected),
+    is stored next to the database and honoured by every compile; a faster record is used.
+    (One test: the real tuning run, whose worker processes take most of the time, is
+    shared. The default lowering, autoq's CPU kernels, is tuned in the RPC test.)"""
+    qmod, samples = one_conv
     folder = tmp_path / "tuning"
     args = dict(trials=2, trials_per_task=1, database=folder, cost_model="random", seed=0)
     r = tune(qmod, cpu_kernels=False, **args)
@@ -161,16 +168,6 @@ def test_tune_database_reuse_and_default_schedules(tmp_path, monkeypatch):
     monkeypatch.setattr(tune_module(), "measure_schedules", measured(1e-3, 0.9e-3))
     assert tune(qmod, cpu_kernels=False, **args).kept_default == 0
     check_tuned(qmod, samples, folder, kept_default=0)
-
-    # with autoq's CPU kernels (the default) the conv keeps its own schedule: not a task
-    kern = tune(qmod, trials=2, trials_per_task=1, database=folder, cost_model="random")
-    done, kernels = tuned_kernels(qmod, autoq.default_target(), folder)
-    assert done == kernels and kern.tasks == len(kernels), (kern, done, kernels)
-    assert not any(k.startswith("autoq_") for k in kernels), kernels
-    for got, ref in zip(
-        outputs(qmod, samples, folder, cpu_kernels=True), outputs(qmod, samples), strict=True
-    ):
-        assert np.array_equal(got, ref)
 
     (folder / DEFAULTS_FILE).write_text('{"format": "autoq.default_schedules", "kernels": 3')
     with pytest.raises(InputError, match=DEFAULTS_FILE):
@@ -271,28 +268,28 @@ def rpc_tracker(tmp_path):
 
 @needs_tune_deps
 @needs_tornado
-def test_tune_measures_through_an_rpc_tracker(tmp_path, rpc_tracker):
-    qmod, samples = one_conv()
+def test_tune_measures_through_an_rpc_tracker(tmp_path, rpc_tracker, monkeypatch, one_conv):
+    """The default lowering (autoq's CPU kernels: the conv keeps its own packed schedule,
+    so the tasks are the kernels around it) tuned with every candidate, default and
+    tuned schedule measured through the tracker; its compiles apply the records."""
+    qmod, samples = one_conv
     folder = tmp_path / "tuning"
-    r = tune(
-        qmod,
-        trials=2,
-        trials_per_task=1,
-        database=folder,
-        rpc=rpc_tracker,
-        cost_model="random",
-        seed=0,
-        cpu_kernels=False,
-    )
-    assert (r.tasks, r.trials, r.failed) == (2, 2, 0), r
+    args = dict(trials=2, trials_per_task=1, database=folder, cost_model="random", seed=0)
+    r = tune(qmod, rpc=rpc_tracker, **args)
+    assert (r.tasks, r.reused, r.trials, r.failed) == (2, 0, 2, 0), r
     # both kernels' default and tuned schedules were measured through the tracker too
     side = json.loads((folder / DEFAULTS_FILE).read_text())["kernels"]
     assert len(side) == 2 and all(k["default_s"] and k["tuned_s"] for k in side), side
-    check_tuned(qmod, samples, folder, r.kept_default)
+    check_tuned(qmod, samples, folder, r.kept_default, cpu_kernels=True)
+    # the records 10% faster: every kernel's record is applied with autoq's CPU kernels
+    (folder / DEFAULTS_FILE).unlink()
+    monkeypatch.setattr(tune_module(), "measure_schedules", measured(1e-3, 0.9e-3))
+    assert tune(qmod, rpc=rpc_tracker, **args).kept_default == 0
+    check_tuned(qmod, samples, folder, kept_default=0, cpu_kernels=True)
 
 
 @pytest.mark.tuning
-def test_all_failed_trials_raise(tmp_path, monkeypatch):
+def test_all_failed_trials_raise(tmp_path, monkeypatch, one_conv):
     """A tuning run whose every candidate fails raises with the error (MetaSchedule itself
     would return an untuned database silently)."""
     if any(importlib.util.find_spec(m) is None for m in TUNE_DEPS):
@@ -302,7 +299,7 @@ def test_all_failed_trials_raise(tmp_path, monkeypatch):
         raise RuntimeError("compiler exploded")
 
     monkeypatch.setattr(tune_module(), "build_candidate", broken_build)
-    qmod, _ = one_conv()
+    qmod, _ = one_conv
     with pytest.raises(TuningError, match="compiler exploded"):
         tune(qmod, trials=1, trials_per_task=1, database=tmp_path, cost_model="random")
 
