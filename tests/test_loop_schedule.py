@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 
 from autoq import Config, calibrate, simulate
-from autoq.ir.loop_schedule import pipeline_with_loop_schedule, schedule_reductions
+from autoq.ir.loop_schedule import lanes_for, pipeline_with_loop_schedule, schedule_reductions
 from models import small_cnn
 
 OPT_TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
@@ -40,11 +40,25 @@ CASES = {
     "conv3x3": ((1, 8, 12, 12), lambda bb, x: _conv(bb, x)),
     "conv7x7_stride2_odd": ((1, 3, 15, 15), lambda bb, x: _conv(bb, x, k=7, stride=2)),
     "depthwise": ((1, 8, 10, 10), lambda bb, x: _conv(bb, x, cout=8, groups=8)),
+    # rows that 16 and 8 do not divide: vectors of 15 (30 wide) and of 14 (28 wide)
+    "conv1x1_row30": ((1, 16, 3, 30), lambda bb, x: _conv(bb, x, k=1)),
+    "conv3x3_row28": ((1, 4, 5, 28), lambda bb, x: _conv(bb, x)),
+    # more output rows than channels: the rows of output channels still accumulate together
+    "conv3x3_tall": ((1, 4, 32, 16), lambda bb, x: _conv(bb, x)),
     "dense": (
         (3, 40),
         lambda bb, x: bb.emit(
             relax.op.matmul(
                 x, relax.const(np.random.default_rng(4).normal(size=(40, 24)).astype("float32"))
+            )
+        ),
+    ),
+    "batch_matmul": (
+        (16, 16, 40),
+        lambda bb, x: bb.emit(
+            relax.op.matmul(
+                x,
+                relax.const(np.random.default_rng(5).normal(size=(16, 40, 24)).astype("float32")),
             )
         ),
     ),
@@ -84,6 +98,29 @@ def test_reduction_kernels_get_parallel_vector_loops():
     )
     f = next(f for _, f in relu.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
     assert schedule_reductions(f).same_as(f)
+
+
+def test_lanes_are_a_whole_register_else_the_largest_divisor():
+    assert [lanes_for(n) for n in (224, 120, 56)] == [16, 8, 8]
+    assert [lanes_for(n) for n in (60, 30, 28, 15, 12)] == [15, 15, 14, 15, 12]
+    # no divisor from 16 to 4: the whole row up to 32, else unscheduled
+    assert [lanes_for(n) for n in (7, 3, 31, 34)] == [7, 3, 31, None]
+    assert (
+        "T.vectorized(T.int64(15))" in schedule_reductions(_conv_kernel("conv1x1_row30")).script()
+    )
+
+
+def _conv_kernel(case):
+    legal = relax.transform.LegalizeOps()(_module(*CASES[case]))
+    return next(f for gv, f in legal.functions_items() if gv.name_hint.startswith("conv2d"))
+
+
+def test_rows_are_output_channels_that_share_the_input_row():
+    # 16 channels of 32 rows: the unrolled loop (8 rows) is the channel loop ``ff``, not the
+    # larger ``yy`` whose rows read different input rows
+    text = schedule_reductions(_conv_kernel("conv3x3_tall"), rows=8).script()
+    unrolled = [ln for ln in text.splitlines() if "T.unroll(T.int64(8))" in ln]
+    assert unrolled and all(ln.split()[1].startswith("ff") for ln in unrolled), unrolled
 
 
 @pytest.mark.parametrize("mode", ["topological", "fp32"])
