@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import re
 import sys
@@ -70,7 +71,11 @@ def conv_kernels(qmod, target) -> dict[str, dict]:
         if name.startswith("autoq_conv2d"):
             w = [int(d) for d in shape_of(e.args[1][1])]  # (ocb, icb, kh, kw, ic/k, lanes, k)
             cin = data[1] * data[4] if len(data) == 5 else data[1]
-            oc, (kh, kw) = w[0] * w[5], (w[2], w[3])
+            if len(w) == 4:  # AMX: (ocp / 16, taps * icp / 64, 16, 64), square kernels
+                oc, side = res[1], math.isqrt(w[1] // -(-cin // 64))
+                kh = kw = side
+            else:
+                oc, (kh, kw) = w[0] * w[5], (w[2], w[3])
             hw = res[2] * res[3]
             entry["macs"] = hw * oc * cin * kh * kw
             size = "stem" if cin <= 4 else f"{kh}x{kw}" if (kh, kw) in ((1, 1), (3, 3)) else "kxk"
