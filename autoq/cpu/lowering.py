@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 
 import numpy as np
 import tvm
@@ -327,9 +328,22 @@ def _dense(isa: Isa, fallback, bb, call):
     return fallback(bb, call)
 
 
+def _by_reciprocal(epilogue: Epilogue, res):
+    """``epilogue`` and the residual's shortcut term (``res``: (Residual, shortcut...) or
+    None) dividing by their output scale as a reciprocal product with FMA corrections
+    (:attr:`autoq.cpu.epilogue.Epilogue.reciprocal`: the same quotients)."""
+    epilogue = replace(epilogue, reciprocal=True)
+    if res is not None:
+        short = replace(res[0].shortcut, reciprocal=True)
+        res = (replace(res[0], shortcut=short), *res[1:])
+    return epilogue, res
+
+
 def _with_epilogue(isa: Isa, bb, call, epilogue: Epilogue, fed=None, out_layout=None, res=None):
     """The kernel call of ``call`` storing ``epilogue``'s int8 output (blocked, residual:
     see :func:`_conv2d_call`), or None."""
+    if isa.reciprocal:
+        epilogue, res = _by_reciprocal(epilogue, res)
     if is_call(call, "qnn.conv2d"):
         return _conv2d_call(isa, bb, call, epilogue, fed, out_layout, res)
     if res is not None:
