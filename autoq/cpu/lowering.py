@@ -342,7 +342,7 @@ def _by_reciprocal(epilogue: Epilogue, res):
 def _with_epilogue(isa: Isa, bb, call, epilogue: Epilogue, fed=None, out_layout=None, res=None):
     """The kernel call of ``call`` storing ``epilogue``'s int8 output (blocked, residual:
     see :func:`_conv2d_call`), or None."""
-    if isa.reciprocal:
+    if isa.reciprocal and epilogue is not None:  # (None: a bare conv reading a blocked tensor)
         epilogue, res = _by_reciprocal(epilogue, res)
     if is_call(call, "qnn.conv2d"):
         return _conv2d_call(isa, bb, call, epilogue, fed, out_layout, res)
