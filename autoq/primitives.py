@@ -595,3 +595,94 @@ def simulate_accumulator(x, bits: int, overflow: str = "saturate") -> np.ndarray
     if overflow == "wrap":
         return ((x - lo) % (2**bits)) + lo
     raise ValueError(f"unknown overflow mode {overflow!r}; expected 'saturate' or 'wrap'")
+
+
+def fma_float32(a, b, c) -> np.ndarray:
+    """float32 ``a * b + c`` with one rounding (to nearest, ties to even), like a hardware
+    FMA; finite results only.
+
+    The product of two float32 is exact in float64; the float64 sum's rounding error is
+    recovered exactly (TwoSum) and breaks the tie when the float64 sum lands on the midpoint
+    of two float32, where rounding twice would differ from rounding once.
+
+    >>> a = np.float32(1 + 2**-12)  # a * a = 1 + 2**-11 + 2**-24: exactly a float32 midpoint
+    >>> bool(fma_float32(a, a, np.float32(-1)) == 2**-11 + 2**-24)  # exact in float32
+    True
+    >>> bool(fma_float32(a, a, np.float32(0)) == 1 + 2**-11)  # the tie, to even
+    True
+    >>> bool(fma_float32(a, a, np.float32(2**-60)) == 1 + 2**-11 + 2**-23)  # just above it
+    True
+    """
+    p = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32)
+    c = np.asarray(c, np.float32).astype(np.float64)
+    s = p + c
+    bp = s - p
+    err = (p - (s - bp)) + (c - bp)  # s + err == p + c exactly
+    out = s.astype(np.float32)
+    near = out.astype(np.float64)
+    toward = np.where(s > near, np.float32(np.inf), np.float32(-np.inf)).astype(np.float32)
+    other = np.nextafter(out, toward).astype(np.float64)
+    tie = (s != near) & (s - near == other - s) & (err != 0)
+    # on a midpoint the float64 sum had the tie; the exact sum is on err's side of it
+    up = np.where(err > 0, np.maximum(near, other), np.minimum(near, other))
+    return np.where(tie, up, out).astype(np.float32)
+
+
+#: the range of scales :func:`reciprocal_division_steps` accepts: x = n * s_in (|n| < 2**33)
+#: divided by s_out stays away from float32 underflow and overflow at every step
+_RECIPROCAL_SCALE_RANGE = (2.0**-60, 2.0**60)
+
+
+def reciprocal_division_steps(divisor, dividend_scale) -> int:
+    """How many FMA corrections make ``x * RN(1 / divisor)`` equal to float32 ``x / divisor``
+    for every ``x = float32(n * dividend_scale)``, n an integer with ``|n| < 2**33`` (a
+    requantize: an int32 accumulator times its scale, divided by the output scale); 0 when
+    the scales leave that range (keep the division). Scalars or per-channel arrays: the
+    largest count over them.
+
+    With ``r = RN(1/s)`` (|r s - 1| <= 2**-24), ``y = RN(x r)``, a correction is ``e =
+    fma(-y, s, x)``, ``y' = fma(e, r, y)``. Markstein's theorem: if y is faithful (one of
+    the two float32 around x/s) and r = RN(1/s), y' = RN(x/s) (e is then exact). y = RN(x r)
+    is faithful when ``|r s - 1| <= 2**-25``: ``|x r - x/s| < ulp(x/s) / 2`` then. Else one
+    correction gives a faithful y' (its error is |x/s - y| * 2**-22 ulp at most, far below
+    half an ulp) and a second one the exact quotient. The conditions outside the theorem's
+    (no underflow or overflow of y, e and y', e exact) hold for both scales (and their
+    ratio) in ``[2**-60, 2**60]``: |x| >= 2**-60 unless 0, |x / s| in [2**-121, 2**94].
+
+    >>> reciprocal_division_steps(np.float32(0.5), np.float32(1e-4))  # r = 2 exact
+    1
+    >>> reciprocal_division_steps(np.float32(1.99999988), np.float32(1e-4))  # r s = 1 + 2**-24
+    2
+    >>> reciprocal_division_steps(np.float32(0.02), np.float32(1e-30))
+    0
+    """
+    s = np.asarray(divisor, np.float32).astype(np.float64).reshape(-1)
+    si = np.asarray(dividend_scale, np.float32).astype(np.float64).reshape(-1)
+    lo, hi = _RECIPROCAL_SCALE_RANGE
+    ratio = si / s  # with both broadcast: per-channel rows have the same length
+    for v in (s, si, ratio):
+        if not np.all((v >= lo) & (v <= hi)):
+            return 0
+    r = (np.float32(1) / s.astype(np.float32)).astype(np.float64)  # RN(1/s)
+    err = np.abs(r * s - 1.0)  # r * s exact in float64 (24 x 24 bits)
+    return 1 if np.all(err <= 2.0**-25) else 2
+
+
+def divide_by_reciprocal(x, divisor, reciprocal, steps: int) -> np.ndarray:
+    """float32 ``x / divisor`` as ``x * reciprocal`` plus ``steps`` FMA corrections (see
+    :func:`reciprocal_division_steps`); ``reciprocal`` is float32 ``RN(1 / divisor)``.
+
+    >>> s = np.float32(0.1)
+    >>> x = np.float32(1.3)
+    >>> r = np.float32(1) / s
+    >>> bool(x * r == x / s), bool(divide_by_reciprocal(x, s, r, 1) == x / s)
+    (False, True)
+    """
+    x = np.asarray(x, np.float32)
+    s = np.asarray(divisor, np.float32)
+    r = np.asarray(reciprocal, np.float32)
+    y = (x * r).astype(np.float32)
+    for _ in range(steps):
+        e = fma_float32(-y, s, x)
+        y = fma_float32(e, r, y)
+    return y

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import re
 import sys
@@ -75,11 +76,10 @@ def conv_kernels(qmod, target) -> dict[str, dict]:
         if name.startswith("autoq_conv2d"):
             w = [int(d) for d in shape_of(e.args[1][1])]
             cin = data[1] * data[4] if len(data) == 5 else data[1]
-            if len(w) == 4:  # AMX: (OCp/16, taps * ICp/64, 16, 64)
-                taps = w[1] * 64 // (-(-cin // 64) * 64)
-                kh, kw = (1, 1) if taps == 1 else (3, 3) if taps == 9 else (taps, 1)
-                oc = w[0] * 16
-            else:  # VNNI / AVX2: (ocb, icb, kh, kw, ic/k, lanes, k)
+            if len(w) == 4:  # AMX: (ocp / 16, taps * icp / 64, 16, 64), square kernels
+                oc, side = res[1], math.isqrt(w[1] // -(-cin // 64))
+                kh = kw = side
+            else:
                 oc, (kh, kw) = w[0] * w[5], (w[2], w[3])
             hw = res[2] * res[3]
             entry["macs"] = hw * oc * cin * kh * kw

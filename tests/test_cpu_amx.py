@@ -15,7 +15,7 @@ import tvm
 from tvm import relax
 
 import autoq
-from autoq import Config
+from autoq import Config, qnn
 from autoq.cpu import amx, amx_conv2d, amx_dense, amx_tiles
 from autoq.cpu.amx_conv2d import (
     amx_conv2d_kernel,
@@ -102,6 +102,31 @@ def test_kernel_isa_from_target_features():
     assert kernel_isa(tvm.target.Target({"kind": "llvm", "mcpu": "sapphirerapids"})).amx
     assert not kernel_isa(tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})).amx
     assert not kernel_isa(tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})).amx
+    # float epilogues divide by reciprocal (same quotients) on AMX targets only
+    assert kernel_isa(AMX_TARGET).reciprocal
+    assert not kernel_isa(tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})).reciprocal
+
+
+def test_amx_epilogues_divide_by_reciprocal():
+    """A conv's float requantize lowered for an AMX target takes the reciprocal row (its
+    kernel multiplies and corrects with FMAs); for a VNNI-only target it divides."""
+    w = np.random.default_rng(0).integers(-128, 128, (32, 64, 3, 3)).astype(np.int8)
+    conv = _qnn_conv((1, 64, 6, 6), w)["main"]
+    bb = relax.BlockBuilder()
+    with bb.function("main", conv.params):
+        with bb.dataflow():
+            acc = bb.emit(conv.body.blocks[0].bindings[-1].value)
+            scales = [relax.const(np.full(32, 2e-4, np.float32)), relax.const(np.int32(0))]
+            out = [relax.const(np.float32(0.05)), relax.const(np.int32(-3))]
+            gv = bb.emit_output(qnn.requantize(acc, *scales, *out, axis=1))
+        bb.emit_func_output(gv)
+    mod = tvm.IRModule({"main": bb.get()["main"]})
+    znver4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})
+    for target, fma in ((AMX_TARGET, True), (znver4, False)):
+        fns = lower_to_cpu_kernels(mod, target).functions_items()
+        kernels = [f for gv, f in fns if gv.name_hint.startswith("autoq_conv2d")]
+        assert len(kernels) == 1
+        assert ("fma" in kernels[0].script(show_meta=False)) == fma
 
 
 def test_default_target_keeps_host_cpu_and_adds_amx_when_usable():

@@ -90,3 +90,35 @@ def test_tflite_rounding_runtime_and_rank_raising_operands_keep_the_legalization
     assert _lut_calls(mod) == 0
     codes = np.arange(-128, 128).astype(np.int8).reshape(2, 128)
     np.testing.assert_array_equal(_run(mod, True, codes), _run(mod, False, codes))
+
+
+@pytest.mark.parametrize(("op", "shape"), [("add", (1, 6, 16, 16)), ("multiply", (18, 6, 3, 5))])
+def test_per_channel_constant_runs_as_channel_lookup_bit_exact(op, shape):
+    """A constant of one value per channel of NCHW data (``[1, C, 1, 1]``: ResNet-50
+    open_nsfw's batch-norm shifts) runs as one table per channel (planes of 256: the VBMI
+    kernel; of 15: the gather), every code in every channel, against the legalization and
+    numpy."""
+    n, channels, h, w = shape
+    consts = np.random.default_rng(3).integers(-128, 128, (1, channels, 1, 1)).astype(np.int8)
+    sa, za, sb, zb, so, zo = (0.05, 3, 0.011, 5, 0.02, 7) if op == "multiply" else (
+        0.05, 3, 0.031, 5, 0.07, 7)  # fmt: skip
+    x = relax.Var("x", relax.TensorType(shape, "int8"))
+    q = [relax.const(v, t) for v, t in ((sa, F32), (za, "int32"), (sb, F32), (zb, "int32"))]
+    q += [relax.const(so, F32), relax.const(zo, "int32")]
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        call = getattr(qnn, op)(x, relax.const(consts), *q, out_dtype="int8", rounding="half_even")
+        bb.emit_func_output(bb.emit(call))
+    mod = bb.get()
+    assert _lut_calls(mod) == 1
+    # each channel's n * h * w >= 256 elements: every code, rotated per channel
+    per = np.resize(np.arange(-128, 128), n * h * w)
+    xs = np.stack([np.roll(per, 37 * c) for c in range(channels)])
+    xs = xs.reshape(channels, n, h, w).transpose(1, 0, 2, 3).astype(np.int8)
+    got = _run(mod, True, xs)
+    np.testing.assert_array_equal(got, _run(mod, False, xs))
+    want = P.elementwise(
+        op, xs, sa, za, consts.astype(np.int64), sb, zb, so, zo, "int8", "half_even"
+    )
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(got)) > 40, "the case must span many output codes"

@@ -302,3 +302,56 @@ def test_saturate_int32_matches_the_float64_clip(target):
 
 def test_doctests():
     assert doctest.testmod(epilogue).failed == 0
+
+
+def _epilogue_values(e: epilogue.Epilogue, acc: np.ndarray) -> np.ndarray:
+    """``e`` applied to the int32 ``acc[channel, i]`` by a kernel for this CPU (16 lanes)."""
+    from tvm import te
+
+    at = te.placeholder(acc.shape, "int32", name="acc")
+    tt = te.placeholder(e.table().shape, "int32", name="table")
+    out = te.compute(
+        acc.shape, lambda c, i: e.value(at[c, i], c, lambda r, k: tt[r, k]), name="out"
+    )
+    sch = tvm.s_tir.Schedule(te.create_prim_func([at, tt, out]))
+    _, ii = sch.split(sch.get_loops(sch.get_sblock("out"))[1], [None, 16])
+    sch.vectorize(ii)
+    lib = tvm.compile(sch.mod, tvm.target.Target({"kind": "llvm", "mcpu": HOST}))
+    res = tvm.runtime.tensor(np.zeros(acc.shape, e.out_dtype))
+    lib["main"](tvm.runtime.tensor(acc), tvm.runtime.tensor(e.table()), res)
+    return res.numpy()
+
+
+@pytest.mark.parametrize("out_dtype", ["int8", "int32"])
+@pytest.mark.parametrize("s_out", [0.05, 1.99999988, 0.0123, 3.0])
+def test_reciprocal_epilogue_is_the_division(s_out, out_dtype):
+    """The float requantize dividing by a reciprocal product with FMA corrections
+    (Epilogue.reciprocal, the AMX targets' epilogues) against the division epilogue and the
+    numpy requantize, compiled for this CPU, on random, small and extreme int32
+    accumulators, per-channel input scales (s_out 1.99999988: two corrections)."""
+    from autoq import primitives as P
+
+    channels = 4
+    rng = np.random.default_rng(7)
+    s_in = rng.uniform(1e-5, 3e-3, channels).astype(np.float32)
+    z_out = 0 if out_dtype == "int32" else -3
+    params = (s_in, 0, np.float32(s_out), z_out)
+    acc = np.concatenate(
+        [
+            rng.integers(-(2**31), 2**31, 20_000),
+            np.arange(-20_000, 20_000),
+            2**31 - 1 - np.arange(200),
+            -(2**31) + np.arange(200),
+        ]
+    ).astype(np.int32)
+    acc = np.repeat(acc[None], channels, axis=0)
+    got = {}
+    for reciprocal in (False, True):
+        e = epilogue.Epilogue(None, params, "float", out_dtype, channels, reciprocal)
+        steps = e.division_steps()
+        assert steps == 0 if not reciprocal else steps == 2 or (s_out != 1.99999988 and steps == 1)
+        got[reciprocal] = _epilogue_values(e, acc)
+    np.testing.assert_array_equal(got[True], got[False])
+    real = acc.astype(np.float32) * s_in[:, None]
+    want = P.quantize(real, np.float32(s_out), z_out, out_dtype)
+    np.testing.assert_array_equal(got[True], want)

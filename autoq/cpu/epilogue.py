@@ -40,6 +40,7 @@ from autoq import primitives as P
 from autoq.qnn.tensor_exprs import (
     clip_int64,
     dequantize_value,
+    divide_by_reciprocal,
     fixed_point_multiply,
 )
 
@@ -58,7 +59,8 @@ __all__ = [
 # requantize operands in order: input scale, input zero point, output scale, output zero
 # point, then (integer rounding modes) multiplier and shift
 _NAMES = ("s_in", "z_in", "s_out", "z_out", "multiplier", "shift")
-_FLOATS = ("s_in", "s_out")
+# r_out: RN(1 / s_out), float rounding where the division by s_out is done by reciprocal
+_FLOATS = ("s_in", "s_out", "r_out")
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,6 +71,10 @@ class Epilogue:
     ``bias``: int32 ``[channels]`` or None. ``params``: the requantize operands in ``_NAMES``
     order (float32 scales, int32 zero points / multipliers / shifts), each a scalar or a
     ``[channels]`` array; the integer rounding modes need all six, ``float`` the first four.
+    ``reciprocal`` (float rounding): divide by ``s_out`` as ``x * RN(1 / s_out)`` with the
+    FMA corrections of :func:`autoq.primitives.reciprocal_division_steps` (the quotient of
+    the division, bit for bit; its reciprocal a table row ``r_out``), or divide where
+    those scales are out of its range; the division is slower on the AMX machine.
     """
 
     bias: np.ndarray | None
@@ -76,6 +82,7 @@ class Epilogue:
     rounding: str
     out_dtype: str
     channels: int
+    reciprocal: bool = False
 
     def __post_init__(self):
         if self.rounding not in P.ROUNDING_MODES:
@@ -93,7 +100,17 @@ class Epilogue:
 
     def _named(self):
         named = list(zip(_NAMES, self.params, strict=False))
+        if self.division_steps():
+            named.insert(3, ("r_out", np.float32(1) / np.asarray(self.params[2], np.float32)))
         return named if self.bias is None else [("bias", self.bias), *named]
+
+    def division_steps(self) -> int:
+        """FMA corrections after ``* RN(1 / s_out)`` that give float32 ``r / s_out`` for
+        every accumulator's real value ``r = (acc - z_in) * s_in``, or 0 (a division):
+        :func:`autoq.primitives.reciprocal_division_steps` (float rounding only)."""
+        if self.rounding != "float" or not self.reciprocal:
+            return 0
+        return P.reciprocal_division_steps(self.params[2], self.params[0])
 
     @property
     def rows(self) -> tuple[str, ...]:
@@ -157,14 +174,17 @@ class Epilogue:
         qmin, qmax = P.qrange(self.out_dtype)
         if self.rounding == "float":
             r = dequantize_value(acc, p["s_in"], p["z_in"])
+            steps = self.division_steps()
+            if steps:
+                u = divide_by_reciprocal(r, p["s_out"], get("r_out", named["r_out"]), steps)
+            else:
+                u = r / p["s_out"]
             if not saturates:
-                return (te.round(r / p["s_out"]) + p["z_out"].astype("float32")).astype(
-                    self.out_dtype
-                )
+                return (te.round(u) + p["z_out"].astype("float32")).astype(self.out_dtype)
             if self.out_dtype != "int32":
-                return round_clip(r / p["s_out"], p["z_out"], qmin, qmax, self.out_dtype)
+                return round_clip(u, p["z_out"], qmin, qmax, self.out_dtype)
             # int32 outputs (a residual's shortcut on the accumulator grid)
-            return saturate_int32(te.round(r / p["s_out"]) + p["z_out"].astype("float32"))
+            return saturate_int32(te.round(u) + p["z_out"].astype("float32"))
         if self.exact_in_float64(bound):
             return float64_fixed_point(acc, p, qmin, qmax, self.out_dtype)
         d = acc.astype("int64") - p["z_in"].astype("int64")

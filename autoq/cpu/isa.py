@@ -46,6 +46,10 @@ class Isa:
     # (autoq.cpu.tiling.pick_tile's slack): on AVX2, 6 x 2 tiles on 128 rows (132 padded)
     # measured 0.93-0.98x the time of the unpadded 4 x 2 (SPR, 1 thread, CPU time; K 384..1536)
     row_slack: float = 0.0
+    # float requantize epilogues divide by the output scale as a product with its reciprocal
+    # and FMA corrections (the same quotient, autoq.cpu.epilogue.Epilogue.reciprocal): on
+    # the AMX machine ResNet-50 0.97x the CPU time; on Zen 4 the division was faster
+    reciprocal: bool = False
 
     def channel_blocks(self, channels: int) -> int:
         """Lane blocks per register tile for ``channels`` output channels.
@@ -110,5 +114,5 @@ def kernel_isa(target: tvm.target.Target) -> Isa | None:
     """
     isa = isa_of(target)
     if isa is VNNI and target_has_amx(target):
-        return replace(VNNI, amx=True)
+        return replace(VNNI, amx=True, reciprocal=True)
     return isa

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 
 import numpy as np
 import tvm
@@ -339,10 +340,23 @@ def _dense(isa: Isa, fallback, bb, call):
     return fallback(bb, call)
 
 
+def _by_reciprocal(epilogue: Epilogue, res):
+    """``epilogue`` and the residual's shortcut term (``res``: (Residual, shortcut...) or
+    None) dividing by their output scale as a reciprocal product with FMA corrections
+    (:attr:`autoq.cpu.epilogue.Epilogue.reciprocal`: the same quotients)."""
+    epilogue = replace(epilogue, reciprocal=True)
+    if res is not None:
+        short = replace(res[0].shortcut, reciprocal=True)
+        res = (replace(res[0], shortcut=short), *res[1:])
+    return epilogue, res
+
+
 def _with_epilogue(isa: Isa, bb, call, epilogue: Epilogue, fed=None, out_layout=None, res=None,
                    *, vnni: frozenset = frozenset()):  # fmt: skip
     """The kernel call of ``call`` storing ``epilogue``'s int8 output (blocked, residual,
     ``vnni``: see :func:`_conv2d_call`), or None."""
+    if isa.reciprocal and epilogue is not None:  # (None: a bare conv reading a blocked tensor)
+        epilogue, res = _by_reciprocal(epilogue, res)
     if is_call(call, "qnn.conv2d"):
         return _conv2d_call(isa, bb, call, epilogue, fed, out_layout, res, vnni)
     if res is not None:
@@ -455,24 +469,30 @@ def _dynamic_quantize(_isa: Isa, fallback, bb, call):
 
 
 def _lut(_isa: Isa, fallback, bb, call):
-    """``qnn.lut`` -> :func:`autoq.cpu.lut.vbmi_lut_kernel` on targets with AVX-512 VBMI
-    (8-bit tables), else :func:`autoq.cpu.lut.lut_kernel` (static shapes)."""
+    """``qnn.lut`` -> :func:`_lut_kernel` (static shapes)."""
     data, table = call.args
     shape = shape_of(data)
     if shape is None:
         return fallback(bb, call)
-    vbmi = dtype_of(table) in VBMI_TABLE_DTYPES and target_has_vbmi()
-    dtypes = (dtype_of(data), dtype_of(table))
+    axis = None
     if call.attrs is not None and "axis" in call.attrs:  # one table per channel
         axis = int(call.attrs["axis"]) % len(shape)
-        # vpermi2b needs planes of >= 64 elements sharing a table (NCHW): on the last axis
-        # (one element per plane) the plain gather is ~100x faster
-        plane = math.prod(int(d) for d in shape[axis + 1 :])
-        kernel = vbmi_channel_lut_kernel if vbmi and plane >= 64 else channel_lut_kernel
-        func = kernel(shape, axis, *dtypes)
-    else:
-        func = (vbmi_lut_kernel if vbmi else lut_kernel)(shape, *dtypes)
-    return _call_lut(bb, func, data, table)
+    return _call_lut(bb, _lut_kernel(shape, dtype_of(data), dtype_of(table), axis), data, table)
+
+
+def _lut_kernel(shape, data_dtype: str, table_dtype: str, axis: int | None = None):
+    """The lookup kernel of ``data_dtype`` data of ``shape``, one table or one per channel
+    along ``axis``: :func:`autoq.cpu.lut.vbmi_lut_kernel` /
+    :func:`autoq.cpu.lut.vbmi_channel_lut_kernel` on targets with AVX-512 VBMI (8-bit
+    tables), else :func:`autoq.cpu.lut.lut_kernel` / :func:`autoq.cpu.lut.channel_lut_kernel`."""
+    vbmi = table_dtype in VBMI_TABLE_DTYPES and target_has_vbmi()
+    if axis is None:
+        return (vbmi_lut_kernel if vbmi else lut_kernel)(shape, data_dtype, table_dtype)
+    # vpermi2b needs planes of >= 64 elements sharing a table (NCHW): on the last axis
+    # (one element per plane) the plain gather is ~100x faster
+    plane = math.prod(int(d) for d in shape[axis + 1 :])
+    kernel = vbmi_channel_lut_kernel if vbmi and plane >= 64 else channel_lut_kernel
+    return kernel(shape, axis, data_dtype, table_dtype)
 
 
 def _call_lut(bb, func, data, table):
@@ -484,10 +504,12 @@ def _call_lut(bb, func, data, table):
 
 
 def _constant_operand_table(call) -> tuple[relax.Expr, np.ndarray] | None:
-    """(the 8-bit tensor operand, the 256-entry table of the op on its codes) of a
-    per-tensor ``qnn.add / subtract / multiply`` whose other operand and qparams are
-    constants (``x * c``: attention's ``1 / sqrt(d)``), by
-    :func:`autoq.primitives.elementwise`; None for any other call."""
+    """(the 8-bit tensor operand, the table of the op on its codes) of a per-tensor
+    ``qnn.add / subtract / multiply`` whose other operand and qparams are constants (``x *
+    c``: attention's ``1 / sqrt(d)``), by :func:`autoq.primitives.elementwise`: 256 entries
+    for a scalar constant, ``[C, 256]`` for one per channel of NCHW data (``[1, C, 1, 1]``:
+    ResNet-50 open_nsfw's batch-norm shifts after its downsampling convs); None for any
+    other call."""
     a, b, *qparams = call.args
     values = [const_array(q) for q in qparams]
     rounding, out_dtype = str(call.attrs["rounding"]), str(call.attrs["out_dtype"])
@@ -497,13 +519,19 @@ def _constant_operand_table(call) -> tuple[relax.Expr, np.ndarray] | None:
         return None
     (ca, cb) = const_array(a), const_array(b)
     data, const = (b, ca) if cb is None else (a, cb)
-    if const is None or const.size != 1 or dtype_of(data) not in _ACT_DTYPES:
+    shape = shape_of(data)
+    if const is None or dtype_of(data) not in _ACT_DTYPES:
         return None
-    if shape_of(data) is None or shape_of(data) != shape_of(call):  # (a rank-raising constant)
+    if shape is None or shape != shape_of(call):  # (a rank-raising constant)
         return None
     lo, hi = (-128, 128) if dtype_of(data) == "int8" else (0, 256)
     codes = np.arange(lo, hi, dtype=np.int64)
-    const = np.int64(const.reshape(-1)[0])
+    if const.size == 1:
+        const = np.int64(const.reshape(-1)[0])
+    elif len(shape) == 4 and (1,) * (4 - const.ndim) + const.shape == (1, shape[1], 1, 1):
+        codes, const = codes[None, :], const.reshape(-1, 1).astype(np.int64)
+    else:
+        return None
     sa, za, sb, zb, so, zo = (v.reshape(-1)[0] for v in values)
     lhs, rhs = (codes, const) if data is a else (const, codes)
     kind = call.op.name.split(".")[1]
@@ -512,13 +540,15 @@ def _constant_operand_table(call) -> tuple[relax.Expr, np.ndarray] | None:
 
 
 def _elementwise(_isa: Isa, fallback, bb, call):
-    """A constant-operand elementwise op (:func:`_constant_operand_table`) -> the VBMI
-    ``qnn.lut`` kernel on targets with AVX-512 VBMI; anything else -> ``fallback``."""
+    """A constant-operand elementwise op (:func:`_constant_operand_table`) -> its lookup
+    kernel (:func:`_lut_kernel`, per channel along axis 1 for a per-channel constant) on
+    targets with AVX-512 VBMI; anything else -> ``fallback``."""
     found = _constant_operand_table(call) if target_has_vbmi() else None
     if found is None:
         return fallback(bb, call)
     data, table = found
-    func = vbmi_lut_kernel(shape_of(data), dtype_of(data), str(table.dtype))
+    axis = 1 if table.ndim == 2 else None
+    func = _lut_kernel(shape_of(data), dtype_of(data), str(table.dtype), axis)
     return _call_lut(bb, func, data, relax.const(table))
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "clip_int64",
     "dequantize_tensor",
     "dequantize_value",
+    "divide_by_reciprocal",
     "fixed_point_multiply",
     "param_at",
     "quantize_tensor",
@@ -78,6 +79,21 @@ def call_te_any_shape(bb, fn, data, params, name: str):
     out = fn(*holders)
     gv = bb.add_func(te.create_prim_func([*holders, out], "int64"), name)
     return relax.call_tir(gv, args, out_ty=relax.TensorType(shape_of(data[0]), out.dtype))
+
+
+def fma(a, b, c):
+    """float32 ``a * b + c`` rounded once (``llvm.fma``: a real FMA, never split)."""
+    return tirx.call_intrin("float32", "tirx.fma", a, b, c)
+
+
+def divide_by_reciprocal(x, s, r, steps: int):
+    """float32 ``x / s`` as ``x * r`` and ``steps`` FMA corrections, ``r = RN(1 / s)``: the
+    same value as the division where :func:`autoq.primitives.reciprocal_division_steps`
+    gives ``steps`` (its numpy twin: :func:`autoq.primitives.divide_by_reciprocal`)."""
+    y = x * r
+    for _ in range(steps):
+        y = fma(fma(-y, s, x), r, y)
+    return y
 
 
 def quantize_value(x, s, z, qmin, qmax, clip_dtype="float32"):
