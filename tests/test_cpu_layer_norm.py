@@ -85,5 +85,23 @@ def test_lowered_where_covered_same_floats(axis, kernel):
     np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
 
 
+def test_realized_layer_norm_block_same_outputs():
+    """SmoothQuant's test block realized (its two layer norms on the kernel): the same outputs
+    as the generic lowering, bit for bit."""
+    from models import ln_block, ln_block_data
+
+    mod, params, _ = ln_block()
+    qmod = autoq.quantize(mod, params, ln_block_data(2, 1), autoq.Config(recipe="cnn"))
+    names = [gv.name_hint for gv in lower_to_cpu_kernels(qmod, TARGET).functions]
+    assert "autoq_layer_norm" in names, sorted(names)  # one PrimFunc of this shape
+    assert not any(n.startswith("layer_norm") for n in names), sorted(names)  # no generic one
+    x = tvm.runtime.tensor(ln_block_data(1, 7)[0])
+    outs = []
+    for cpu_kernels in (True, False):
+        ex = autoq.compile(qmod, TARGET, cpu_kernels=cpu_kernels)
+        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](x).numpy())
+    np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+
 def test_doctests():
     assert doctest.testmod(layer_norm_mod).failed == 0
