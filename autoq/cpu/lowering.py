@@ -11,7 +11,8 @@ zero point (the dynamic layers, per token or per tensor) runs the kernel on the 
 and subtracts ``z_x * sum(w)`` after it (sibling layers reading one quantized input share one
 kernel call, :mod:`autoq.cpu.sibling_dense`); per-token ``qnn.dynamic_quantize`` becomes
 :mod:`autoq.cpu.dynamic_quantize`. float32 softmax becomes
-:mod:`autoq.cpu.softmax` (parallel, denormal probabilities flushed to 0); int8 / uint8
+:mod:`autoq.cpu.softmax` (parallel, denormal probabilities flushed to 0), float32 layer norm
+over the last axis :mod:`autoq.cpu.layer_norm` (the same floats); int8 / uint8
 NCHW max pools :mod:`autoq.cpu.max_pool` (rows, then columns: vectorized); a
 ``qnn.matmul`` of two activations (int8 rhs, same batch axes) :mod:`autoq.cpu.batch_matmul`.
 On targets with AMX int8 tiles, dense (>= ``AMX_MIN_ROWS`` rows) and the convs
@@ -51,6 +52,7 @@ from autoq.cpu.dynamic_quantize import dynamic_quantize_kernel
 from autoq.cpu.epilogue import Epilogue
 from autoq.cpu.fuse_epilogue import fuse_epilogues
 from autoq.cpu.isa import VNNI, Isa, kernel_isa
+from autoq.cpu.layer_norm import layer_norm_kernel
 from autoq.cpu.lut import (
     VBMI_TABLE_DTYPES,
     channel_lut_kernel,
@@ -441,6 +443,23 @@ def _softmax(_isa: Isa, fallback, bb, call):
     return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, "float32"))
 
 
+def _layer_norm(_isa: Isa, fallback, bb, call):
+    """float32 layer norm over the last axis of a static shape -> the row-parallel kernel of
+    :mod:`autoq.cpu.layer_norm` (the generic lowering's floats); anything else -> ``fallback``."""
+    data, gamma, beta = call.args
+    shape = shape_of(data)
+    axes = [int(a) for a in call.attrs["axes"]]
+    if shape is None or not shape or 0 in shape or dtype_of(data) != "float32":
+        return fallback(bb, call)
+    if axes not in ([-1], [len(shape) - 1]):
+        return fallback(bb, call)
+    if any(dtype_of(p) != "float32" or shape_of(p) != shape[-1:] for p in (gamma, beta)):
+        return fallback(bb, call)
+    func = layer_norm_kernel(shape, float(call.attrs["epsilon"]))
+    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_layer_norm")
+    return relax.call_tir(gv, [data, gamma, beta], out_ty=relax.TensorType(shape, "float32"))
+
+
 def _dynamic_quantize(_isa: Isa, fallback, bb, call):
     """Per-token ``qnn.dynamic_quantize`` of a static shape -> the row-parallel kernel of
     :mod:`autoq.cpu.dynamic_quantize` on ``[rows, K]``; anything else -> ``fallback``."""
@@ -578,6 +597,7 @@ _LOWERINGS = {
     "qnn.matmul": _matmul,
     "relax.nn.conv2d_transpose": _conv2d_transpose,
     "relax.nn.softmax": _softmax,
+    "relax.nn.layer_norm": _layer_norm,
     "qnn.lut": _lut,
     "qnn.add": _elementwise,
     "qnn.subtract": _elementwise,

@@ -1,0 +1,90 @@
+"""float32 layer norm over the last axis as one row-parallel PrimFunc, the same floats as
+TVM's generic lowering bit for bit.
+
+TVM's legalized layer norm (topi's ``layer_norm``) is two passes over each row, each a chain
+of dependent adds in index order (the add latency, not the throughput, bounds it): the sum
+(``mean = sum / n``), then the sum of ``(x - mean) * (x - mean)`` (``var = var_sum / n``), and
+``(x - mean) * rsqrt(var + eps) * gamma + beta``. Here the rows go in blocks of
+``ROW_BLOCK`` whose sums run interleaved (``ROW_BLOCK`` independent index-order chains, the
+same adds in the same order, as :mod:`autoq.cpu.softmax` does for its sums), each row's
+``rsqrt`` once, and the normalization of a row (still in cache) ``LANES`` at a time with
+topi's own expression.
+
+>>> f = layer_norm_kernel((2, 3, 40), 1e-5)
+>>> [p.name for p in f.params]
+['x_in', 'gamma', 'beta', 'out_']
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from autoq.cpu.injective import KERNEL_ATTR, memoized_kernel
+
+__all__ = ["LANES", "ROW_BLOCK", "layer_norm_kernel"]
+
+ROW_BLOCK = 16  # rows whose index-order sums run interleaved
+LANES = 16  # float32 lanes of an AVX-512 register
+
+
+@memoized_kernel
+def layer_norm_kernel(shape: tuple[int, ...], epsilon: float) -> tirx.PrimFunc:
+    """The PrimFunc ``(x_in, gamma[n], beta[n], out_)`` of float32 layer norm over the last axis
+    (``n``) of a static ``shape``, parallel over blocks of ``ROW_BLOCK`` rows (all leading
+    axes fused)."""
+    shape = tuple(int(d) for d in shape)
+    n, rows = shape[-1], math.prod(shape[:-1])
+    blocks, rb, nv = -(-rows // ROW_BLOCK), ROW_BLOCK, n // LANES * LANES
+    extent, eps = tirx.const(float(n), "float32"), tirx.const(epsilon, "float32")
+
+    def normalized(x, mean, rstd, g, b):
+        return (x - mean) * rstd * g + b  # topi's expression, rsqrt(var + eps) as rstd
+
+    @T.prim_func
+    def layer_norm(
+        x_in: T.Buffer(shape, "float32"),
+        gamma: T.Buffer((n,), "float32"),
+        beta: T.Buffer((n,), "float32"),
+        out_: T.Buffer(shape, "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True})
+        x = T.decl_buffer((rows, n), "float32", data=x_in.data)
+        out = T.decl_buffer((rows, n), "float32", data=out_.data)
+        for blk in T.parallel(blocks):
+            mean = T.decl_buffer((rb,), "float32")
+            var_sum = T.decl_buffer((rb,), "float32")
+            count = T.min(rb, rows - blk * rb)
+            for r in range(count):
+                mean[r] = T.float32(0)
+                var_sum[r] = T.float32(0)
+            for k in range(n):
+                for r in T.unroll(rb):
+                    if r < count:
+                        mean[r] = mean[r] + x[blk * rb + r, k]
+            for r in range(count):
+                mean[r] = mean[r] / extent
+            for k in range(n):
+                for r in T.unroll(rb):
+                    if r < count:
+                        var_sum[r] = var_sum[r] + (x[blk * rb + r, k] - mean[r]) * (
+                            x[blk * rb + r, k] - mean[r]
+                        )
+            for r in range(count):
+                row = blk * rb + r
+                rstd = T.rsqrt(var_sum[r] / extent + eps)
+                for ko in range(nv // LANES):
+                    for v in T.vectorized(LANES):
+                        out[row, ko * LANES + v] = normalized(
+                            x[row, ko * LANES + v],
+                            mean[r],
+                            rstd,
+                            gamma[ko * LANES + v],
+                            beta[ko * LANES + v],
+                        )
+                for k in range(nv, n):
+                    out[row, k] = normalized(x[row, k], mean[r], rstd, gamma[k], beta[k])
+
+    return layer_norm.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
