@@ -24,17 +24,16 @@ from autoq.errors import InputError
 from autoq.fallback.fidelity import compare, expose_slots
 from autoq.ir.canonicalize import hardswish
 from autoq.qnn import conv2d as qconv2d
-from models import TARGET, Builder, Runner, conv2d_nchw, op_sequence, small_cnn
+from models import TARGET, Builder, Runner, small_cnn
 
 SCALES = np.array([0.1, 0.5, 1.0, 2.0, 4.0, 8.0])  # very different channel ranges
 
 
-def chain(width=10, kernel=3, stride=1, second_reader=False, lookup=True, relu6=False):
+def chain(width=10, kernel=3, stride=1, second_reader=False, lookup=True):
     """conv 3x3 + bias (channel c x SCALES[c]) -> hardswish -> depthwise ``kernel`` (pad
     kernel // 2, + bias) -> conv 1x1; ``second_reader``: the hardswish output is also added
     to the depthwise output (a second reader); ``lookup=False``: no hardswish (the conv
-    writes the depthwise input), ``relu6``: through a ReLU6 (``clip(y, 0, 6)``, MobileNetV2's
-    expand -> depthwise)."""
+    writes the depthwise input)."""
     b = Builder(21)
     x = b.input("x", (1, 3, 6, width))
     w1 = b.rng.normal(size=(6, 3, 3, 3)) * SCALES.reshape(6, 1, 1, 1)
@@ -44,7 +43,6 @@ def chain(width=10, kernel=3, stride=1, second_reader=False, lookup=True, relu6=
         bias = b.weight("c1.bias", b.rng.normal(size=6))
         y = b.emit(relax.op.add(y, relax.op.reshape(bias, [1, 6, 1, 1])))
         h = b.emit(hardswish(y)) if lookup else y
-        h = b.emit(relax.op.clip(h, 0.0, 6.0)) if relu6 else h
         wd = b.randw("dw.weight", (6, 1, kernel, kernel))
         d = b.emit(relax.op.nn.conv2d(h, wd, strides=stride, padding=kernel // 2, groups=6))
         db = b.weight("dw.bias", b.rng.normal(size=6) * 0.1)
@@ -70,7 +68,6 @@ def cfg(on=True, more=(), **kw):
 
 
 HS = "autoq.hardswish_0"
-RELU6 = "clip_0"
 
 
 def quantize(mod, params, data, config):
@@ -101,10 +98,6 @@ def test_slots_go_per_channel_only_for_a_lookup_read_by_one_depthwise_conv():
     mod3, params3, _ = chain(lookup=False)
     assert simulate(mod3, params3, cfg()).slots["c1"].axis == 1
     assert simulate(mod3, params3, cfg(int16_tensors=("c1",))).slots["c1"].axis is None
-    # a conv writing it through a ReLU6 (MobileNetV2): the clip's slot goes per channel
-    mod4, params4, _ = chain(lookup=False, relu6=True)
-    assert simulate(mod4, params4, cfg()).slots[RELU6].axis == 1
-    assert simulate(mod4, params4, cfg(on=False)).slots[RELU6].axis is None
 
 
 def numpy_depthwise(q, zx, w, pad, stride):
@@ -212,37 +205,6 @@ def test_realized_depthwise_stage_matches_numpy():
         acc = (numpy_depthwise(h, hq.zero_point, w, 1, 1) + bias).astype(np.int32)
         want = P.requantize(acc, s_acc, 0, oq.scale, oq.zero_point, "int8", axis=1)
         np.testing.assert_array_equal(d, want)
-
-
-def test_relu6_between_conv_and_depthwise_folds_into_a_per_channel_requantize():
-    """conv -> ReLU6 -> depthwise (MobileNetV2's expand): the clip is the identity on every
-    channel's grid of a range inside [0, 6], so the per-channel quantize moves above it and
-    merges with the conv's requantize (no clip left). Its integers against numpy (the
-    int64 conv of the quantized input and weights, dequantized, clipped to [0, 6] and
-    quantized per channel), realized == simulated, kernels == generic lowering."""
-    mod, params, data = chain(40, lookup=False, relu6=True)
-    sim, qp, real = quantize(mod, params, data, cfg())
-    assert "clip" not in dict(op_sequence(real))
-    rep = compare(sim, real, qp, samples_for(data, sim.graph.inputs), target=TARGET)
-    assert rep.exact, rep.table()
-    xq, wq, cq = qp["x"], qp["c1.weight"], qp[RELU6]
-    # channels of very different ranges, some saturating at 6 (Q(6) == qmax: the edge)
-    assert len(set(cq.scale.tolist())) > 1 and float(np.max(cq.rmax)) == 6.0
-    w = P.quantize(params["c1.weight"], wq.scale, wq.zero_point, "int8", 0).astype(np.int64)
-    s_acc = (xq.scale * wq.scale).astype(np.float32).reshape(1, 6, 1, 1)
-    bias = P.quantize_bias(params["c1.bias"], xq.scale, wq.scale).values.reshape(1, 6, 1, 1)
-    exposed, order = expose_slots(real, [RELU6], integer=True)
-    run, kernels = Runner(exposed), _kernels(real)
-    for x in data[:2]:
-        centered = P.quantize(x, xq.scale, xq.zero_point, "int8").astype(np.int64) - int(
-            xq.zero_point
-        )
-        acc = conv2d_nchw(centered, w, pad=1) + bias
-        relu6 = np.clip(acc.astype(np.float32) * s_acc, 0.0, 6.0)
-        want = P.quantize(relu6, cq.scale, cq.zero_point, "int8", 1)
-        got = dict(zip(order, run(x)[1:], strict=True))[RELU6]
-        np.testing.assert_array_equal(got, want)
-        np.testing.assert_array_equal(kernels(x), Runner(real)(x))
 
 
 def test_option_json_errors_and_unchanged_models():

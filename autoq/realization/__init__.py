@@ -322,30 +322,6 @@ def _per_axis_requantize(value, src, rounding: str):
     return qnn.requantize(w, s1, z1, s2, z2, axis=axis, out_dtype=out_dtype, rounding=rounding)
 
 
-def _identity_per_axis(src, value) -> bool:
-    """Whether the per-axis ``qnn.quantize`` ``value`` of ``src``, a commute op of the
-    allow-list (relu, clip), may move above it unchanged: the op is the identity on every
-    channel's grid (a relu or ReLU6 whose channel ranges lie inside its bounds, each zero
-    point at qmin and each ``Q(6)`` at qmax or above). A per-channel depthwise input written
-    by a conv through its ReLU6 (:mod:`autoq.rules.depthwise_channels`) then meets the conv's
-    dequantize, and the two merge into one per-channel requantize."""
-    rule = ALLOW_LIST.get(op_name(src)) if is_call(src) else None
-    if rule is None or rule.kind != "commute" or rule.operands != "first":
-        return False
-    scales, zps = const_array(value.args[1]), const_array(value.args[2])
-    if scales is None or zps is None:
-        return False
-    dtype = str(value.attrs["out_dtype"])
-    placeholder = relax.Var("x", relax.TensorType(None, dtype))
-    for s, z in zip(
-        scales.reshape(-1), np.broadcast_to(zps, scales.shape).reshape(-1), strict=True
-    ):
-        grid = Grid(int(z), dtype, grid_point(float(s), int(z), dtype))
-        if rule.integer(src, placeholder, grid) is not placeholder:
-            return False
-    return True
-
-
 def propagate(mod: tvm.IRModule, rounding: str = "float", max_rounds: int = 1000) -> tvm.IRModule:
     """Push quantize up and dequantize down through the allow-list and merge them (module
     doc), to a fixed point."""
@@ -392,10 +368,7 @@ class _Round:
         if is_call(value, "qnn.quantize") and _per_tensor(value.args[1]):
             return self.quantize(value)
         if is_call(value, "qnn.quantize"):
-            src = self.val(value.args[0])
-            if self.phase == "up" and _identity_per_axis(src, value):
-                return tvm.ir.Call(value.op, [src.args[0], *value.args[1:]], value.attrs)
-            return _per_axis_requantize(value, src, self.rounding)
+            return _per_axis_requantize(value, self.val(value.args[0]), self.rounding)
         if self.phase == "down" and is_call(value) and value.args:
             return self.dequantize_below(value)
         return None

@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from autoq.ir.activations import LUT_DTYPES
-from autoq.ir.toolkit import is_call, shape_of
+from autoq.ir.toolkit import shape_of
 from autoq.qnn.accumulate import depthwise_shape
 from autoq.rules import hybrid
 from autoq.rules.lut_channels import AXIS, LUT_PATTERNS
@@ -74,10 +74,7 @@ def depthwise_inputs(g, matches, config) -> dict:
         lookup = m.pattern.name in LUT_PATTERNS
         if not (lookup or m.pattern.name in _CONV) or m.root in outputs:
             continue
-        var = m.root if lookup else _clamped(g, m.root, matches)
-        if var in outputs:
-            continue
-        shape = shape_of(var)
+        var, shape = m.root, shape_of(m.root)
         users = g.users.get(var, [])
         if shape is None or len(shape) != 4 or not users:
             continue
@@ -101,21 +98,6 @@ def depthwise_inputs(g, matches, config) -> dict:
         if all(spec.dtype in LUT_DTYPES for spec in specs):
             out[var] = (channels, conv.layer)
     return out
-
-
-def _clamped(g, var, matches):
-    """The tensor a conv's output ``var`` reaches the next layer as: the output of the relu
-    or clip (ReLU6) that alone reads it outside every match, else ``var`` itself. Those
-    commute with quantize (:mod:`autoq.ir.allow_list`) and are the identity on every
-    channel's grid of a range inside their bounds, so the per-channel quantize moves up
-    into the conv's requantize (:func:`autoq.realization.propagate`)."""
-    users = g.users.get(var, [])
-    if len(users) != 1 or any(users[0] in m.covered for m in matches):
-        return var
-    value = g.value.get(users[0])
-    if is_call(value, "relax.clip") or is_call(value, "relax.nn.relu"):
-        return users[0]
-    return var
 
 
 def _only_reader(users, matches):
