@@ -64,6 +64,8 @@ ACTIVATION_RULES = {
     "256-entry table) per channel (autoq.rules.lut_channels)",
     "depthwise_per_channel": "an 8-bit input read only by a depthwise conv gets one grid per "
     "channel (autoq.rules.depthwise_channels)",
+    "clip_output_ranges": "a tensor written by a clip with finite bounds (ReLU6) is "
+    "calibrated by its min / max (autoq.rules.clip_ranges)",
     "residual_per_channel": "a transformer's residual-stream tensors get one grid per channel "
     "of the hidden dimension (autoq.rules.residual_channels)",
     "softmax_input_ranges": "a masked softmax input's grid ends 16 below the scores' minimum "

@@ -55,10 +55,15 @@ def _table() -> dict[str, Recipe]:
         ),
         "depthwise_cnn": Recipe(
             "depthwise-separable CNNs (MobileNet, EfficientNet, PP-OCR): as cnn, with "
-            "per-channel grids on the lookup and depthwise inputs, lookup range cuts and the "
-            "empirical bias correction",
+            "per-channel grids on the lookup and depthwise inputs, lookup range cuts, min / max "
+            "ranges on ReLU6 outputs and the empirical bias correction",
             activation=mse,
-            rules=("lookup_input_ranges", "lookup_per_channel", "depthwise_per_channel"),
+            rules=(
+                "lookup_input_ranges",
+                "lookup_per_channel",
+                "depthwise_per_channel",
+                "clip_output_ranges",
+            ),
             bias_correction=BiasCorrection(),
         ),
         "transformer": Recipe(

@@ -24,7 +24,7 @@ from autoq.ir.toolkit import (
 )
 from autoq.primitives import qrange
 from autoq.qparams import SlotInfo
-from autoq.rules import depthwise_channels, hybrid, lut_channels, residual_channels
+from autoq.rules import clip_ranges, depthwise_channels, hybrid, lut_channels, residual_channels
 from autoq.rules.exits import int32_carriers
 
 __all__ = ["SimContext", "SlotPlan"]
@@ -125,6 +125,8 @@ class SimContext:
         self.per_channel = lut_channels.per_channel_inputs(g, matches, config)
         #: depthwise inputs (axis 1) and residual-stream tensors (last axis) per channel
         self.per_channel_dw = depthwise_channels.depthwise_inputs(g, matches, config)
+        #: clip (ReLU6) outputs, calibrated by min / max (autoq.rules.clip_ranges)
+        self.clipped = clip_ranges.clipped_tensors(g, config)
         self.channels = residual_channels.per_channel_slots(
             g, matches, config, self.plan.dynamic, self.tensor_id
         )
@@ -247,6 +249,8 @@ class SimContext:
         if sid in self._acts:
             return self._acts[sid]
         spec = self.act_spec(sid, self.layer)
+        if expr in self.clipped:
+            spec = clip_ranges.spec_for(spec)
         channels, ax = self.channel_slot(expr)
         s, z = self._new_slot(
             sid, "activation", spec, None, ax, channels, shape_of(expr), self.match.pattern.name
