@@ -393,7 +393,8 @@ def test_a_recipes_per_channel_rules_are_left_out_on_a_cluster(client, model):
     mod, params, data = model
     with pytest.warns(UserWarning, match=r"depthwise_cnn recipe's per-channel rules"):
         res = autoq.Quantizer(target=TARGET, cluster=client).run(mod, params, data)
-    assert res.recipe[0] == "depthwise_cnn" and res.config.rules == ("lookup_input_ranges",)
+    kept = ("lookup_input_ranges", "clip_output_ranges")  # the per-tensor rules
+    assert res.recipe[0] == "depthwise_cnn" and res.config.rules == kept
     want = autoq.Quantizer(res.config, target=TARGET).run(mod, params, data)
     assert_identical(want.qparams, res.qparams)
     mine = Config(recipe="depthwise_cnn", rules=("depthwise_per_channel",))
