@@ -39,6 +39,7 @@ from tvm.script import tirx as T
 
 from autoq.cpu.expf import EXPF_TABLE, PERMUTE_LANES, expf_expr
 from autoq.cpu.injective import KERNEL_ATTR, memoized_kernel
+from autoq.qnn.tensor_exprs import dequantize_value
 
 __all__ = [
     "LOG_SMALLEST_NORMAL",
@@ -72,10 +73,9 @@ def _prob(d, table, lane=None):
 
 
 def dequantized(q, scale: float, zero_point: int):
-    """``float32(int32(q) - zero_point) * scale``: the float the ``qnn.dequantize``
-    legalization gives an int8 / uint8 code (:func:`autoq.qnn.tensor_exprs.dequantize_value`)."""
-    wide = q.astype("int32") - tirx.const(zero_point, "int32")
-    return wide.astype("float32") * tirx.const(scale, "float32")
+    """The float the ``qnn.dequantize`` legalization gives an int8 / uint8 code ``q``
+    (:func:`autoq.qnn.tensor_exprs.dequantize_value`: ``float32(q - zero_point) * scale``)."""
+    return dequantize_value(q, tirx.const(scale, "float32"), tirx.const(zero_point, "int32"))
 
 
 @memoized_kernel
