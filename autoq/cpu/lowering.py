@@ -11,7 +11,8 @@ zero point (the dynamic layers, per token or per tensor) runs the kernel on the 
 and subtracts ``z_x * sum(w)`` after it (sibling layers reading one quantized input share one
 kernel call, :mod:`autoq.cpu.sibling_dense`); per-token ``qnn.dynamic_quantize`` becomes
 :mod:`autoq.cpu.dynamic_quantize`. float32 softmax becomes
-:mod:`autoq.cpu.softmax` (parallel, denormal probabilities flushed to 0), float32 layer norm
+:mod:`autoq.cpu.softmax` (parallel, denormal probabilities flushed to 0; a softmax of a
+per-tensor dequantize reads the codes: :mod:`autoq.cpu.softmax_dequantize`), float32 layer norm
 over the last axis :mod:`autoq.cpu.layer_norm` (the same floats); int8 / uint8
 NCHW max pools :mod:`autoq.cpu.max_pool` (rows, then columns: vectorized); a
 ``qnn.matmul`` of two activations (int8 rhs, same batch axes) :mod:`autoq.cpu.batch_matmul`.
@@ -67,6 +68,7 @@ from autoq.cpu.packing import compensation, pack_conv_weight, pack_dense_weight,
 from autoq.cpu.pool_requantize import requantize_after_pools
 from autoq.cpu.sibling_dense import merge_sibling_dense, minus_zero_point
 from autoq.cpu.softmax import inner_axis_covered, softmax_kernel, softmax_table
+from autoq.cpu.softmax_dequantize import fold_dequantize_into_softmax
 from autoq.ir.toolkit import const_array, dtype_of, is_call, shape_of
 from autoq.qnn.accumulate import depthwise_shape
 from autoq.qnn.dynamic_quantize import qparam_range
@@ -436,8 +438,14 @@ def _softmax(_isa: Isa, fallback, bb, call):
     last = axis in (-1, len(shape) - 1)
     if not last and not inner_axis_covered(tuple(int(d) for d in shape), axis):
         return fallback(bb, call)
+    return _softmax_call(bb, data, tuple(int(d) for d in shape), axis=axis)
+
+
+def _softmax_call(bb, data, shape: tuple[int, ...], dequantize=None, axis: int = -1):
+    """The call of :func:`autoq.cpu.softmax.softmax_kernel` on ``data`` (float32, or the
+    codes of ``dequantize``: :mod:`autoq.cpu.softmax_dequantize`)."""
     avx512 = tvm.target.codegen.target_has_features("avx512f", tvm.target.Target.current())
-    func = softmax_kernel(shape, axis, avx512).without_attr("global_symbol")
+    func = softmax_kernel(shape, axis, avx512, dequantize).without_attr("global_symbol")
     gv = bb.add_func(func, "autoq_softmax")
     table = relax.const(softmax_table(), "int64")
     return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, "float32"))
@@ -655,4 +663,5 @@ def lower_to_cpu_kernels(
         mod = fuse_epilogues(mod, epilogue, *layouts, *residuals)
         raw = functools.partial(_raw_dense, isa)
         mod = merge_sibling_dense(mod, _runtime_zero_point_operands, raw)
+        mod = fold_dequantize_into_softmax(mod, _softmax_call)
         return relax.transform.LegalizeOps(customize_legalize_map=custom)(mod)

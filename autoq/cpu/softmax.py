@@ -39,11 +39,13 @@ from tvm.script import tirx as T
 
 from autoq.cpu.expf import EXPF_TABLE, PERMUTE_LANES, expf_expr
 from autoq.cpu.injective import KERNEL_ATTR, memoized_kernel
+from autoq.qnn.tensor_exprs import dequantize_value
 
 __all__ = [
     "LOG_SMALLEST_NORMAL",
     "MAX_INNER_BINS",
     "ROW_BLOCK",
+    "dequantized",
     "inner_axis_covered",
     "softmax_kernel",
     "softmax_table",
@@ -70,8 +72,19 @@ def _prob(d, table, lane=None):
     return tirx.Select(d >= low, e, tirx.const(0.0, "float32"))
 
 
+def dequantized(q, scale: float, zero_point: int):
+    """The float the ``qnn.dequantize`` legalization gives an int8 / uint8 code ``q``
+    (:func:`autoq.qnn.tensor_exprs.dequantize_value`: ``float32(q - zero_point) * scale``)."""
+    return dequantize_value(q, tirx.const(scale, "float32"), tirx.const(zero_point, "int32"))
+
+
 @memoized_kernel
-def softmax_kernel(shape: tuple[int, ...], axis: int = -1, permute: bool = False) -> tirx.PrimFunc:
+def softmax_kernel(
+    shape: tuple[int, ...],
+    axis: int = -1,
+    permute: bool = False,
+    dequantize: tuple[str, float, int] | None = None,
+) -> tirx.PrimFunc:
     """The PrimFunc ``(data, table, out)`` of float32 softmax over ``axis`` of a static
     ``shape`` (``table``: :func:`softmax_table`, int64[32]). Over the last axis: parallel
     over blocks of ``ROW_BLOCK`` rows (all leading axes fused); over another axis (shapes
@@ -79,11 +92,19 @@ def softmax_kernel(shape: tuple[int, ...], axis: int = -1, permute: bool = False
     after it.
     ``out`` holds the exponentials until the division. ``permute`` (AVX-512 targets): the
     exponentials of a row (last-axis softmax) run 8 lanes at a time with the expf table read by permutes
-    (:func:`autoq.cpu.expf.expf_expr`), the same floats."""
+    (:func:`autoq.cpu.expf.expf_expr`), the same floats.
+    ``dequantize`` (last axis only): ``(dtype, scale, zero point)``, ``data`` holds int8 /
+    uint8 codes and the softmax is of their :func:`dequantized` floats, written to a row of
+    ``out`` first (stored, so that no ``x - max`` is contracted into an FMA with the
+    dequantize's multiply: the same floats as a separate dequantize) and read from there:
+    the float input tensor is never written."""
     shape = tuple(int(d) for d in shape)
     axis = axis % len(shape)
     if axis != len(shape) - 1:
+        if dequantize is not None:
+            raise ValueError("softmax_kernel: dequantize is for a last-axis softmax only")
         return _inner_axis_kernel(shape, axis)
+    in_dtype = "float32" if dequantize is None else dequantize[0]
     n, rows = shape[-1], math.prod(shape[:-1])
     blocks, nv = -(-rows // ROW_BLOCK), n // _LANES * _LANES
     rb = ROW_BLOCK
@@ -93,14 +114,17 @@ def softmax_kernel(shape: tuple[int, ...], axis: int = -1, permute: bool = False
     def lane(v):
         return v if permute else None
 
+    def read(x, out, row, k):  # the softmax's input float at [row, k]
+        return x[row, k] if dequantize is None else out[row, k]
+
     @T.prim_func
     def softmax(
-        x_in: T.Buffer(shape, "float32"),
+        x_in: T.Buffer(shape, in_dtype),
         table: T.Buffer((32,), "int64"),
         out_: T.Buffer(shape, "float32"),
     ):
         T.func_attr({"tirx.noalias": True})
-        x = T.decl_buffer((rows, n), "float32", data=x_in.data)
+        x = T.decl_buffer((rows, n), in_dtype, data=x_in.data)
         out = T.decl_buffer((rows, n), "float32", data=out_.data)
         for b in T.parallel(blocks):
             mx = T.decl_buffer((rb,), "float32")
@@ -113,17 +137,25 @@ def softmax_kernel(shape: tuple[int, ...], axis: int = -1, permute: bool = False
                     lanes[v] = T.float32(_LOWEST)
                 for ko in range(nv // _LANES):
                     for v in T.vectorized(_LANES):
-                        lanes[v] = T.max(lanes[v], x[row, ko * _LANES + v])
+                        if dequantize is not None:
+                            out[row, ko * _LANES + v] = dequantized(
+                                x[row, ko * _LANES + v], *dequantize[1:]
+                            )
+                        lanes[v] = T.max(lanes[v], read(x, out, row, ko * _LANES + v))
                 mx[r] = T.float32(_LOWEST)
                 for v in range(_LANES):
                     mx[r] = T.max(mx[r], lanes[v])
                 for k in range(n - nv):
-                    mx[r] = T.max(mx[r], x[row, nv + k])
+                    if dequantize is not None:
+                        out[row, nv + k] = dequantized(x[row, nv + k], *dequantize[1:])
+                    mx[r] = T.max(mx[r], read(x, out, row, nv + k))
                 for ko in range(ne // el):
                     for v in T.vectorized(el):
-                        out[row, ko * el + v] = _prob(x[row, ko * el + v] - mx[r], table, lane(v))
+                        out[row, ko * el + v] = _prob(
+                            read(x, out, row, ko * el + v) - mx[r], table, lane(v)
+                        )
                 for k in range(n - ne):
-                    out[row, ne + k] = _prob(x[row, ne + k] - mx[r], table)
+                    out[row, ne + k] = _prob(read(x, out, row, ne + k) - mx[r], table)
             for r in range(count):
                 sums[r] = T.float32(0)
             for k in range(n):

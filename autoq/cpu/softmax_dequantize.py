@@ -1,0 +1,82 @@
+"""A last-axis softmax of dequantized int8 codes as one kernel reading the codes.
+
+A transformer's realized attention scores reach their softmax as int8 codes (the requantized
+``q @ k^T``, its scale multiply and the quantized mask add, all int8) and one per-tensor
+``qnn.dequantize``, whose float32 output only the softmax reads. Here
+``softmax(qnn.dequantize(q, s, z))`` becomes one call of the softmax kernel that dequantizes
+each row as it reads it (``softmax_kernel(..., dequantize=...)``, :mod:`autoq.cpu.softmax`):
+the float scores tensor is never written nor read back (a dequantize only its softmax reads
+is removed), and the probabilities are the same floats, bit for bit.
+
+:func:`fold_dequantize_into_softmax` takes the lowering's half as a callback:
+``softmax(bb, codes, shape, dequantize)`` the kernel call (or None where the kernel does
+not cover it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+from tvm import relax
+
+from autoq.ir.toolkit import bindings, const_array, dtype_of, is_call, shape_of
+
+__all__ = ["CODE_DTYPES", "fold_dequantize_into_softmax", "softmax_of_codes"]
+
+CODE_DTYPES = ("int8", "uint8")
+
+
+def softmax_of_codes(call, value_of: dict) -> tuple | None:
+    """``(codes, shape, (dtype, scale, zero point))`` when ``call`` is a last-axis softmax of
+    a variable bound (in ``value_of``) to a per-tensor ``qnn.dequantize`` of int8 / uint8
+    codes with a static shape of at least two axes (the softmax lowering's), else None."""
+    if not is_call(call, "relax.nn.softmax") or not isinstance(call.args[0], relax.Var):
+        return None
+    deq = value_of.get(call.args[0])
+    if deq is None or not is_call(deq, "qnn.dequantize"):
+        return None
+    q, s, z = deq.args
+    shape, dtype = shape_of(q), dtype_of(q)
+    scale, zero = const_array(s), const_array(z)
+    if shape is None or len(shape) < 2 or dtype not in CODE_DTYPES or scale is None or zero is None:
+        return None
+    if scale.size != 1 or zero.size != 1 or int(call.attrs["axis"]) not in (-1, len(shape) - 1):
+        return None
+    return q, shape, (dtype, float(scale.reshape(-1)[0]), int(zero.reshape(-1)[0]))
+
+
+@relax.expr_functor.mutator
+class _Fold(relax.PyExprMutator):
+    def __init__(self, mod, value_of: dict, softmax: Callable):
+        super().__init__(mod)
+        self.value_of, self.softmax = value_of, softmax
+
+    def run(self, gv, func):
+        self.builder_.update_func(gv, self.visit_expr(func))
+        return self.builder_.finalize()
+
+    def visit_var_binding_(self, binding):
+        found = softmax_of_codes(binding.value, self.value_of)
+        value = None
+        if found is not None:
+            q, shape, dequantize = found
+            value = self.softmax(self.builder_, self.visit_expr(q), shape, dequantize)
+        if value is None:
+            super().visit_var_binding_(binding)
+            return
+        value = self.builder_.normalize(value)
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+
+
+def fold_dequantize_into_softmax(mod: tvm.IRModule, softmax: Callable) -> tvm.IRModule:
+    """``mod`` with each softmax of ``main`` that :func:`softmax_of_codes` accepts on
+    ``softmax(bb, codes, shape, dequantize)`` (a dequantize nothing else reads then removed)."""
+    if not any(gv.name_hint == "main" for gv in mod.get_global_vars()):
+        return mod
+    func = mod["main"]
+    value_of = dict(bindings(func))
+    if not any(softmax_of_codes(e, value_of) for e in value_of.values()):
+        return mod
+    out = _Fold(mod, value_of, softmax).run(mod.get_global_var("main"), func)
+    return relax.transform.DeadCodeElimination()(out)
