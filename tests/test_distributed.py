@@ -38,7 +38,7 @@ from autoq.calibrators.mse import MSE
 from autoq.calibrators.percentile import Percentile
 from autoq.dataset import CallableShards, DatasetError, NpzShards
 from autoq.distributed import ShardLostError, calibrate_distributed
-from models import TARGET, ln_block, ln_block_data, small_cnn
+from models import TARGET, ln_block, ln_block_data, mlp, small_cnn
 
 COORDINATOR = "AUTOQ_TEST_COORDINATOR_PID"
 os.environ.setdefault(COORDINATOR, str(os.getpid()))
@@ -472,3 +472,20 @@ def test_nothing_to_quantize_on_a_cluster(client):
     with pytest.warns(UserWarning, match="no layer is quantized"):
         r = autoq.Quantizer(cfg, target=TARGET, cluster=client).run(bb.get(), {}, data)
     assert r.int8_layers == []
+
+
+def test_clip_output_ranges_on_a_cluster(client):
+    """The per-tensor ``clip_output_ranges`` rule (a ReLU6 output calibrated by its min /
+    max whatever the spec's calibrator) is kept on a cluster: the workers give the
+    in-process qparams, and the rule really changed a range (mse cuts the clip's output)."""
+    mod, params, make = mlp()
+    data = make(8)
+    plain = config(MSE())
+    ruled = replace(plain, rules=("clip_output_ranges",))
+    sim = simulate(mod, params, ruled)
+    want = calibrate(sim, params, data, ruled, target=TARGET)
+    got = calibrate_distributed(sim, data, ruled, TARGET, client, shards=2)
+    assert_identical(want, got)
+    base = calibrate(simulate(mod, params, plain), params, data, plain, target=TARGET)
+    changed = [sid for sid in want.params if bits(want[sid]) != bits(base[sid])]
+    assert changed, "the rule must change the clip output's range"
