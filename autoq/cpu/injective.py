@@ -25,6 +25,7 @@ import tvm
 from tvm import tirx
 from tvm.s_tir import Schedule, ScheduleError
 
+from autoq.cpu.int8_round_trip import elide_round_trips
 from autoq.cpu.int_sum import schedule_integer_sum
 from autoq.ir.loop_schedule import rows_for, schedule_reductions
 
@@ -178,6 +179,8 @@ def schedule_fused(func: tirx.PrimFunc, rows: int = 4) -> tirx.PrimFunc:
             sch.compute_inline(block)
         except ScheduleError:
             pass
+    for block in _blocks(sch):
+        elide_round_trips(sch, block)
     sch = Schedule(schedule_reductions(sch.mod["main"], rows), error_render_level="none")
     for block in _blocks(sch):
         try:
