@@ -57,6 +57,7 @@ from autoq.cpu.layer_norm import layer_norm_kernel
 from autoq.cpu.lut import (
     VBMI_TABLE_DTYPES,
     channel_lut_kernel,
+    current_target_has,
     lut_kernel,
     target_has_vbmi,
     vbmi_channel_lut_kernel,
@@ -444,7 +445,7 @@ def _softmax(_isa: Isa, fallback, bb, call):
 def _softmax_call(bb, data, shape: tuple[int, ...], dequantize=None, axis: int = -1):
     """The call of :func:`autoq.cpu.softmax.softmax_kernel` on ``data`` (float32, or the
     codes of ``dequantize``: :mod:`autoq.cpu.softmax_dequantize`)."""
-    avx512 = tvm.target.codegen.target_has_features("avx512f", tvm.target.Target.current())
+    avx512 = current_target_has("avx512f")
     func = softmax_kernel(shape, axis, avx512, dequantize).without_attr("global_symbol")
     gv = bb.add_func(func, "autoq_softmax")
     table = relax.const(softmax_table(), "int64")

@@ -53,6 +53,7 @@ __all__ = [
     "VBMI_TABLE_DTYPES",
     "blocked_channel_lut_kernel",
     "channel_lut_kernel",
+    "current_target_has",
     "lut_kernel",
     "transpose_picks",
     "transpose_stages",
@@ -67,10 +68,16 @@ _VECTORS_PER_TASK = 64
 _PERMUTE = "llvm.x86.avx512.vpermi2var.qi.512"
 
 
+def current_target_has(feature: str) -> bool:
+    """Whether the current target (``with target:``; False outside one) has the LLVM
+    ``feature`` (``"avx512vbmi"``, ``"avx512f"``, ...)."""
+    target = tvm.target.Target.current(allow_none=True)
+    return target is not None and tvm.target.codegen.target_has_features(feature, target)
+
+
 def target_has_vbmi() -> bool:
     """Whether the current target has AVX-512 VBMI (``vpermi2b``: the 256-entry lookups)."""
-    target = tvm.target.Target.current(allow_none=True)
-    return target is not None and tvm.target.codegen.target_has_features("avx512vbmi", target)
+    return current_target_has("avx512vbmi")
 
 
 def _qmin(data_dtype: str) -> int:
