@@ -75,8 +75,7 @@ def profile_calls(vm, args, runs: int) -> list[tuple[str, float, int]]:
         vm["main"](*args)
     floor = fastest[0] if calls else 0.0
     best = {
-        n: max(0.0, min(r.get(n, float("inf")) for r in runs_us) - floor * calls[n])
-        for n in calls
+        n: max(0.0, min(r.get(n, float("inf")) for r in runs_us) - floor * calls[n]) for n in calls
     }
     print(f"(per-call timer floor {floor:.2f} us subtracted from every VM call)")
     return sorted(((n, best[n], calls[n]) for n in best), key=lambda r: -r[1])
