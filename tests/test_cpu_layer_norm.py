@@ -12,6 +12,7 @@ from test_cpu_kernels import PATHS  # the two ISA paths, skipped where the CPU l
 from tvm import relax
 
 import autoq
+from autoq.cpu import lane_transpose
 from autoq.cpu import layer_norm as layer_norm_mod
 from autoq.cpu.layer_norm import layer_norm_kernel
 from autoq.cpu.lowering import lower_to_cpu_kernels
@@ -106,3 +107,4 @@ def test_realized_layer_norm_block_same_outputs():
 
 def test_doctests():
     assert doctest.testmod(layer_norm_mod).failed == 0
+    assert doctest.testmod(lane_transpose).failed == 0

@@ -31,57 +31,11 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from autoq.cpu.injective import KERNEL_ATTR, memoized_kernel
+from autoq.cpu.lane_transpose import LANES, TILE, transposed_tile
 
-__all__ = ["LANES", "ROW_BLOCK", "layer_norm_kernel"]
+__all__ = ["ROW_BLOCK", "layer_norm_kernel"]
 
 ROW_BLOCK = 16  # rows whose index-order sums run interleaved
-LANES = 16  # float32 lanes of an AVX-512 register
-
-
-def transpose_indices(stage: int) -> tuple[list[int], list[int]]:
-    """The shuffle indices (into the pair's ``2 LANES`` lanes, first vector first) of the
-    two vectors of a pair after round ``stage`` (0-3) of a ``LANES`` x ``LANES`` transpose:
-    the pair's vectors differ in bit ``stage`` of their index, and the round swaps that bit
-    of the vector index with the same bit of the lane index.
-
-    >>> import numpy as np
-    >>> def transposed(m):
-    ...     vectors = list(m)
-    ...     for stage in range(4):
-    ...         low, high = transpose_indices(stage)
-    ...         for v in range(LANES):
-    ...             if not v >> stage & 1:
-    ...                 pair = np.concatenate([vectors[v], vectors[v | 1 << stage]])
-    ...                 vectors[v], vectors[v | 1 << stage] = pair[low], pair[high]
-    ...     return np.stack(vectors)
-    >>> m = np.arange(LANES * LANES).reshape(LANES, LANES)
-    >>> bool((transposed(m) == m.T).all())
-    True
-    """
-    step = 1 << stage
-    low = [lane + (LANES - step if lane & step else 0) for lane in range(LANES)]
-    high = [lane + (LANES if lane & step else step) for lane in range(LANES)]
-    return low, high
-
-
-def _round_vector(tile, src, v, stage: int, which: int):
-    """Vector ``v + which * 2**stage`` of ``tile`` (offset ``src``) after round ``stage``."""
-    first = tile[tirx.Ramp(src + v * LANES, 1, LANES)]
-    second = tile[tirx.Ramp(src + (v + (1 << stage)) * LANES, 1, LANES)]
-    indices = transpose_indices(stage)[which]
-    return tirx.Shuffle([first, second], [tirx.IntImm("int32", i) for i in indices])
-
-
-@T.macro
-def _transpose_round(tile, src, dst, stage):
-    """Round ``stage`` of :func:`transpose_indices` on the ``LANES`` vectors of ``tile`` at
-    offset ``src``, written at ``dst``."""
-    for pair in T.unroll(LANES // 2):  # the vectors v, v + 2**stage, bit stage of v clear
-        v = (pair >> stage << stage + 1) | (pair & (1 << stage) - 1)
-        tile[T.Ramp(dst + v * LANES, 1, LANES)] = _round_vector(tile, src, v, stage, 0)
-        tile[T.Ramp(dst + (v + (1 << stage)) * LANES, 1, LANES)] = _round_vector(
-            tile, src, v, stage, 1
-        )
 
 
 @memoized_kernel
@@ -89,10 +43,10 @@ def layer_norm_kernel(shape: tuple[int, ...], epsilon: float) -> tirx.PrimFunc:
     """The PrimFunc ``(x_in, gamma[n], beta[n], out_)`` of float32 layer norm over the last axis
     (``n``) of a static ``shape``, parallel over blocks of ``ROW_BLOCK`` rows (all leading
     axes fused). A whole block of a row length that is a whole number of vectors is
-    transposed ``LANES`` x ``LANES`` at a time (four rounds of two-vector shuffles:
-    :func:`transpose_indices`) into a column-major copy whose vectors (one column of the
-    block's rows each) its sums add in index order: the row chains' adds, ``LANES`` at a
-    time."""
+    transposed ``LANES`` x ``LANES`` at a time
+    (:func:`autoq.cpu.lane_transpose.transposed_tile`) into a column-major copy whose
+    vectors (one column of the block's rows each) its sums add in index order: the row
+    chains' adds, ``LANES`` at a time."""
     shape = tuple(int(d) for d in shape)
     n, rows = shape[-1], math.prod(shape[:-1])
     blocks, rb, nv = -(-rows // ROW_BLOCK), ROW_BLOCK, n // LANES * LANES
@@ -122,18 +76,10 @@ def layer_norm_kernel(shape: tuple[int, ...], epsilon: float) -> tirx.PrimFunc:
             count = T.min(rb, rows - blk * rb)
             if transposed and count == rb:
                 cols = T.decl_buffer((n * LANES,), "float32")
-                tile = T.decl_buffer((2 * LANES * LANES,), "float32")
+                tile = T.decl_buffer((TILE,), "float32")
                 mean[T.Ramp(0, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
                 for ko in range(n // LANES):
-                    for r in T.unroll(LANES):
-                        tile[T.Ramp(r * LANES, 1, LANES)] = x_flat[
-                            T.Ramp((blk * rb + r) * n + ko * LANES, 1, LANES)
-                        ]
-                    size = LANES * LANES
-                    _transpose_round(tile, 0, size, 0)
-                    _transpose_round(tile, size, 0, 1)
-                    _transpose_round(tile, 0, size, 2)
-                    _transpose_round(tile, size, 0, 3)
+                    transposed_tile(tile, x_flat, (blk * rb) * n + ko * LANES, n)
                     for c in T.unroll(LANES):
                         cols[T.Ramp((ko * LANES + c) * LANES, 1, LANES)] = lanes(tile, c * LANES)
                         mean[T.Ramp(0, 1, LANES)] = lanes(mean, 0) + lanes(tile, c * LANES)
