@@ -12,6 +12,7 @@ from test_cpu_kernels import PATHS  # the two ISA paths, skipped where the CPU l
 from tvm import relax
 
 import autoq
+from autoq.cpu import lane_transpose
 from autoq.cpu import layer_norm as layer_norm_mod
 from autoq.cpu.layer_norm import layer_norm_kernel
 from autoq.cpu.lowering import lower_to_cpu_kernels
@@ -52,10 +53,11 @@ def _numpy_layer_norm(x, gamma, beta):
 @pytest.mark.parametrize(
     "shape",
     [
-        (1, 128, 384),  # all-MiniLM-L6-v2: 8 whole row blocks, whole vectors
+        (1, 128, 384),  # all-MiniLM-L6-v2: 8 whole (transposed) row blocks
         (2, 3, 40),  # one partial block, a scalar tail of 8
         (37, 16),  # two whole blocks and a partial one, no tail
         (5, 7),  # no whole vector
+        (40, 48),  # two whole (transposed) blocks and a partial one
     ],
 )
 @pytest.mark.parametrize(("isa", "mcpu"), PATHS)
@@ -76,8 +78,8 @@ def test_kernel_same_floats_as_generic_lowering(isa, mcpu, shape):
 def test_lowered_where_covered_same_floats(axis, kernel):
     """The last axis runs on the kernel, another axis on TVM's own layer norm (which takes
     gamma / beta of that axis's length); the floats are the generic lowering's either way."""
-    x = _inputs((2, 20, 20), seed=1)[0]
-    _, gamma, beta = _inputs((20,), seed=2)
+    x = _inputs((2, 32, 32), seed=1)[0]  # the last axis: 4 whole blocks of whole vectors
+    _, gamma, beta = _inputs((32,), seed=2)
     mod, got = _layer_norm_vm(x, gamma, beta, axis, cpu_kernels=True)
     names = {gv.name_hint for gv in lower_to_cpu_kernels(mod, TARGET).functions}
     assert ("autoq_layer_norm" in names) == kernel, (axis, sorted(names))
@@ -105,3 +107,4 @@ def test_realized_layer_norm_block_same_outputs():
 
 def test_doctests():
     assert doctest.testmod(layer_norm_mod).failed == 0
+    assert doctest.testmod(lane_transpose).failed == 0
