@@ -637,6 +637,28 @@ def test_elementwise_int16_operands(op):
     assert (np.abs(exact - zo) < 32000).mean() > 0.5  # mostly inside the range, not clipped
 
 
+@pytest.mark.parametrize("op", ["add", "subtract"])
+def test_float_elementwise_is_not_contracted_on_fma_targets(op):
+    """Float-rounding add / subtract of every pair of int8 codes, compiled for the host CPU
+    (FMA instructions, which the baseline ``llvm`` target lacks), bit for bit against numpy,
+    which rounds both dequantize products: LLVM contracts an unfenced ``(a - za) * sa + (b -
+    zb) * sb`` into one fused multiply-add, one step off wherever the real result is a tie
+    (3-4% of the pairs at these scales; per-channel-constant adds run as lookups of the
+    numpy values)."""
+    host = tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
+    codes = np.arange(-128, 128, dtype=np.int8)
+    a, b = np.repeat(codes, 256).reshape(256, 256), np.tile(codes, 256).reshape(256, 256)
+    sa, sb, so, za, zb, zo = 0.05, 0.15, 0.1, 3, -5, 1  # many real results are ties
+    (got,) = run_tuple(
+        {"a": a, "b": b},
+        lambda a, b: [
+            getattr(qnn, op)(a, b, f32(sa), i32(za), f32(sb), i32(zb), f32(so), i32(zo), "int8")
+        ],
+        host,
+    )
+    assert_bit_exact(got, P.elementwise(op, a, sa, za, b, sb, zb, so, zo, "int8", "float"), op)
+
+
 # -------------------------------------------------------- simulated quantize / dequantize
 
 

@@ -556,11 +556,6 @@ def _constant_operand_table(call) -> tuple[relax.Expr, np.ndarray] | None:
     codes = np.arange(lo, hi, dtype=np.int64)
     if const.size == 1:
         const = np.int64(const.reshape(-1)[0])
-    elif rounding == "float":
-        # the legalization's float32 `(a - za) * sa + (c - zb) * sb` with a per-channel
-        # constant is not folded: LLVM may contract it into a fused multiply-add, so no
-        # table computed apart is its result bit for bit (integer modes are exact)
-        return None
     elif len(shape) == 4 and (1,) * (4 - const.ndim) + const.shape == (1, shape[1], 1, 1):
         codes, const = codes[None, :], const.reshape(-1, 1).astype(np.int64)
     else:

@@ -21,6 +21,7 @@ __all__ = [
     "divide_by_reciprocal",
     "fixed_point_multiply",
     "param_at",
+    "product",
     "quantize_tensor",
     "quantize_value",
     "rshift_round",
@@ -86,6 +87,20 @@ def fma(a, b, c):
     return tirx.call_intrin("float32", "tirx.fma", a, b, c)
 
 
+def product(a, s):
+    """float32 ``a * s`` rounded on its own, as numpy rounds it, whatever adds it later:
+    ``fma(a, s, +0.0)``. TVM's LLVM target contracts ``a * s + c`` into one fused
+    multiply-add wherever it can (``AllowFPOpFusion = Fast`` in its ``llvm_instance.cc``, no
+    target attribute turns it off): a float ``qnn.add``'s ``fma(b - zb, sb, (a - za) * sa)``
+    is one output step off :func:`autoq.primitives.elementwise` wherever the real result is
+    a tie. LLVM contracts multiplies only, and folds ``fma(a, s, +0.0)`` into one only under
+    ``nsz`` (TVM sets no fast-math flags): the same value (a ``-0.0`` product becomes
+    ``+0.0``, which no sum or quantize tells apart) in one ``vfmadd``, as cheap as the
+    ``vmulps``. (``llvm.arithmetic.fence`` around the product gives the same values, but
+    made ResNet-50's fused float ``qnn.add`` chains 25-60x slower.)"""
+    return fma(a, s, tirx.const(0.0, "float32"))
+
+
 def divide_by_reciprocal(x, s, r, steps: int):
     """float32 ``x / s`` as ``x * r`` and ``steps`` FMA corrections, ``r = RN(1 / s)``: the
     same value as the division where :func:`autoq.primitives.reciprocal_division_steps`
@@ -111,7 +126,8 @@ def quantize_value(x, s, z, qmin, qmax, clip_dtype="float32"):
 
 
 def dequantize_value(q, s, z):
-    """``float32(q - z) * s``; q is any int dtype or an integral float.
+    """``float32(q - z) * s``, a :func:`product` (never contracted into a later addition: as
+    primitives.dequantize rounds it); q is any int dtype or an integral float.
 
     The subtraction is exact: in int32 for 8/16-bit data, in int64 for int32 data (an int32
     accumulator minus a zero point can leave the int32 range), like primitives.dequantize;
@@ -120,11 +136,11 @@ def dequantize_value(q, s, z):
     """
     dtype = str(q.dtype if hasattr(q, "dtype") else q.ty)  # a tensor element or any PrimExpr
     if "float" in dtype:
-        return (q - z.astype(dtype)).astype("float32") * s
+        return product((q - z.astype(dtype)).astype("float32"), s)
     if isinstance(z, tirx.IntImm) and z.value == 0:
-        return q.astype("float32") * s
+        return product(q.astype("float32"), s)
     wide = "int64" if dtype == "int32" else "int32"
-    return (q.astype(wide) - z.astype(wide)).astype("float32") * s
+    return product((q.astype(wide) - z.astype(wide)).astype("float32"), s)
 
 
 def quantize_tensor(x, s, z, axis, out_dtype, qmin, qmax):
