@@ -99,6 +99,22 @@ class QParam:
     def per_axis(self) -> bool:
         return self.scale.ndim == 1
 
+    def uniform(self) -> QParam:
+        """The per-tensor QParam when every channel of a per-axis one has the same scale and
+        zero point (the same grid: quantizing with either gives the same integers), else
+        itself.
+
+        >>> QParam(np.full(3, 0.5, np.float32), np.zeros(3), "int8", 1).uniform().axis is None
+        True
+        """
+        if not self.per_axis or self.scale.size == 0:
+            return self
+        s, z = self.scale[0], self.zero_point[0]
+        if np.any(self.scale != s) or np.any(self.zero_point != z):
+            return self
+        first = [None if v is None else v.reshape(-1)[0] for v in (self.rmin, self.rmax)]
+        return QParam(s, z, self.dtype, None, *first)
+
     @property
     def qmin(self) -> int:
         return P.qrange(self.dtype)[0]

@@ -28,6 +28,8 @@ feeds the observers batch by batch, like ONNX Runtime does.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import time
 import warnings
 from collections.abc import Iterable
@@ -36,6 +38,7 @@ import numpy as np
 
 from autoq import calibrators
 from autoq.accuracy.weight_tuning import WeightTuner
+from autoq.calibration import granularity
 from autoq.calibration.holdout import split_holdout
 from autoq.calibration.plan import CalibrationPlan, build_plan
 from autoq.calibration.scale_health import HealthCheck, SlotHealth, problem
@@ -56,6 +59,8 @@ from autoq.rules.range_cuts import cut_ranges
 from autoq.rules.residual_channels import widen
 from autoq.simulation import SimResult
 from autoq.threads import use_machine_cores
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "FP32_SLOTS",
@@ -398,6 +403,32 @@ def choose_qparams(runners: list, slot: str, spec: QuantSpec, observers=None) ->
     return checked_result(_merged(observers).compute(spec), cal, slot)
 
 
+def choose_depthwise(runner, slot: str, spec: QuantSpec, weight, ahead: dict) -> QParam:
+    """A depthwise input's qparams (:mod:`autoq.calibration.granularity`): each channel on
+    its own grid when that leaves less error on held-out samples, else on the shared
+    per-tensor grid."""
+    feed = functools.partial(runner.feed, slot)
+    err = granularity.held_out_errors(runner.n, spec, weight, feed)
+    own = granularity.own_grids(err["per_channel"], err["per_tensor"])
+    _log.debug(
+        "depthwise input %s: own grid on %d of %d channels, held-out error %.4g -> %.4g",
+        slot,
+        own.sum(),
+        own.size,
+        err["per_tensor"].sum(),
+        np.where(own, err["per_channel"], err["per_tensor"]).sum(),
+    )
+    per_channel = choose_qparams([runner], slot, spec, ahead.pop(slot, None)) if own.any() else None
+    if own.all():
+        return per_channel
+    cal = spec.calibrator
+    data_range = None
+    if getattr(cal, "needs_range", False):
+        data_range = feed(calibrators.range_observer(None)).data_range()
+    qp = feed(cal.observer(axis=None, data_range=data_range)).compute(spec)
+    return granularity.shared_grid(checked_result(qp, cal, slot), own.size, per_channel, own)
+
+
 def checked_result(qp, calibrator, slot: str) -> QParam:
     """The calibrator contract's last clause: ``observer.compute(spec)`` returns a QParam."""
     if not isinstance(qp, QParam):
@@ -434,6 +465,7 @@ def run_plan(
     bounds = lut_input_bounds(sim) if config.has_rule("lookup_input_ranges") else {}
     on = config.has_rule("softmax_input_ranges")
     softmax_inputs = softmax_ranges.softmax_input_slots(sim) if on else {}
+    depthwise = granularity.depthwise_slots(sim) if len(runners) == 1 else {}
     show = (resources or Resources()).show_progress
     bar = progress_bar(total=len(plan.segments) * n, desc="calibrating", show=show)
     pending: dict[str, list] = {}  # the previous segment's health observers, still filling
@@ -443,6 +475,8 @@ def run_plan(
             chosen = {}
             for sid in seg.heads:
                 qp = (fixed or {}).get(sid)
+                if qp is None and sid in depthwise:
+                    qp = choose_depthwise(runners[0], sid, specs[sid], depthwise[sid], ahead)
                 if qp is None:
                     qp = widen(choose_qparams(runners, sid, specs[sid], ahead.get(sid)), sim, sid)
                     if sid in bounds:  # autoq.rules.lut_ranges

@@ -182,7 +182,7 @@ class RealizeContext:
                     "inputs with Config.rules 'depthwise_per_channel' and the residual stream's last "
                     "axis with Config.rules 'residual_per_channel')"
                 )
-            r = self._acts[sid] = RealQ(self, None, qp)
+            r = self._acts[sid] = RealQ(self, None, qp.uniform())
             r.q = self.emit(
                 qnn.quantize(
                     self.value(expr), r.scale_c, r.zero_point_c, axis=r.axis, out_dtype=qp.dtype
@@ -322,6 +322,30 @@ def _per_axis_requantize(value, src, rounding: str):
     return qnn.requantize(w, s1, z1, s2, z2, axis=axis, out_dtype=out_dtype, rounding=rounding)
 
 
+def _per_axis_clip_identity(value, src):
+    """A per-axis ``qnn.quantize`` of a ``clip`` whose bounds cover every channel's grid
+    (``Q_c(lo) <= qmin`` and ``Q_c(hi) >= qmax``: a ReLU6 output calibrated per channel
+    inside [0, 6]) as the quantize of the clip's input: on those grids the clip is the
+    identity on every integer. None otherwise (the clip then stays in float)."""
+    if not is_call(src, "relax.clip"):
+        return None
+    _, s, z = value.args
+    scales, zps = const_array(s), const_array(z)
+    bounds = [getattr(b, "value", None) for b in src.args[1:3]]
+    if scales is None or zps is None or any(b is None for b in bounds):
+        return None
+    dtype = str(value.attrs["out_dtype"])
+    qmin, qmax = P.qrange(dtype)
+    grids = [
+        grid_point(a, b, dtype) for a, b in zip(scales.reshape(-1), zps.reshape(-1), strict=True)
+    ]
+    lo = [of(float(bounds[0])) for of in grids]
+    hi = [of(float(bounds[1])) for of in grids]
+    if max(lo) > qmin or min(hi) < qmax:
+        return None
+    return tvm.ir.Call(value.op, [src.args[0], s, z], value.attrs, list(value.ty_args))
+
+
 def propagate(mod: tvm.IRModule, rounding: str = "float", max_rounds: int = 1000) -> tvm.IRModule:
     """Push quantize up and dequantize down through the allow-list and merge them (module
     doc), to a fixed point."""
@@ -368,7 +392,11 @@ class _Round:
         if is_call(value, "qnn.quantize") and _per_tensor(value.args[1]):
             return self.quantize(value)
         if is_call(value, "qnn.quantize"):
-            return _per_axis_requantize(value, self.val(value.args[0]), self.rounding)
+            src = self.val(value.args[0])
+            out = _per_axis_requantize(value, src, self.rounding)
+            if out is None and self.phase == "up":
+                out = _per_axis_clip_identity(value, src)
+            return out
         if self.phase == "down" and is_call(value) and value.args:
             return self.dequantize_below(value)
         return None

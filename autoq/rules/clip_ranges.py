@@ -25,7 +25,7 @@ import math
 from autoq.config import QuantSpec
 from autoq.ir.toolkit import is_call
 
-__all__ = ["clipped_tensors", "spec_for"]
+__all__ = ["clipped_tensors", "is_finite_clip", "spec_for"]
 
 
 def clipped_tensors(g, config) -> set:
@@ -33,11 +33,12 @@ def clipped_tensors(g, config) -> set:
     constants; empty when ``config.has_rule("clip_output_ranges")`` is off."""
     if not config.has_rule("clip_output_ranges"):
         return set()
-    out = set()
-    for var, value in g.value.items():
-        if is_call(value, "relax.clip") and all(_finite(b) for b in value.args[1:3]):
-            out.add(var)
-    return out
+    return {var for var, value in g.value.items() if is_finite_clip(value)}
+
+
+def is_finite_clip(value) -> bool:
+    """Whether binding value ``value`` is a ``relax.clip`` with both bounds finite constants."""
+    return is_call(value, "relax.clip") and all(_finite(b) for b in value.args[1:3])
 
 
 def spec_for(spec: QuantSpec) -> QuantSpec:

@@ -42,7 +42,7 @@ import numpy as np
 from autoq.ir.activations import LUT_DTYPES
 from autoq.ir.toolkit import shape_of
 from autoq.qnn.accumulate import depthwise_shape
-from autoq.rules import hybrid
+from autoq.rules import clip_ranges, hybrid
 from autoq.rules.lut_channels import AXIS, LUT_PATTERNS
 
 __all__ = ["AXIS", "depthwise_inputs", "group_scales", "is_depthwise"]
@@ -74,7 +74,10 @@ def depthwise_inputs(g, matches, config) -> dict:
         lookup = m.pattern.name in LUT_PATTERNS
         if not (lookup or m.pattern.name in _CONV) or m.root in outputs:
             continue
-        var, shape = m.root, shape_of(m.root)
+        var = _through_clip(g, m.root)
+        if var in outputs:
+            continue
+        shape = shape_of(var)
         users = g.users.get(var, [])
         if shape is None or len(shape) != 4 or not users:
             continue
@@ -98,6 +101,15 @@ def depthwise_inputs(g, matches, config) -> dict:
         if all(spec.dtype in LUT_DTYPES for spec in specs):
             out[var] = (channels, conv.layer)
     return out
+
+
+def _through_clip(g, var):
+    """The tensor a layer's output ``var`` is read as: the output of the ``clip`` with
+    finite bounds (ReLU6) that is its only reader, else ``var`` itself."""
+    users = g.users.get(var, [])
+    if len(users) == 1 and clip_ranges.is_finite_clip(g.value.get(users[0])):
+        return users[0]
+    return var
 
 
 def _only_reader(users, matches):
