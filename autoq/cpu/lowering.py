@@ -52,6 +52,7 @@ from autoq.cpu.depthwise_neighbours import depthwise_neighbours, weight_key
 from autoq.cpu.dynamic_quantize import dynamic_quantize_kernel
 from autoq.cpu.epilogue import Epilogue
 from autoq.cpu.fuse_epilogue import fuse_epilogues
+from autoq.cpu.gate_tables import gate_tables
 from autoq.cpu.isa import VNNI, Isa, kernel_isa
 from autoq.cpu.layer_norm import layer_norm_kernel
 from autoq.cpu.lut import (
@@ -67,6 +68,7 @@ from autoq.cpu.max_pool import DTYPES as POOL_DTYPES
 from autoq.cpu.max_pool import max_pool2d_kernel
 from autoq.cpu.packing import compensation, pack_conv_weight, pack_dense_weight, round_up
 from autoq.cpu.pool_requantize import requantize_after_pools
+from autoq.cpu.resize_codes import resize_codes
 from autoq.cpu.sibling_dense import merge_sibling_dense, minus_zero_point
 from autoq.cpu.softmax import inner_axis_covered, softmax_kernel, softmax_table
 from autoq.cpu.softmax_dequantize import fold_dequantize_into_softmax
@@ -628,7 +630,10 @@ def lower_to_cpu_kernels(
     the blocked layout) plain int8 elementwise ops (``qnn.add`` of two blocked tensors, a
     per-tensor requantize) run on blocked tensors (:mod:`autoq.cpu.blocked_elementwise`);
     None: on exactly when the blocked layout is. Requantizes of int8 codes before max pools
-    and edge pads move after them first (:mod:`autoq.cpu.pool_requantize`, exact)."""
+    and edge pads move after them first (:mod:`autoq.cpu.pool_requantize`, exact), quantized
+    nearest resizes run on the codes (:mod:`autoq.cpu.resize_codes`) and, on VBMI targets,
+    channel gates ``x + x * g[c]`` as per-channel lookups whose tables are built at run time
+    (:mod:`autoq.cpu.gate_tables`); both exact."""
     isa = kernel_isa(target)
     if isa is None:
         return mod
@@ -655,6 +660,9 @@ def lower_to_cpu_kernels(
                 functools.partial(layout_for, isa, zero_point=0),
             )
         mod = requantize_after_pools(mod)
+        mod = resize_codes(mod)
+        if target_has_vbmi():  # the run-time tables' lookups: VBMI channel kernels
+            mod = gate_tables(mod)
         epilogue = functools.partial(_with_epilogue, isa, vnni=vnni)
         mod = fuse_epilogues(mod, epilogue, *layouts, *residuals)
         raw = functools.partial(_raw_dense, isa)

@@ -21,7 +21,8 @@ Reading expressions::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import tvm
@@ -193,6 +194,37 @@ def with_main(mod: tvm.IRModule, func: relax.Function, name: str = "main") -> tv
     out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
     out[name] = func
     return out
+
+
+def rewrite_main(mod: tvm.IRModule, rewrite: Callable) -> tvm.IRModule:
+    """``mod`` with each binding ``var = value`` of ``main`` bound to ``rewrite(value, once,
+    lookup)`` instead where that is not None, then the unused bindings removed (``mod``
+    itself when nothing changed or there is no ``main``). ``lookup(var)``: the value bound to
+    ``var`` in the original ``main`` (None for a parameter); ``once(var)``: the same for a
+    variable read exactly once, else None. The new value's free variables are the original
+    ones (they are remapped to the rewritten bindings)."""
+    if not any(gv.name_hint == "main" for gv in mod.get_global_vars()):
+        return mod
+    func = mod["main"]
+    value = dict(bindings(func))
+    uses = Counter(v for e in value.values() for v in free_vars(e))
+    uses.update(free_vars(func.body.body))
+
+    def once(var):
+        return value.get(var) if uses[var] == 1 else None
+
+    w = BindingWriter()
+    vmap: dict = {}
+    changed = False
+    for var, e in bindings(func):
+        new = rewrite(e, once, value.get)
+        changed = changed or new is not None
+        vmap[var] = w.emit(remap_expr(e if new is None else new, vmap), var.name)
+    if not changed:
+        w.abandon()
+        return mod
+    out = w.finish(func.params, remap_expr(func.body.body, vmap), func.attrs)
+    return with_main(mod, relax.analysis.remove_all_unused(out))
 
 
 class BindingWriter:
