@@ -57,9 +57,8 @@ def _run(mod, cpu_kernels: bool, *arrays):
 
 @pytest.mark.parametrize("dtype, factor", [("int8", 2), ("uint8", 4)])
 def test_nearest_resize_runs_on_the_codes_bit_exact(dtype, factor):
-    """The quantized resize against numpy; through the add against the add's own
-    legalization (LLVM may contract the add's float32 products into an FMA: numpy's
-    reference rounds each of them)."""
+    """The quantized resize and the add that reads it against numpy's reference and the
+    float chain's legalization."""
     mod, alone = _module(dtype, factor=factor), _module(dtype, factor=factor, add=False)
     assert _int8_resizes(mod) == 1 and _int8_resizes(alone) == 1
     rng = np.random.default_rng(1)
@@ -69,12 +68,14 @@ def test_nearest_resize_runs_on_the_codes_bit_exact(dtype, factor):
     b = rng.integers(-128, 128, (1, 4, side, side)).astype(np.int8)
     got = _run(mod, True, q, b)
     np.testing.assert_array_equal(got, _run(mod, False, q, b))
-    assert len(np.unique(got)) > 40, "the case must span many output codes"
     up = q.repeat(factor, 2).repeat(factor, 3)
     z1 = Z1 + 128 if dtype == "uint8" else Z1
     want = P.quantize(P.dequantize(up, S1, z1), S2, Z2, "int8")
     np.testing.assert_array_equal(_run(alone, True, q, b), want)
     assert len(np.unique(want)) > 100
+    added = P.elementwise("add", b, SB, ZB, want, S2, Z2, SO, ZO, "int8", rounding="float")
+    np.testing.assert_array_equal(got, added)
+    assert len(np.unique(got)) > 40, "the case must span many output codes"
 
 
 def test_code_table_is_the_float_chain_on_every_code():

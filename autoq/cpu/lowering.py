@@ -520,9 +520,14 @@ def _lut_kernel(shape, data_dtype: str, table_dtype: str, axis: int | None = Non
         return (vbmi_lut_kernel if vbmi else lut_kernel)(shape, data_dtype, table_dtype)
     # vpermi2b needs planes of >= 64 elements sharing a table (NCHW): on the last axis
     # (one element per plane) the plain gather is ~100x faster
-    plane = math.prod(int(d) for d in shape[axis + 1 :])
-    kernel = vbmi_channel_lut_kernel if vbmi and plane >= 64 else channel_lut_kernel
+    kernel = vbmi_channel_lut_kernel if vbmi and _vbmi_planes(shape, axis) else channel_lut_kernel
     return kernel(shape, axis, data_dtype, table_dtype)
+
+
+def _vbmi_planes(shape, axis: int) -> bool:
+    """Whether the planes after ``axis`` of ``shape`` hold >= 64 elements each: the VBMI
+    per-channel lookup kernel's domain."""
+    return math.prod(int(d) for d in shape[axis + 1 :]) >= 64
 
 
 def _call_lut(bb, func, data, table):
@@ -538,8 +543,7 @@ def _constant_operand_table(call) -> tuple[relax.Expr, np.ndarray] | None:
     ``qnn.add / subtract / multiply`` whose other operand and qparams are constants (``x *
     c``: attention's ``1 / sqrt(d)``), by :func:`autoq.primitives.elementwise`: 256 entries
     for a scalar constant, ``[C, 256]`` for one per channel of NCHW data (``[1, C, 1, 1]``:
-    ResNet-50 open_nsfw's batch-norm shifts after its downsampling convs); None for any
-    other call."""
+    PP-OCRv4 det's bias after its first conv transpose); None for any other call."""
     a, b, *qparams = call.args
     values = [const_array(q) for q in qparams]
     rounding, out_dtype = str(call.attrs["rounding"]), str(call.attrs["out_dtype"])
@@ -572,12 +576,17 @@ def _constant_operand_table(call) -> tuple[relax.Expr, np.ndarray] | None:
 def _elementwise(_isa: Isa, fallback, bb, call):
     """A constant-operand elementwise op (:func:`_constant_operand_table`) -> its lookup
     kernel (:func:`_lut_kernel`, per channel along axis 1 for a per-channel constant) on
-    targets with AVX-512 VBMI; anything else -> ``fallback``."""
+    targets with AVX-512 VBMI; anything else -> ``fallback``. A per-channel constant on
+    planes under 64 elements keeps ``fallback`` too: the gather kernel there is slower than
+    the float chain, which fuses with its neighbours (ResNet-50 open_nsfw's two 7x7 batch-norm
+    shifts: 67 us of lookups + 22 us vs one 74 us fused chain, 1 thread)."""
     found = _constant_operand_table(call) if target_has_vbmi() else None
     if found is None:
         return fallback(bb, call)
     data, table = found
     axis = 1 if table.ndim == 2 else None
+    if axis is not None and not _vbmi_planes(shape_of(data), axis):
+        return fallback(bb, call)
     func = _lut_kernel(shape_of(data), dtype_of(data), str(table.dtype), axis)
     return _call_lut(bb, func, data, relax.const(table))
 
