@@ -421,12 +421,8 @@ def choose_depthwise(runner, slot: str, spec: QuantSpec, weight, ahead: dict) ->
     per_channel = choose_qparams([runner], slot, spec, ahead.pop(slot, None)) if own.any() else None
     if own.all():
         return per_channel
-    cal = spec.calibrator
-    data_range = None
-    if getattr(cal, "needs_range", False):
-        data_range = feed(calibrators.range_observer(None)).data_range()
-    qp = feed(cal.observer(axis=None, data_range=data_range)).compute(spec)
-    return granularity.shared_grid(checked_result(qp, cal, slot), own.size, per_channel, own)
+    qp = checked_result(granularity.fit(feed, spec, None), spec.calibrator, slot)
+    return granularity.shared_grid(qp, own.size, per_channel, own)
 
 
 def checked_result(qp, calibrator, slot: str) -> QParam:
@@ -465,7 +461,17 @@ def run_plan(
     bounds = lut_input_bounds(sim) if config.has_rule("lookup_input_ranges") else {}
     on = config.has_rule("softmax_input_ranges")
     softmax_inputs = softmax_ranges.softmax_input_slots(sim) if on else {}
-    depthwise = granularity.depthwise_slots(sim) if len(runners) == 1 else {}
+    depthwise = granularity.depthwise_slots(sim)
+    if depthwise and len(runners) > 1:
+        warnings.warn(
+            f"distributed calibration keeps all {len(depthwise)} ReLU6-written depthwise inputs "
+            "per channel: their held-out per-tensor / per-channel choice "
+            "(autoq.calibration.granularity) runs in local calibration only, so this model "
+            "differs from a local quantization of the same data; quantize without cluster= "
+            "for the recipe's choice",
+            stacklevel=2,
+        )
+        depthwise = {}
     show = (resources or Resources()).show_progress
     bar = progress_bar(total=len(plan.segments) * n, desc="calibrating", show=show)
     pending: dict[str, list] = {}  # the previous segment's health observers, still filling

@@ -43,6 +43,7 @@ __all__ = [
     "ErrorSink",
     "Part",
     "depthwise_slots",
+    "fit",
     "held_out_errors",
     "own_grids",
     "shared_grid",
@@ -83,14 +84,19 @@ class ErrorSink:
             self.sums[name] = self.sums.get(name, 0.0) + s
 
 
-def _fit(feed, spec, axis, keep: range) -> QParam:
-    """``spec``'s calibrator over the samples ``keep`` of ``feed`` (``feed(sink)``: every
-    sample to ``sink.update`` in order), a range pass first for histogram calibrators."""
+def fit(feed, spec, axis, keep: range | None = None) -> QParam:
+    """``spec``'s calibrator over the samples ``keep`` (None: all) of ``feed``
+    (``feed(sink)``: every sample to ``sink.update`` in order, returns the sink), a range
+    pass first for histogram calibrators; ``axis``: None per tensor, else per channel."""
     cal = spec.calibrator
+
+    def fed(sink):
+        return feed(sink) if keep is None else feed(Part(sink, keep)).sink
+
     data_range = None
     if getattr(cal, "needs_range", False):
-        data_range = feed(Part(calibrators.range_observer(axis), keep)).sink.data_range()
-    return feed(Part(cal.observer(axis=axis, data_range=data_range), keep)).sink.compute(spec)
+        data_range = fed(calibrators.range_observer(axis)).data_range()
+    return fed(cal.observer(axis=axis, data_range=data_range)).compute(spec)
 
 
 def held_out_errors(samples, spec, weight, feed=None) -> dict[str, np.ndarray]:
@@ -109,8 +115,8 @@ def held_out_errors(samples, spec, weight, feed=None) -> dict[str, np.ndarray]:
 
         samples = len(items)
     n = int(samples)
-    fit, held = range(n // 2), range(n // 2, n)
-    qps = {"per_channel": _fit(feed, spec, AXIS, fit), "per_tensor": _fit(feed, spec, None, fit)}
+    first, held = range(n // 2), range(n // 2, n)
+    qps = {"per_channel": fit(feed, spec, AXIS, first), "per_tensor": fit(feed, spec, None, first)}
     sums = feed(Part(ErrorSink(qps), held)).sink.sums
     energy = np.sum(np.square(np.asarray(weight, np.float64)).reshape(len(weight), -1), axis=1)
     return {k: energy * v for k, v in sums.items()}
