@@ -37,14 +37,15 @@ CODES = ("int8", "uint8")
 
 
 def code_table(s1, z1, s2, z2, in_dtype: str, out_dtype: str) -> np.ndarray:
-    """``quantize(dequantize(k, s1, z1), s2, z2)`` for the 256 codes ``k`` of ``in_dtype``.
+    """``quantize(dequantize(k, s1, z1), s2, z2)`` for the 256 codes ``k`` of ``in_dtype``
+    (:func:`autoq.primitives.requantize` in float rounding).
 
     >>> code_table(0.5, 0, 1.0, 0, "int8", "int8")[[0, 127, 128, 129, 255]].tolist()
     [-64, 0, 0, 0, 64]
     """
     lo = -128 if in_dtype == "int8" else 0
     codes = np.arange(lo, lo + 256).astype(in_dtype)
-    return P.quantize(P.dequantize(codes, s1, z1), s2, z2, out_dtype)
+    return P.requantize(codes, s1, z1, s2, z2, out_dtype, rounding="float")
 
 
 def _scalar(e):
