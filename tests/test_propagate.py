@@ -243,3 +243,34 @@ def test_per_channel_dequantize_moves_below_relu_only_with_one_zero_point():
     check(uniform, expected)
     mixed = module(inp, before_body([3, 4]))
     check(mixed, mixed)
+
+
+def test_per_channel_quantize_drops_a_clip_that_covers_every_channel_grid():
+    """clip(0, 6) (a ReLU6) under a per-channel quantize on axis 1, zero points -128: on
+    channel 0 (scale 0.02) Q(0) = -128 = qmin and Q(6) = round(6 / 0.02) - 128 = 172 -> 127 =
+    qmax; on channel 1 (scale 6 / 255) Q(6) = 255 - 128 = 127. The clip is the identity on
+    every int8 of both grids, so the quantize reads its input and the clip disappears."""
+    inp = {"x": ((1, 2, 2, 2), F32)}
+    scales = [0.02, 6 / 255]
+    before = module(
+        inp,
+        lambda bb, x: qnn.quantize(
+            bb.emit(relax.op.clip(x, 0.0, 6.0)), S(scales), Z([-128, -128]), 1, "int8"
+        ),
+    )
+    expected = module(inp, lambda bb, x: qnn.quantize(x, S(scales), Z([-128, -128]), 1, "int8"))
+    check(before, expected)
+
+
+def test_per_channel_quantize_stays_below_a_clip_one_channel_needs():
+    """As above with channel 1 on scale 0.05: Q(6) = 120 - 128 = -8 < 127, so its codes
+    above -8 are cut by the clip; per-channel integer bounds are not emitted, so the clip
+    stays in float and the quantize under it."""
+    inp = {"x": ((1, 2, 2, 2), F32)}
+    before = module(
+        inp,
+        lambda bb, x: qnn.quantize(
+            bb.emit(relax.op.clip(x, 0.0, 6.0)), S([0.02, 0.05]), Z([-128, -128]), 1, "int8"
+        ),
+    )
+    check(before, before)

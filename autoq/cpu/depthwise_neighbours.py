@@ -13,8 +13,8 @@ PP-OCRv4 det 24.1 -> 24.5 ms (unchanged within the noise; every conv on VNNI: 26
 :func:`depthwise_neighbours` finds the convs (groups 1) that read a depthwise conv's output
 or feed a depthwise conv's input through elementwise ops only (bias add, requantize, a
 lookup: one variable operand, the shape unchanged); :func:`weight_key` names a conv by its
-weights, the key the lowering looks up (the calls themselves are rebuilt by the passes in
-between).
+weights, the key :class:`autoq.cpu.isa.IsaChoice` looks up (the calls themselves are
+rebuilt by the passes in between).
 """
 
 from __future__ import annotations

@@ -3,19 +3,24 @@
 An :class:`Isa` row holds everything that differs between the instruction sets: the
 intrinsic, its block shape (``lanes`` output channels x ``k`` reduction elements), the dtype
 activations and weights are packed to, and how signed/unsigned activations are shifted into
-the activation dtype. :func:`isa_of` picks the row from the target's CPU features.
+the activation dtype. :func:`isa_of` picks the row from the target's CPU features;
+:func:`isa_choice` is what one lowering carries: the row for the target and the convs of the
+module that stay off AMX.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import tvm
+from tvm import relax
 
 from autoq.cpu.amx import target_has_amx
+from autoq.cpu.depthwise_neighbours import depthwise_neighbours, weight_key
 from autoq.cpu.intrinsics import AVX2_DOT, VNNI_DOT
+from autoq.ir.toolkit import const_array
 
-__all__ = ["AVX2", "ISAS", "VNNI", "Isa", "isa_of", "kernel_isa"]
+__all__ = ["AVX2", "ISAS", "VNNI", "Isa", "IsaChoice", "isa_choice", "isa_of", "kernel_isa"]
 
 
 @dataclass(frozen=True)
@@ -116,3 +121,49 @@ def kernel_isa(target: tvm.target.Target) -> Isa | None:
     if isa is VNNI and target_has_amx(target):
         return replace(VNNI, amx=True, reciprocal=True)
     return isa
+
+
+@dataclass(frozen=True, eq=False)
+class IsaChoice:
+    """The instruction sets of one module's kernels: ``isa`` (:func:`kernel_isa` of the
+    target), ``blocked`` (int8 tensors between packed convs flow in the blocked layout) and
+    ``vnni_convs``, the :func:`~autoq.cpu.depthwise_neighbours.weight_key` of the convs that
+    stay on VNNI on an AMX target (the neighbours of depthwise convs: on VNNI their chain
+    flows blocked, :mod:`autoq.cpu.depthwise_neighbours`)."""
+
+    isa: Isa
+    blocked: bool
+    vnni_convs: frozenset[bytes] = frozenset()
+    #: weight constant -> whether its conv is in ``vnni_convs`` (each key computed once)
+    _kept: dict = field(default_factory=dict, repr=False)
+
+    def keeps_on_vnni(self, weight: relax.Expr) -> bool:
+        """Whether the conv with the constant ``weight`` stays on VNNI (never when there are
+        no such convs)."""
+        if not self.vnni_convs:
+            return False
+        if weight not in self._kept:
+            self._kept[weight] = weight_key(const_array(weight)) in self.vnni_convs
+        return self._kept[weight]
+
+
+def isa_choice(
+    target: tvm.target.Target, mod: tvm.IRModule, blocked_layout: bool | None = None
+) -> IsaChoice | None:
+    """The :class:`IsaChoice` of lowering ``mod`` for ``target``, None when the target has no
+    int8 instruction set of the kernels; ``blocked_layout`` None: the row's
+    :attr:`Isa.blocked`. The convs next to depthwise ones stay on VNNI on AMX targets when
+    the layout is blocked.
+
+    >>> choice = isa_choice(tvm.target.Target({"kind": "llvm", "mcpu": "znver4"}), tvm.IRModule())
+    >>> choice.isa is VNNI, choice.blocked, choice.vnni_convs
+    (True, True, frozenset())
+    >>> isa_choice(tvm.target.Target({"kind": "llvm"}), tvm.IRModule()) is None
+    True
+    """
+    isa = kernel_isa(target)
+    if isa is None:
+        return None
+    blocked = isa.blocked if blocked_layout is None else blocked_layout
+    vnni = depthwise_neighbours(mod) if isa.amx and blocked else frozenset()
+    return IsaChoice(isa, blocked, vnni)

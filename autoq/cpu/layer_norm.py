@@ -6,7 +6,7 @@ of dependent adds in index order (the add latency, not the throughput, bounds it
 (``mean = sum / n``), then the sum of ``(x - mean) * (x - mean)`` (``var = var_sum / n``), and
 ``(x - mean) * rsqrt(var + eps) * gamma + beta``. Here the rows go in blocks of
 ``ROW_BLOCK`` whose sums run interleaved (``ROW_BLOCK`` independent index-order chains, the
-same adds in the same order, as :mod:`autoq.cpu.softmax` does for its sums), each row's
+same adds in the same order, :func:`autoq.cpu.row_sums.row_sums`), each row's
 ``rsqrt`` once, and the normalization of a row (still in cache) ``LANES`` at a time with
 topi's own expression.
 
@@ -32,10 +32,9 @@ from tvm.script import tirx as T
 
 from autoq.cpu.injective import KERNEL_ATTR, memoized_kernel
 from autoq.cpu.lane_transpose import LANES, TILE, transposed_tile
+from autoq.cpu.row_sums import ROW_BLOCK, row_sums
 
 __all__ = ["ROW_BLOCK", "layer_norm_kernel"]
-
-ROW_BLOCK = 16  # rows whose index-order sums run interleaved
 
 
 @memoized_kernel
@@ -58,6 +57,12 @@ def layer_norm_kernel(shape: tuple[int, ...], epsilon: float) -> tirx.PrimFunc:
 
     def normalized(x, mean, rstd, g, b):
         return (x - mean) * rstd * g + b  # topi's expression, rsqrt(var + eps) as rstd
+
+    def block_rows(x, first):  # row first + r at [r, k]
+        return lambda r, k: x[first + r, k]
+
+    def squared_deviations(x, first, mean):  # topi's variance addend of row first + r
+        return lambda r, k: (x[first + r, k] - mean[r]) * (x[first + r, k] - mean[r])
 
     @T.prim_func
     def layer_norm(
@@ -90,21 +95,10 @@ def layer_norm_kernel(shape: tuple[int, ...], epsilon: float) -> tirx.PrimFunc:
                         lanes(cols, k * LANES) - lanes(mean, 0)
                     ) * (lanes(cols, k * LANES) - lanes(mean, 0))
             else:
-                for r in range(count):
-                    mean[r] = T.float32(0)
-                    var_sum[r] = T.float32(0)
-                for k in range(n):
-                    for r in T.unroll(rb):
-                        if r < count:
-                            mean[r] = mean[r] + x[blk * rb + r, k]
+                row_sums(mean, count, n, block_rows(x, blk * rb))
                 for r in range(count):
                     mean[r] = mean[r] / extent
-                for k in range(n):
-                    for r in T.unroll(rb):
-                        if r < count:
-                            var_sum[r] = var_sum[r] + (x[blk * rb + r, k] - mean[r]) * (
-                                x[blk * rb + r, k] - mean[r]
-                            )
+                row_sums(var_sum, count, n, squared_deviations(x, blk * rb, mean))
             for r in range(count):
                 row = blk * rb + r
                 rstd = T.rsqrt(var_sum[r] / extent + eps)

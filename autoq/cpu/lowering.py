@@ -48,12 +48,11 @@ from autoq.cpu.conv2d import ConvShape, conv2d_kernel
 from autoq.cpu.conv_transpose import conv2d_transpose_kernel
 from autoq.cpu.dense import dense_kernel
 from autoq.cpu.depthwise import depthwise_kernel, depthwise_weight, zero_point_input
-from autoq.cpu.depthwise_neighbours import depthwise_neighbours, weight_key
 from autoq.cpu.dynamic_quantize import dynamic_quantize_kernel
 from autoq.cpu.epilogue import Epilogue
 from autoq.cpu.fuse_epilogue import fuse_epilogues
 from autoq.cpu.gate_tables import gate_tables
-from autoq.cpu.isa import VNNI, Isa, kernel_isa
+from autoq.cpu.isa import VNNI, Isa, IsaChoice, isa_choice
 from autoq.cpu.layer_norm import layer_norm_kernel
 from autoq.cpu.lut import (
     VBMI_TABLE_DTYPES,
@@ -146,11 +145,10 @@ def _call(bb, isa: Isa, func, name: str, data, w_packed, w, z: int, out_ty, epil
     return relax.call_tir(gv, _tail(args, epilogue), out_ty=out_ty)
 
 
-def _conv_plan(isa: Isa, call, vnni: frozenset = frozenset()):
+def _conv_plan(choice: IsaChoice, call):
     """(data dtype, zero point, weights, ConvShape, kind) of a ``qnn.conv2d`` the kernels
-    cover (kind: "depthwise", "amx" or "packed"), or None; ``vnni``: the
-    :func:`~autoq.cpu.depthwise_neighbours.weight_key` of the convs kept off AMX (the
-    neighbours of depthwise convs, which flow blocked on VNNI)."""
+    cover (kind: "depthwise", "amx" or "packed"; the convs ``choice`` keeps on VNNI are not
+    "amx"), or None."""
     data, weight, _s_x, z_x, _s_w, z_w = call.args
     ops = _operands(data, weight, z_x, z_w)
     a = call.attrs
@@ -171,46 +169,39 @@ def _conv_plan(isa: Isa, call, vnni: frozenset = frozenset()):
     if depthwise:
         kind = "depthwise"
     else:
-        amx = isa.amx and amx_conv_applies(shape) and not (vnni and weight_key(w) in vnni)
+        amx = choice.isa.amx and amx_conv_applies(shape) and not choice.keeps_on_vnni(weight)
         kind = "amx" if amx else "packed"
     return dt, zx, w, shape, kind
 
 
-def _layout_of(isa: Isa, call, vnni: frozenset = frozenset()) -> BlockedLayout | None:
+def _layout_of(choice: IsaChoice, call) -> BlockedLayout | None:
     """The blocked layout the packed conv kernel reads ``call``'s data in, or None (not a
     conv, or one another kernel runs)."""
     if not is_call(call, "qnn.conv2d"):
         return None
-    plan = _conv_plan(isa, call, vnni)
+    plan = _conv_plan(choice, call)
     if plan is None or plan[4] == "amx":
         return None
     if np.ndim(plan[1]) != 0:  # per-channel (depthwise): the layout of zero point 0, the
-        return layout_for(isa, plan[0], 0)  # kernel centers each channel (cpu.depthwise)
-    return layout_for(isa, plan[0], plan[1])
+        return layout_for(choice.isa, plan[0], 0)  # kernel centers each channel (cpu.depthwise)
+    return layout_for(choice.isa, plan[0], plan[1])
 
 
-def _takes_residual(isa: Isa, call, vnni: frozenset = frozenset()) -> bool:
+def _takes_residual(choice: IsaChoice, call) -> bool:
     """Whether the kernel of ``call`` (a ``qnn.conv2d``) adds a residual in its epilogue
     (:mod:`autoq.cpu.residual`: the packed and the AMX conv kernels)."""
-    plan = _conv_plan(isa, call, vnni)
+    plan = _conv_plan(choice, call)
     return plan is not None and plan[4] in _RESIDUAL_KINDS
 
 
 def _conv2d_call(
-    isa: Isa,
-    bb,
-    call,
-    epilogue: Epilogue | None = None,
-    fed=None,
-    out_layout=None,
+    choice: IsaChoice, bb, call, epilogue: Epilogue | None = None, fed=None, out_layout=None,
     residual=None,
-    vnni: frozenset = frozenset(),
-):
+):  # fmt: skip
     """The kernel call of a ``qnn.conv2d`` (with ``epilogue``; ``fed``: its data as a blocked
     (variable, layout); ``out_layout``: store the output blocked; ``residual``: (Residual,
-    shortcut expression) added before the epilogue; ``vnni``: see :func:`_conv_plan`), or None
-    when no kernel covers it."""
-    plan = _conv_plan(isa, call, vnni)
+    shortcut expression) added before the epilogue), or None when no kernel covers it."""
+    isa, plan = choice.isa, _conv_plan(choice, call)
     if plan is None or (residual is not None and plan[4] not in _RESIDUAL_KINDS):
         return None
     dt, zx, w, shape, kind = plan
@@ -247,8 +238,8 @@ def _conv2d_call(
     return _call(bb, isa, func, name, data, packed, w, z, ty, epilogue, extra)
 
 
-def _conv2d(isa: Isa, fallback, bb, call, vnni: frozenset = frozenset()):
-    out = _conv2d_call(isa, bb, call, vnni=vnni)
+def _conv2d(choice: IsaChoice, fallback, bb, call):
+    out = _conv2d_call(choice, bb, call)
     return fallback(bb, call) if out is None else out
 
 
@@ -338,12 +329,12 @@ def _runtime_zero_point_dense(isa: Isa, bb, data, w: np.ndarray, dt: str, z_x):
     return minus_zero_point(bb.emit(_raw_dense(isa, bb, data, w, dt)), z_x, w)
 
 
-def _dense(isa: Isa, fallback, bb, call):
+def _dense(choice: IsaChoice, fallback, bb, call):
     ops = _dense_operands(call)
     if ops is not None:
-        return _dense_call(isa, bb, *ops)
+        return _dense_call(choice.isa, bb, *ops)
     if is_call(call, "qnn.dense") and (runtime := _runtime_zero_point_operands(call)):
-        return _runtime_zero_point_dense(isa, bb, *runtime)
+        return _runtime_zero_point_dense(choice.isa, bb, *runtime)
     return fallback(bb, call)
 
 
@@ -358,14 +349,15 @@ def _by_reciprocal(epilogue: Epilogue, res):
     return epilogue, res
 
 
-def _with_epilogue(isa: Isa, bb, call, epilogue: Epilogue, fed=None, out_layout=None, res=None,
-                   *, vnni: frozenset = frozenset()):  # fmt: skip
-    """The kernel call of ``call`` storing ``epilogue``'s int8 output (blocked, residual,
-    ``vnni``: see :func:`_conv2d_call`), or None."""
+def _with_epilogue(choice: IsaChoice, bb, call, epilogue: Epilogue, fed=None, out_layout=None,
+                   res=None):  # fmt: skip
+    """The kernel call of ``call`` storing ``epilogue``'s int8 output (blocked, residual:
+    see :func:`_conv2d_call`), or None."""
+    isa = choice.isa
     if isa.reciprocal and epilogue is not None:  # (None: a bare conv reading a blocked tensor)
         epilogue, res = _by_reciprocal(epilogue, res)
     if is_call(call, "qnn.conv2d"):
-        return _conv2d_call(isa, bb, call, epilogue, fed, out_layout, res, vnni)
+        return _conv2d_call(choice, bb, call, epilogue, fed, out_layout, res)
     if res is not None:
         return None
     if is_call(call, "qnn.matmul") and const_array(call.args[1]) is None:
@@ -395,14 +387,14 @@ def _activation_matmul(isa: Isa, bb, call, epilogue: Epilogue | None = None):
     return relax.op.reshape(out, [*sa[:-2], m, n])
 
 
-def _matmul(isa: Isa, fallback, bb, call):
+def _matmul(choice: IsaChoice, fallback, bb, call):
     if const_array(call.args[1]) is None:
-        lowered = _activation_matmul(isa, bb, call)
+        lowered = _activation_matmul(choice.isa, bb, call)
         return fallback(bb, call) if lowered is None else lowered
-    return _dense(isa, fallback, bb, call)
+    return _dense(choice, fallback, bb, call)
 
 
-def _conv2d_transpose(isa: Isa, fallback, bb, call):
+def _conv2d_transpose(choice: IsaChoice, fallback, bb, call):
     """float32 conv2d_transpose with kernel == stride (NCHW / IOHW, no padding, dilation,
     output padding or groups) -> the sub-pixel kernel; anything else -> ``fallback``."""
     data, weight = call.args
@@ -425,14 +417,14 @@ def _conv2d_transpose(isa: Isa, fallback, bb, call):
         return fallback(bb, call)
     # vector registers for accumulators: 24 of AVX-512's 32 (the VNNI targets), 12 of 16
     func = conv2d_transpose_kernel(
-        x_shape, w_shape, accumulators=24 if isa.name == VNNI.name else 12
+        x_shape, w_shape, accumulators=24 if choice.isa.name == VNNI.name else 12
     )
     gv = bb.add_func(func.without_attr("global_symbol"), "autoq_conv2d_transpose")
     out = (x_shape[0], w_shape[1], x_shape[2] * w_shape[2], x_shape[3] * w_shape[3])
     return relax.call_tir(gv, [data, weight], out_ty=relax.TensorType(out, "float32"))
 
 
-def _softmax(_isa: Isa, fallback, bb, call):
+def _softmax(_choice: IsaChoice, fallback, bb, call):
     (data,) = call.args
     shape = shape_of(data)
     axis = int(call.attrs["axis"])
@@ -454,7 +446,7 @@ def _softmax_call(bb, data, shape: tuple[int, ...], dequantize=None, axis: int =
     return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, "float32"))
 
 
-def _layer_norm(_isa: Isa, fallback, bb, call):
+def _layer_norm(_choice: IsaChoice, fallback, bb, call):
     """float32 layer norm over the last axis of a static shape -> the row-parallel kernel of
     :mod:`autoq.cpu.layer_norm` (the generic lowering's floats); anything else -> ``fallback``."""
     data, gamma, beta = call.args
@@ -471,7 +463,7 @@ def _layer_norm(_isa: Isa, fallback, bb, call):
     return relax.call_tir(gv, [data, gamma, beta], out_ty=relax.TensorType(shape, "float32"))
 
 
-def _dynamic_quantize(_isa: Isa, fallback, bb, call):
+def _dynamic_quantize(_choice: IsaChoice, fallback, bb, call):
     """Per-token ``qnn.dynamic_quantize`` of a static shape -> the row-parallel kernel of
     :mod:`autoq.cpu.dynamic_quantize` on ``[rows, K]``; anything else -> ``fallback``."""
     (data,) = call.args
@@ -498,7 +490,7 @@ def _dynamic_quantize(_isa: Isa, fallback, bb, call):
     return relax.Tuple(parts)
 
 
-def _lut(_isa: Isa, fallback, bb, call):
+def _lut(_choice: IsaChoice, fallback, bb, call):
     """``qnn.lut`` -> :func:`_lut_kernel` (static shapes)."""
     data, table = call.args
     shape = shape_of(data)
@@ -573,7 +565,7 @@ def _constant_operand_table(call) -> tuple[relax.Expr, np.ndarray] | None:
     return data, np.asarray(table).astype(out_dtype)
 
 
-def _elementwise(_isa: Isa, fallback, bb, call):
+def _elementwise(_choice: IsaChoice, fallback, bb, call):
     """A constant-operand elementwise op (:func:`_constant_operand_table`) -> its lookup
     kernel (:func:`_lut_kernel`, per channel along axis 1 for a per-channel constant) on
     targets with AVX-512 VBMI; anything else -> ``fallback``. A per-channel constant on
@@ -591,7 +583,7 @@ def _elementwise(_isa: Isa, fallback, bb, call):
     return _call_lut(bb, func, data, relax.const(table))
 
 
-def _max_pool2d(_isa: Isa, fallback, bb, call):
+def _max_pool2d(_choice: IsaChoice, fallback, bb, call):
     (data,) = call.args
     a = call.attrs
     shape, out = shape_of(data), shape_of(call)
@@ -643,36 +635,30 @@ def lower_to_cpu_kernels(
     nearest resizes run on the codes (:mod:`autoq.cpu.resize_codes`) and, on VBMI targets,
     channel gates ``x + x * g[c]`` as per-channel lookups whose tables are built at run time
     (:mod:`autoq.cpu.gate_tables`); both exact."""
-    isa = kernel_isa(target)
-    if isa is None:
+    choice = isa_choice(target, mod, blocked_layout)
+    if choice is None:
         return mod
-    blocked = isa.blocked if blocked_layout is None else blocked_layout
-    # on AMX targets the convs next to depthwise ones stay on VNNI: the chain flows blocked
-    vnni = depthwise_neighbours(mod) if isa.amx and blocked else frozenset()
+    isa = choice.isa
     custom = {}
     for name, lower in _LOWERINGS.items():
         own = tvm.ir.Op.get(name).get_attr("FLegalize")
-        custom[name] = functools.partial(lower, isa, own)
-    custom["qnn.conv2d"] = functools.partial(custom["qnn.conv2d"], vnni=vnni)
-    residual = blocked if residual_epilogue is None else residual_epilogue
+        custom[name] = functools.partial(lower, choice, own)
+    residual = choice.blocked if residual_epilogue is None else residual_epilogue
     with target:
         layouts = (None, None)
-        if blocked:
-            layouts = (
-                functools.partial(_layout_of, isa, vnni=vnni),
-                functools.partial(lut_layout, isa),
-            )
+        if choice.blocked:
+            layouts = (functools.partial(_layout_of, choice), functools.partial(lut_layout, isa))
         residuals = (None, None)
         if residual:
             residuals = (
-                functools.partial(_takes_residual, isa, vnni=vnni),
+                functools.partial(_takes_residual, choice),
                 functools.partial(layout_for, isa, zero_point=0),
             )
         mod = requantize_after_pools(mod)
         mod = resize_codes(mod)
         if target_has_vbmi():  # the run-time tables' lookups: VBMI channel kernels
             mod = gate_tables(mod)
-        epilogue = functools.partial(_with_epilogue, isa, vnni=vnni)
+        epilogue = functools.partial(_with_epilogue, choice)
         mod = fuse_epilogues(mod, epilogue, *layouts, *residuals)
         raw = functools.partial(_raw_dense, isa)
         mod = merge_sibling_dense(mod, _runtime_zero_point_operands, raw)

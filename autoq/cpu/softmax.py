@@ -39,6 +39,7 @@ from tvm.script import tirx as T
 
 from autoq.cpu.expf import EXPF_TABLE, PERMUTE_LANES, expf_expr
 from autoq.cpu.injective import KERNEL_ATTR, memoized_kernel
+from autoq.cpu.row_sums import ROW_BLOCK, row_sums
 from autoq.qnn.tensor_exprs import dequantize_value
 
 __all__ = [
@@ -52,7 +53,6 @@ __all__ = [
 ]
 
 LOG_SMALLEST_NORMAL = float(np.log(np.float32(np.finfo(np.float32).tiny)))
-ROW_BLOCK = 16  # rows whose index-order sums run interleaved
 MAX_INNER_BINS = 256  # longest inner softmax axis (a vector of exponentials per bin: 16 KiB)
 _LANES = 16
 _LOWEST = float(np.finfo(np.float32).min)  # the init of TVM's max reduction
@@ -117,6 +117,9 @@ def softmax_kernel(
     def read(x, out, row, k):  # the softmax's input float at [row, k]
         return x[row, k] if dequantize is None else out[row, k]
 
+    def block_rows(out, first):  # the exponentials of row first + r at [r, k]
+        return lambda r, k: out[first + r, k]
+
     @T.prim_func
     def softmax(
         x_in: T.Buffer(shape, in_dtype),
@@ -156,12 +159,7 @@ def softmax_kernel(
                         )
                 for k in range(n - ne):
                     out[row, ne + k] = _prob(read(x, out, row, ne + k) - mx[r], table)
-            for r in range(count):
-                sums[r] = T.float32(0)
-            for k in range(n):
-                for r in T.unroll(rb):
-                    if r < count:
-                        sums[r] = sums[r] + out[b * rb + r, k]
+            row_sums(sums, count, n, block_rows(out, b * rb))
             for r in range(count):
                 for k in range(n):
                     out[b * rb + r, k] = out[b * rb + r, k] / sums[r]

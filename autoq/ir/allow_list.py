@@ -36,11 +36,16 @@ __all__ = ["ALLOW_LIST", "AllowRule", "Grid", "grid_point"]
 @dataclass(frozen=True)
 class Grid:
     """The integer grid a rewrite works on: ``zero_point``, ``dtype`` and, when known (a
-    quantize moving up), ``of(real) -> int``, the grid point of a real value."""
+    quantize moving up), ``of(real) -> int``, the grid point of a real value.
 
-    zero_point: int
+    ``axis``: None for one grid (per tensor, or a dequantize moving down with per-axis
+    scales and one shared zero point); the channel axis of a per-axis quantize moving up,
+    whose ``zero_point`` is then an int array and ``of`` gives one integer per channel."""
+
+    zero_point: int | np.ndarray
     dtype: str
-    of: Callable[[float], int] | None = None
+    of: Callable[[float], int | np.ndarray] | None = None
+    axis: int | None = None
 
 
 def _same_op(call, x, grid: Grid):
@@ -56,15 +61,21 @@ def _relu(call, x, grid: Grid):
 def _clip(call, x, grid: Grid):
     """``maximum(minimum(q, Q(hi)), Q(lo))``, each side dropped when its bound covers the
     grid (``Q(hi) == qmax``, ``Q(lo) == qmin``: the identity on every integer of the dtype);
-    ``x`` itself when both do (a relu6 whose slot is calibrated on [0, 6], say)."""
+    ``x`` itself when both do (a relu6 whose slot is calibrated on [0, 6], say). On a
+    per-axis grid only that identity is taken (both bounds cover every channel's grid: a
+    ReLU6 output calibrated per channel inside [0, 6]); per-channel bounds are not emitted,
+    the clip then stays in float."""
     if grid.of is None:
         return None
     qmin, qmax = qrange(grid.dtype)
     lo = grid.of(float(call.args[1].value))
     hi = grid.of(float(call.args[2].value))
-    if hi < qmax:
+    keep_hi, keep_lo = bool(np.min(hi) < qmax), bool(np.max(lo) > qmin)
+    if grid.axis is not None and (keep_hi or keep_lo):
+        return None
+    if keep_hi:
         x = relax.op.minimum(x, const(hi, grid.dtype))
-    if lo > qmin:
+    if keep_lo:
         x = relax.op.maximum(x, const(lo, grid.dtype))
     return x
 
@@ -90,15 +101,18 @@ class AllowRule:
 
     ``integer``: the rewrite on integers. ``dequantize_below``: a ``qnn.dequantize`` may move
     below the op (exact for data movement, relu and max pool; not for clip, whose bounds
-    need the *output* grid). ``per_axis``: it may also move below with per-axis scales (the
-    zero points all equal). ``operands``: what a quantize moving above it quantizes:
-    ``"first"`` (the first argument), ``"fields"`` (each field of the tuple argument,
-    concat) or ``"tuple"`` (the tuple op feeding a ``TupleGetItem``, split)."""
+    need the *output* grid). ``dequantize_per_axis``: it may also move below with per-axis
+    scales (the zero points all equal). ``quantize_per_axis``: a per-axis ``qnn.quantize``
+    may move above it (``integer`` then gets the per-axis grid, see :class:`Grid`).
+    ``operands``: what a quantize moving above it quantizes: ``"first"`` (the first
+    argument), ``"fields"`` (each field of the tuple argument, concat) or ``"tuple"`` (the
+    tuple op feeding a ``TupleGetItem``, split)."""
 
     kind: str
     integer: Callable | None = _same_op
     dequantize_below: bool = True
-    per_axis: bool = False
+    dequantize_per_axis: bool = False
+    quantize_per_axis: bool = False
     operands: str = "first"
     doc: str = ""
 
@@ -114,13 +128,14 @@ def _moves(doc: str, **kw) -> AllowRule:
 
 
 ALLOW_LIST: dict[str, AllowRule] = {
-    "relax.nn.relu": _moves("max(q, zero_point)", integer=_relu, per_axis=True),
+    "relax.nn.relu": _moves("max(q, zero_point)", integer=_relu, dequantize_per_axis=True),
     "relax.clip": _moves(
         "clip(q, Q(lo), Q(hi)); a side whose bound covers the grid is dropped",
         integer=_clip,
         dequantize_below=False,
+        quantize_per_axis=True,
     ),
-    "relax.nn.max_pool2d": _moves("max pool on integers", per_axis=True),
+    "relax.nn.max_pool2d": _moves("max pool on integers", dequantize_per_axis=True),
     "relax.reshape": _moves("same op on integers"),
     "relax.permute_dims": _moves("same op on integers"),
     "relax.squeeze": _moves("same op on integers"),
@@ -144,16 +159,21 @@ ALLOW_LIST: dict[str, AllowRule] = {
 }
 
 
-def grid_point(scale: float, zero_point: int, dtype: str) -> Callable[[float], int]:
-    """``of(real)``: the integer a quantize with these qparams gives a real value.
+def grid_point(scale, zero_point, dtype: str) -> Callable[[float], int | np.ndarray]:
+    """``of(real)``: the integer a quantize with these qparams gives a real value; for
+    per-channel qparams (1-D arrays) an int array, one integer per channel.
 
     >>> grid_point(0.5, -3, "int8")(6.0)
     9
+    >>> grid_point(np.array([0.5, 0.01], np.float32), np.array([-3, 0]), "int8")(6.0)
+    array([  9, 127])
     """
     lo, hi = qrange(dtype)
+    s = np.asarray(scale, np.float32)
+    z = np.asarray(zero_point).astype(np.float32)  # integers: exact in float32
 
-    def of(real: float) -> int:
-        v = np.rint(np.float32(real) / np.float32(scale)) + int(zero_point)
-        return int(np.clip(v, lo, hi))
+    def of(real: float) -> int | np.ndarray:
+        v = np.clip(np.rint(np.float32(real) / s) + z, lo, hi)
+        return int(v) if v.ndim == 0 else v.astype(np.int64)
 
     return of

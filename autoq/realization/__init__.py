@@ -280,23 +280,31 @@ def _per_tensor(e) -> bool:
 
 @dataclass
 class _Quantize:
-    """A per-tensor ``qnn.quantize`` with constant qparams being moved."""
+    """A ``qnn.quantize`` with constant qparams being moved (``axis`` -1: per tensor)."""
 
     scale: relax.Expr
     zp: relax.Expr
     dtype: str
+    axis: int = -1
 
     @staticmethod
     def of_call(call) -> _Quantize:
-        return _Quantize(call.args[1], call.args[2], str(call.attrs["out_dtype"]))
+        axis = -1 if _per_tensor(call.args[1]) else int(call.attrs["axis"])
+        return _Quantize(call.args[1], call.args[2], str(call.attrs["out_dtype"]), axis)
 
     def q(self, x):
-        return qnn.quantize(x, self.scale, self.zp, out_dtype=self.dtype)
+        return qnn.quantize(x, self.scale, self.zp, axis=self.axis, out_dtype=self.dtype)
 
     @property
-    def grid(self) -> Grid:
-        zp = int(const_array(self.zp))
-        return Grid(zp, self.dtype, grid_point(const_array(self.scale), zp, self.dtype))
+    def grid(self) -> Grid | None:
+        """Its grid (per axis: one per channel, see :class:`Grid`); None for qparams that
+        are not constants."""
+        s, z = const_array(self.scale), const_array(self.zp)
+        if s is None or z is None:
+            return None
+        if self.axis == -1:
+            return Grid(int(z), self.dtype, grid_point(s, int(z), self.dtype))
+        return Grid(z, self.dtype, grid_point(s, z, self.dtype), self.axis)
 
     def same_as_dequantize(self, deq) -> bool:
         w, s1, z1 = deq.args
@@ -312,7 +320,7 @@ def _per_axis_requantize(value, src, rounding: str):
     same axis) as one ``qnn.requantize`` (a conv's per-channel output grid for its lookup,
     :mod:`autoq.rules.lut_channels`); None otherwise."""
     axis = int(value.attrs["axis"])
-    if not is_call(src, "qnn.dequantize") or axis != lut_channels.AXIS:
+    if axis != lut_channels.AXIS:
         return None  # (only RealizeContext.activation emits per-axis quantizes on axis 1)
     w, s1, z1 = src.args
     if not (_per_tensor(s1) or int(src.attrs["axis"]) == axis):
@@ -320,30 +328,6 @@ def _per_axis_requantize(value, src, rounding: str):
     _, s2, z2 = value.args
     out_dtype = str(value.attrs["out_dtype"])
     return qnn.requantize(w, s1, z1, s2, z2, axis=axis, out_dtype=out_dtype, rounding=rounding)
-
-
-def _per_axis_clip_identity(value, src):
-    """A per-axis ``qnn.quantize`` of a ``clip`` whose bounds cover every channel's grid
-    (``Q_c(lo) <= qmin`` and ``Q_c(hi) >= qmax``: a ReLU6 output calibrated per channel
-    inside [0, 6]) as the quantize of the clip's input: on those grids the clip is the
-    identity on every integer. None otherwise (the clip then stays in float)."""
-    if not is_call(src, "relax.clip"):
-        return None
-    _, s, z = value.args
-    scales, zps = const_array(s), const_array(z)
-    bounds = [getattr(b, "value", None) for b in src.args[1:3]]
-    if scales is None or zps is None or any(b is None for b in bounds):
-        return None
-    dtype = str(value.attrs["out_dtype"])
-    qmin, qmax = P.qrange(dtype)
-    grids = [
-        grid_point(a, b, dtype) for a, b in zip(scales.reshape(-1), zps.reshape(-1), strict=True)
-    ]
-    lo = [of(float(bounds[0])) for of in grids]
-    hi = [of(float(bounds[1])) for of in grids]
-    if max(lo) > qmin or min(hi) < qmax:
-        return None
-    return tvm.ir.Call(value.op, [src.args[0], s, z], value.attrs, list(value.ty_args))
 
 
 def propagate(mod: tvm.IRModule, rounding: str = "float", max_rounds: int = 1000) -> tvm.IRModule:
@@ -356,6 +340,11 @@ def propagate(mod: tvm.IRModule, rounding: str = "float", max_rounds: int = 1000
             if not changed:
                 break
     return with_main(mod, func)
+
+
+def _takes(rule: AllowRule, quant: _Quantize) -> bool:
+    """Whether ``quant`` may move above an op of ``rule`` (per axis: only rows that say so)."""
+    return quant.axis == -1 or rule.quantize_per_axis
 
 
 class _Round:
@@ -389,14 +378,8 @@ class _Round:
 
     def rewrite(self, value):
         """The replacement of one binding's value, or None to keep it."""
-        if is_call(value, "qnn.quantize") and _per_tensor(value.args[1]):
-            return self.quantize(value)
         if is_call(value, "qnn.quantize"):
-            src = self.val(value.args[0])
-            out = _per_axis_requantize(value, src, self.rounding)
-            if out is None and self.phase == "up":
-                out = _per_axis_clip_identity(value, src)
-            return out
+            return self.quantize(value)
         if self.phase == "down" and is_call(value) and value.args:
             return self.dequantize_below(value)
         return None
@@ -404,6 +387,8 @@ class _Round:
     def quantize(self, value):
         src = self.val(value.args[0])
         quant = _Quantize.of_call(value)
+        if is_call(src, "qnn.dequantize") and quant.axis != -1:
+            return _per_axis_requantize(value, src, self.rounding)
         if is_call(src, "qnn.dequantize"):
             if quant.same_as_dequantize(src):
                 return src.args[0]
@@ -418,7 +403,7 @@ class _Round:
         if isinstance(src, relax.TupleGetItem):
             tup = self.val(src.tuple_value)
             rule = ALLOW_LIST.get(op_name(tup))
-            if rule is None or rule.operands != "tuple":
+            if rule is None or rule.operands != "tuple" or not _takes(rule, quant):
                 return None
             qi = self.emit(quant.q(tup.args[0]))
             sp = self.emit(tvm.ir.Call(tup.op, [qi], tup.attrs))
@@ -426,10 +411,12 @@ class _Round:
         rule = ALLOW_LIST.get(op_name(src))
         if rule is None or rule.kind != "commute" or rule.operands == "tuple":
             return None
-        return self.move_above(src, rule, quant)
+        return self.move_above(src, rule, quant) if _takes(rule, quant) else None
 
     def move_above(self, src, rule: AllowRule, quant: _Quantize):
         grid = quant.grid
+        if grid is None:
+            return None
         if rule.operands == "fields":
             fields = self.val(src.args[0])
             if not isinstance(fields, relax.Tuple):
@@ -457,7 +444,7 @@ class _Round:
             return None
         per_tensor = _per_tensor(s) and zv.ndim == 0
         uniform_zp = bool(np.all(zv == zv.reshape(-1)[0]))
-        if not (per_tensor or (rule.per_axis and uniform_zp)):
+        if not (per_tensor or (rule.dequantize_per_axis and uniform_zp)):
             return None
         iv = rule.integer(value, w, Grid(int(zv.reshape(-1)[0]), dtype_of(w)))
         if iv is None:
