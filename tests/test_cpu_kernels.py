@@ -190,6 +190,9 @@ def test_dense_kernel_bit_exact(isa, mcpu, m, k, n, dtype, zx):
         (17, 70, 3, 2, 1, "uint8", 120),
         (40, 12, 3, 2, 1, "int8", -9),  # 3 channel blocks (VNNI) x 2 batches: planes packed apart
         (33, 9, 5, 1, 2, "uint8", 3),
+        # blocked kernel: padding is the zero point's code, subtracted as code x sum(w);
+        # 255 and (int8 -128 ->) 0 are the extreme codes
+        (6, 10, 5, 1, 2, "uint8", 255),
     ],
 )
 @pytest.mark.parametrize("mcpu", [HOST, "haswell"])
