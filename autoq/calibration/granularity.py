@@ -16,7 +16,8 @@ summed over the filter's taps, as if independent), per channel. A channel keeps 
 grid when its error is lower there, and only if those channels together at least halve
 the slot's error (:func:`own_grids`; measured: every
 EfficientNet-Lite0 slot gains less than 2x and loses top-1 when split, ImageNet
-MobileNetV2's split slots gain 2.8x or more); the others take the shared grid. Either way
+MobileNetV2's split slots gain 2.8x or more); the others take the shared grid, as do the
+channels that are 0 on every sample (:func:`ranged`: a dead ReLU6 channel). Either way
 the final qparams are calibrated on every sample (:func:`shared_grid`: the per-tensor
 calibration, repeated over the channels); a slot whose channels all share the grid is
 realized as one per-tensor quantize.
@@ -46,6 +47,7 @@ __all__ = [
     "fit",
     "held_out_errors",
     "own_grids",
+    "ranged",
     "shared_grid",
 ]
 
@@ -135,6 +137,27 @@ def own_grids(per_channel: np.ndarray, per_tensor: np.ndarray, gain: float = 2.0
     own = per_channel <= per_tensor
     mixed = np.sum(np.where(own, per_channel, per_tensor))
     return own if gain * mixed <= np.sum(per_tensor) else np.zeros_like(own)
+
+
+def ranged(qp: QParam) -> np.ndarray:
+    """Which channels of per-channel qparams ``qp`` were calibrated on a non-empty range.
+
+    A channel that is 0 on every calibration sample (a dead ReLU6 channel) has no range of
+    its own and gets :func:`autoq.primitives.choose_qparams`' degenerate grid (scale 1,
+    zero point 0). That grid does not start at the ReLU6's 0, so the ReLU6 could not drop
+    into the producing conv's requantize and would stay in float between dequantize and
+    quantize; such a channel takes the shared grid instead, on which 0 is exact too (the
+    integers the depthwise conv reads, ``x - z_x``, stay 0). Qparams that record no range
+    count as ranged.
+
+    >>> qp = QParam(np.float32([1.0, 0.02]), np.int32([0, -128]), "int8", AXIS,
+    ...             np.float32([0.0, 0.0]), np.float32([0.0, 5.1]))
+    >>> ranged(qp).tolist()
+    [False, True]
+    """
+    if qp.rmin is None or qp.rmax is None:
+        return np.ones(np.shape(qp.scale), bool)
+    return np.broadcast_to(np.asarray(qp.rmax) > np.asarray(qp.rmin), np.shape(qp.scale)).copy()
 
 
 def depthwise_slots(sim) -> dict[str, np.ndarray]:
