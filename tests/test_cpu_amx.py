@@ -1,4 +1,4 @@
-"""autoq.cpu AMX path: the tile dense kernel against numpy int64 (where the CPU has AMX and
+"""autoq.cpu AMX path: the tile dense, conv and batch matmul kernels against numpy int64 (where the CPU has AMX and
 Linux grants the tile state; skipped with the reason otherwise), its selection from the
 target's features, the default target's AMX ``mattr``, the permission error, and a realized
 attention model compiled for an AMX target against the generic lowering, bit for bit."""
@@ -16,7 +16,9 @@ from tvm import relax
 
 import autoq
 from autoq import Config, qnn
-from autoq.cpu import amx, amx_conv2d, amx_dense, amx_tiles
+from autoq import primitives as P
+from autoq.cpu import amx, amx_batch_matmul, amx_conv2d, amx_dense, amx_tiles
+from autoq.cpu.amx_batch_matmul import amx_batch_matmul_applies, amx_batch_matmul_kernel
 from autoq.cpu.amx_conv2d import (
     amx_conv2d_kernel,
     amx_conv_applies,
@@ -24,7 +26,9 @@ from autoq.cpu.amx_conv2d import (
     amx_conv_weight,
 )
 from autoq.cpu.amx_dense import amx_dense_kernel
+from autoq.cpu.batch_matmul import matmul_zero_points
 from autoq.cpu.conv2d import ConvShape
+from autoq.cpu.epilogue import Epilogue
 from autoq.cpu.isa import VNNI, kernel_isa
 from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.cpu.packing import compensation, pack_dense_weight, round_up
@@ -46,7 +50,7 @@ HOST_TARGET = tvm.target.Target({"kind": "llvm", "mcpu": HOST})
 
 
 def test_doctests():
-    for module in (amx, amx_conv2d, amx_dense, amx_tiles):
+    for module in (amx, amx_batch_matmul, amx_conv2d, amx_dense, amx_tiles):
         assert doctest.testmod(module).failed == 0
 
 
@@ -95,6 +99,77 @@ def test_amx_dense_extreme_values():
     w = np.full((32, 1536), -128, np.int8)
     ref = (x.astype(np.int64) - 127) @ w.astype(np.int64).T
     np.testing.assert_array_equal(_dense(x, w, 127), ref)
+
+
+def _batch_matmul(a, b, za, zb, epilogue=None):
+    """The AMX batch matmul kernel's output on ``a [batch, m, k]``, ``b [batch, k, n]``."""
+    batch, m, k = a.shape
+    n = b.shape[2]
+    func = amx_batch_matmul_kernel(batch, m, k, n, str(a.dtype), epilogue, (za, zb))
+    lib = tvm.compile(tvm.IRModule({"main": func}), AMX_TARGET)
+    out_dtype = "int32" if epilogue is None else epilogue.out_dtype
+    out = tvm.runtime.tensor(np.zeros((batch, m, n), out_dtype))
+    args = [a, b, matmul_zero_points(za, zb)] + ([] if epilogue is None else [epilogue.table()])
+    lib["main"](*[tvm.runtime.tensor(v) for v in args], out)
+    return out.numpy()
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("batch", "m", "k", "n", "dtype"),
+    [
+        (12, 128, 32, 128, "int8"),  # MiniLM's q @ k^T: K < 64, narrowed tiles, 4 tasks of 3
+        (12, 128, 128, 32, "int8"),  # MiniLM's p @ v: two 64-deep steps
+        (3, 32, 4, 32, "int8"),  # the narrowest tile (4 bytes, one row of ones), 3 tasks
+        (2, 64, 192, 96, "uint8"),  # uint8 rows (tdpbusd), three steps, three column blocks
+        (5, 32, 64, 64, "uint8"),  # an odd batch: 5 tasks of one head
+    ],
+)
+def test_amx_batch_matmul_matches_numpy(batch, m, k, n, dtype):
+    """``(a - za) @ (b - zb)`` for run-time zero points, extremes included, with an all-max
+    row of ``a`` and an all-min column of ``b`` (the largest row and column sums)."""
+    assert amx_batch_matmul_applies(m, k, n)
+    rng = np.random.default_rng(m + k + n)
+    info = np.iinfo(dtype)
+    a = rng.integers(info.min, info.max + 1, (batch, m, k)).astype(dtype)
+    b = rng.integers(-128, 128, (batch, k, n)).astype(np.int8)
+    a[-1, 3, :] = info.max
+    b[-1, :, 5] = -128
+    for za, zb in ((0, 0), (3, -7), (int(info.min), 127), (int(info.max), -128)):
+        want = (a.astype(np.int64) - za) @ (b.astype(np.int64) - zb)
+        np.testing.assert_array_equal(_batch_matmul(a, b, za, zb), want)
+
+
+@needs_amx
+@pytest.mark.parametrize("rounding", ["half_even", "float"])
+def test_amx_batch_matmul_requantize_epilogue(rounding):
+    """Attention's scores requantized in the kernel (the float path by reciprocal, as the
+    lowering runs it; half-even in float64, the zero points being known) == numpy's
+    requantize of the exact product."""
+    rng = np.random.default_rng(7)
+    batch, m, k, n, za, zb = 2, 64, 32, 64, -4, 11
+    a = rng.integers(-128, 128, (batch, m, k)).astype(np.int8)
+    b = rng.integers(-128, 128, (batch, k, n)).astype(np.int8)
+    s_in, s_out, z_out = np.float32(0.0121), np.float32(3.3), -9
+    params = (s_in, 0, s_out, z_out)
+    if rounding != "float":
+        mult, shift = P.quantize_multiplier(np.float64(s_in) / np.float64(s_out))
+        params = (*params, int(mult), int(shift))
+    epi = Epilogue(None, params, rounding, "int8", n, reciprocal=rounding == "float")
+    acc = ((a.astype(np.int64) - za) @ (b.astype(np.int64) - zb)).astype(np.int32)
+    want = P.requantize(acc, s_in, 0, s_out, z_out, "int8", rounding)
+    assert len(np.unique(want)) > 20, "the case must span many output codes"
+    np.testing.assert_array_equal(_batch_matmul(a, b, za, zb, epi), want)
+
+
+def test_amx_batch_matmul_shapes():
+    """Rows and columns in whole 32-blocks, K a multiple of 4 up to 64 or of 64; others are
+    refused by name (the lowering keeps them on VNNI)."""
+    assert amx_batch_matmul_applies(32, 64, 32) and amx_batch_matmul_applies(64, 256, 32)
+    for m, k, n in ((20, 32, 32), (32, 32, 40), (32, 30, 32), (32, 96, 32)):
+        assert not amx_batch_matmul_applies(m, k, n)
+    with pytest.raises(ValueError, match="20 x 32 x 32"):
+        amx_batch_matmul_kernel(1, 20, 32, 32, "int8")
 
 
 def test_kernel_isa_from_target_features():
@@ -161,22 +236,30 @@ def test_dense_rows_choose_amx_or_vnni():
     assert _lowered_names(few, AMX_TARGET) == {"autoq_dense_vnni"}
 
 
-def _lowered_names(qmod, target):
+def _lowered_names(qmod, target, prefix="autoq_dense"):
     lowered = lower_to_cpu_kernels(qmod, target)
     names = (gv.name_hint for gv in lowered.functions)
-    return {n.rstrip("0123456789") for n in names if n.startswith("autoq_dense")}
+    return {n.rstrip("0123456789") for n in names if n.startswith(prefix)}
 
 
 @functools.cache
-def _quantized(seq: int):
-    mod, params, data = attention(seq=seq, dim=40)
+def _quantized(seq: int, dim: int = 40):
+    mod, params, data = attention(seq=seq, dim=dim)
     return autoq.quantize(mod, params, data(8, 1), Config(recipe="cnn")), data
 
 
 @needs_amx
-def test_realized_attention_same_outputs_on_amx():
-    qmod, data = _quantized(20)
+@pytest.mark.parametrize(
+    ("seq", "dim", "matmuls"),
+    [
+        (20, 40, "autoq_batch_matmul_vnni"),  # 20 rows: no whole 32-blocks
+        (32, 32, "autoq_batch_matmul_amx"),  # q @ k^T and p @ v on tiles
+    ],
+)
+def test_realized_attention_same_outputs_on_amx(seq, dim, matmuls):
+    qmod, data = _quantized(seq, dim)
     assert _lowered_names(qmod, AMX_TARGET) == {"autoq_dense_amx"}
+    assert _lowered_names(qmod, AMX_TARGET, "autoq_batch_matmul") == {matmuls}
     outs = []
     for target, use in (
         (AMX_TARGET, True),

@@ -49,14 +49,20 @@ def intrin(name: str, *args):
 
 
 @T.macro
-def load_config(cfg):
-    """palette 1; 8 tiles of 16 rows x 64 bytes (colsb at bytes 16 + 2t, rows at 48 + t)."""
+def load_config(cfg, depth: int = KSTEP):
+    """palette 1; 8 tiles of 16 rows x 64 bytes (colsb at bytes 16 + 2t, rows at 48 + t),
+    except that a reduction ``depth`` under 64 bytes (a multiple of 4) narrows the row
+    operands (tmm4-5) to ``depth`` bytes and shortens the column operands (tmm6-7) to
+    ``depth / 4`` rows."""
     for b in range(64):
         cfg[b] = T.uint8(0)
     cfg[0] = T.uint8(1)
     for t in range(8):
         cfg[16 + 2 * t] = T.uint8(KSTEP)
         cfg[48 + t] = T.uint8(16)
+    for t in range(4, 6):
+        cfg[16 + 2 * t] = T.uint8(depth)
+        cfg[48 + t + 2] = T.uint8(depth // 4)
     T.evaluate(intrin("llvm.x86.ldtilecfg", T.address_of(cfg[0])))
 
 

@@ -268,12 +268,14 @@ def epilogue_compute(
     return te.compute(shape, f, name="autoq_out")
 
 
-def tail(epilogue: Epilogue | None):
+def tail(epilogue: Epilogue | None, bound: int | None = None):
     """For TVMScript kernels: ``f(int32 value, channel, table buffer)`` -> the stored value
-    (``value`` itself without an epilogue)."""
+    (``value`` itself without an epilogue); ``bound``: see :meth:`Epilogue.value`."""
     if epilogue is None:
         return lambda v, _channel, _table: v
-    return lambda v, channel, table: epilogue.value(v, channel, lambda r, k: table[r, k])
+    return lambda v, channel, table: epilogue.value(
+        v, channel, lambda r, k: table[r, k], bound=bound
+    )
 
 
 def table_shape(epilogue: Epilogue | None, channels: int) -> tuple[int, int]:

@@ -16,9 +16,11 @@ per-tensor dequantize reads the codes: :mod:`autoq.cpu.softmax_dequantize`), flo
 over the last axis :mod:`autoq.cpu.layer_norm` (the same floats); int8 / uint8
 NCHW max pools :mod:`autoq.cpu.max_pool` (rows, then columns: vectorized); a
 ``qnn.matmul`` of two activations (int8 rhs, same batch axes) :mod:`autoq.cpu.batch_matmul`.
-On targets with AMX int8 tiles, dense (>= ``AMX_MIN_ROWS`` rows) and the convs
-:func:`autoq.cpu.amx_conv2d.amx_conv_applies` accepts run on :mod:`autoq.cpu.amx_dense` /
-:mod:`autoq.cpu.amx_conv2d` instead.
+On targets with AMX int8 tiles, dense (>= ``AMX_MIN_ROWS`` rows), the convs
+:func:`autoq.cpu.amx_conv2d.amx_conv_applies` accepts and the matmuls of two activations
+:func:`autoq.cpu.amx_batch_matmul.amx_batch_matmul_applies` accepts run on
+:mod:`autoq.cpu.amx_dense` / :mod:`autoq.cpu.amx_conv2d` / :mod:`autoq.cpu.amx_batch_matmul`
+instead.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import tvm
 from tvm import relax
 
 from autoq import primitives as P
+from autoq.cpu.amx_batch_matmul import amx_batch_matmul_applies, amx_batch_matmul_kernel
 from autoq.cpu.amx_conv2d import (
     amx_conv2d_kernel,
     amx_conv_applies,
@@ -367,8 +370,9 @@ def _with_epilogue(choice: IsaChoice, bb, call, epilogue: Epilogue, fed=None, ou
 
 
 def _activation_matmul(isa: Isa, bb, call, epilogue: Epilogue | None = None):
-    """``call_tir`` of :mod:`autoq.cpu.batch_matmul` for a qnn.matmul of two activations
-    with the same static batch axes (storing ``epilogue``'s output), or None."""
+    """``call_tir`` of :mod:`autoq.cpu.batch_matmul` (:mod:`autoq.cpu.amx_batch_matmul` on
+    AMX targets, for the shapes it covers) for a qnn.matmul of two activations with the same
+    static batch axes (storing ``epilogue``'s output), or None."""
     a, b, _s_a, z_a, _s_b, z_b = call.args
     za, zb = _scalar(z_a), _scalar(z_b)
     sa, sb = shape_of(a), shape_of(b)
@@ -380,8 +384,13 @@ def _activation_matmul(isa: Isa, bb, call, epilogue: Epilogue | None = None):
     (m, k), n = sa[-2:], sb[-1]
     a3 = bb.emit(relax.op.reshape(a, [batch, m, k]))
     b3 = bb.emit(relax.op.reshape(b, [batch, k, n]))
-    func = batch_matmul_kernel(batch, m, k, n, isa, dtype_of(a), epilogue, (za, zb))
-    gv = bb.add_func(func.without_attr("global_symbol"), f"autoq_batch_matmul_{isa.name}")
+    if isa.amx and amx_batch_matmul_applies(m, k, n):
+        func = amx_batch_matmul_kernel(batch, m, k, n, dtype_of(a), epilogue, (za, zb))
+        name = "autoq_batch_matmul_amx"
+    else:
+        func = batch_matmul_kernel(batch, m, k, n, isa, dtype_of(a), epilogue, (za, zb))
+        name = f"autoq_batch_matmul_{isa.name}"
+    gv = bb.add_func(func.without_attr("global_symbol"), name)
     args = _tail([a3, b3, relax.const(matmul_zero_points(za, zb))], epilogue)
     out = bb.emit(relax.call_tir(gv, args, out_ty=_out_type((batch, m, n), epilogue)))
     return relax.op.reshape(out, [*sa[:-2], m, n])
