@@ -286,3 +286,37 @@ def test_code_hessian_update_rows_equals_update(bound):
         rows.update_rows(np.full((1, 36, 2), 0.5, np.float32))
     with pytest.raises(ValueError, match="float"):
         rows.update_rows(np.zeros((1, 36, 2), np.int32))
+
+
+def test_code_hessian_kept_rows_and_known_bound_give_the_exact_sums():
+    """A large image whose kept patches (``max_rows``) are gathered from the integer codes
+    first: the int64 sums equal Python's exact integers over those patches; rows given with
+    a known code bound (skipping the integer check and the data's bound) add the same sums
+    as rows checked and bounded from the data, also when the bound is far above the data's
+    (int16-sized: products in float64 instead of float32); a nan among such rows is an
+    error when they are summed."""
+    geom = ConvGeometry(kernel=(3, 3), padding=(1, 1, 1, 1), groups=3)
+    rng = np.random.default_rng(23)
+    batches = [rng.integers(-128, 128, size=(1, 6, 12, 10)).astype(np.int32) for _ in range(3)]
+    h = CodeHessian.conv2d(geom, 6, max_rows=17, scale=0.5)
+    for b in batches:
+        h.update(b)
+    h.flush()
+    rows = np.concatenate([conv_unfold(b, geom, max_rows=17) for b in batches], axis=1)
+    assert h.rows == rows.shape[1] == 51
+    assert (h.sum.astype(object) == _int_reference(rows)).all()
+    np.testing.assert_array_equal(h.row_sum, rows.sum(axis=1))
+    cols = rows.transpose(0, 2, 1).astype(np.float32)
+    checked, known, wide = (CodeHessian.conv2d(geom, 6, max_rows=17) for _ in range(3))
+    checked.update_rows(cols)
+    known.update_rows(cols, bound=128)
+    wide.update_rows(cols, bound=30000)
+    for other in (known, wide):
+        assert other.matrix().tobytes() == checked.matrix().tobytes()
+        np.testing.assert_array_equal(other.row_sum, checked.row_sum)
+    bad = cols.copy()
+    bad[0, 0, 0] = np.nan
+    broken = CodeHessian.conv2d(geom, 6, max_rows=17)
+    broken.update_rows(bad, bound=128)
+    with pytest.raises(ValueError, match="nan"):
+        broken.flush()

@@ -192,8 +192,12 @@ def tap_sums(x: np.ndarray, geom) -> tuple[np.ndarray, int]:
     (kh, kw), (sh, sw), (dh, dw) = geom.kernel, geom.strides, geom.dilation
     top, left, bottom, right = geom.padding
     n, c, h, w = x.shape
-    big = max(-int(x.min(initial=0)), int(x.max(initial=0)))
-    if big * float(n * h * w) >= 2.0**53:
+    limit = 2.0**53 / max(n * h * w, 1)
+    if x.dtype.kind == "b" or max(-int(np.iinfo(x.dtype).min), np.iinfo(x.dtype).max) >= limit:
+        big = max(-int(x.min(initial=0)), int(x.max(initial=0)))  # (else the dtype bounds it)
+    else:
+        big = 0
+    if big >= limit:
         raise ValueError("tap_sums: integer sums beyond 2**53 would not be exact in float64")
     a = tap_reads(h, kh, sh, dh, top, bottom)  # (kh, H)
     b = tap_reads(w, kw, sw, dw, left, right)  # (kw, W)

@@ -418,35 +418,47 @@ class CodeHessian(Hessian):
         at 7x7, memory bound (measured 3-7x slower on EfficientNet-Lite0's 1x1
         convolutions); activations use a small part of their range on most rows, so the
         data's own bound allows products of thousands of rows where the worst case
-        (``2**24 / max_code**2``) allows 258 for codes up to 255."""
+        (``2**24 / max_code**2``) allows 258 for codes up to 255. When the kept rows hold
+        fewer values than the batch (a large image's patches), they are gathered from the
+        integers first and only they are bounded and converted (the same integers)."""
         c = np.asarray(codes)
         if c.dtype.kind not in "iu":
             raise ValueError(f"CodeHessian takes integer codes (q - zero_point), got {c.dtype}")
+        if self.rows_size(c.shape) < c.size:  # the kept rows first: bound and convert those
+            rows = self.rows_of(c, c.dtype)
+            m = self._bound(rows)
+            self._buffer(rows.astype(_exact_dtype(m)).transpose(0, 2, 1), m)
+            return
         m = self._bound(c)
         self._buffer(self.rows_of(c, _exact_dtype(m)).transpose(0, 2, 1), m)
 
-    def update_rows(self, cols: np.ndarray) -> None:
+    def update_rows(self, cols: np.ndarray, bound: int | None = None) -> None:
         """Add one batch given as its rows already (:meth:`rows_of` of the codes, transposed
         to ``(G, K, rows)``), float32 or float64 integers: e.g. the kept patches of a float
         input gathered first and quantized by :func:`autoq.accuracy.weight_tuning.quantize_offset`
-        (the same integers as quantizing the whole input, for a fraction of the values)."""
+        (the same integers as quantizing the whole input, for a fraction of the values).
+        ``bound``: a bound on the codes' magnitude when they are integers by construction
+        (``quantize_offset``'s clip range): the integer check and the data's bound (three
+        passes over the rows) are skipped. The sums are exact whatever the bound used (it
+        only sizes the exact products), so they are the same integers either way."""
         cols = np.asarray(cols)
         if cols.dtype not in (np.float32, np.float64) or cols.shape[:2] != self.shape:
             raise ValueError(
                 f"update_rows takes float (G, K, rows) = {(*self.shape, 'rows')} integer "
                 f"codes, got {cols.dtype} {cols.shape}"
             )
-        if not np.array_equal(np.rint(cols), cols):
+        if bound is None and not np.array_equal(np.rint(cols), cols):
             raise ValueError("update_rows takes integer codes; got non-integer values")
-        m = self._bound(cols)
+        m = self._bound(cols, bound)
         if cols.dtype != _exact_dtype(m):
             cols = cols.astype(_exact_dtype(m))
         self._buffer(cols, m)
 
     @staticmethod
-    def _bound(c: np.ndarray) -> int:
-        """The largest code magnitude of ``c`` (checked to allow an exact Hessian)."""
-        m = max(int(c.max(initial=0)), -int(c.min(initial=0)))
+    def _bound(c: np.ndarray, known: int | None = None) -> int:
+        """The largest code magnitude of ``c`` (``known``: a bound given instead), checked
+        to allow an exact Hessian."""
+        m = max(int(c.max(initial=0)), -int(c.min(initial=0))) if known is None else int(known)
         if m * m > _EXACT_INT[np.dtype(np.float64)]:
             raise ValueError(f"codes up to {m} are too large for an exact Hessian")
         return m
@@ -492,10 +504,13 @@ class CodeHessian(Hessian):
             g, k = self.shape
             self.sum = np.zeros((g, k, k), np.int64) if self.products else None
             self.row_sum = np.zeros((g, k), np.int64)
+        # float64 sums of integers below 2**53: exact (nan: a non-integer code slipped in)
+        sums = cols.sum(axis=2, dtype=np.float64)
+        if np.isnan(sums).any():
+            raise ValueError("CodeHessian takes integer codes; got nan")
         if self.products:
             add_gram(cols, self.sum)
-        # float64 sums of integers below 2**53: exact
-        self.row_sum += cols.sum(axis=2, dtype=np.float64).astype(np.int64)
+        self.row_sum += sums.astype(np.int64)
 
     def __getstate__(self) -> dict:
         self.flush()  # a shard's statistics travel summed

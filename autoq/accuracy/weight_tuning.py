@@ -272,6 +272,9 @@ class InputStats:
             return
         x = np.asarray(x)
         codes = None  # the whole batch's, computed once if some Hessian or mean needs it
+        qmin, qmax = P.qrange(qp.dtype)
+        z = int(np.asarray(qp.zero_point).reshape(-1)[0])
+        bound = max(z - qmin, qmax - z)  # (quantize_offset clips the codes to its range)
 
         def offset(v):
             return quantize_offset(v, qp.scale, qp.zero_point, qp.dtype)
@@ -282,7 +285,7 @@ class InputStats:
             else:
                 codes = offset(x) if codes is None else codes
                 rows = h.rows_of(codes, np.float32)
-            h.update_rows(rows.transpose(0, 2, 1))
+            h.update_rows(rows.transpose(0, 2, 1), bound)
         if self.distinct_means:  # (integers: PatchMean sums them exactly)
             whole = (offset(x) if codes is None else codes).astype(np.int32)
             for m in self.distinct_means.values():

@@ -157,13 +157,14 @@ class HealthObserver:
         if not x.size:
             return
         real = (float(x.min()), float(x.max()))
+        lo, hi = real
         below, above = self.below, self.above
         if self.axis is not None:  # in steps of each channel's scale
             shape = [1] * x.ndim
             shape[self.axis] = -1
             x = x / self.channel_scale.reshape(shape).astype(x.dtype)
             below, above = below.reshape(shape), above.reshape(shape)
-        lo, hi = float(x.min()), float(x.max())
+            lo, hi = float(x.min()), float(x.max())
         zeros = int(np.count_nonzero(x == 0))  # (count_nonzero of floats is 4x slower)
         near_zero = self._near_zero(x.reshape(-1), lo)  # zeros included
         clipped = int(np.count_nonzero(x < below)) if lo < np.min(below) else 0
