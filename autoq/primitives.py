@@ -686,3 +686,44 @@ def divide_by_reciprocal(x, divisor, reciprocal, steps: int) -> np.ndarray:
         e = fma_float32(-y, s, x)
         y = fma_float32(e, r, y)
     return y
+
+
+def code_division_steps(divisor, dividend_scale, zero_point, dtype: str) -> int:
+    """:func:`reciprocal_division_steps` for the requantize of ``dtype`` codes (8-bit, not
+    an accumulator): ``x = dequantize(q, dividend_scale, zero_point)`` takes one value per
+    code, so where the general bound asks for two corrections, one is enough when it gives
+    float32 ``x / divisor`` for every code (checked on all of them, every channel of a
+    per-channel ``divisor``); else the general count.
+
+    >>> s = np.float32(1.99999988)  # r s = 1 + 2**-24: the general bound needs 2
+    >>> reciprocal_division_steps(s, np.float32(1e-4)), code_division_steps(s, 1e-4, -3, "int8")
+    (2, 1)
+    """
+    steps = reciprocal_division_steps(divisor, dividend_scale)
+    if steps != 2:
+        return steps
+    lo, hi = qrange(dtype)
+    x = dequantize(np.arange(lo, hi + 1), dividend_scale, zero_point)[:, None]
+    return 1 if division_steps_on(x, np.asarray(divisor).reshape(1, -1)) == 1 else 2
+
+
+def division_steps_on(x, divisor) -> int:
+    """The fewest FMA corrections (1 or 2) after ``x * RN(1 / divisor)`` that give float32
+    ``x / divisor`` for every value of the finite set ``x`` (float32, broadcast against
+    ``divisor``; each checked), or 0 when two are not enough (then divide).
+
+    >>> x = np.arange(-255, 256).astype(np.float32) * np.float32(0.02)
+    >>> division_steps_on(x, np.float32(0.1)), division_steps_on(x, np.float32(0))
+    (1, 0)
+    """
+    x = np.asarray(x, np.float32)
+    s = np.asarray(divisor, np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        want = (x / s).astype(np.float32)
+    if not (np.all(np.isfinite(want)) and np.all(s > 0)):
+        return 0
+    r = np.float32(1) / s
+    for steps in (1, 2):
+        if np.array_equal(divide_by_reciprocal(x, s, r, steps), want):
+            return steps
+    return 0

@@ -277,26 +277,31 @@ def test_round_clip_matches_the_float_requantize(target, out_dtype):
     np.testing.assert_array_equal(got.numpy(), want)
 
 
+@pytest.mark.parametrize("rounded", [True, False])
 @pytest.mark.parametrize("target", TARGETS[:2])
-def test_saturate_int32_matches_the_float64_clip(target):
+def test_saturate_int32_matches_the_float64_clip(target, rounded):
     """saturate_int32 (float32 lanes) against the float64 clip of the qnn.requantize
-    legalization, at and around both int32 bounds and on ordinary values."""
+    legalization, at and around both int32 bounds and on ordinary values; ``rounded=False``
+    also on values it rounds (half to even: the ties 0.5, 2.5 and -1.5 included)."""
     from tvm import te
 
     top = np.float32(2.0**31)
     around = [np.nextafter(top, np.float32(0)), top, np.nextafter(top, np.float32(np.inf))]
     v = np.array([0, 1, -1, 2.0**24, 3e38, *around], np.float32)
     v = np.concatenate([v, -v, np.rint(np.random.default_rng(1).normal(0, 2e9, 4096))])
+    if not rounded:
+        ties = [0.5, 2.5, -1.5, 2.0**22 + 0.5, 0.49999997]
+        v = np.concatenate([v, ties, np.random.default_rng(2).normal(0, 1e3, 4096)])
     v = v.astype(np.float32)
     vt = te.placeholder(v.shape, "float32", name="v")
-    out = te.compute(v.shape, lambda i: epilogue.saturate_int32(vt[i]), name="out")
+    out = te.compute(v.shape, lambda i: epilogue.saturate_int32(vt[i], rounded), name="out")
     sch = tvm.s_tir.Schedule(te.create_prim_func([vt, out]))
     _, ii = sch.split(sch.get_loops(sch.get_sblock("out"))[0], [None, 16])
     sch.vectorize(ii)
     lib = tvm.compile(sch.mod, tvm.target.Target(target))
     got = tvm.runtime.tensor(np.zeros(v.shape, np.int32))
     lib["main"](tvm.runtime.tensor(v), got)
-    want = np.clip(v.astype(np.float64), -(2.0**31), 2.0**31 - 1).astype(np.int32)
+    want = np.clip(np.rint(v.astype(np.float64)), -(2.0**31), 2.0**31 - 1).astype(np.int32)
     np.testing.assert_array_equal(got.numpy(), want)
 
 
@@ -304,14 +309,17 @@ def test_doctests():
     assert doctest.testmod(epilogue).failed == 0
 
 
-def _epilogue_values(e: epilogue.Epilogue, acc: np.ndarray) -> np.ndarray:
-    """``e`` applied to the int32 ``acc[channel, i]`` by a kernel for this CPU (16 lanes)."""
+def _epilogue_values(e: epilogue.Epilogue, acc: np.ndarray, saturates: bool = True) -> np.ndarray:
+    """``e`` applied to ``acc[channel, i]`` (int32 accumulators, or ``e.codes``) by a kernel
+    for this CPU (16 lanes)."""
     from tvm import te
 
-    at = te.placeholder(acc.shape, "int32", name="acc")
+    at = te.placeholder(acc.shape, str(acc.dtype), name="acc")
     tt = te.placeholder(e.table().shape, "int32", name="table")
     out = te.compute(
-        acc.shape, lambda c, i: e.value(at[c, i], c, lambda r, k: tt[r, k]), name="out"
+        acc.shape,
+        lambda c, i: e.value(at[c, i], c, lambda r, k: tt[r, k], saturates),
+        name="out",
     )
     sch = tvm.s_tir.Schedule(te.create_prim_func([at, tt, out]))
     _, ii = sch.split(sch.get_loops(sch.get_sblock("out"))[1], [None, 16])
@@ -355,3 +363,33 @@ def test_reciprocal_epilogue_is_the_division(s_out, out_dtype):
     real = acc.astype(np.float32) * s_in[:, None]
     want = P.quantize(real, np.float32(s_out), z_out, out_dtype)
     np.testing.assert_array_equal(got[True], want)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8"])
+@pytest.mark.parametrize("tiny", [False, True])
+def test_shortcut_term_on_codes_is_the_requantize(dtype, tiny):
+    """A residual's shortcut term (``Epilogue.codes``: 8-bit codes onto an accumulator grid
+    of zero point 0, rounded by the conversion, corrections counted on the 256 codes)
+    against the numpy requantize on every code; per-channel output scales of the worst
+    reciprocal (mantissa all ones: two corrections in general, one on these codes) and
+    ordinary ones; ``tiny``: one channel's scale 3e-12 saturates the int32 term (without it
+    the kernel skips the clip, ``Residual.saturates``)."""
+    from autoq import primitives as P
+    from autoq.cpu.residual import Residual
+
+    rng = np.random.default_rng(3)
+    s_out = np.concatenate([[1.99999988 * 2.0**-17], rng.uniform(1e-6, 1e-4, 7)])
+    if tiny:
+        s_out[3] = 3e-12
+    s_out = s_out.astype(np.float32)
+    s_in, z_in = np.float32(0.0064), -128 if dtype == "int8" else 7
+    e = epilogue.Epilogue(None, (s_in, z_in, s_out, 0), "float", "int32", 8, True, dtype)
+    assert e.division_steps() == 1
+    assert P.reciprocal_division_steps(s_out, s_in) == 2
+    saturates = Residual(e, dtype).saturates
+    assert saturates == tiny
+    lo, hi = P.qrange(dtype)
+    codes = np.repeat(np.arange(lo, hi + 1)[None], 8, axis=0).astype(dtype)
+    got = _epilogue_values(e, codes, saturates)
+    want = P.requantize(codes, s_in, z_in, s_out, 0, "int32", axis=0)
+    np.testing.assert_array_equal(got, want)

@@ -997,6 +997,31 @@ def test_divide_by_reciprocal_needs_the_corrections():
     np.testing.assert_array_equal(P.divide_by_reciprocal(x, s, r, 2), x / s)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "uint8"])
+def test_code_division_steps_exact_on_every_code(dtype):
+    """The count for 8-bit codes gives the exactly rounded quotient (Fraction) of every
+    code; one correction where the general bound asks two (r s = 1 + 2**-24 and random
+    accumulator-grid scales), and per channel the largest count."""
+    rng = np.random.default_rng(9)
+    lo, hi = P.qrange(dtype)
+    divisors = [1.99999988, 1.99999988 * 2.0**-17, *rng.uniform(1e-6, 1e-4, 12), 0.5]
+    ones = 0
+    for d in np.array(divisors, F32):
+        for s_in, z in ((F32(0.0064), lo), (F32(3.1e-2), 5)):
+            steps = P.code_division_steps(d, s_in, z, dtype)
+            general = P.reciprocal_division_steps(d, s_in)
+            assert 1 <= steps <= general
+            ones += steps < general
+            x = P.dequantize(np.arange(lo, hi + 1), s_in, z)
+            got = P.divide_by_reciprocal(x, d, F32(1) / d, steps)
+            want = [_f32_round(Fraction(float(v)) / Fraction(float(d))) for v in x]
+            np.testing.assert_array_equal(got, np.array(want, F32))
+    assert ones > 0
+    channels = np.array(divisors, F32)
+    per_channel = P.code_division_steps(channels, F32(0.0064), lo, dtype)
+    assert per_channel == max(P.code_division_steps(d, F32(0.0064), lo, dtype) for d in channels)
+
+
 def test_reciprocal_division_steps_range():
     assert P.reciprocal_division_steps(F32(0.5), F32(1e-4)) == 1
     assert P.reciprocal_division_steps(np.array([0.5, 1.99999988], F32), F32(1e-4)) == 2

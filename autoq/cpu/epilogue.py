@@ -75,6 +75,9 @@ class Epilogue:
     FMA corrections of :func:`autoq.primitives.reciprocal_division_steps` (the quotient of
     the division, bit for bit; its reciprocal a table row ``r_out``), or divide where
     those scales are out of its range; the division is slower on the AMX machine.
+    ``codes``: the dtype of the 8-bit codes the requantize reads instead of an accumulator
+    (a residual's shortcut): the corrections are then counted on every code
+    (:func:`autoq.primitives.code_division_steps`).
     """
 
     bias: np.ndarray | None
@@ -83,6 +86,7 @@ class Epilogue:
     out_dtype: str
     channels: int
     reciprocal: bool = False
+    codes: str | None = None
 
     def __post_init__(self):
         if self.rounding not in P.ROUNDING_MODES:
@@ -110,6 +114,9 @@ class Epilogue:
         :func:`autoq.primitives.reciprocal_division_steps` (float rounding only)."""
         if self.rounding != "float" or not self.reciprocal:
             return 0
+        if self.codes is not None:
+            s_in, z_in, s_out = self.params[:3]
+            return P.code_division_steps(s_out, s_in, z_in, self.codes)
         return P.reciprocal_division_steps(self.params[2], self.params[0])
 
     @property
@@ -179,6 +186,12 @@ class Epilogue:
                 u = divide_by_reciprocal(r, p["s_out"], get("r_out", named["r_out"]), steps)
             else:
                 u = r / p["s_out"]
+            if self.out_dtype == "int32" and _is_zero(named["z_out"]):
+                # a residual's shortcut on the accumulator grid (zero point 0): the round
+                # is the conversion's (lrint)
+                if not saturates:
+                    return tirx.call_llvm_pure_intrin("int32", "llvm.lrint", u)
+                return saturate_int32(u, rounded=False)
             if not saturates:
                 return (te.round(u) + p["z_out"].astype("float32")).astype(self.out_dtype)
             if self.out_dtype != "int32":
@@ -230,7 +243,7 @@ def round_clip(u, z, qmin: int, qmax: int, dtype: str):
     return (tirx.call_llvm_pure_intrin("int32", "llvm.lrint", t) + z).astype(dtype)
 
 
-def saturate_int32(v):
+def saturate_int32(v, rounded: bool = True):
     """Integral float32 ``v`` clipped to the int32 range and converted, exactly as the
     ``qnn.requantize`` legalization's float64 clip (:func:`autoq.qnn.tensor_exprs.quantize_value`
     with ``clip_dtype="float64"``) does, in float32 lanes: ``v`` clamped to
@@ -238,16 +251,25 @@ def saturate_int32(v):
     ``2**31 - 1`` where ``v >= 2**31`` (float32 has no value between those two bounds; the
     float64 path widens, clips and converts twice as many lanes: the one saturating residual
     conv of ResNet-50 took 1.5x the time of an equal non-saturating one).
+    ``rounded=False``: ``v`` is not yet rounded and the result is that of
+    ``round_half_even(v)``: the clamp to integer bounds commutes with the rounding, which
+    the conversion then does (``lrint``), and every float32 from 2**31 up is an integer.
     """
     top = tirx.const(2.0**31, "float32")
     t = te.min(te.max(v, tirx.const(-(2.0**31), "float32")), tirx.const(2.0**31 - 128, "float32"))
-    return tirx.Select(v >= top, tirx.const(2**31 - 1, "int32"), t.astype("int32"))
+    t = t.astype("int32") if rounded else tirx.call_llvm_pure_intrin("int32", "llvm.lrint", t)
+    return tirx.Select(v >= top, tirx.const(2**31 - 1, "int32"), t)
+
+
+def _is_zero(v) -> bool:
+    """Whether the operand ``v`` is a scalar 0."""
+    return np.size(v) == 1 and not np.any(v)
 
 
 def _immediate(name: str, v) -> bool:
     """Whether the value ``name`` stays an immediate instead of a table row: a scalar input
     zero point 0 (the accumulator's; :func:`dequantize_value` skips its subtraction)."""
-    return name == "z_in" and np.size(v) == 1 and not np.any(v)
+    return name == "z_in" and _is_zero(v)
 
 
 def epilogue_compute(

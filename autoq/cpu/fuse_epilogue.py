@@ -117,7 +117,8 @@ def _residual(req: relax.Call, src, value_of: dict, uses, covered) -> tuple | No
     short = _epilogue(value_of[chain.shortcut_requantize], None, shape, 1, ("int32",))
     if epilogue is None or short is None:
         return None
-    residual = Residual(short, dtype_of(chain.shortcut))
+    codes = dtype_of(chain.shortcut)
+    residual = Residual(replace(short, codes=codes), codes)
     return value_of[chain.kernel], epilogue, chain, residual
 
 

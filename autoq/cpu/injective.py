@@ -9,7 +9,9 @@ recompute them, with transposes or exps, on every step, and never a large intege
 blocked by :func:`autoq.ir.loop_schedule.schedule_reductions`, then every remaining block
 parallel over its leading spatial loops (the innermost loop is left to LLVM's vectorizer;
 when it reads ``x[..., i // k]``, a fused nearest-neighbour upsampling, it is split by ``k``
-and the ``k`` copies unrolled). Semantics are unchanged: every output keeps its reduction order, bit for bit.
+and the ``k`` copies unrolled; a block reading only its own element of same-shape tensors
+runs its rows or planes in explicit 64- or 16-lane vectors instead). Semantics are
+unchanged: every output keeps its reduction order, bit for bit.
 
 :func:`memoized_kernel` is the cache of the kernel builders whose arguments are all
 hashable (shapes as tuples, dtypes, ints): a model's layers of one shape build their kernel
@@ -33,6 +35,10 @@ __all__ = ["KERNEL_ATTR", "ScheduleFused", "memoized_kernel", "schedule_fused"]
 
 KERNEL_ATTR = "autoq.kernel"  # PrimFuncs that already carry their own schedule
 MIN_PARALLEL_ELEMENTS = 4096  # below this a thread-pool launch costs more than it saves
+# lanes of an elementwise block's explicit vectors, widest first (64: four AVX-512 registers
+# of float32; LLVM's own vectorizer stops at 256 bits on the AVX-512 targets, and at a
+# row's tail)
+ELEMENTWISE_LANES = (64, 16)
 # a block with more int64 nodes is not inlined into a consumer with more: integer-mode
 # requantizes with a general shift (80-170 nodes, nearly all int64 fixed-point arithmetic)
 # inlined into each other made expressions the TIR simplifier took seconds over (MiniLM:
@@ -89,6 +95,56 @@ def _parallelize(sch: Schedule, block) -> None:
 
 
 _CHILDREN = ("a", "b", "value", "condition", "true_value", "false_value")
+
+
+def _same_index(region, iter_vars) -> bool:
+    """Whether a buffer region is the single element at exactly the block's iteration
+    variables, in order."""
+    if len(region.region) != len(iter_vars):
+        return False
+    for r, iv in zip(region.region, iter_vars, strict=True):
+        if not (r.min.same_as(iv.var) and isinstance(r.extent, tirx.IntImm) and r.extent == 1):
+            return False
+    return True
+
+
+def _vectorize_elementwise(sch: Schedule, block) -> bool:
+    """A block that reads and writes only the element at its own index (an elementwise op of
+    tensors of one shape) with its last loop, or its last two fused (a plane: contiguous
+    flat indices the simplifier recovers), in explicit vectors of the widest
+    ``ELEMENTWISE_LANES`` dividing it, parallel over the rest; False (unchanged) for any
+    other block or when no such width divides them."""
+    stmt = sch.get(block)
+    loops = sch.get_loops(block)
+    if len(loops) != len(stmt.iter_vars) or not loops:
+        return False
+    if any(iv.iter_type != tirx.IterVar.DataPar for iv in stmt.iter_vars):
+        return False
+    if not all(_same_index(r, stmt.iter_vars) for r in (*stmt.reads, *stmt.writes)):
+        return False
+    extents = [_extent(sch, lp) for lp in loops]
+    if any(e is None for e in extents):
+        return False
+    plan = next(
+        (
+            (tail, lanes)
+            for lanes in ELEMENTWISE_LANES
+            for tail in (1, 2)
+            if tail <= len(loops) and math.prod(extents[-tail:]) % lanes == 0
+        ),
+        None,
+    )
+    if plan is None:
+        return False
+    tail, lanes = plan
+    inner_loops = loops[-tail:]
+    plane = sch.fuse(*inner_loops) if tail > 1 else inner_loops[0]
+    inner = sch.split(plane, [None, lanes])[1]
+    sch.vectorize(inner)
+    if math.prod(extents) >= MIN_PARALLEL_ELEMENTS:
+        lead = sch.get_loops(block)[:-1]
+        sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
+    return True
 
 
 def _divisors(expr, var, found: set) -> set:
@@ -184,6 +240,8 @@ def schedule_fused(func: tirx.PrimFunc, rows: int = 4) -> tirx.PrimFunc:
     sch = Schedule(schedule_reductions(sch.mod["main"], rows), error_render_level="none")
     for block in _blocks(sch):
         try:
+            if _vectorize_elementwise(sch, block):
+                continue
             _parallelize(sch, block)
             _unroll_upsampling(sch, block)
         except ScheduleError:

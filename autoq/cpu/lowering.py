@@ -20,7 +20,9 @@ On targets with AMX int8 tiles, dense (>= ``AMX_MIN_ROWS`` rows), the convs
 :func:`autoq.cpu.amx_conv2d.amx_conv_applies` accepts and the matmuls of two activations
 :func:`autoq.cpu.amx_batch_matmul.amx_batch_matmul_applies` accepts run on
 :mod:`autoq.cpu.amx_dense` / :mod:`autoq.cpu.amx_conv2d` / :mod:`autoq.cpu.amx_batch_matmul`
-instead.
+instead, and the float requantizes of 8-bit codes outside the kernels (adds / subtracts of
+two 8-bit tensors, 8-bit requantizes) divide by a reciprocal
+(:mod:`autoq.cpu.reciprocal_elementwise`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from autoq.cpu.max_pool import DTYPES as POOL_DTYPES
 from autoq.cpu.max_pool import max_pool2d_kernel
 from autoq.cpu.packing import compensation, pack_conv_weight, pack_dense_weight, round_up
 from autoq.cpu.pool_requantize import requantize_after_pools
+from autoq.cpu.reciprocal_elementwise import reciprocal_elementwise, reciprocal_requantize
 from autoq.cpu.resize_codes import resize_codes
 from autoq.cpu.sibling_dense import merge_sibling_dense, minus_zero_point
 from autoq.cpu.softmax import inner_axis_covered, softmax_kernel, softmax_table
@@ -574,22 +577,33 @@ def _constant_operand_table(call) -> tuple[relax.Expr, np.ndarray] | None:
     return data, np.asarray(table).astype(out_dtype)
 
 
-def _elementwise(_choice: IsaChoice, fallback, bb, call):
+def _elementwise(choice: IsaChoice, fallback, bb, call):
     """A constant-operand elementwise op (:func:`_constant_operand_table`) -> its lookup
     kernel (:func:`_lut_kernel`, per channel along axis 1 for a per-channel constant) on
-    targets with AVX-512 VBMI; anything else -> ``fallback``. A per-channel constant on
+    targets with AVX-512 VBMI; an add / subtract of two 8-bit tensors on targets dividing by
+    a reciprocal -> :func:`autoq.cpu.reciprocal_elementwise.reciprocal_elementwise` when it
+    applies; anything else -> ``fallback``. A per-channel constant on
     planes under 64 elements keeps ``fallback`` too: the gather kernel there is slower than
     the float chain, which fuses with its neighbours (ResNet-50 open_nsfw's two 7x7 batch-norm
     shifts: 67 us of lookups + 22 us vs one 74 us fused chain, 1 thread)."""
     found = _constant_operand_table(call) if target_has_vbmi() else None
     if found is None:
-        return fallback(bb, call)
+        out = reciprocal_elementwise(bb, call) if choice.isa.reciprocal else None
+        return fallback(bb, call) if out is None else out
     data, table = found
     axis = 1 if table.ndim == 2 else None
     if axis is not None and not _vbmi_planes(shape_of(data), axis):
         return fallback(bb, call)
     func = _lut_kernel(shape_of(data), dtype_of(data), str(table.dtype), axis)
     return _call_lut(bb, func, data, relax.const(table))
+
+
+def _requantize(choice: IsaChoice, fallback, bb, call):
+    """An 8-bit -> 8-bit ``qnn.requantize`` on targets dividing by a reciprocal ->
+    :func:`autoq.cpu.reciprocal_elementwise.reciprocal_requantize` when it applies;
+    anything else -> ``fallback``."""
+    out = reciprocal_requantize(bb, call) if choice.isa.reciprocal else None
+    return fallback(bb, call) if out is None else out
 
 
 def _max_pool2d(_choice: IsaChoice, fallback, bb, call):
@@ -619,6 +633,7 @@ _LOWERINGS = {
     "qnn.subtract": _elementwise,
     "qnn.multiply": _elementwise,
     "qnn.dynamic_quantize": _dynamic_quantize,
+    "qnn.requantize": _requantize,
     "relax.nn.max_pool2d": _max_pool2d,
 }
 
