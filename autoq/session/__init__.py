@@ -180,27 +180,34 @@ class Session:
     def _call(self, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
         import tvm
 
+        out = self._main([tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays])
+        flat = _flat(out)
+        return {o.name: v for o, v in zip(self.outputs, flat, strict=True)}
+
+    def _main(self, args: list):
+        """The library's ``main`` on the calling thread's pool or on one thread, whichever
+        this session's recent calls found faster (:class:`WidthChooser`); the pool's width
+        is as before after the call."""
         from autoq.threads import configure_pool, pool_threads, use_machine_cores
 
-        args = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays]
         use_machine_cores()  # a thread of the caller's own: its pool sized by autoq
         pool = pool_threads()
         if pool == 1:
+            return self._vm["main"](*args)
+        if pool not in self._widths:
+            self._widths[pool] = WidthChooser((1, pool))
+        chooser = self._widths[pool]
+        n = chooser.next()
+        if n != pool:
+            configure_pool(n)
+        try:
+            start = perf_counter()
             out = self._vm["main"](*args)
-        else:
-            chooser = self._widths.setdefault(pool, WidthChooser((1, pool)))
-            n = chooser.next()
+            chooser.record(n, perf_counter() - start)
+            return out
+        finally:
             if n != pool:
-                configure_pool(n)
-            try:
-                start = perf_counter()
-                out = self._vm["main"](*args)
-                chooser.record(n, perf_counter() - start)
-            finally:
-                if n != pool:
-                    configure_pool(pool)
-        flat = _flat(out)
-        return {o.name: v for o, v in zip(self.outputs, flat, strict=True)}
+                configure_pool(pool)
 
 
 def _checked_array(info: TensorInfo, value, batch: int | None) -> np.ndarray:
