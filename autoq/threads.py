@@ -28,6 +28,19 @@ variable gone after the pool was made, a 2-thread pool on a 2-vCPU machine ran e
 on one thread (measured: ResNet-50 CPU time per call equal to its wall time, 10.4 ms, with
 ``runtime.NumThreads`` reporting 2). So every resize passes a list of ``n`` CPUs
 (:func:`configure_pool`), also when :func:`use_machine_cores` makes the pool.
+
+A resize in TVM's mode 1 ("big cores") binds worker ``i`` to CPU ``i``; :func:`configure_pool`
+uses mode -3 (every thread of the pool may run on all of the list's CPUs), so a worker is
+not held on a CPU another process keeps busy. That alone does not make two threads robust
+on a shared machine: TVM splits each parallel kernel into one fixed part per thread and
+its idle workers wait by spinning on ``sched_yield``, so with another process busy on one
+of two CPUs every kernel waits for the thread that shares it. Measured (ResNet-50 int8,
+2-vCPU Xeon with AMX, processes interleaved in one run, median ms per call, load 4.5):
+with a busy process pinned to CPU 1, 1 thread 32, 2 threads bound 672, unbound 384, and
+36-40 with ``TVM_THREAD_POOL_SPIN_COUNT=0`` (workers sleep at once); but without the busy
+process (load 3.4) that spin count took the second thread's gain away (best call 7.7 ms on
+2 threads as on 1, against 4.5 with spinning workers), so TVM's spin count is left as is. :class:`autoq.Session` picks the
+width per call instead (:mod:`autoq.session.pool_width`).
 """
 
 from __future__ import annotations
@@ -180,8 +193,9 @@ def keep_affinity():
 
 
 def configure_pool(n: int) -> None:
-    """Resize the calling thread's TVM pool to ``n`` threads (mode 1, the "big" cores: all
-    cores on a homogeneous CPU), keeping the thread's CPU affinity.
+    """Resize the calling thread's TVM pool to ``n`` threads, each free to run on any of the
+    first ``n`` CPUs this process may use (no worker bound to one CPU), keeping the calling
+    thread's CPU affinity.
 
     >>> keep, size = os.sched_getaffinity(0), pool_threads()
     >>> configure_pool(1)
@@ -189,11 +203,13 @@ def configure_pool(n: int) -> None:
     True
     >>> configure_pool(size)
     """
-    # the CPU list's length becomes the thread's launch width (see the module docstring);
-    # in mode 1 its CPUs are otherwise unused: the workers keep their cores
-    cpus = [str(i) for i in range(int(n))]
+    # mode -3, kSpecifyThreadShareAllCore: every thread of the pool may run on all the CPUs
+    # of the list (mode 1, "big cores", binds worker i to CPU i); the list's length becomes
+    # the thread's launch width (see the module docstring)
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cpus = [str(c) for c in (usable[: int(n)] if len(usable) >= int(n) else range(int(n)))]
     with keep_affinity():
-        tvm.get_global_func("runtime.config_threadpool")(1, int(n), cpus)
+        tvm.get_global_func("runtime.config_threadpool")(-3, int(n), cpus)
 
 
 def pool_threads() -> int:

@@ -186,3 +186,35 @@ def test_autoq_run_bad_input_is_one_line(folders, capsys, argv, needle):
     d, _, one, _ = folders
     code, _, err = run(capsys, "run", *[a.format(d=d, one=one) for a in argv])
     assert_user_error(code, err, needle.format(d=d))
+
+
+_RUN_ON_EITHER_WIDTH = """
+import sys, numpy as np, autoq
+from autoq.threads import pool_threads
+sess = autoq.load(sys.argv[1])
+x = np.random.default_rng(7).uniform(0, 1, size=(1, 3, 8, 8)).astype(np.float32)
+outs, pools = [], set()
+for _ in range(8):
+    outs.append(sess.run({"x": x})["y"])
+    pools.add(pool_threads())
+print(sorted(pools), all(np.array_equal(o, outs[0]) for o in outs))
+"""
+
+
+def test_calls_on_one_or_two_threads_give_the_same_outputs_and_leave_the_pool(folders):
+    """The session runs its first calls on 1 and on the pool's 2 threads in turn
+    (autoq.session.pool_width): the outputs do not depend on it, and the pool's width is 2
+    after every call."""
+    import os
+    import subprocess
+    import sys
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs a process allowed on 2+ CPUs")
+    env = {**os.environ, "TVM_NUM_THREADS": "2"}
+    out = subprocess.run(
+        [sys.executable, "-c", _RUN_ON_EITHER_WIDTH, str(folders[2])],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[2]", "True"]

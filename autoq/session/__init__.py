@@ -14,7 +14,11 @@ shape, dtype); with a folder of images as calibration data, also ``preprocess.js
   chunks of ``sess.batch`` rows (the last chunk padded with zeros, the padding dropped from
   the outputs), so any batch works; the outputs are the chunks' outputs concatenated;
 * ``sess.run_images(paths)``: the images preprocessed as the calibration images were, stacked
-  on the batch axis, run.
+  on the batch axis, run;
+* **threads.** Each call runs on the calling thread's pool (:func:`autoq.set_threads`) or on
+  one thread, whichever the session's recent calls found faster
+  (:class:`autoq.session.pool_width.WidthChooser`: when another process keeps a CPU busy,
+  one thread is many times faster than two); the pool's width is as before after the call.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from time import perf_counter
 
 import numpy as np
 
 from autoq.errors import InputError, LibraryError
+from autoq.session.pool_width import WidthChooser
 
 __all__ = ["LIBRARY", "PREPROCESS", "Session", "TensorInfo", "load"]
 
@@ -91,6 +97,7 @@ class Session:
         firsts = {i.shape[0] if i.shape else None for i in self.inputs}
         #: the number of rows one call of the library takes (None: no shared batch axis)
         self.batch: int | None = firsts.pop() if len(firsts) == 1 else None
+        self._widths: dict[int, WidthChooser] = {}  # per pool width the caller set
 
     def __repr__(self) -> str:
         return (
@@ -173,9 +180,34 @@ class Session:
     def _call(self, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
         import tvm
 
-        out = self._vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays])
+        out = self._main([tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays])
         flat = _flat(out)
         return {o.name: v for o, v in zip(self.outputs, flat, strict=True)}
+
+    def _main(self, args: list):
+        """The library's ``main`` on the calling thread's pool or on one thread, whichever
+        this session's recent calls found faster (:class:`WidthChooser`); the pool's width
+        is as before after the call."""
+        from autoq.threads import configure_pool, pool_threads, use_machine_cores
+
+        use_machine_cores()  # a thread of the caller's own: its pool sized by autoq
+        pool = pool_threads()
+        if pool == 1:
+            return self._vm["main"](*args)
+        if pool not in self._widths:
+            self._widths[pool] = WidthChooser((1, pool))
+        chooser = self._widths[pool]
+        n = chooser.next()
+        if n != pool:
+            configure_pool(n)
+        try:
+            start = perf_counter()
+            out = self._vm["main"](*args)
+            chooser.record(n, perf_counter() - start)
+            return out
+        finally:
+            if n != pool:
+                configure_pool(pool)
 
 
 def _checked_array(info: TensorInfo, value, batch: int | None) -> np.ndarray:
