@@ -512,20 +512,6 @@ def test_from_torch_rejects_non_modules():
         from_torch(lambda x: x, (np.zeros(1, np.float32),))
 
 
-def _chain_model(nodes, inits: dict, c: int):
-    """(ONNX model of ``nodes`` from input x [1, 3, 6, 6] to out [1, c, 6, 6], an input x,
-    ONNX Runtime's output on it)."""
-    model = _model(
-        nodes,
-        [_vi("x", [1, 3, 6, 6])],
-        [_vi("out", [1, c, 6, 6])],
-        [_init(k, v) for k, v in inits.items()],
-    )
-    x = _f32(1, 3, 6, 6)
-    (want,) = _ort(model, {"x": x})
-    return model, x, want
-
-
 def test_batch_norm_written_as_sub_mul_add_is_folded():
     """Caffe-style exports: conv -> (+ bias) -> - mean -> * scale -> + shift, per channel."""
     c = 4
@@ -543,7 +529,14 @@ def test_batch_norm_written_as_sub_mul_add_is_folded():
         helper.make_node("Add", ["m", "bn.shift"], ["a"]),
         helper.make_node("Relu", ["a"], ["out"]),
     ]
-    model, x, want = _chain_model(nodes, inits, c)
+    model = _model(
+        nodes,
+        [_vi("x", [1, 3, 6, 6])],
+        [_vi("out", [1, c, 6, 6])],
+        [_init(k, v) for k, v in inits.items()],
+    )
+    x = _f32(1, 3, 6, 6)
+    (want,) = _ort(model, {"x": x})
     for optimize in (False, True):
         mod, params = from_onnx(model, optimize=optimize)
         assert set(params) == {"conv.weight", "conv.bias"}
@@ -558,37 +551,6 @@ def test_batch_norm_written_as_sub_mul_add_is_folded():
     np.testing.assert_allclose(params["conv.bias"], bias, rtol=1e-5, atol=1e-7)
     _, kept = from_onnx(model, fold_bn=False)
     assert {"bn.mean", "bn.scale", "bn.shift"} <= set(kept)
-
-
-def test_batch_norm_shift_shared_by_two_branches_is_folded_into_both():
-    """Open-NSFW's projection blocks: the main and shortcut branch's batch norms end in an
-    ``Add`` of the same shift initializer. Each conv takes the shift's values into its own
-    bias (the initializer has two users, so it is read, never rewritten), and no per-channel
-    add is left after either conv: the residual add then fuses into the conv's epilogue."""
-    c = 4
-    inits = {
-        "a.weight": _f32(c, 3, 3, 3, scale=0.3),
-        "b.weight": _f32(c, 3, 1, 1, scale=0.3),
-        "a.scale": RNG.uniform(0.5, 2, (1, c, 1, 1)).astype(np.float32),
-        "b.scale": RNG.uniform(0.5, 2, (1, c, 1, 1)).astype(np.float32),
-        "shift": _f32(1, c, 1, 1, scale=0.2),
-    }
-    nodes = [
-        helper.make_node("Conv", ["x", "a.weight"], ["ya"], pads=[1, 1, 1, 1]),
-        helper.make_node("Mul", ["ya", "a.scale"], ["ma"]),
-        helper.make_node("Add", ["ma", "shift"], ["aa"]),
-        helper.make_node("Conv", ["x", "b.weight"], ["yb"]),
-        helper.make_node("Mul", ["yb", "b.scale"], ["mb"]),
-        helper.make_node("Add", ["mb", "shift"], ["ab"]),
-        helper.make_node("Add", ["aa", "ab"], ["out"]),
-    ]
-    model, x, want = _chain_model(nodes, inits, c)
-    mod, params = from_onnx(model, optimize=False)
-    assert "shift" not in params and "relax.multiply" not in _ops(mod)
-    assert _ops(mod).count("relax.add") == 3  # the two folded biases and the residual add
-    np.testing.assert_allclose(_run(mod, params, {"x": x}), want, rtol=1e-4, atol=1e-5)
-    for name in ("a", "b"):
-        np.testing.assert_allclose(params[f"{name}.bias"], inits["shift"].reshape(c), rtol=1e-6)
 
 
 def test_model_path_names_the_pip_package(monkeypatch):

@@ -475,9 +475,7 @@ def fold_affine(
     is an affine map ``a * conv(x, W) + b`` per output channel and equals
     ``conv(x, W * a) + b``. The chain is replaced by one bias add; the weight keeps its name,
     the bias reuses the chain's bias parameter if it had one (else a new ``<layer>.bias``).
-    An operand parameter that other layers read too (Open-NSFW's projection blocks add one
-    shift initializer in both branches) is folded by value and stays for them. A chain that
-    is only a bias add is left alone. Computed in float64.
+    A chain that is only a bias add is left alone. Computed in float64.
     """
     scan = _scan(mod, params, func_name)
     values: dict[relax.Var, relax.Expr] = {}
@@ -587,7 +585,7 @@ def _channel_vector(scan: _Scan, expr, conv: _Conv):
     if any(d != 1 for i, d in enumerate(full) if i != axis) or full[axis] not in (1, channels):
         return None
     if name is not None and len(scan.users.get(expr, [])) != 1:
-        name = None  # shared with another layer: its value, the parameter kept
+        return None
     vec = np.broadcast_to(arr.reshape(-1).astype(np.float64), (channels,))
     return vec, name
 
