@@ -630,7 +630,7 @@ def fma_float32(a, b, c) -> np.ndarray:
 
 #: the range of scales :func:`reciprocal_division_steps` accepts: x = n * s_in (|n| < 2**33)
 #: divided by s_out stays away from float32 underflow and overflow at every step
-_RECIPROCAL_SCALE_RANGE = (2.0**-60, 2.0**60)
+RECIPROCAL_SCALE_RANGE = (2.0**-60, 2.0**60)
 
 
 def reciprocal_division_steps(divisor, dividend_scale) -> int:
@@ -658,7 +658,7 @@ def reciprocal_division_steps(divisor, dividend_scale) -> int:
     """
     s = np.asarray(divisor, np.float32).astype(np.float64).reshape(-1)
     si = np.asarray(dividend_scale, np.float32).astype(np.float64).reshape(-1)
-    lo, hi = _RECIPROCAL_SCALE_RANGE
+    lo, hi = RECIPROCAL_SCALE_RANGE
     ratio = si / s  # with both broadcast: per-channel rows have the same length
     for v in (s, si, ratio):
         if not np.all((v >= lo) & (v <= hi)):

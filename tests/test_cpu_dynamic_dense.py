@@ -210,3 +210,44 @@ def test_dynamic_quantize_kernel_bit_exact(mcpu, shape, spec):
 
 def test_doctests():
     assert doctest.testmod(dq_kernel).failed == 0
+
+
+def _midpoint_rows(rng, rows: int, k: int) -> np.ndarray:
+    """float32 rows whose values sit on or next to ``(n + 1/2) * s`` (``s``: the row's own
+    run-time scale, ``(max - min) / 255``): the quotients whose rounding to a code turns on
+    the last bit of ``x / s``."""
+    x = np.empty((rows, k), np.float32)
+    for i in range(rows):
+        lo, hi = np.float32(-rng.uniform(0.3, 4.0)), np.float32(rng.uniform(0.3, 4.0))
+        s = np.float32(hi - lo) / np.float32(255)
+        n = rng.integers(int(lo / s) + 1, int(hi / s) - 1, size=k - 2)
+        mid = ((n + 0.5) * np.float64(s)).astype(np.float32)
+        side = rng.integers(-1, 2, size=k - 2).astype(np.float32)
+        x[i] = np.concatenate([[lo, hi], np.where(side == 0, mid, np.nextafter(mid, mid + side))])
+    return x
+
+
+def test_reciprocal_quantize_on_midpoints():
+    """On the targets that divide by a reciprocal (AMX), the per-token quantize's ``x / s``
+    is ``x * RN(1/s)`` plus two FMA corrections: codes, scales and zero points equal numpy's
+    division on quotients next to a half-integer (where the product alone gives other
+    codes: checked below, so the case tells them apart), on a row of values above 2**67
+    (a scale beyond ``RECIPROCAL_SCALE_RANGE``: it divides) and on an all-zero row."""
+    from autoq.cpu.isa import kernel_isa
+    from autoq.primitives import divide_by_reciprocal
+
+    target = _target({"mcpu": HOST, "mattr": ["+amx-tile", "+amx-int8"]})
+    assert kernel_isa(target).reciprocal
+    x = _midpoint_rows(np.random.default_rng(3), 64, 200)
+    x[1] = x[1] * np.float32(2.0**70)
+    x[2] = 0.0
+    q, s, z = dynamic_quantize(x, "token")
+    r = np.float32(1) / s
+    product = np.clip(np.round(divide_by_reciprocal(x, s, r, 0)) + z, -128, 127)
+    assert np.any(product != q)
+    mod = _quantize_module(x.shape, {})
+    assert "autoq_dynamic_quantize" in _kernels(mod, target)
+    vm = relax.VirtualMachine(autoq.compile(mod, target), tvm.cpu())
+    got = [t.numpy() for t in vm["main"](tvm.runtime.tensor(x))]
+    for g, want in zip(got, (q, s, z), strict=True):
+        np.testing.assert_array_equal(g, want)

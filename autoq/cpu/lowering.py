@@ -475,7 +475,7 @@ def _layer_norm(_choice: IsaChoice, fallback, bb, call):
     return relax.call_tir(gv, [data, gamma, beta], out_ty=relax.TensorType(shape, "float32"))
 
 
-def _dynamic_quantize(_choice: IsaChoice, fallback, bb, call):
+def _dynamic_quantize(choice: IsaChoice, fallback, bb, call):
     """Per-token ``qnn.dynamic_quantize`` of a static shape -> the row-parallel kernel of
     :mod:`autoq.cpu.dynamic_quantize` on ``[rows, K]``; anything else -> ``fallback``."""
     (data,) = call.args
@@ -485,7 +485,9 @@ def _dynamic_quantize(_choice: IsaChoice, fallback, bb, call):
         return fallback(bb, call)
     rows, k = math.prod(shape[:-1]), shape[-1]
     out_dtype = str(a["out_dtype"])
-    func = dynamic_quantize_kernel(rows, k, out_dtype, qparam_range(call), bool(a["symmetric"]))
+    func = dynamic_quantize_kernel(
+        rows, k, out_dtype, qparam_range(call), bool(a["symmetric"]), choice.isa.reciprocal
+    )
     gv = bb.add_func(func.without_attr("global_symbol"), "autoq_dynamic_quantize")
     x2 = bb.emit(relax.op.reshape(data, [rows, k])) if len(shape) != 2 else data
     types = [

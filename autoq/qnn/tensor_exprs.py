@@ -111,13 +111,14 @@ def divide_by_reciprocal(x, s, r, steps: int):
     return y
 
 
-def quantize_value(x, s, z, qmin, qmax, clip_dtype="float32"):
+def quantize_value(x, s, z, qmin, qmax, clip_dtype="float32", quotient=None):
     """float32 ``clip(round_half_even(x / s) + z, qmin, qmax)`` (still a float).
 
     ``clip_dtype="float64"`` clips in float64, for int32 outputs: float32 cannot hold
-    2**31 - 1, and converting the float32 bound 2**31 to int32 overflows.
+    2**31 - 1, and converting the float32 bound 2**31 to int32 overflows. ``quotient``:
+    ``x / s`` computed another way (the same value: :func:`divide_by_reciprocal`).
     """
-    v = te.round(x / s) + z.astype("float32")
+    v = te.round(x / s if quotient is None else quotient) + z.astype("float32")
     if clip_dtype != "float32":
         v = v.astype(clip_dtype)
     return te.max(
