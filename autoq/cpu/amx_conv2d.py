@@ -4,9 +4,7 @@ computed channels x pixels, so that the tiles store straight into the NCHW outpu
 Activations are packed once, per image, to the VNNI-interleaved uint8 buffer
 ``[ICp/4, P, 4]`` over the padded image (``ICp`` input channels rounded up to 64, ``P`` the
 flat pixels of ``rows x Wp``, ``Wp`` the padded width; ``x + 128`` for int8 data, padding =
-the shifted zero point; ``tap_fold`` channel copies, each shifted by one more pixel, when
-fewer than 64 input channels fill a 64-byte row with neighbouring horizontal taps). Output
-pixels are numbered over the padded width,
+the shifted zero point). Output pixels are numbered over the padded width,
 ``p = oy * Wp + ox``: with stride 1 the input pixel of tap ``(kh, kw)`` is the flat pixel
 ``p + kh * Wp + kw``, so a tile of 16 consecutive output pixels x 64 input channels of one tap
 is 16 rows (channel quads) of 64 contiguous bytes, row stride ``4 P``: a ``tdpbsud`` column
@@ -18,11 +16,7 @@ A block of 32 output channels x 32 pixels is the 2 x 2 accumulator tiles of
 :mod:`autoq.cpu.amx_tiles`, started from ``-(zx + shift) * sum(w)`` (the compensation, one
 row per channel) instead of zero; a complete block of a conv without horizontal padding
 (``Wp == OW``) is stored straight into the NCHW int32 output (row stride ``OH * OW``), other
-blocks through a stack buffer. With horizontal padding every block is stored whole (tiles
-straight, or 32-pixel vectors after the epilogue) into an output over ``Wp``, whose rows are
-then cropped to ``OW`` by vectorized copies: ResNet-50-1by2's 3x3 32 -> 32 on 56 x 56
-(int32, 1 thread) 158 -> 76 us, against 184 us on VNNI (a per-pixel copy of the block's
-rows was half of the kernel's time); PP-OCRv4 det's 96 -> 24 on 120 x 120 1025 -> 879 us. Parallel over (image, pixel block, channel group).
+blocks through a stack buffer. Parallel over (image, pixel block, channel group).
 
 With a :class:`autoq.cpu.residual.Residual` (and an epilogue), each block adds the shortcut's
 term to its accumulators on the stack before the epilogue (the residual add of a ResNet
@@ -60,48 +54,29 @@ __all__ = [
     "amx_conv_compensation",
     "amx_conv_weight",
     "amx_shortcut_shape",
-    "tap_fold",
 ]
 
 # a 1x1 conv with < 64 input channels runs on AMX only below this many output pixels
 AMX_POINTWISE_MAX_PIXELS = 120 * 120
 
 
-def tap_fold(in_channels: int, kernel_width: int) -> int:
-    """Horizontal taps packed side by side in one 64-byte reduction row: as many copies of
-    the input channels as fit (at most the kernel width), copy ``s`` shifted by ``s`` pixels,
-    so that one ``tdpbsud`` covers taps ``kw .. kw + fold - 1``.
-
-    >>> tap_fold(32, 3), tap_fold(16, 3), tap_fold(64, 3), tap_fold(40, 3), tap_fold(16, 1)
-    (2, 3, 1, 1, 1)
-    """
-    return max(1, min(kernel_width, KSTEP // in_channels))
-
-
 def amx_conv_applies(shape: ConvShape) -> bool:
     """Dilation 1; stride 1, or a 1x1 kernel without padding at any stride (packing
-    subsamples the image); at least 64 input channels, or fewer whose :func:`tap_fold`
-    copies fill the 64-byte rows exactly (3x3 with 32: ResNet-50-1by2's first stage), or 16
-    for 1x1 convs with 32 output channels or more and fewer than
-    ``AMX_POINTWISE_MAX_PIXELS`` output pixels. Measured against the VNNI kernel
-    (1 thread): 3x3 with 32-40 input channels without folding 0.74-0.96x (the tile rows are
-    half padding), 1x1 with 16-32 input channels 1.8-4.7x on small images
+    subsamples the image); at least 64 input channels, or 16 for 1x1 convs with 32 output
+    channels or more and fewer than ``AMX_POINTWISE_MAX_PIXELS`` output pixels. Measured
+    against the VNNI kernel (1 thread): 3x3 with 32-40 input channels 0.74-0.96x (the tile
+    rows are half padding), 1x1 with 16-32 input channels 1.8-4.7x on small images
     (output-bound: AMX stores complete tiles straight into NCHW) but 1.3-1.5x SLOWER at
     240x240 (memory-bound; the channels are padded to 64 in the packed image), even at
     120x120 (0.9-1.3x), 1x1 with 16 output channels 0.1x (no complete tile: every block goes
     through the stack buffer)."""
     pointwise = shape.kernel == (1, 1) and not any(shape.padding)
     oh, ow = shape.out_hw
-    folded = shape.in_channels * tap_fold(shape.in_channels, shape.kernel[1]) == KSTEP
-    wide = (
-        shape.in_channels >= 64
-        or (folded and not pointwise)
-        or (
-            pointwise
-            and shape.in_channels >= 16
-            and shape.out_channels >= 32
-            and oh * ow < AMX_POINTWISE_MAX_PIXELS
-        )
+    wide = shape.in_channels >= 64 or (
+        pointwise
+        and shape.in_channels >= 16
+        and shape.out_channels >= 32
+        and oh * ow < AMX_POINTWISE_MAX_PIXELS
     )
     return (shape.strides == (1, 1) or pointwise) and shape.dilation == (1, 1) and wide
 
@@ -114,38 +89,15 @@ def _subsampled(shape: ConvShape) -> ConvShape:
     return replace(shape, height=oh, width=ow, strides=(1, 1))
 
 
-def fold_taps(w: np.ndarray) -> np.ndarray:
-    """OIHW weights with their :func:`tap_fold` horizontal taps as input channels:
-    ``[OC, fold * IC, KH, ceil(KW / fold)]``, channel ``s * IC + c`` of column ``j`` = tap
-    ``j * fold + s`` of channel ``c`` (zero past the kernel width).
-
-    >>> w = np.arange(3).reshape(1, 1, 1, 3).astype(np.int8) + 1  # 1 channel: fold 3
-    >>> fold_taps(w)[0, :, 0, 0].tolist()
-    [1, 2, 3]
-    >>> fold_taps(np.ones((1, 32, 1, 3), np.int8))[0, 32:, 0, 1].tolist() == [0] * 32
-    True
-    """
-    oc, ic, kh, kw = w.shape
-    fold = tap_fold(ic, kw)
-    cols = -(-kw // fold)
-    wide = np.zeros((oc, ic, kh, cols * fold), w.dtype)
-    wide[..., :kw] = w
-    wide = wide.reshape(oc, ic, kh, cols, fold).transpose(0, 4, 1, 2, 3)
-    return np.ascontiguousarray(wide.reshape(oc, fold * ic, kh, cols))
-
-
 def amx_conv_weight(w: np.ndarray) -> np.ndarray:
     """OIHW int8 weights as ``[OCp/16, KH*KW*ICp/64, 16, 64]``: 16 output channels x 64
-    reduction bytes (one tap, 64 input channels) per tile, OC padded to 32, IC to 64; the
-    taps folded first (:func:`fold_taps`).
+    reduction bytes (one tap, 64 input channels) per tile, OC padded to 32, IC to 64.
 
     >>> p = amx_conv_weight(np.arange(2 * 3).reshape(2, 3, 1, 1).astype(np.int8))
     >>> p.shape, p[0, 0, 1, :4].tolist()  # output channel 1: its 3 input channels, then 0
     ((2, 1, 16, 64), [3, 4, 5, 0])
-    >>> amx_conv_weight(np.ones((32, 32, 3, 3), np.int8)).shape  # 2 taps a row: 3 x 2 of 9
-    (2, 6, 16, 64)
     """
-    oc, ic, kh, kw = (w := fold_taps(w)).shape
+    oc, ic, kh, kw = w.shape
     icp, ocp = round_up(ic, KSTEP), round_up(oc, BLOCK)
     wt = np.zeros((ocp, kh, kw, icp), np.int8)
     wt[:oc, ..., :ic] = w.transpose(0, 2, 3, 1)
@@ -167,14 +119,12 @@ def amx_conv_compensation(w: np.ndarray, zero_point: int) -> np.ndarray:
 
 
 def _geometry(shape: ConvShape) -> tuple[int, int, int, int, int]:
-    """(ICp of the folded channels, OCp, padded width Wp, output pixels over Wp, packed
-    pixels any tile may read)."""
+    """(ICp, OCp, padded width Wp, output pixels over Wp, packed pixels any tile may read)."""
     (kh, kw), (_, pl, _, pr), (oh, _) = shape.kernel, shape.padding, shape.out_hw
     wp = shape.width + pl + pr
     m = oh * wp
     pix = -(-(round_up(m, BLOCK) + (kh - 1) * wp + kw - 1) // wp) * wp
-    icp = round_up(shape.in_channels * tap_fold(shape.in_channels, kw), KSTEP)
-    return icp, round_up(shape.out_channels, BLOCK), wp, m, pix
+    return round_up(shape.in_channels, KSTEP), round_up(shape.out_channels, BLOCK), wp, m, pix
 
 
 def amx_shortcut_shape(residual: Residual | None, n_img: int, oc: int, oh: int, ow: int):
@@ -213,16 +163,10 @@ def amx_conv2d_kernel(
     n_img, ic, h, wd, oc = astuple(shape)[:5]
     (kh, kw), (pt, pl, _, _), (oh, ow) = shape.kernel, shape.padding, shape.out_hw
     icp, ocp, wp, m, pix = _geometry(shape)
-    fold = tap_fold(ic, kw)
-    cols = -(-kw // fold)  # tap columns of the folded weights
     row_blocks, chunks, quads = round_up(m, BLOCK) // BLOCK, icp // KSTEP, icp // 4
     groups = task_groups(n_img * row_blocks, ocp // BLOCK)
     per_group = ocp // BLOCK // groups
     direct, spans = wp == ow and epilogue is None, -(-BLOCK // wp) + 1
-    # horizontal padding: every block is stored whole into an output over Wp (channels
-    # padded to OCp, pixels to whole blocks), cropped to OW afterwards by vectorized rows
-    cropped, mp = wp != ow, round_up(m, BLOCK)
-    wide_shape = (n_img, ocp, mp) if cropped else (1, 1, 1)
     s_shape, s_dtype = amx_shortcut_shape(residual, n_img, oc, oh, ow)
     r_shape = (1, 1) if residual is None else residual.shortcut.table().shape
 
@@ -239,7 +183,7 @@ def amx_conv2d_kernel(
     @T.prim_func
     def amx_conv2d(
         x: T.Buffer((n_img, ic, *in_hw), data_dtype),
-        w: T.Buffer((ocp // 16, kh * cols * chunks, 16, KSTEP), "int8"),
+        w: T.Buffer((ocp // 16, kh * kw * chunks, 16, KSTEP), "int8"),
         c: T.Buffer((ocp, 16), "int32"),
         s: T.Buffer(s_shape, s_dtype),
         r: T.Buffer(r_shape, "int32"),
@@ -250,30 +194,19 @@ def amx_conv2d_kernel(
         a = T.decl_buffer((n_img, quads, pix, 4), "uint8")
         a_flat = T.decl_buffer((n_img * quads, pix * 4), "uint8", data=a.data)
         flat = T.decl_buffer((n_img, oc, oh * ow), out_dtype, data=out.data)
-        wide = T.decl_buffer(wide_shape, out_dtype)
         for nq in T.parallel(n_img * quads):
             for b in range(pix * 4):
                 a_flat[nq, b] = T.uint8(pad_value)
             for y, xx in T.grid(h, wd):
-                if fold == 1:  # channels >= ic meet zero weights: any value will do
-                    for r4 in T.unroll(4):
-                        a[nq // quads, nq % quads, (y + pt) * wp + pl + xx, r4] = T.Cast(
-                            "uint8",
-                            T.Cast(
-                                "int32",
-                                x[nq // quads, T.min(nq % quads * 4 + r4, ic - 1), y * sh, xx * sw],
-                            )
-                            + shift,
+                for r4 in T.unroll(4):  # channels >= ic meet zero weights: any value will do
+                    a[nq // quads, nq % quads, (y + pt) * wp + pl + xx, r4] = T.Cast(
+                        "uint8",
+                        T.Cast(
+                            "int32",
+                            x[nq // quads, T.min(nq % quads * 4 + r4, ic - 1), y * sh, xx * sw],
                         )
-                else:  # packed channel v: copy s = v // ic of channel v % ic, s pixels left
-                    for r4 in T.unroll(4):
-                        v = nq % quads * 4 + r4
-                        dst = (y + pt) * wp + pl + xx - T.min(v // ic, fold - 1)
-                        if dst >= 0:
-                            a[nq // quads, nq % quads, dst, r4] = T.Cast(
-                                "uint8",
-                                T.Cast("int32", x[nq // quads, v % ic, y * sh, xx * sw]) + shift,
-                            )
+                        + shift,
+                    )
         for task in T.parallel(n_img * row_blocks * groups):
             cfg = T.decl_buffer((64,), "uint8", scope="local")
             acc = T.decl_buffer((BLOCK, BLOCK), "int32", scope="local")
@@ -284,8 +217,8 @@ def amx_conv2d_kernel(
             for q in range(per_group):
                 c0 = (task % groups * per_group + q) * BLOCK
                 _load_compensation(c, c0)
-                for tap, ch in T.grid(kh * cols, chunks):
-                    pt0 = p0 + tap // cols * wp + tap % cols * fold
+                for tap, ch in T.grid(kh * kw, chunks):
+                    pt0 = p0 + tap // kw * wp + tap % kw
                     dot_block(
                         T.address_of(w[c0 // 16, tap * chunks + ch, 0, 0]),
                         T.address_of(w[c0 // 16 + 1, tap * chunks + ch, 0, 0]),
@@ -295,9 +228,7 @@ def amx_conv2d_kernel(
                         pix * 4,
                         "llvm.x86.tdpbsud",
                     )
-                if cropped and epilogue is None:
-                    _store_direct(wide, img, c0, p0, mp * 4)
-                elif direct and p0 + BLOCK <= m and c0 + BLOCK <= oc:  # complete int32 block
+                if direct and p0 + BLOCK <= m and c0 + BLOCK <= oc:  # complete int32 block
                     _store_direct(flat, img, c0, p0, oh * ow * 4)
                 else:
                     store_block(acc)
@@ -307,9 +238,7 @@ def amx_conv2d_kernel(
                         _finish_block(blk, acc, c0, oc, e, finish, add, s, r, img, p0, None)
                     else:
                         _finish_block(blk, acc, c0, oc, e, finish, add, s, r, img, p0, m - 1)
-                    if cropped:
-                        _copy_block(wide, blk, img, c0, p0)
-                    elif wp == ow and p0 + BLOCK <= m and c0 + BLOCK <= oc:  # contiguous rows
+                    if wp == ow and p0 + BLOCK <= m and c0 + BLOCK <= oc:  # contiguous rows
                         _copy_block(flat, blk, img, c0, p0)
                     else:
                         for i, yb in T.grid(T.min(BLOCK, oc - c0), spans):
@@ -319,11 +248,6 @@ def amx_conv2d_kernel(
                             for j in range(T.max(hi - lo, 0)):
                                 out[img, c0 + i, y, lo - y * wp + j] = blk[i, lo - p0 + j]
             T.evaluate(intrin("llvm.x86.tilerelease"))
-        if cropped:
-            for nc in T.parallel(n_img * oc):
-                for y in range(oh):
-                    for xx in T.vectorized(ow):
-                        out[nc // oc, nc % oc, y, xx] = wide[nc // oc, nc % oc, y * wp + xx]
 
     func = amx_conv2d if residual is not None else drop_params(amx_conv2d, (3, 4))
     func = drop_table(func, epilogue, 3 if residual is None else 5)
