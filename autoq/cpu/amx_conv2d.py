@@ -16,7 +16,10 @@ A block of 32 output channels x 32 pixels is the 2 x 2 accumulator tiles of
 :mod:`autoq.cpu.amx_tiles`, started from ``-(zx + shift) * sum(w)`` (the compensation, one
 row per channel) instead of zero; a complete block of a conv without horizontal padding
 (``Wp == OW``) is stored straight into the NCHW int32 output (row stride ``OH * OW``), other
-blocks through a stack buffer. Parallel over (image, pixel block, channel group).
+blocks through a stack buffer (copied out by fixed-width vectors: :func:`_copy_span`). A conv
+with one channel block and 17-31 output channels narrows the lower tiles to its channels past
+16 (24 channels: 8-row tiles, a quarter fewer products). Packing skips the quads of channels
+past IC (they keep the pad). Parallel over (image, pixel block, channel group).
 
 With a :class:`autoq.cpu.residual.Residual` (and an epilogue), each block adds the shortcut's
 term to its accumulators on the stack before the epilogue (the residual add of a ResNet
@@ -167,6 +170,7 @@ def amx_conv2d_kernel(
     groups = task_groups(n_img * row_blocks, ocp // BLOCK)
     per_group = ocp // BLOCK // groups
     direct, spans = wp == ow and epilogue is None, -(-BLOCK // wp) + 1
+    low_rows = min(max(oc - 16, 1), 16) if ocp == BLOCK else 16
     s_shape, s_dtype = amx_shortcut_shape(residual, n_img, oc, oh, ow)
     r_shape = (1, 1) if residual is None else residual.shortcut.table().shape
 
@@ -197,21 +201,23 @@ def amx_conv2d_kernel(
         for nq in T.parallel(n_img * quads):
             for b in range(pix * 4):
                 a_flat[nq, b] = T.uint8(pad_value)
-            for y, xx in T.grid(h, wd):
-                for r4 in T.unroll(4):  # channels >= ic meet zero weights: any value will do
-                    a[nq // quads, nq % quads, (y + pt) * wp + pl + xx, r4] = T.Cast(
-                        "uint8",
-                        T.Cast(
-                            "int32",
-                            x[nq // quads, T.min(nq % quads * 4 + r4, ic - 1), y * sh, xx * sw],
+            # channels >= ic meet zero weights: any value will do (quads past ic keep the pad)
+            if nq % quads * 4 < ic:
+                for y, xx in T.grid(h, wd):
+                    for r4 in T.unroll(4):
+                        a[nq // quads, nq % quads, (y + pt) * wp + pl + xx, r4] = T.Cast(
+                            "uint8",
+                            T.Cast(
+                                "int32",
+                                x[nq // quads, T.min(nq % quads * 4 + r4, ic - 1), y * sh, xx * sw],
+                            )
+                            + shift,
                         )
-                        + shift,
-                    )
         for task in T.parallel(n_img * row_blocks * groups):
             cfg = T.decl_buffer((64,), "uint8", scope="local")
             acc = T.decl_buffer((BLOCK, BLOCK), "int32", scope="local")
             blk = T.decl_buffer((BLOCK, BLOCK), out_dtype, scope="local")
-            load_config(cfg)
+            load_config(cfg, KSTEP, low_rows)
             img = task // (row_blocks * groups)
             p0 = task // groups % row_blocks * BLOCK
             for q in range(per_group):
@@ -245,8 +251,8 @@ def amx_conv2d_kernel(
                             y = p0 // wp + yb  # output row (spans: rows a block touches)
                             lo = T.max(p0, y * wp)
                             hi = T.min(T.min(p0 + BLOCK, y * wp + ow), m)
-                            for j in range(T.max(hi - lo, 0)):
-                                out[img, c0 + i, y, lo - y * wp + j] = blk[i, lo - p0 + j]
+                            d, n = y * ow + lo - y * wp, T.max(hi - lo, 0)
+                            _copy_span(flat, blk, img, c0 + i, i, d, lo - p0, n)
             T.evaluate(intrin("llvm.x86.tilerelease"))
 
     func = amx_conv2d if residual is not None else drop_params(amx_conv2d, (3, 4))
@@ -261,15 +267,10 @@ _CORNERS = ((0, 0), (0, 16), (16, 0), (16, 16))
 def _finish_block(q, acc, c0, oc, e, finish, add, sf, r, img, p0, last):
     """``q`` = the stack block ``acc`` through ``add`` (the shortcut term of pixel
     ``p0 + j``, at most ``last`` unless None) and ``finish`` (the epilogue), vectorized over
-    the 32 pixels of a channel row; channels past ``oc`` read channel ``oc - 1``'s
-    parameters."""
-    for i in range(BLOCK):
+    the 32 pixels of a channel row; the rows of channels past ``oc`` are left as they are."""
+    for i in range(T.min(BLOCK, oc - c0)):
         for j in T.vectorized(BLOCK):
-            q[i, j] = finish(
-                add(acc[i, j], T.min(c0 + i, oc - 1), sf, r, img, p0 + j, last),
-                T.min(c0 + i, oc - 1),
-                e,
-            )
+            q[i, j] = finish(add(acc[i, j], c0 + i, sf, r, img, p0 + j, last), c0 + i, e)
 
 
 @T.macro
@@ -278,6 +279,30 @@ def _copy_block(flat, blk, img, c0, p0):
     for i in range(BLOCK):
         for j in T.vectorized(BLOCK):
             flat[img, c0 + i, p0 + j] = blk[i, j]
+
+
+@T.macro
+def _copy_two(flat, blk, img, ch, i, d, s, n, width):
+    for j in T.vectorized(width):
+        flat[img, ch, d + j] = blk[i, s + j]
+    for j in T.vectorized(width):
+        flat[img, ch, d + n - width + j] = blk[i, s + n - width + j]
+
+
+@T.macro
+def _copy_span(flat, blk, img, ch, i, d, s, n):
+    """``flat[img, ch, d:d + n] = blk[i, s:s + n]`` for ``n <= 32``: two fixed-width vector
+    copies that overlap (the first and the last 16, 8 or 4 elements), single elements
+    under 4."""
+    if n >= 16:
+        _copy_two(flat, blk, img, ch, i, d, s, n, 16)
+    elif n >= 8:
+        _copy_two(flat, blk, img, ch, i, d, s, n, 8)
+    elif n >= 4:
+        _copy_two(flat, blk, img, ch, i, d, s, n, 4)
+    else:
+        for j in range(n):
+            flat[img, ch, d + j] = blk[i, s + j]
 
 
 def _store_direct(flat, img, c0, p0, stride):
