@@ -22,12 +22,14 @@ __all__ = [
     "move_block",
     "store_block",
     "task_groups",
+    "task_run",
     "zero_block",
 ]
 
 BLOCK = 32  # output rows / channels per block (2 x 2 tiles of 16)
 KSTEP = 64  # reduction bytes per tile row
 MIN_TASKS = 8  # parallel tasks wanted (the pool splits them statically)
+RUN_TASKS = 32  # parallel tasks wanted when blocks run in sequence (2 threads: <= 3% imbalance)
 
 
 def task_groups(row_blocks: int, col_blocks: int) -> int:
@@ -41,6 +43,18 @@ def task_groups(row_blocks: int, col_blocks: int) -> int:
         if col_blocks % groups == 0 and row_blocks * groups >= MIN_TASKS:
             return groups
     return col_blocks
+
+
+def task_run(row_blocks: int, col_blocks: int) -> int:
+    """How many consecutive blocks (32-row block, 32-channel block; channels fastest) one
+    parallel task computes in sequence, so that a block's epilogue overlaps the next block's
+    tile products: whole groups of :func:`task_groups`, as many as leave ``RUN_TASKS`` tasks.
+
+    >>> task_run(458, 1), task_run(4, 12), task_run(98, 4), task_run(1, 1)
+    (14, 6, 12, 1)
+    """
+    groups = task_groups(row_blocks, col_blocks)
+    return col_blocks // groups * max(1, row_blocks * groups // RUN_TASKS)
 
 
 def intrin(name: str, *args):
