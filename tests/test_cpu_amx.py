@@ -294,6 +294,10 @@ def _conv_reference(x, w, zx, padding):
         (1, 128, (8, 8), 64, (1, 1), (0, 0, 0, 0), "int8", 0, 1),  # every block direct
         (1, 64, (9, 10), 40, (1, 1), (0, 0, 0, 0), "int8", 2, 2),  # strided 1x1: subsampled
         (1, 16, (12, 12), 64, (1, 1), (0, 0, 0, 0), "int8", -1, 1),  # 16 channels: padded to 64
+        # 24 output channels: the lower tiles narrowed to 8 rows; 96 inputs: quads 24-31 of
+        # the packed image keep the pad; padded width 12: spans of 1-12 pixels copied out
+        (1, 96, (9, 10), 24, (3, 3), (1, 1, 1, 1), "int8", 7, 1),
+        (1, 64, (5, 7), 5, (3, 3), (1, 1, 1, 1), "uint8", 255, 1),  # 5 channels: 1-row tiles
     ],
 )
 def test_amx_conv2d_matches_numpy(n, c, hw, oc, kernel, padding, dtype, zx, stride):

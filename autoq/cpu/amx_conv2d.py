@@ -16,7 +16,13 @@ A block of 32 output channels x 32 pixels is the 2 x 2 accumulator tiles of
 :mod:`autoq.cpu.amx_tiles`, started from ``-(zx + shift) * sum(w)`` (the compensation, one
 row per channel) instead of zero; a complete block of a conv without horizontal padding
 (``Wp == OW``) is stored straight into the NCHW int32 output (row stride ``OH * OW``), other
-blocks through a stack buffer. Parallel over (image, pixel block, channel group).
+blocks through a stack buffer (two, alternating) and the epilogue: each parallel task computes
+a run of consecutive blocks (:func:`autoq.cpu.amx_tiles.task_run`) and issues a block's tile
+products before the previous block's epilogue, so that they overlap (the tile store waits for
+the products to end). Spans are copied out by fixed-width vectors (:func:`_copy_span`). A conv
+with one channel block and fewer than 32 output channels narrows the lower tiles to its
+channels past 16 (24 channels: 8-row tiles, a quarter fewer products). Packing skips the quads
+of channels past IC (they keep the pad).
 
 With a :class:`autoq.cpu.residual.Residual` (and an epilogue), each block adds the shortcut's
 term to its accumulators on the stack before the epilogue (the residual add of a ResNet
@@ -38,8 +44,7 @@ from autoq.cpu.amx_tiles import (
     intrin,
     load_config,
     move_block,
-    store_block,
-    task_groups,
+    task_run,
 )
 from autoq.cpu.conv2d import ConvShape
 from autoq.cpu.epilogue import Epilogue, drop_params, drop_table, table_shape, tail
@@ -164,9 +169,11 @@ def amx_conv2d_kernel(
     (kh, kw), (pt, pl, _, _), (oh, ow) = shape.kernel, shape.padding, shape.out_hw
     icp, ocp, wp, m, pix = _geometry(shape)
     row_blocks, chunks, quads = round_up(m, BLOCK) // BLOCK, icp // KSTEP, icp // 4
-    groups = task_groups(n_img * row_blocks, ocp // BLOCK)
-    per_group = ocp // BLOCK // groups
+    cblocks = ocp // BLOCK
+    # units (image, pixel block, channel block), channel blocks fastest, in runs of `run`
+    units, run = n_img * row_blocks * cblocks, task_run(n_img * row_blocks, cblocks)
     direct, spans = wp == ow and epilogue is None, -(-BLOCK // wp) + 1
+    low_rows = min(max(oc - 16, 1), 16) if ocp == BLOCK else 16
     s_shape, s_dtype = amx_shortcut_shape(residual, n_img, oc, oh, ow)
     r_shape = (1, 1) if residual is None else residual.shortcut.table().shape
 
@@ -197,56 +204,55 @@ def amx_conv2d_kernel(
         for nq in T.parallel(n_img * quads):
             for b in range(pix * 4):
                 a_flat[nq, b] = T.uint8(pad_value)
-            for y, xx in T.grid(h, wd):
-                for r4 in T.unroll(4):  # channels >= ic meet zero weights: any value will do
-                    a[nq // quads, nq % quads, (y + pt) * wp + pl + xx, r4] = T.Cast(
-                        "uint8",
-                        T.Cast(
-                            "int32",
-                            x[nq // quads, T.min(nq % quads * 4 + r4, ic - 1), y * sh, xx * sw],
+            # channels >= ic meet zero weights: any value will do (quads past ic keep the pad)
+            if nq % quads * 4 < ic:
+                for y, xx in T.grid(h, wd):
+                    for r4 in T.unroll(4):
+                        a[nq // quads, nq % quads, (y + pt) * wp + pl + xx, r4] = T.Cast(
+                            "uint8",
+                            T.Cast(
+                                "int32",
+                                x[nq // quads, T.min(nq % quads * 4 + r4, ic - 1), y * sh, xx * sw],
+                            )
+                            + shift,
                         )
-                        + shift,
-                    )
-        for task in T.parallel(n_img * row_blocks * groups):
+        for st in T.parallel(-(-units // run)):
             cfg = T.decl_buffer((64,), "uint8", scope="local")
-            acc = T.decl_buffer((BLOCK, BLOCK), "int32", scope="local")
+            acc = T.decl_buffer((2, BLOCK, BLOCK), "int32", scope="local")
             blk = T.decl_buffer((BLOCK, BLOCK), out_dtype, scope="local")
-            load_config(cfg)
-            img = task // (row_blocks * groups)
-            p0 = task // groups % row_blocks * BLOCK
-            for q in range(per_group):
-                c0 = (task % groups * per_group + q) * BLOCK
-                _load_compensation(c, c0)
-                for tap, ch in T.grid(kh * kw, chunks):
-                    pt0 = p0 + tap // kw * wp + tap % kw
-                    dot_block(
-                        T.address_of(w[c0 // 16, tap * chunks + ch, 0, 0]),
-                        T.address_of(w[c0 // 16 + 1, tap * chunks + ch, 0, 0]),
-                        KSTEP,
-                        T.address_of(a[img, ch * 16, pt0, 0]),
-                        T.address_of(a[img, ch * 16, pt0 + 16, 0]),
-                        pix * 4,
-                        "llvm.x86.tdpbsud",
-                    )
-                if direct and p0 + BLOCK <= m and c0 + BLOCK <= oc:  # complete int32 block
-                    _store_direct(flat, img, c0, p0, oh * ow * 4)
-                else:
-                    store_block(acc)
-                    # a complete block (every pixel inside the output rows) reads the
-                    # shortcut without clamping; without a residual nothing is read
-                    if residual is not None and p0 + BLOCK <= m:
-                        _finish_block(blk, acc, c0, oc, e, finish, add, s, r, img, p0, None)
+            load_config(cfg, KSTEP, low_rows)
+            for k in range(run + 1):
+                u = st * run + k  # this step's unit; the previous one's epilogue runs after
+                img = u // (row_blocks * cblocks)  # this unit's products are issued
+                p0 = u // cblocks % row_blocks * BLOCK
+                c0 = u % cblocks * BLOCK
+                if k < run and u < units:
+                    _load_compensation(c, c0)
+                    for tap, ch in T.grid(kh * kw, chunks):
+                        pt0 = p0 + tap // kw * wp + tap % kw
+                        dot_block(
+                            T.address_of(w[c0 // 16, tap * chunks + ch, 0, 0]),
+                            T.address_of(w[c0 // 16 + 1, tap * chunks + ch, 0, 0]),
+                            KSTEP,
+                            T.address_of(a[img, ch * 16, pt0, 0]),
+                            T.address_of(a[img, ch * 16, pt0 + 16, 0]),
+                            pix * 4,
+                            "llvm.x86.tdpbsud",
+                        )
+                if 0 < k and u - 1 < units:
+                    img1 = (u - 1) // (row_blocks * cblocks)
+                    p1 = (u - 1) // cblocks % row_blocks * BLOCK
+                    c1 = (u - 1) % cblocks * BLOCK
+                    if not (direct and p1 + BLOCK <= m and c1 + BLOCK <= oc):
+                        _emit_block(
+                            flat, blk, acc, T.bitwise_and(k + 1, 1), c1, oc, e, finish, add, s, r,
+                            img1, p1, m, wp, ow, spans, residual is not None,
+                        )  # fmt: skip
+                if k < run and u < units:
+                    if direct and p0 + BLOCK <= m and c0 + BLOCK <= oc:  # complete int32 block
+                        _store_direct(flat, img, c0, p0, oh * ow * 4)
                     else:
-                        _finish_block(blk, acc, c0, oc, e, finish, add, s, r, img, p0, m - 1)
-                    if wp == ow and p0 + BLOCK <= m and c0 + BLOCK <= oc:  # contiguous rows
-                        _copy_block(flat, blk, img, c0, p0)
-                    else:
-                        for i, yb in T.grid(T.min(BLOCK, oc - c0), spans):
-                            y = p0 // wp + yb  # output row (spans: rows a block touches)
-                            lo = T.max(p0, y * wp)
-                            hi = T.min(T.min(p0 + BLOCK, y * wp + ow), m)
-                            for j in range(T.max(hi - lo, 0)):
-                                out[img, c0 + i, y, lo - y * wp + j] = blk[i, lo - p0 + j]
+                        _store_slot(acc, T.bitwise_and(k, 1))
             T.evaluate(intrin("llvm.x86.tilerelease"))
 
     func = amx_conv2d if residual is not None else drop_params(amx_conv2d, (3, 4))
@@ -258,18 +264,13 @@ _CORNERS = ((0, 0), (0, 16), (16, 0), (16, 16))
 
 
 @T.macro
-def _finish_block(q, acc, c0, oc, e, finish, add, sf, r, img, p0, last):
+def _finish_block(q, acc, slot, c0, oc, e, finish, add, sf, r, img, p0, last):
     """``q`` = the stack block ``acc`` through ``add`` (the shortcut term of pixel
     ``p0 + j``, at most ``last`` unless None) and ``finish`` (the epilogue), vectorized over
-    the 32 pixels of a channel row; channels past ``oc`` read channel ``oc - 1``'s
-    parameters."""
-    for i in range(BLOCK):
+    the 32 pixels of a channel row; the rows of channels past ``oc`` are left as they are."""
+    for i in range(T.min(BLOCK, oc - c0)):
         for j in T.vectorized(BLOCK):
-            q[i, j] = finish(
-                add(acc[i, j], T.min(c0 + i, oc - 1), sf, r, img, p0 + j, last),
-                T.min(c0 + i, oc - 1),
-                e,
-            )
+            q[i, j] = finish(add(acc[slot, i, j], c0 + i, sf, r, img, p0 + j, last), c0 + i, e)
 
 
 @T.macro
@@ -280,10 +281,63 @@ def _copy_block(flat, blk, img, c0, p0):
             flat[img, c0 + i, p0 + j] = blk[i, j]
 
 
+@T.macro
+def _copy_two(flat, blk, img, ch, i, d, s, n, width):
+    for j in T.vectorized(width):
+        flat[img, ch, d + j] = blk[i, s + j]
+    for j in T.vectorized(width):
+        flat[img, ch, d + n - width + j] = blk[i, s + n - width + j]
+
+
+@T.macro
+def _copy_span(flat, blk, img, ch, i, d, s, n):
+    """``flat[img, ch, d:d + n] = blk[i, s:s + n]`` for ``n <= 32``: two fixed-width vector
+    copies that overlap (the first and the last 16, 8 or 4 elements), single elements
+    under 4."""
+    if n >= 16:
+        _copy_two(flat, blk, img, ch, i, d, s, n, 16)
+    elif n >= 8:
+        _copy_two(flat, blk, img, ch, i, d, s, n, 8)
+    elif n >= 4:
+        _copy_two(flat, blk, img, ch, i, d, s, n, 4)
+    else:
+        for j in range(n):
+            flat[img, ch, d + j] = blk[i, s + j]
+
+
+@T.macro
+def _emit_block(
+    flat, blk, acc, slot, c0, oc, e, finish, add, sf, r, img, p0, m, wp, ow, spans, res
+):
+    """The stored block ``acc[slot]`` of channels ``c0..``, pixels ``p0..`` through the
+    epilogue into the output."""
+    # a complete block (every pixel inside the output rows) reads the shortcut without
+    # clamping; without a residual nothing is read
+    if res and p0 + BLOCK <= m:
+        _finish_block(blk, acc, slot, c0, oc, e, finish, add, sf, r, img, p0, None)
+    else:
+        _finish_block(blk, acc, slot, c0, oc, e, finish, add, sf, r, img, p0, m - 1)
+    if wp == ow and p0 + BLOCK <= m and c0 + BLOCK <= oc:  # contiguous rows
+        _copy_block(flat, blk, img, c0, p0)
+    else:
+        for i, yb in T.grid(T.min(BLOCK, oc - c0), spans):
+            y = p0 // wp + yb  # output row (spans: rows a block touches)
+            lo = T.max(p0, y * wp)
+            hi = T.min(T.min(p0 + BLOCK, y * wp + ow), m)
+            d, n = y * ow + lo - y * wp, T.max(hi - lo, 0)
+            _copy_span(flat, blk, img, c0 + i, i, d, lo - p0, n)
+
+
 def _store_direct(flat, img, c0, p0, stride):
     """The int32 accumulators straight into the output (channels c0.., pixels p0..)."""
     ptrs = [T.address_of(flat[img, c0 + i, p0 + j]) for i, j in _CORNERS]
     move_block("llvm.x86.tilestored64", ptrs, stride)
+
+
+def _store_slot(acc, slot):
+    """The accumulators into the stack block ``acc[slot]``."""
+    ptrs = [T.address_of(acc[slot, i, j]) for i, j in _CORNERS]
+    move_block("llvm.x86.tilestored64", ptrs, BLOCK * 4)
 
 
 def _load_compensation(c, c0):
