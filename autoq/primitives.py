@@ -103,6 +103,17 @@ def qrange(dtype: str, narrow_range: bool = False, reduce_range: bool = False) -
     return qmin, qmax
 
 
+def all_codes(dtype: str) -> np.ndarray:
+    """Every code of the integer ``dtype``, ascending, as ``dtype`` (the tables of 8-bit
+    lookups and the exhaustive checks of their requantizes index them in this order).
+
+    >>> all_codes("int8")[[0, 128, 255]].tolist(), all_codes("uint8")[[0, 255]].tolist()
+    ([-128, 0, 127], [0, 255])
+    """
+    lo, hi = qrange(dtype)
+    return np.arange(lo, hi + 1).astype(dtype)
+
+
 def _as_f32(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float32)
 
@@ -702,8 +713,7 @@ def code_division_steps(divisor, dividend_scale, zero_point, dtype: str) -> int:
     steps = reciprocal_division_steps(divisor, dividend_scale)
     if steps != 2:
         return steps
-    lo, hi = qrange(dtype)
-    x = dequantize(np.arange(lo, hi + 1), dividend_scale, zero_point)[:, None]
+    x = dequantize(all_codes(dtype), dividend_scale, zero_point)[:, None]
     return 1 if division_steps_on(x, np.asarray(divisor).reshape(1, -1)) == 1 else 2
 
 

@@ -15,6 +15,7 @@ divisions: the 96 x 120 x 120 gate of PP-OCRv4 det's largest level 1.38 M elemen
 24576 table entries.
 
 >>> import numpy as np
+>>> import numpy as np
 >>> from autoq import primitives as P
 >>> x = np.array([[-3, 5, 5, -3]], dtype=np.int8)  # channel 0 of a [1, 1, 1, 4] tensor
 >>> gate = np.array([72], dtype=np.int8)
@@ -28,10 +29,10 @@ True
 
 from __future__ import annotations
 
-import numpy as np
 import tvm
 from tvm import relax
 
+from autoq import primitives as P
 from autoq import qnn
 from autoq.ir import toolkit as tk
 
@@ -73,8 +74,7 @@ def _gate_chain(value, once) -> tuple[relax.Expr, relax.Call, relax.Call, int] |
 def _table_lookup(x, mul: relax.Call, add: relax.Call, k: int) -> relax.Expr:
     """``qnn.lut(x, table, axis=1)`` with ``table`` the chain on every code (operands in the
     chain's order), ``[C, 256]``."""
-    lo = -128 if tk.dtype_of(x) == "int8" else 0
-    codes = relax.const(np.arange(lo, lo + 256).reshape(1, 1, 1, 256).astype(tk.dtype_of(x)))
+    codes = relax.const(P.all_codes(tk.dtype_of(x)).reshape(1, 1, 1, 256))
     margs = [codes if a.same_as(x) else a for a in mul.args[:2]]
     m = tvm.ir.Call(mul.op, [*margs, *mul.args[2:]], mul.attrs)
     aargs = [codes, m] if k == 0 else [m, codes]

@@ -39,11 +39,6 @@ def _scalars(args) -> list | None:
     return [v.reshape(-1)[0] for v in values]
 
 
-def _codes(dtype: str) -> np.ndarray:
-    lo, hi = P.qrange(dtype)
-    return np.arange(lo, hi + 1)
-
-
 def _quantized(x, s_out, z_out, steps: int, out_dtype: str):
     """``clip(round(x / s_out) + z_out)`` as ``out_dtype``, dividing by the reciprocal."""
     s = tirx.const(float(np.float32(s_out)), "float32")
@@ -81,8 +76,8 @@ def reciprocal_elementwise(bb, call):
     if plain is None:
         return None
     out_dtype, (sa, za, sb, zb, so, zo) = plain
-    ra = P.dequantize(_codes(dtype_of(a)), sa, za)
-    rb = P.dequantize(_codes(dtype_of(b)), sb, zb)
+    ra = P.dequantize(P.all_codes(dtype_of(a)), sa, za)
+    rb = P.dequantize(P.all_codes(dtype_of(b)), sb, zb)
     steps = P.division_steps_on(np.unique(_OPS[op](ra[:, None], rb[None, :])), so)
     if not steps:
         return None
@@ -107,7 +102,7 @@ def reciprocal_requantize(bb, call):
     if plain is None:
         return None
     out_dtype, (si, zi, so, zo) = plain
-    steps = P.division_steps_on(P.dequantize(_codes(dtype_of(x)), si, zi), so)
+    steps = P.division_steps_on(P.dequantize(P.all_codes(dtype_of(x)), si, zi), so)
     if not steps:
         return None
 

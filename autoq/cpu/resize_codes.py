@@ -43,9 +43,7 @@ def code_table(s1, z1, s2, z2, in_dtype: str, out_dtype: str) -> np.ndarray:
     >>> code_table(0.5, 0, 1.0, 0, "int8", "int8")[[0, 127, 128, 129, 255]].tolist()
     [-64, 0, 0, 0, 64]
     """
-    lo = -128 if in_dtype == "int8" else 0
-    codes = np.arange(lo, lo + 256).astype(in_dtype)
-    return P.requantize(codes, s1, z1, s2, z2, out_dtype, rounding="float")
+    return P.requantize(P.all_codes(in_dtype), s1, z1, s2, z2, out_dtype, rounding="float")
 
 
 def _scalar(e):
