@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import doctest
 import functools
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -298,6 +299,12 @@ def _conv_reference(x, w, zx, padding):
         # the packed image keep the pad; padded width 12: spans of 1-12 pixels copied out
         (1, 96, (9, 10), 24, (3, 3), (1, 1, 1, 1), "int8", 7, 1),
         (1, 64, (5, 7), 5, (3, 3), (1, 1, 1, 1), "uint8", 255, 1),  # 5 channels: 1-row tiles
+        (1, 32, (9, 10), 32, (3, 3), (1, 1, 1, 1), "int8", -5, 1),  # 32 channels: 2 taps a row
+        # two images: each image's copy rows shifted from its own packed rows; 24 outputs
+        (2, 32, (5, 6), 24, (3, 3), (1, 1, 1, 1), "int8", 9, 1),
+        # 16 channels, 4 taps a row: copies 2, 3 start left of the packed image (1 pixel of
+        # left padding, none on top), the last row tap of each kernel row past the width
+        (1, 16, (7, 8), 40, (3, 4), (0, 1, 1, 2), "uint8", 7, 1),
     ],
 )
 def test_amx_conv2d_matches_numpy(n, c, hw, oc, kernel, padding, dtype, zx, stride):
@@ -347,7 +354,9 @@ def test_conv_lowering_chooses_amx_for_stride_one():
     assert names(_qnn_conv((1, 64, 6, 6), w, strides=(2, 2)), AMX_TARGET) == {"autoq_conv2d_vnni"}
     pointwise = _qnn_conv((1, 64, 6, 6), w[..., :1, :1], strides=(2, 2), padding=(0, 0, 0, 0))
     assert names(pointwise, AMX_TARGET) == {"autoq_conv2d_amx"}
-    narrow = _qnn_conv((1, 32, 6, 6), w[:, :32])
+    folded = _qnn_conv((1, 32, 6, 6), w[:, :32])  # 2 taps fill a 64-byte row
+    assert names(folded, AMX_TARGET) == {"autoq_conv2d_amx"}
+    narrow = _qnn_conv((1, 40, 6, 6), w[:, :40])
     assert names(narrow, AMX_TARGET) == {"autoq_conv2d_vnni"}
     narrow_1x1 = _qnn_conv((1, 32, 6, 6), w[:, :32, :1, :1], padding=(0, 0, 0, 0))
     assert names(narrow_1x1, AMX_TARGET) == {"autoq_conv2d_amx"}
@@ -378,3 +387,13 @@ def test_amx_conv_rule_keeps_large_pointwise_convs_with_few_channels_on_vnni():
     assert not amx_conv_applies(pointwise(16, 240, 64))  # memory-bound: VNNI measured faster
     assert not amx_conv_applies(pointwise(32, 120, 64))
     assert amx_conv_applies(pointwise(64, 240, 64))  # >= 64 channels: no padding
+
+
+def test_amx_conv_rule_folds_taps_only_when_they_fill_the_rows():
+    def conv3x3(c):
+        return ConvShape(1, c, 56, 56, 32, (3, 3), (1, 1), (1, 1, 1, 1))
+
+    assert amx_conv_applies(conv3x3(32))  # 2 x 32 channels: whole 64-byte rows
+    assert not amx_conv_applies(conv3x3(16))  # 3 x 16: a quarter padding, not measured
+    assert not amx_conv_applies(conv3x3(40))  # no room for a second tap: half padding
+    assert not amx_conv_applies(replace(conv3x3(32), strides=(2, 2)))

@@ -41,10 +41,10 @@ _LAYERS = {
     "c2": (32, 1, 1, 0),
     "head": (8, 1, 1, 0),  # model output: NCHW
     "p3": (64, 3, 1, 1),  # AMX: 3x3 with 64 channels, its shortcut the NCHW model input
-    "n1": (32, 1, 1, 0),  # AMX 1x1 -> NCHW
-    "v3": (32, 3, 1, 1),  # VNNI (32 channels): blocked out, read by v3b and r1's shortcut
+    "n1": (40, 1, 1, 0),  # AMX 1x1 -> NCHW
+    "v3": (40, 3, 1, 1),  # VNNI (40 channels): blocked out, read by v3b and r1's shortcut
     "v3b": (32, 3, 1, 1),  # VNNI, reads v3 blocked; NCHW out (r1 is AMX)
-    "r1": (32, 1, 1, 0),  # AMX 1x1 with the blocked shortcut of v3
+    "r1": (40, 1, 1, 0),  # AMX 1x1 with the blocked shortcut of v3
 }
 
 
