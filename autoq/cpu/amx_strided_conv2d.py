@@ -52,8 +52,12 @@ _MAX_STRIDE = 4  # 16 pixels at this column stride still fit one 64-byte load
 
 
 def amx_strided_conv_applies(shape: ConvShape) -> bool:
-    """Groups 1, dilation 1, at most ``MAX_IN_CHANNELS`` input channels, a column stride of at
-    most 4 and at least 32 output channels (one complete channel block)."""
+    """Dilation 1, at most ``MAX_IN_CHANNELS`` input channels, a column stride of at most 4
+    and at least 32 output channels (one complete channel block). Measured (1 thread, CPU
+    time): ResNet-50's 7x7/2 3 -> 64 stem at 224 x 224 0.34 vs 0.76 ms for the VNNI kernel;
+    YOLOv8n's 3x3/2 3 -> 16 stem, on AMX with 1-row lower tiles, 0.15 vs 0.29 ms alone but
+    not faster end to end (the AMX unit starts cold there, and the stem's VNNI neighbour
+    loses its blocked input)."""
     return (
         shape.in_channels <= MAX_IN_CHANNELS
         and shape.dilation == (1, 1)
