@@ -20,7 +20,8 @@ On targets with AMX int8 tiles, dense (>= ``AMX_MIN_ROWS`` rows), the convs
 :func:`autoq.cpu.amx_conv2d.amx_conv_applies` accepts and the matmuls of two activations
 :func:`autoq.cpu.amx_batch_matmul.amx_batch_matmul_applies` accepts run on
 :mod:`autoq.cpu.amx_dense` / :mod:`autoq.cpu.amx_conv2d` / :mod:`autoq.cpu.amx_batch_matmul`
-instead, and the float requantizes of 8-bit codes outside the kernels (adds / subtracts of
+instead (strided convs with at most 4 input channels, an image's stem:
+:mod:`autoq.cpu.amx_strided_conv2d`), and the float requantizes of 8-bit codes outside the kernels (adds / subtracts of
 two 8-bit tensors, 8-bit requantizes) divide by a reciprocal
 (:mod:`autoq.cpu.reciprocal_elementwise`).
 """
@@ -45,6 +46,11 @@ from autoq.cpu.amx_conv2d import (
     amx_shortcut_shape,
 )
 from autoq.cpu.amx_dense import amx_dense_kernel
+from autoq.cpu.amx_strided_conv2d import (
+    amx_strided_conv2d_kernel,
+    amx_strided_conv_applies,
+    strided_conv_weight,
+)
 from autoq.cpu.amx_tiles import BLOCK as AMX_BLOCK
 from autoq.cpu.amx_tiles import KSTEP as AMX_KSTEP
 from autoq.cpu.batch_matmul import batch_matmul_kernel, matmul_zero_points
@@ -89,6 +95,8 @@ _ACT_DTYPES = ("int8", "uint8")
 AMX_MIN_ROWS = 8
 # conv kernels that add a residual in their epilogue (autoq.cpu.residual)
 _RESIDUAL_KINDS = ("packed", "amx")
+# conv kernels on AMX tiles (NCHW in and out)
+_AMX_KINDS = ("amx", "amx_strided")
 
 
 def _scalar(expr) -> int | None:
@@ -153,8 +161,8 @@ def _call(bb, isa: Isa, func, name: str, data, w_packed, w, z: int, out_ty, epil
 
 def _conv_plan(choice: IsaChoice, call):
     """(data dtype, zero point, weights, ConvShape, kind) of a ``qnn.conv2d`` the kernels
-    cover (kind: "depthwise", "amx" or "packed"; the convs ``choice`` keeps on VNNI are not
-    "amx"), or None."""
+    cover (kind: "depthwise", "amx", "amx_strided" or "packed"; the convs ``choice`` keeps on
+    VNNI are on neither AMX kernel), or None."""
     data, weight, _s_x, z_x, _s_w, z_w = call.args
     ops = _operands(data, weight, z_x, z_w)
     a = call.attrs
@@ -172,11 +180,15 @@ def _conv_plan(choice: IsaChoice, call):
         tuple(int(v) for v in a["padding"]),
         tuple(int(v) for v in a["dilation"]),
     )  # fmt: skip
+    amx = not depthwise and choice.isa.amx and not choice.keeps_on_vnni(weight)
     if depthwise:
         kind = "depthwise"
+    elif amx and amx_conv_applies(shape):
+        kind = "amx"
+    elif amx and shape.strides != (1, 1) and amx_strided_conv_applies(shape):
+        kind = "amx_strided"
     else:
-        amx = choice.isa.amx and amx_conv_applies(shape) and not choice.keeps_on_vnni(weight)
-        kind = "amx" if amx else "packed"
+        kind = "packed"
     return dt, zx, w, shape, kind
 
 
@@ -186,7 +198,7 @@ def _layout_of(choice: IsaChoice, call) -> BlockedLayout | None:
     if not is_call(call, "qnn.conv2d"):
         return None
     plan = _conv_plan(choice, call)
-    if plan is None or plan[4] == "amx":
+    if plan is None or plan[4] in _AMX_KINDS:
         return None
     if np.ndim(plan[1]) != 0:  # per-channel (depthwise): the layout of zero point 0, the
         return layout_for(choice.isa, plan[0], 0)  # kernel centers each channel (cpu.depthwise)
@@ -229,6 +241,8 @@ def _conv2d_call(
         return relax.call_tir(gv, args, out_ty=ty)
     if kind == "amx":
         return _amx_conv2d(bb, shape, data, w, dt, zx, out, epilogue, res, extra)
+    if kind == "amx_strided":
+        return _amx_strided_conv2d(bb, shape, data, w, dt, zx, out, epilogue)
     func = conv2d_kernel(shape, isa, dt, zx, epilogue, in_layout, out_layout, res)
     packed = pack_conv_weight(
         w,
@@ -274,6 +288,18 @@ def _amx_conv2d(bb, shape: ConvShape, data, w: np.ndarray, dt: str, zx: int, out
     gv = bb.add_func(func.without_attr("global_symbol"), name)
     consts = [amx_conv_weight(w), amx_conv_compensation(w, zx + shift)]
     args = _tail([data, *(relax.const(v) for v in consts), *extra], epilogue)
+    return relax.call_tir(gv, args, out_ty=_out_type(out, epilogue))
+
+
+def _amx_strided_conv2d(bb, shape: ConvShape, data, w: np.ndarray, dt: str, zx: int, out,
+                        epilogue=None):  # fmt: skip
+    """``call_tir`` of :mod:`autoq.cpu.amx_strided_conv2d` (few input channels: the taps
+    packed im2col-style)."""
+    shift = VNNI.shift(dt, zx)
+    func = amx_strided_conv2d_kernel(shape, dt, shift, zx + shift, epilogue)
+    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_conv2d_amx_strided")
+    consts = [strided_conv_weight(w), amx_conv_compensation(w, zx + shift)]
+    args = _tail([data, *(relax.const(v) for v in consts)], epilogue)
     return relax.call_tir(gv, args, out_ty=_out_type(out, epilogue))
 
 
