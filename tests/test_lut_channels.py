@@ -18,6 +18,7 @@ from autoq.build import default_target
 from autoq.calibration import samples_for
 from autoq.calibrators.percentile import Percentile
 from autoq.config import BiasCorrection
+from autoq.cpu.lowering import lower_to_cpu_kernels
 from autoq.cpu.lut import (
     blocked_channel_lut_kernel,
     channel_lut_kernel,
@@ -29,6 +30,7 @@ from autoq.distributed import check_rules_in_process
 from autoq.errors import InputError
 from autoq.fallback.fidelity import compare
 from autoq.ir.canonicalize import hardswish
+from autoq.ir.toolkit import bindings, is_call
 from autoq.qnn.lut import lut
 from autoq.rules.lut_channels import per_channel_inputs
 from models import TARGET, Builder, Runner, conv2d_nchw, small_cnn
@@ -132,9 +134,18 @@ def numpy_lookup_output(params, qp, x):
 
 
 def test_realized_conv_and_tables_match_numpy_on_both_lowerings():
+    """On VBMI CPUs the conv stores the blocked layout and the lookup reads it and stores
+    the NCHW tensor the dequantize reads (``autoq_lut_unblocked``)."""
     mod, params, data = conv_hswish(tail=False)
     _, qp, real = quantize(mod, params, data, cfg(more=("lookup_input_ranges",)))
     assert qp["c1"].axis == 1 and len(set(qp["c1"].scale.tolist())) == 6
+    if "avx512vbmi" in open("/proc/cpuinfo").read():
+        with default_target() as host:
+            low = lower_to_cpu_kernels(real, host)
+        calls = [
+            e.args[0].name_hint for _, e in bindings(low["main"]) if is_call(e, "relax.call_tir")
+        ]
+        assert "autoq_lut_unblocked" in calls, calls
     want = [numpy_lookup_output(params, qp, x) for x in data[:3]]
     generic = Runner(real)
     lib = autoq.compile(real, autoq.build.default_target(), cpu_kernels=True)
@@ -240,6 +251,29 @@ def test_blocked_per_channel_lut_kernels_match_numpy(shape):
         args = [tvm.runtime.tensor(a) for a in (x, table, *extra)]
         lib["main"](*args, got)
         np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize(
+    ("shape", "channels"), [((2, 3, 5, 13, 16), 40), ((1, 2, 8, 8, 16), 32), ((1, 1, 4, 5, 16), 3)]
+)
+@pytest.mark.skipif("avx512vbmi" not in open("/proc/cpuinfo").read(), reason="no AVX-512 VBMI")
+def test_unblocked_per_channel_lut_kernel_matches_numpy(shape, channels):
+    """Blocked input (stored byte = index, lane i of block c: channel 16 c + i), NCHW output
+    of ``channels`` channels (the padded lanes of the last block not stored: 40 of 48, 3 of
+    16): 64-pixel groups with and without a scalar tail, every index, int8 tables."""
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, 256, shape).astype(np.uint8)
+    x.reshape(-1)[:256] = np.arange(256)
+    table = rng.integers(-128, 128, (shape[1] * 16, 256)).astype(np.int8)
+    n, _, h, w, _ = shape
+    blocked = x.transpose(0, 1, 4, 2, 3).reshape(n, -1, h, w)[:, :channels]  # NCHW indices
+    want = table[np.arange(channels).reshape(1, -1, 1, 1), blocked]
+    lib = tvm.compile(
+        tvm.IRModule({"main": vbmi_blocked_channel_lut_kernel("int8", nchw=True)}), default_target()
+    )
+    got = tvm.runtime.tensor(np.full((n, channels, h, w), 99, np.int8))
+    lib["main"](*[tvm.runtime.tensor(a) for a in (x, table, transpose_picks())], got)
+    np.testing.assert_array_equal(got.numpy(), want)
 
 
 def test_per_channel_lut_type_errors_name_the_argument():

@@ -18,7 +18,8 @@ layout); the producer writes the layout and its consumers read it instead of pac
 conv without top/left padding reads it as it is; the others only pad it). Everything else is
 an edge and stays NCHW: model inputs and outputs, unfused residual ``add``s, pools, dense,
 AMX convs, a tensor with any other user, or consumers that disagree on the layout (AVX2:
-different zero points). A depthwise conv with per-channel input zero points reads the layout
+different zero points). On VBMI targets a lookup whose output stays NCHW still reads a
+blocked input (:func:`unblocked_lut`): its conv stores the blocked layout, faster than NCHW. A depthwise conv with per-channel input zero points reads the layout
 of zero point 0 and centers each channel itself (:mod:`autoq.cpu.depthwise`).
 """
 
@@ -48,6 +49,7 @@ __all__ = [
     "layout_for",
     "lut_layout",
     "store_blocked",
+    "unblocked_lut",
 ]
 
 _DTYPES = ("uint8", "int8", "int16")
@@ -236,8 +238,9 @@ def _wanted(var, readers: list, cand: set, layout_of, lut_layout, shortcuts, fle
             continue
         elif is_call(e, "qnn.conv2d"):  # the kernel of a chain or a bare int32 conv
             wanted.add(layout_of(e))
-        else:
-            wanted.add(lut_layout(dtype_of(var)) if user in cand else None)
+        else:  # a lookup: blocked output, or NCHW from blocked data (unblocked_lut)
+            reads = user in cand or (_table(e) is not None and target_has_vbmi())
+            wanted.add(lut_layout(dtype_of(var)) if reads else None)
     return wanted
 
 
@@ -253,19 +256,40 @@ def _table(call: relax.Call) -> np.ndarray | None:
     return table if int(call.attrs["axis"]) % 4 == 1 else None
 
 
+def _rows(call: relax.Call, blocks: int, layout: BlockedLayout, shift: int) -> np.ndarray:
+    """The table of ``call`` (plus ``shift``) as one row per channel of ``blocks`` channel
+    blocks (a single table repeated; the padded channels' rows a stored 0)."""
+    table = (_table(call).astype(np.int32) + shift).astype(layout.dtype)
+    rows = np.full((blocks * layout.block, 256), layout.shift, layout.dtype)
+    channels = shape_of(call)[1]
+    rows[:channels] = table if table.ndim == 2 else table[None]
+    return rows
+
+
+def unblocked_lut(bb, call: relax.Call, data: relax.Var, layout: BlockedLayout) -> relax.Expr:
+    """``qnn.lut`` of ``data`` (the blocked input of ``call``, stored unsigned: the stored
+    byte is the table index) stored NCHW, the output of ``call`` (VBMI targets, blocks of
+    16: :func:`autoq.cpu.lut.vbmi_blocked_channel_lut_kernel` with ``nchw``)."""
+    dtype = dtype_of(call)
+    rows = _rows(call, shape_of(data)[1], BlockedLayout(layout.block, dtype, 0), 0)
+    func = vbmi_blocked_channel_lut_kernel(dtype, nchw=True)
+    gv = bb.add_func(func.without_attr("global_symbol"), "autoq_lut_unblocked")
+    args = [data, relax.const(rows), relax.const(transpose_picks())]
+    return relax.call_tir(gv, args, out_ty=relax.TensorType(shape_of(call), dtype))
+
+
 def blocked_lut(bb, call: relax.Call, data: relax.Var, layout: BlockedLayout) -> relax.Expr:
     """``qnn.lut`` of ``data`` (the blocked input of ``call``, stored unsigned: the stored
     byte is the table index) with the table's values stored in ``layout``; per-channel
     tables (padded to whole blocks with a stored 0) by
     :func:`autoq.cpu.lut.vbmi_blocked_channel_lut_kernel` on targets with VBMI, else
     :func:`autoq.cpu.lut.blocked_channel_lut_kernel`."""
-    table = (_table(call).astype(np.int32) + layout.shift).astype(layout.dtype)
+    table = _table(call)
     if table.ndim == 1:
+        table = (table.astype(np.int32) + layout.shift).astype(layout.dtype)
         return relax.Call(call.op, [data, relax.const(table)], call.attrs)
     shape = shape_of(data)
-    rows = np.full((shape[1] * layout.block, 256), layout.shift, layout.dtype)
-    rows[: table.shape[0]] = table
-    args = [data, relax.const(rows)]
+    args = [data, relax.const(_rows(call, shape[1], layout, layout.shift))]
     if layout.block == 16 and target_has_vbmi():
         func = vbmi_blocked_channel_lut_kernel(layout.dtype)
         args.append(relax.const(transpose_picks()))

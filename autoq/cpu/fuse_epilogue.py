@@ -27,7 +27,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from autoq.cpu.blocked import blocked_edges, blocked_lut
+from autoq.cpu.blocked import blocked_edges, blocked_lut, unblocked_lut
 from autoq.cpu.blocked_elementwise import blocked_call, blocked_operands
 from autoq.cpu.epilogue import Epilogue
 from autoq.cpu.residual import Residual, residual_chain
@@ -261,6 +261,13 @@ class _Rewrite(relax.PyExprMutator):
             else:  # an elementwise op
                 value = blocked_call(self.builder_, binding.value, self.fed, layout)
             self.fed[binding.var] = (self.builder_.emit(value), layout)
+            return
+        if is_call(binding.value, "qnn.lut") and binding.value.args[0] in self.fed:
+            data, layout = self.fed[binding.value.args[0]]  # a blocked input, NCHW output
+            value = self.builder_.normalize(
+                unblocked_lut(self.builder_, binding.value, data, layout)
+            )
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
             return
         if is_call(binding.value, "qnn.conv2d"):
             fed = self.fed.get(binding.value.args[0])

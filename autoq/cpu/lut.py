@@ -17,7 +17,10 @@ PP-OCRv4 det). Same values: every int8/uint8 input is a valid table index.
   parallel over (batch, channel block, row), the lanes vectorized.
   :func:`vbmi_blocked_channel_lut_kernel` (VBMI): 64 pixels x 16 channels at a time are
   transposed in registers to one vector per channel (:func:`transpose_stages`: four rounds
-  of two-register byte permutes), looked up as above and transposed back.
+  of two-register byte permutes), looked up as above and transposed back;
+  :func:`vbmi_blocked_channel_lut_kernel` with ``nchw`` stores the looked-up channel vectors NCHW
+  instead (no transpose back): a lookup whose output is not read blocked (a resize, a
+  float op, a model output) still reads its conv's blocked output.
 * :func:`vbmi_lut_kernel` (targets with AVX-512 VBMI, 8-bit tables): the 256-byte table
   lives in four 64-byte registers; 64 inputs at a time go through two ``vpermi2b`` (each
   picks from 128 table bytes by the input's low 7 bits) and the input's top bit chooses
@@ -287,39 +290,68 @@ def transpose_picks() -> np.ndarray:
     return np.array([s[0] for s in stages] + [s[1] for s in stages], np.int8)
 
 
+def _permute(first, index, second):
+    """``vpermi2b``: the bytes of (``first``, ``second``) at ``index``'s low 7 bits."""
+    return T.call_llvm_pure_intrin(f"int8x{_W}", _PERMUTE, first, index, second)
+
+
+def _looked_up(table, row, v):
+    """The bytes of ``table`` (one 256-byte row from ``row``) at the 64 stored bytes ``v``
+    (read as int8: the top bit picks the second half)."""
+    lo = _permute(table[T.Ramp(row, 1, _W)], v, table[T.Ramp(row + _W, 1, _W)])
+    hi = _permute(table[T.Ramp(row + 128, 1, _W)], v, table[T.Ramp(row + 192, 1, _W)])
+    return T.Select(v < T.Broadcast(T.int8(0), _W), hi, lo)
+
+
+@T.macro
+def _transpose_round(src, dst, src_base, dst_base, picks, row):
+    """Round ``row % 4`` of :func:`transpose_stages` (rows 0-3 of :func:`transpose_picks`:
+    to channels, 4-7: back) on the group of 16 vectors at ``src_base``, into ``dst``."""
+    r = row % 4
+    for pr in range(8):  # the pairs (v, v + 2**r), bit r of v clear
+        v = (pr >> r << r + 1) | (pr & (1 << r) - 1)
+        first = src[T.Ramp(src_base + v * _W, 1, _W)]
+        second = src[T.Ramp(src_base + (v + (1 << r)) * _W, 1, _W)]
+        low, high = picks[T.Ramp(row * _W, 1, _W)], picks[T.Ramp((row + 8) * _W, 1, _W)]
+        dst[T.Ramp(dst_base + v * _W, 1, _W)] = _permute(first, low, second)
+        dst[T.Ramp(dst_base + (v + (1 << r)) * _W, 1, _W)] = _permute(first, high, second)
+
+
+@T.macro
+def _to_channels(x, base, a, c, picks):
+    """The group of 64 pixels x 16 channels at ``base`` of ``x`` as one vector per channel
+    in ``c`` (``a``: scratch)."""
+    _transpose_round(x, a, base, 0, picks, 0)
+    _transpose_round(a, c, 0, 0, picks, 1)
+    _transpose_round(c, a, 0, 0, picks, 2)
+    _transpose_round(a, c, 0, 0, picks, 3)
+
+
 @functools.cache
-def vbmi_blocked_channel_lut_kernel(table_dtype: str) -> tirx.PrimFunc:
+def vbmi_blocked_channel_lut_kernel(table_dtype: str, nchw: bool = False) -> tirx.PrimFunc:
     """PrimFunc ``(data[N, B, H, W, 16], table[16 B, 256], picks[16, 64], out)`` (any
     shape, bound at run time: one kernel for every layer): :func:`blocked_channel_lut_kernel`
     (``table_dtype`` one of :data:`VBMI_TABLE_DTYPES`) with ``vpermi2b``, ``picks`` =
     :func:`transpose_picks`: each group of 64 pixels of a channel block is transposed to 16
     channel vectors, looked up, transposed back; the last ``H * W % 64`` pixels of each
-    block by a scalar gather."""
-    vec = f"int8x{_W}"
+    block by a scalar gather.
 
-    def permute(first, index, second):
-        return T.call_llvm_pure_intrin(vec, _PERMUTE, first, index, second)
-
-    @T.macro
-    def transpose_round(src, dst, src_base, dst_base, picks, row):
-        r = row % 4
-        for pr in range(8):  # the pairs (v, v + 2**r), bit r of v clear
-            v = (pr >> r << r + 1) | (pr & (1 << r) - 1)
-            first = src[T.Ramp(src_base + v * _W, 1, _W)]
-            second = src[T.Ramp(src_base + (v + (1 << r)) * _W, 1, _W)]
-            low, high = picks[T.Ramp(row * _W, 1, _W)], picks[T.Ramp((row + 8) * _W, 1, _W)]
-            dst[T.Ramp(dst_base + v * _W, 1, _W)] = permute(first, low, second)
-            dst[T.Ramp(dst_base + (v + (1 << r)) * _W, 1, _W)] = permute(first, high, second)
+    ``nchw``: ``out`` is ``[N, C, H, W]`` (``C <= 16 B``, bound at run time): each looked-up
+    channel vector is 64 consecutive bytes of its channel's plane (no transpose back), the
+    channels past ``C`` (a block's padding) are not stored. Its input is a conv kernel's
+    blocked output (a conv stores NCHW much slower: a strided read of its accumulators)."""
 
     @T.prim_func
     def vbmi_blocked_channel_lut(x_h: T.handle, table_h: T.handle, picks_h: T.handle,
                                  out_h: T.handle):  # fmt: skip
         T.func_attr({"tirx.noalias": True})
-        n, blocks, h, w = T.int64(), T.int64(), T.int64(), T.int64()
+        n, blocks, h, w, channels = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         x_in = T.match_buffer(x_h, (n, blocks, h, w, 16), "uint8")
         table_in = T.match_buffer(table_h, (blocks * 16, 256), table_dtype)
         picks_in = T.match_buffer(picks_h, (16, _W), "int8")
-        out_ = T.match_buffer(out_h, (n, blocks, h, w, 16), table_dtype)
+        out_ = T.match_buffer(
+            out_h, (n, channels, h, w) if nchw else (n, blocks, h, w, 16), table_dtype
+        )
         plane = T.meta_var(h * w * 16)  # bytes per (batch, channel block)
         groups = T.meta_var(plane // _GROUP)
         chunks = T.meta_var(T.max((groups + _GROUPS_PER_TASK - 1) // _GROUPS_PER_TASK, 1))
@@ -329,7 +361,7 @@ def vbmi_blocked_channel_lut_kernel(table_dtype: str) -> tirx.PrimFunc:
         index = T.decl_buffer((total,), "uint8", data=x_in.data)
         table = T.decl_buffer((blocks * 16 * 256,), "int8", data=table_in.data)
         picks = T.decl_buffer((16 * _W,), "int8", data=picks_in.data)
-        out = T.decl_buffer((total,), "int8", data=out_.data)
+        out = T.decl_buffer((n * channels * h * w if nchw else total,), "int8", data=out_.data)
         for task in T.parallel(planes * chunks):
             b = task // chunks
             first = task % chunks * _GROUPS_PER_TASK
@@ -337,26 +369,30 @@ def vbmi_blocked_channel_lut_kernel(table_dtype: str) -> tirx.PrimFunc:
                 base = b * plane + (first + g) * _GROUP
                 a = T.alloc_buffer((_GROUP,), "int8", scope="local")
                 c = T.alloc_buffer((_GROUP,), "int8", scope="local")
-                transpose_round(x, a, base, 0, picks, 0)
-                transpose_round(a, c, 0, 0, picks, 1)
-                transpose_round(c, a, 0, 0, picks, 2)
-                transpose_round(a, c, 0, 0, picks, 3)
-                for j in range(16):  # channel j's 64 pixels: 2 x 128 table bytes
+                _to_channels(x, base, a, c, picks)
+                for j in range(16):  # channel ch's 64 pixels
+                    ch = (b % blocks) * 16 + j
                     v = c[T.Ramp(j * _W, 1, _W)]
-                    row = ((b % blocks) * 16 + j) * 256
-                    lo = permute(table[T.Ramp(row, 1, _W)], v, table[T.Ramp(row + _W, 1, _W)])
-                    hi = permute(
-                        table[T.Ramp(row + 128, 1, _W)], v, table[T.Ramp(row + 192, 1, _W)]
-                    )
-                    a[T.Ramp(j * _W, 1, _W)] = T.Select(v < T.Broadcast(T.int8(0), _W), hi, lo)
-                transpose_round(a, c, 0, 0, picks, 4)
-                transpose_round(c, a, 0, 0, picks, 5)
-                transpose_round(a, c, 0, 0, picks, 6)
-                transpose_round(c, out, 0, base, picks, 7)
+                    if nchw:
+                        if ch < channels:
+                            at = ((b // blocks) * channels + ch) * (h * w) + (first + g) * _W
+                            out[T.Ramp(at, 1, _W)] = _looked_up(table, ch * 256, v)
+                    else:
+                        a[T.Ramp(j * _W, 1, _W)] = _looked_up(table, ch * 256, v)
+                if not nchw:
+                    _transpose_round(a, c, 0, 0, picks, 4)
+                    _transpose_round(c, a, 0, 0, picks, 5)
+                    _transpose_round(a, c, 0, 0, picks, 6)
+                    _transpose_round(c, out, 0, base, picks, 7)
         for b in T.parallel(planes):
             for k in range(plane - groups * _GROUP):
                 i = b * plane + groups * _GROUP + k
-                row = ((b % blocks) * 16 + i % 16) * 256
-                out[i] = table[row + T.Cast("int32", index[i])]
+                ch = (b % blocks) * 16 + i % 16
+                if nchw:
+                    if ch < channels:
+                        at = ((b // blocks) * channels + ch) * (h * w) + groups * _W + k // 16
+                        out[at] = table[ch * 256 + T.Cast("int32", index[i])]
+                else:
+                    out[i] = table[ch * 256 + T.Cast("int32", index[i])]
 
     return vbmi_blocked_channel_lut.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
