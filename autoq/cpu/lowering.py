@@ -12,7 +12,8 @@ and subtracts ``z_x * sum(w)`` after it (sibling layers reading one quantized in
 kernel call, :mod:`autoq.cpu.sibling_dense`); per-token ``qnn.dynamic_quantize`` becomes
 :mod:`autoq.cpu.dynamic_quantize`. float32 softmax becomes
 :mod:`autoq.cpu.softmax` (parallel, denormal probabilities flushed to 0; a softmax of a
-per-tensor dequantize reads the codes: :mod:`autoq.cpu.softmax_dequantize`), float32 layer norm
+per-tensor dequantize reads the codes, and writes those of a quantize that alone reads it:
+:mod:`autoq.cpu.softmax_dequantize`), float32 layer norm
 over the last axis :mod:`autoq.cpu.layer_norm` (the same floats); int8 / uint8
 NCHW max pools :mod:`autoq.cpu.max_pool` (rows, then columns: vectorized); a
 ``qnn.matmul`` of two activations (int8 rhs, same batch axes) :mod:`autoq.cpu.batch_matmul`.
