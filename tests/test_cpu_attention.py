@@ -318,4 +318,4 @@ def test_attention_model_uses_the_kernels():
     qmod = autoq.quantize(mod, params, data(8, 1), autoq.Config(recipe="cnn"))
     names = {gv.name_hint for gv in lower_to_cpu_kernels(qmod, TARGET).functions}
     assert any(n.startswith("autoq_batch_matmul_") for n in names), sorted(names)
-    assert "autoq_softmax" in names
+    assert any(n.startswith("autoq_softmax") for n in names), sorted(names)

@@ -125,3 +125,68 @@ def test_not_folded_per_channel_or_inner_axis():
 
 def test_doctests():
     assert doctest.testmod(fold_mod).failed == 0
+
+
+def _numpy_quantize(p, scale, zero, dtype):
+    lo, hi = (-128, 127) if dtype == "int8" else (0, 255)
+    return np.clip(np.round(p / np.float32(scale)) + zero, lo, hi).astype(dtype)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dequantize", "quantize"),
+    [
+        # MiniLM's attention: 1/255 (r s - 1 = -6e-8: two corrections needed in general)
+        ((2, 3, 40, 40), ("int8", 0.63001877, 54), ("int8", 1 / 255, -128)),
+        # rows of 37 (a scalar tail), uint8 in and out, a scale just below 1/128
+        ((5, 37), ("uint8", 0.39215687, 127), ("uint8", 0.0078125 * (1 - 2**-23), 0)),
+        # a coarse input grid: exponentials e^-2.5k, many between 2**-96 and 2**-62
+        ((7, 33), ("int8", 2.5, -3), ("int8", 0.0039215689, -128)),
+        # float input, x - max down to -95: exponentials flushed, below 2**-96, below 2**-62
+        ((512, 50), None, ("int8", 0.0039215689, -128)),
+    ],
+)
+@pytest.mark.parametrize(("isa", "mcpu"), PATHS)
+def test_quantized_softmax_same_codes_as_quantize_of_probabilities(isa, mcpu, shape, dequantize,
+                                                                   quantize):  # fmt: skip
+    """The codes of ``softmax_kernel(..., quantize=)`` against numpy's quantize (a true
+    division, round half to even) of the float kernel's probabilities."""
+    rng = np.random.default_rng(2)
+    if dequantize is None:
+        q = rng.normal(0, 3, shape) - rng.uniform(0, 95, shape) * (rng.random(shape) < 0.3)
+        q = q.astype(np.float32)
+    else:
+        q = _codes(rng, shape, dequantize[0])
+    permute = isa is VNNI
+    p = _run(softmax_kernel(shape, -1, permute, dequantize), mcpu, q)
+    lib = tvm.compile(
+        tvm.IRModule({"main": softmax_kernel(shape, -1, permute, dequantize, quantize)}),
+        tvm.target.Target({"kind": "llvm", "mcpu": mcpu}),
+    )
+    out = tvm.runtime.tensor(np.zeros(shape, quantize[0]))
+    lib["main"](tvm.runtime.tensor(q), tvm.runtime.tensor(softmax_table()), out)
+    want = _numpy_quantize(p, *quantize[1:], quantize[0])
+    assert len(np.unique(want)) >= 4, "the case must cover several codes"
+    np.testing.assert_array_equal(out.numpy(), want)
+
+
+def test_lowered_quantize_of_softmax_is_one_kernel_same_codes_as_generic():
+    """quantize(softmax(dequantize(q))): one softmax call writing int8, no quantize left; the
+    codes of the generic lowering. With a second reader of the probabilities, not folded."""
+    shape = (1, 2, 16, 24)
+    q = relax.Var("q", relax.TensorType(shape, "int8"))
+    for second in (False, True):
+        bb = relax.BlockBuilder()
+        with bb.function("main", [q]):
+            x = bb.emit(qnn.dequantize(q, relax.const(0.6300188, "float32"), relax.const(54)))
+            p = bb.emit(relax.op.nn.softmax(x, axis=-1))
+            c = bb.emit(qnn.quantize(p, relax.const(1 / 255, "float32"), relax.const(-128)))
+            bb.emit_func_output(bb.emit(relax.Tuple([c, p])) if second else c)
+        mod = bb.get()
+        main = lower_to_cpu_kernels(mod, TARGET)["main"]
+        calls = [str(b.value.args[0]) for blk in main.body.blocks for b in blk.bindings
+                 if isinstance(b.value, relax.Call) and b.value.args]  # fmt: skip
+        assert sum("quantize" in c and "dequantize" not in c for c in calls) == int(second)
+        assert sum("autoq_softmax" in c for c in calls) == 1
+        data = _codes(np.random.default_rng(4), shape, "int8")
+        got, ref = _outputs(mod, data, True), _outputs(mod, data, False)
+        np.testing.assert_array_equal(got[0], ref[0])

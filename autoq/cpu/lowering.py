@@ -12,7 +12,8 @@ and subtracts ``z_x * sum(w)`` after it (sibling layers reading one quantized in
 kernel call, :mod:`autoq.cpu.sibling_dense`); per-token ``qnn.dynamic_quantize`` becomes
 :mod:`autoq.cpu.dynamic_quantize`. float32 softmax becomes
 :mod:`autoq.cpu.softmax` (parallel, denormal probabilities flushed to 0; a softmax of a
-per-tensor dequantize reads the codes: :mod:`autoq.cpu.softmax_dequantize`), float32 layer norm
+per-tensor dequantize reads the codes, and writes those of a quantize that alone reads it:
+:mod:`autoq.cpu.softmax_dequantize`), float32 layer norm
 over the last axis :mod:`autoq.cpu.layer_norm` (the same floats); int8 / uint8
 NCHW max pools :mod:`autoq.cpu.max_pool` (rows, then columns: vectorized); a
 ``qnn.matmul`` of two activations (int8 rhs, same batch axes) :mod:`autoq.cpu.batch_matmul`.
@@ -81,7 +82,7 @@ from autoq.cpu.pool_requantize import requantize_after_pools
 from autoq.cpu.reciprocal_elementwise import reciprocal_elementwise, reciprocal_requantize
 from autoq.cpu.resize_codes import resize_codes
 from autoq.cpu.sibling_dense import merge_sibling_dense, minus_zero_point
-from autoq.cpu.softmax import inner_axis_covered, softmax_kernel, softmax_table
+from autoq.cpu.softmax import inner_axis_covered, quantizes, softmax_kernel, softmax_table
 from autoq.cpu.softmax_dequantize import fold_dequantize_into_softmax
 from autoq.ir.toolkit import const_array, dtype_of, is_call, shape_of
 from autoq.qnn.accumulate import depthwise_shape
@@ -474,14 +475,18 @@ def _softmax(_choice: IsaChoice, fallback, bb, call):
     return _softmax_call(bb, data, tuple(int(d) for d in shape), axis=axis)
 
 
-def _softmax_call(bb, data, shape: tuple[int, ...], dequantize=None, axis: int = -1):
+def _softmax_call(bb, data, shape: tuple[int, ...], dequantize=None, quantize=None, axis=-1):
     """The call of :func:`autoq.cpu.softmax.softmax_kernel` on ``data`` (float32, or the
-    codes of ``dequantize``: :mod:`autoq.cpu.softmax_dequantize`)."""
+    codes of ``dequantize``: :mod:`autoq.cpu.softmax_dequantize`), writing the probabilities
+    or their ``quantize`` codes (None where the kernel cannot quantize them exactly)."""
+    if quantize is not None and not quantizes(shape[-1], quantize[1]):
+        return None
     avx512 = current_target_has("avx512f")
-    func = softmax_kernel(shape, axis, avx512, dequantize).without_attr("global_symbol")
+    func = softmax_kernel(shape, axis, avx512, dequantize, quantize).without_attr("global_symbol")
     gv = bb.add_func(func, "autoq_softmax")
     table = relax.const(softmax_table(), "int64")
-    return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, "float32"))
+    dtype = "float32" if quantize is None else quantize[0]
+    return relax.call_tir(gv, [data, table], out_ty=relax.TensorType(shape, dtype))
 
 
 def _layer_norm(_choice: IsaChoice, fallback, bb, call):

@@ -37,10 +37,11 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
+from autoq import primitives as P
 from autoq.cpu.expf import EXPF_TABLE, PERMUTE_LANES, expf_expr
 from autoq.cpu.injective import KERNEL_ATTR, memoized_kernel
 from autoq.cpu.row_sums import ROW_BLOCK, row_sums
-from autoq.qnn.tensor_exprs import dequantize_value
+from autoq.qnn.tensor_exprs import dequantize_value, divide_by_reciprocal, quantize_value
 
 __all__ = [
     "LOG_SMALLEST_NORMAL",
@@ -48,11 +49,13 @@ __all__ = [
     "ROW_BLOCK",
     "dequantized",
     "inner_axis_covered",
+    "quantizes",
     "softmax_kernel",
     "softmax_table",
 ]
 
 LOG_SMALLEST_NORMAL = float(np.log(np.float32(np.finfo(np.float32).tiny)))
+_MAX_ROW = 1 << 24  # longest row quantized with reciprocals (:func:`quantizes`)
 MAX_INNER_BINS = 256  # longest inner softmax axis (a vector of exponentials per bin: 16 KiB)
 _LANES = 16
 _LOWEST = float(np.finfo(np.float32).min)  # the init of TVM's max reduction
@@ -84,6 +87,7 @@ def softmax_kernel(
     axis: int = -1,
     permute: bool = False,
     dequantize: tuple[str, float, int] | None = None,
+    quantize: tuple[str, float, int] | None = None,
 ) -> tirx.PrimFunc:
     """The PrimFunc ``(data, table, out)`` of float32 softmax over ``axis`` of a static
     ``shape`` (``table``: :func:`softmax_table`, int64[32]). Over the last axis: parallel
@@ -97,14 +101,20 @@ def softmax_kernel(
     uint8 codes and the softmax is of their :func:`dequantized` floats, written to a row of
     ``out`` first (stored, so that no ``x - max`` is contracted into an FMA with the
     dequantize's multiply: the same floats as a separate dequantize) and read from there:
-    the float input tensor is never written."""
+    the float input tensor is never written.
+    ``quantize`` (last axis only; :func:`quantizes`): ``(dtype, scale, zero point)``, ``out``
+    holds the per-tensor ``qnn.quantize`` codes of the probabilities (the exponentials in a
+    local block of rows), both divisions by a reciprocal (:func:`_codes`), the same codes."""
     shape = tuple(int(d) for d in shape)
     axis = axis % len(shape)
     if axis != len(shape) - 1:
-        if dequantize is not None:
-            raise ValueError("softmax_kernel: dequantize is for a last-axis softmax only")
+        if dequantize is not None or quantize is not None:
+            raise ValueError("softmax_kernel: (de)quantize is for a last-axis softmax only")
         return _inner_axis_kernel(shape, axis)
+    if quantize is not None and not quantizes(shape[-1], quantize[1]):
+        raise ValueError(f"softmax_kernel: no exact reciprocal quantize for {shape}, {quantize}")
     in_dtype = "float32" if dequantize is None else dequantize[0]
+    out_dtype = "float32" if quantize is None else quantize[0]
     n, rows = shape[-1], math.prod(shape[:-1])
     blocks, nv = -(-rows // ROW_BLOCK), n // _LANES * _LANES
     rb = ROW_BLOCK
@@ -114,8 +124,13 @@ def softmax_kernel(
     def lane(v):
         return v if permute else None
 
-    def read(x, out, row, k):  # the softmax's input float at [row, k]
-        return x[row, k] if dequantize is None else out[row, k]
+    # the floats of row ``b * rb + r`` (dequantized input, exponentials) are row ``at(b, r)``
+    # of ``out``: the output's own, or with ``quantize`` a local block of rows
+    def at(b, r):
+        return r if quantize is not None else b * rb + r
+
+    def read(x, out, b, r, k):  # the softmax's input float at [b * rb + r, k]
+        return x[b * rb + r, k] if dequantize is None else out[at(b, r), k]
 
     def block_rows(out, first):  # the exponentials of row first + r at [r, k]
         return lambda r, k: out[first + r, k]
@@ -124,47 +139,102 @@ def softmax_kernel(
     def softmax(
         x_in: T.Buffer(shape, in_dtype),
         table: T.Buffer((32,), "int64"),
-        out_: T.Buffer(shape, "float32"),
+        out_: T.Buffer(shape, out_dtype),
     ):
         T.func_attr({"tirx.noalias": True})
         x = T.decl_buffer((rows, n), in_dtype, data=x_in.data)
-        out = T.decl_buffer((rows, n), "float32", data=out_.data)
+        codes = T.decl_buffer((rows, n), out_dtype, data=out_.data)
         for b in T.parallel(blocks):
             mx = T.decl_buffer((rb,), "float32")
             sums = T.decl_buffer((rb,), "float32")
             lanes = T.decl_buffer((_LANES,), "float32")
+            out = T.decl_buffer(
+                (rows, n) if quantize is None else (rb, n), "float32", data=_data(out_, quantize)
+            )
             count = T.min(rb, rows - b * rb)
             for r in range(count):
-                row = b * rb + r
+                row = at(b, r)
                 for v in T.vectorized(_LANES):
                     lanes[v] = T.float32(_LOWEST)
                 for ko in range(nv // _LANES):
                     for v in T.vectorized(_LANES):
                         if dequantize is not None:
                             out[row, ko * _LANES + v] = dequantized(
-                                x[row, ko * _LANES + v], *dequantize[1:]
+                                x[b * rb + r, ko * _LANES + v], *dequantize[1:]
                             )
-                        lanes[v] = T.max(lanes[v], read(x, out, row, ko * _LANES + v))
+                        lanes[v] = T.max(lanes[v], read(x, out, b, r, ko * _LANES + v))
                 mx[r] = T.float32(_LOWEST)
                 for v in range(_LANES):
                     mx[r] = T.max(mx[r], lanes[v])
                 for k in range(n - nv):
                     if dequantize is not None:
-                        out[row, nv + k] = dequantized(x[row, nv + k], *dequantize[1:])
-                    mx[r] = T.max(mx[r], read(x, out, row, nv + k))
+                        out[row, nv + k] = dequantized(x[b * rb + r, nv + k], *dequantize[1:])
+                    mx[r] = T.max(mx[r], read(x, out, b, r, nv + k))
                 for ko in range(ne // el):
                     for v in T.vectorized(el):
                         out[row, ko * el + v] = _prob(
-                            read(x, out, row, ko * el + v) - mx[r], table, lane(v)
+                            read(x, out, b, r, ko * el + v) - mx[r], table, lane(v)
                         )
                 for k in range(n - ne):
-                    out[row, ne + k] = _prob(read(x, out, row, ne + k) - mx[r], table)
-            row_sums(sums, count, n, block_rows(out, b * rb))
-            for r in range(count):
-                for k in range(n):
-                    out[b * rb + r, k] = out[b * rb + r, k] / sums[r]
+                    out[row, ne + k] = _prob(read(x, out, b, r, ne + k) - mx[r], table)
+            row_sums(sums, count, n, block_rows(out, at(b, 0)))
+            if quantize is None:
+                for r in range(count):
+                    for k in range(n):
+                        out[b * rb + r, k] = out[b * rb + r, k] / sums[r]
+            else:
+                for r in range(count):
+                    mx[r] = T.float32(1) / sums[r]  # the row's reciprocal, in the max's place
+                    for ko in range(nv // _LANES):
+                        for v in T.vectorized(_LANES):
+                            codes[b * rb + r, ko * _LANES + v] = _codes(
+                                out[r, ko * _LANES + v], sums[r], mx[r], quantize
+                            )
+                    for k in range(n - nv):
+                        codes[b * rb + r, nv + k] = _codes(out[r, nv + k], sums[r], mx[r], quantize)
 
     return softmax.with_attrs({"op_pattern": 8, KERNEL_ATTR: True})
+
+
+def _data(out, quantize):
+    """The data of the float rows: ``out``'s own, or None (a local block: ``quantize``)."""
+    return out.data if quantize is None else None
+
+
+def quantizes(n: int, scale: float) -> bool:
+    """Whether :func:`softmax_kernel` quantizes the probabilities of rows of ``n`` by ``scale``
+    exactly with reciprocals (:func:`_codes`): ``n <= 2**24`` and the scale in
+    :data:`autoq.primitives.RECIPROCAL_SCALE_RANGE`.
+
+    >>> quantizes(128, 1 / 255), quantizes(128, 1e-30)
+    (True, False)
+    """
+    lo, hi = P.RECIPROCAL_SCALE_RANGE
+    return n <= _MAX_ROW and lo <= float(np.float32(scale)) <= hi
+
+
+def _codes(e, total, inv, quantize):
+    """The ``qnn.quantize`` code of the probability ``e / total`` (``inv`` = RN(1 / total)):
+    the quotient ``p`` as ``e * inv`` with two FMA corrections, then ``p / scale`` as ``p *
+    RN(1 / scale)`` with two more.
+
+    Exact: a code depends on ``p`` only where ``p / scale >= 1/4`` (below, both the exact and
+    the computed quotient round to the zero point), so where ``e >= p >= scale / 4 >=
+    2**-62`` (``total`` >= 1: the row's maximum has exponential 1); there ``e``, ``total`` (in
+    ``[1, 2**24]``) and ``p`` (``>= 2**-86``) are far from underflow and Markstein's theorem
+    (:func:`autoq.primitives.reciprocal_division_steps`: the first correction makes the
+    product faithful, the second gives the quotient) holds for both divisions. Smaller ``e``
+    (0 included) give ``p`` below ``2**-62`` (relative error ``2**-20`` at most, plus a few
+    subnormal ulps) and a quotient below 1/2: the zero point, as the exact values give."""
+    dtype, scale, zero = quantize
+    s = tirx.const(float(np.float32(scale)), "float32")
+    r = tirx.const(float(np.float32(1) / np.float32(scale)), "float32")
+    p = divide_by_reciprocal(e, total, inv, 2)
+    qmin, qmax = P.qrange(dtype)
+    z = tirx.const(int(zero), "int32")
+    return tirx.Cast(
+        dtype, quantize_value(p, s, z, qmin, qmax, quotient=divide_by_reciprocal(p, s, r, 2))
+    )
 
 
 def inner_axis_covered(shape: tuple[int, ...], axis: int) -> bool:

@@ -6,11 +6,14 @@ A transformer's realized attention scores reach their softmax as int8 codes (the
 ``softmax(qnn.dequantize(q, s, z))`` becomes one call of the softmax kernel that dequantizes
 each row as it reads it (``softmax_kernel(..., dequantize=...)``, :mod:`autoq.cpu.softmax`):
 the float scores tensor is never written nor read back (a dequantize only its softmax reads
-is removed), and the probabilities are the same floats, bit for bit.
+is removed), and the probabilities are the same floats, bit for bit. A per-tensor
+``qnn.quantize`` that is the softmax's only reader (attention's ``p @ v`` takes int8
+probabilities) goes into the same kernel (``quantize=``): it writes the codes, the float
+probabilities are never stored, and the codes are the quantize's, bit for bit.
 
 :func:`fold_dequantize_into_softmax` takes the lowering's half as a callback:
-``softmax(bb, codes, shape, dequantize)`` the kernel call (or None where the kernel does
-not cover it).
+``softmax(bb, codes, shape, dequantize, quantize)`` the kernel call (or None where the kernel
+does not cover it).
 """
 
 from __future__ import annotations
@@ -20,9 +23,14 @@ from collections.abc import Callable
 import tvm
 from tvm import relax
 
-from autoq.ir.toolkit import bindings, const_array, dtype_of, is_call, shape_of
+from autoq.ir.toolkit import bindings, const_array, dtype_of, free_vars, is_call, shape_of
 
-__all__ = ["CODE_DTYPES", "fold_dequantize_into_softmax", "softmax_of_codes"]
+__all__ = [
+    "CODE_DTYPES",
+    "fold_dequantize_into_softmax",
+    "quantized_softmax",
+    "softmax_of_codes",
+]
 
 CODE_DTYPES = ("int8", "uint8")
 
@@ -46,22 +54,57 @@ def softmax_of_codes(call, value_of: dict) -> tuple | None:
     return q, shape, (dtype, float(scale.reshape(-1)[0]), int(zero.reshape(-1)[0]))
 
 
+def quantized_softmax(call, value_of: dict, readers: dict) -> tuple | None:
+    """``(softmax call, (dtype, scale, zero point))`` when ``call`` is a per-tensor
+    ``qnn.quantize`` (constant qparams, 8-bit codes) of a variable bound (in ``value_of``)
+    to a softmax that :func:`softmax_of_codes` accepts and that only ``call`` reads
+    (``readers``: how many bindings and outputs read each variable), else None."""
+    if not is_call(call, "qnn.quantize") or not isinstance(call.args[0], relax.Var):
+        return None
+    soft = value_of.get(call.args[0])
+    if soft is None or readers.get(call.args[0], 0) != 1 or not softmax_of_codes(soft, value_of):
+        return None
+    scale, zero = const_array(call.args[1]), const_array(call.args[2])
+    dtype = str(call.attrs["out_dtype"])
+    if (
+        scale is None
+        or zero is None
+        or scale.size != 1
+        or zero.size != 1
+        or dtype not in CODE_DTYPES
+    ):
+        return None
+    return soft, (dtype, float(scale.reshape(-1)[0]), int(zero.reshape(-1)[0]))
+
+
+def _readers(func: relax.Function) -> dict:
+    """How many bindings of ``func`` (and its output) read each variable."""
+    out: dict = {}
+    for e in [e for _, e in bindings(func)] + [func.body.body]:
+        for v in free_vars(e):
+            out[v] = out.get(v, 0) + 1
+    return out
+
+
 @relax.expr_functor.mutator
 class _Fold(relax.PyExprMutator):
-    def __init__(self, mod, value_of: dict, softmax: Callable):
+    def __init__(self, mod, value_of: dict, readers: dict, softmax: Callable):
         super().__init__(mod)
-        self.value_of, self.softmax = value_of, softmax
+        self.value_of, self.readers, self.softmax = value_of, readers, softmax
 
     def run(self, gv, func):
         self.builder_.update_func(gv, self.visit_expr(func))
         return self.builder_.finalize()
 
     def visit_var_binding_(self, binding):
-        found = softmax_of_codes(binding.value, self.value_of)
+        found, quantize = softmax_of_codes(binding.value, self.value_of), None
+        quantized = quantized_softmax(binding.value, self.value_of, self.readers)
+        if quantized is not None:
+            found, quantize = softmax_of_codes(quantized[0], self.value_of), quantized[1]
         value = None
         if found is not None:
             q, shape, dequantize = found
-            value = self.softmax(self.builder_, self.visit_expr(q), shape, dequantize)
+            value = self.softmax(self.builder_, self.visit_expr(q), shape, dequantize, quantize)
         if value is None:
             super().visit_var_binding_(binding)
             return
@@ -71,12 +114,14 @@ class _Fold(relax.PyExprMutator):
 
 def fold_dequantize_into_softmax(mod: tvm.IRModule, softmax: Callable) -> tvm.IRModule:
     """``mod`` with each softmax of ``main`` that :func:`softmax_of_codes` accepts on
-    ``softmax(bb, codes, shape, dequantize)`` (a dequantize nothing else reads then removed)."""
+    ``softmax(bb, codes, shape, dequantize, None)``, or, with the quantize that alone reads it
+    (:func:`quantized_softmax`), ``softmax(bb, codes, shape, dequantize, quantize)`` (a
+    dequantize or softmax nothing else reads then removed)."""
     if not any(gv.name_hint == "main" for gv in mod.get_global_vars()):
         return mod
     func = mod["main"]
     value_of = dict(bindings(func))
     if not any(softmax_of_codes(e, value_of) for e in value_of.values()):
         return mod
-    out = _Fold(mod, value_of, softmax).run(mod.get_global_var("main"), func)
+    out = _Fold(mod, value_of, _readers(func), softmax).run(mod.get_global_var("main"), func)
     return relax.transform.DeadCodeElimination()(out)
