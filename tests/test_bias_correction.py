@@ -123,8 +123,9 @@ def test_patch_mean_is_the_mean_of_every_im2col_patch(geom):
         dict(kernel=(3, 2), strides=(2, 1), padding=(0, 1, 2, 1), dilation=(2, 1)),
         dict(kernel=3, strides=2, padding=(1, 1, 0, 0), groups=4),
         dict(kernel=1),
+        dict(kernel=1, strides=(2, 3), padding=(1, 0, 0, 2)),
     ],
-    ids=["3x3", "strided_dilated_uneven_pad", "depthwise_stride2", "1x1"],
+    ids=["3x3", "strided_dilated_uneven_pad", "depthwise_stride2", "1x1", "1x1_strided_padded"],
 )
 def test_patch_sums_of_integer_codes_are_exact(geom):
     """Integer codes (a quantized input) take the matrix-product path: every tap's sum is
@@ -151,6 +152,10 @@ def test_patch_sums_of_integer_codes_are_exact(geom):
     assert sums.dtype == np.float64 and np.array_equal(sums, ref.reshape(g.groups, -1))
     floats, float_rows = B.PatchMean(g).sums(codes.astype(np.float32))
     assert float_rows == rows and sums.tobytes() == floats.tobytes()
+    # the same codes as float32 with their bound (weight tuning's quantize_offset codes):
+    # the exact path (a float32 product, or a 1x1 kernel's strided slice), the same bits
+    bounded, bounded_rows = B.PatchMean(g).sums(codes.astype(np.float32), bound=128)
+    assert bounded_rows == rows and sums.tobytes() == bounded.tobytes()
 
 
 def _tap_sums_padded(x, g):

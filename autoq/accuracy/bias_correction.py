@@ -100,27 +100,36 @@ class PatchMean:
         self.sum: np.ndarray | None = None
         self.count = 0
 
-    def sums(self, x) -> tuple[np.ndarray, int]:
+    def sums(self, x, bound: int | None = None) -> tuple[np.ndarray, int]:
         """One batch's ``(sums, rows)`` (what :meth:`update` adds; :meth:`add` takes them
         from elsewhere, e.g. a shard's per-sample sums added in dataset order). Integer data
-        (a quantized input's codes) is summed exactly (:func:`tap_sums`), so the result
-        does not depend on the order of the additions; float data tap by tap over the
-        zero-padded batch in float64."""
+        (a quantized input's codes: an integer dtype, or with ``bound`` integer values of
+        magnitude at most ``bound`` in any dtype, e.g. the float32 codes of
+        :func:`autoq.accuracy.weight_tuning.quantize_offset`) is summed exactly
+        (:func:`tap_sums`), so the result does not depend on the order of the additions;
+        float data tap by tap over the zero-padded batch in float64."""
         x = np.asarray(x)
+        exact = bound is not None or x.dtype.kind in "iub"
         if self.geom is None:
-            rows = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+            rows = x.reshape(-1, x.shape[-1])
+            if exact:  # (integers: any order of the float64 additions gives the same sum)
+                return rows.sum(axis=0, dtype=np.float64)[None], rows.shape[0]
+            rows = np.asarray(rows, np.float64)
             return rows.sum(axis=0)[None], rows.shape[0]
         if x.ndim != 4:
             raise ValueError(f"PatchMean expects NCHW data, got shape {x.shape}")
         g = self.geom
-        if x.dtype.kind in "iub":
-            out, rows = tap_sums(x, g)
+        if exact:
+            out, rows = tap_sums(x, g, bound)
             return out.reshape(g.groups, -1), rows
         (kh, kw), (sh, sw), (dh, dw) = g.kernel, g.strides, g.dilation
         top, left, bottom, right = g.padding
         n, c, h, w = x.shape  # zero-padded in float64 in one pass (np.pad of a copy: two)
-        xp = np.zeros((n, c, h + top + bottom, w + left + right))
-        xp[:, :, top : top + h, left : left + w] = x
+        if any(g.padding):
+            xp = np.zeros((n, c, h + top + bottom, w + left + right))
+            xp[:, :, top : top + h, left : left + w] = x
+        else:  # (the same C-contiguous float64 array, without zeroing it first)
+            xp = np.array(x, np.float64, order="C")
         oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
         ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
         out = np.empty((x.shape[1], kh, kw))
@@ -131,8 +140,9 @@ class PatchMean:
                 out[:, i, j] = tap.sum(axis=(0, 2, 3))
         return out.reshape(g.groups, -1), x.shape[0] * oh * ow
 
-    def update(self, x) -> None:
-        self.add(*self.sums(x))
+    def update(self, x, bound: int | None = None) -> None:
+        """Add one batch (``bound``: see :meth:`sums`)."""
+        self.add(*self.sums(x, bound))
 
     def add(self, sums: np.ndarray, n: int) -> None:
         if self.sum is not None and self.sum.shape != sums.shape:
@@ -174,13 +184,16 @@ def tap_reads(size: int, kernel: int, stride: int, dilation: int, before: int, a
     return out
 
 
-def tap_sums(x: np.ndarray, geom) -> tuple[np.ndarray, int]:
+def tap_sums(x: np.ndarray, geom, bound: int | None = None) -> tuple[np.ndarray, int]:
     """Per input channel and kernel tap, the sum over every output position of the
     (zero-padded) integer input the tap reads, ``(C, kh, kw)`` float64, and the number of
     output positions: :meth:`PatchMean.sums` of integer data, computed exactly as
     ``A_i @ x[n, c] @ B_j^T`` with the 0/1 matrices :func:`tap_reads` of the two axes (every
     partial sum is an integer below ``2**53``: the same float64 whatever the order of the
-    additions). One matrix product over the batch instead of a pass per tap.
+    additions). One matrix product over the batch instead of a pass per tap; in float32
+    when every row's sum stays below ``2**24`` (its integers exact), and a 1x1 kernel's
+    single tap summed from its strided slice directly. ``x``: an integer array, or integer
+    values of magnitude at most ``bound`` in any dtype.
 
     The 1x1 image [[5]], 2x2 kernel, padding 1: each tap reads the pixel once.
 
@@ -188,24 +201,47 @@ def tap_sums(x: np.ndarray, geom) -> tuple[np.ndarray, int]:
     >>> s, n = tap_sums(np.array([[[[5]]]]), ConvGeometry(kernel=2, padding=1))
     >>> s.tolist(), n
     ([[[5.0, 5.0], [5.0, 5.0]]], 4)
+
+    Float32 codes of magnitude at most 3 in 3 rows of [-1, 0, 1, 2, 3], 1x1 kernel, stride 2:
+    rows 0 and 2, columns 0, 2 and 4 (-1 + 1 + 3, twice), at 6 output positions:
+
+    >>> codes = np.arange(-1.0, 4.0, dtype=np.float32) * np.ones((1, 1, 3, 1), np.float32)
+    >>> s, n = tap_sums(codes, ConvGeometry(kernel=1, strides=2), bound=3)
+    >>> s.tolist(), n
+    ([[[6.0]]], 6)
     """
     (kh, kw), (sh, sw), (dh, dw) = geom.kernel, geom.strides, geom.dilation
     top, left, bottom, right = geom.padding
     n, c, h, w = x.shape
     limit = 2.0**53 / max(n * h * w, 1)
-    if x.dtype.kind == "b" or max(-int(np.iinfo(x.dtype).min), np.iinfo(x.dtype).max) >= limit:
+    if bound is not None:
+        big = int(bound)
+    elif x.dtype.kind not in "iub":
+        raise ValueError(f"tap_sums of {x.dtype} data needs the bound of its integer values")
+    elif x.dtype.kind == "b" or max(-int(np.iinfo(x.dtype).min), np.iinfo(x.dtype).max) >= limit:
         big = max(-int(x.min(initial=0)), int(x.max(initial=0)))  # (else the dtype bounds it)
     else:
-        big = 0
+        big = max(-int(np.iinfo(x.dtype).min), np.iinfo(x.dtype).max)
     if big >= limit:
         raise ValueError("tap_sums: integer sums beyond 2**53 would not be exact in float64")
     a = tap_reads(h, kh, sh, dh, top, bottom)  # (kh, H)
     b = tap_reads(w, kw, sw, dw, left, right)  # (kw, W)
-    cols = x.reshape(-1, w).astype(np.float64) @ b.T  # (N*C*H, kw)
-    out = np.einsum("ir,ncrj->cij", a, cols.reshape(n, c, h, kw))
     oh = (h + top + bottom - dh * (kh - 1) - 1) // sh + 1
     ow = (w + left + right - dw * (kw - 1) - 1) // sw + 1
+    if kh == kw == 1:  # one tap: the positions it reads, every sh-th row and sw-th column
+        read = x[:, :, _read_slice(a[0], sh)][:, :, :, _read_slice(b[0], sw)]
+        return read.sum(axis=(0, 2, 3), dtype=np.float64).reshape(c, 1, 1), n * oh * ow
+    dtype = np.float32 if big * w < 2**24 else np.float64  # |row sums| < 2**24: exact
+    cols = x.reshape(-1, w).astype(dtype, copy=False) @ b.T.astype(dtype)  # (N*C*H, kw)
+    out = np.einsum("ir,ncrj->cij", a, cols.astype(np.float64).reshape(n, c, h, kw))
     return out, n * oh * ow
+
+
+def _read_slice(reads: np.ndarray, step: int) -> slice:
+    """The positions a 0/1 row of :func:`tap_reads` marks (every ``step``-th from the
+    first) as a slice."""
+    at = np.flatnonzero(reads)
+    return slice(int(at[0]), int(at[-1]) + 1, step) if at.size else slice(0, 0)
 
 
 @dataclass(frozen=True)

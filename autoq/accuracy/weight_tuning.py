@@ -286,10 +286,10 @@ class InputStats:
                 codes = offset(x) if codes is None else codes
                 rows = h.rows_of(codes, np.float32)
             h.update_rows(rows.transpose(0, 2, 1), bound)
-        if self.distinct_means:  # (integers: PatchMean sums them exactly)
-            whole = (offset(x) if codes is None else codes).astype(np.int32)
+        if self.distinct_means:  # (integers of at most bound: PatchMean sums them exactly)
+            whole = offset(x) if codes is None else codes
             for m in self.distinct_means.values():
-                m.update(whole)
+                m.update(whole, bound)
 
     def flush(self) -> None:
         """Sum the rows the Hessians still buffer (:meth:`autoq.accuracy.hessian.CodeHessian.flush`)."""
