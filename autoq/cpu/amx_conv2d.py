@@ -54,6 +54,7 @@ from autoq.cpu.amx_tiles import (
     dot_block,
     intrin,
     load_config,
+    load_rows,
     move_block,
     task_run,
 )
@@ -300,7 +301,7 @@ def amx_conv2d_kernel(
                 p0 = u // cblocks % row_blocks * BLOCK
                 c0 = u % cblocks * BLOCK
                 if k < run and u < units:
-                    _load_compensation(c, c0)
+                    load_rows(c, c0)  # start: the compensation
                     for tap, ch in T.grid(kh * cols, chunks):
                         pt0 = p0 + tap // cols * wp + tap % cols * fold
                         dot_block(
@@ -432,8 +433,3 @@ def _store_slot(acc, slot):
     """The accumulators into the stack block ``acc[slot]``."""
     ptrs = [T.address_of(acc[slot, i, j]) for i, j in _CORNERS]
     move_block("llvm.x86.tilestored64", ptrs, BLOCK * 4)
-
-
-def _load_compensation(c, c0):
-    """The accumulators of channels ``c0 .. c0 + 31`` start from their compensation rows."""
-    move_block("llvm.x86.tileloadd64", [T.address_of(c[c0 + i, 0]) for i in (0, 0, 16, 16)], 64)

@@ -176,8 +176,7 @@ def amx_strided_conv2d_kernel(
                         [xp[img, q // (kwq * kh), row, T.Ramp(col, 1, KSTEP)]], idx
                     )
                 for cb in range(cblocks):
-                    ptrs = [T.address_of(c[cb * BLOCK + i, 0]) for i in (0, 0, 16, 16)]
-                    tiles.move_block("llvm.x86.tileloadd64", ptrs, 64)  # start: the compensation
+                    tiles.load_rows(c, cb * BLOCK)  # start: the compensation
                     for s in range(steps):
                         tiles.dot_block(
                             T.address_of(w[cb * 2, s, 0, 0]),

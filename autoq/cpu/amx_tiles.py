@@ -19,6 +19,7 @@ __all__ = [
     "dot_block",
     "intrin",
     "load_config",
+    "load_rows",
     "move_block",
     "store_block",
     "task_groups",
@@ -111,6 +112,12 @@ def dot_block(a0, a1, a_stride, b0, b1, b_stride=KSTEP, op="llvm.x86.tdpbusd"):
     _tile("llvm.x86.tileloadd64", 5, a1, a_stride)
     T.evaluate(intrin(op, T.uint8(2), T.uint8(5), T.uint8(6)))
     T.evaluate(intrin(op, T.uint8(3), T.uint8(5), T.uint8(7)))
+
+
+def load_rows(c, c0):
+    """The accumulators of rows ``c0 .. c0 + 31`` start from the 16 int32 of their rows of
+    ``c`` (``[rows, 16]``: e.g. a conv's compensation, one value repeated along each row)."""
+    move_block("llvm.x86.tileloadd64", [T.address_of(c[c0 + i, 0]) for i in (0, 0, 16, 16)], 64)
 
 
 def move_block(op: str, ptrs, stride):

@@ -26,7 +26,6 @@ of zero point 0 and centers each channel itself (:mod:`autoq.cpu.depthwise`).
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -40,7 +39,7 @@ from autoq.cpu.lut import (
     transpose_picks,
     vbmi_blocked_channel_lut_kernel,
 )
-from autoq.ir.toolkit import bindings, const_array, dtype_of, free_vars, is_call, shape_of
+from autoq.ir.toolkit import bindings, const_array, dtype_of, is_call, read_counts, shape_of
 
 __all__ = [
     "BlockedLayout",
@@ -141,14 +140,6 @@ def store_blocked(shape, channels: int, value, layout: BlockedLayout, inputs: li
     return te.compute(layout.shape(*shape), f, name="autoq_out")
 
 
-def _users(pairs, body) -> Counter:
-    uses: Counter = Counter()
-    for _, e in pairs:
-        uses.update(free_vars(e))
-    uses.update(free_vars(body))
-    return uses
-
-
 def _reads(var, e) -> bool:
     """Whether ``e`` reads ``var`` as its first operand and nowhere else."""
     return e.args[0].same_as(var) and not any(a.same_as(var) for a in e.args[1:])
@@ -178,7 +169,7 @@ def blocked_edges(
     or lookup the tensor is stored in ``any_layout(dtype)``), and a lookup's or elementwise
     call's own inputs flow blocked; candidates are dropped until that holds for all."""
     pairs = bindings(func)
-    uses = _users(pairs, func.body.body)
+    uses = read_counts(func)
     value_of = dict(pairs)
     flexible = {}  # elementwise candidate var -> its activation operand positions
     readers: dict = {}
@@ -256,10 +247,10 @@ def _table(call: relax.Call) -> np.ndarray | None:
     return table if int(call.attrs["axis"]) % 4 == 1 else None
 
 
-def _rows(call: relax.Call, blocks: int, layout: BlockedLayout, shift: int) -> np.ndarray:
-    """The table of ``call`` (plus ``shift``) as one row per channel of ``blocks`` channel
-    blocks (a single table repeated; the padded channels' rows a stored 0)."""
-    table = (_table(call).astype(np.int32) + shift).astype(layout.dtype)
+def _rows(call: relax.Call, blocks: int, layout: BlockedLayout) -> np.ndarray:
+    """The table of ``call`` stored in ``layout`` (plus its shift) as one row per channel of
+    ``blocks`` channel blocks (a single table repeated; the padded channels' rows a stored 0)."""
+    table = (_table(call).astype(np.int32) + layout.shift).astype(layout.dtype)
     rows = np.full((blocks * layout.block, 256), layout.shift, layout.dtype)
     channels = shape_of(call)[1]
     rows[:channels] = table if table.ndim == 2 else table[None]
@@ -271,7 +262,7 @@ def unblocked_lut(bb, call: relax.Call, data: relax.Var, layout: BlockedLayout) 
     byte is the table index) stored NCHW, the output of ``call`` (VBMI targets, blocks of
     16: :func:`autoq.cpu.lut.vbmi_blocked_channel_lut_kernel` with ``nchw``)."""
     dtype = dtype_of(call)
-    rows = _rows(call, shape_of(data)[1], BlockedLayout(layout.block, dtype, 0), 0)
+    rows = _rows(call, shape_of(data)[1], BlockedLayout(layout.block, dtype, 0))
     func = vbmi_blocked_channel_lut_kernel(dtype, nchw=True)
     gv = bb.add_func(func.without_attr("global_symbol"), "autoq_lut_unblocked")
     args = [data, relax.const(rows), relax.const(transpose_picks())]
@@ -289,7 +280,7 @@ def blocked_lut(bb, call: relax.Call, data: relax.Var, layout: BlockedLayout) ->
         table = (table.astype(np.int32) + layout.shift).astype(layout.dtype)
         return relax.Call(call.op, [data, relax.const(table)], call.attrs)
     shape = shape_of(data)
-    args = [data, relax.const(_rows(call, shape[1], layout, layout.shift))]
+    args = [data, relax.const(_rows(call, shape[1], layout))]
     if layout.block == 16 and target_has_vbmi():
         func = vbmi_blocked_channel_lut_kernel(layout.dtype)
         args.append(relax.const(transpose_picks()))

@@ -31,7 +31,14 @@ from autoq.cpu.blocked import blocked_edges, blocked_lut, unblocked_lut
 from autoq.cpu.blocked_elementwise import blocked_call, blocked_operands
 from autoq.cpu.epilogue import Epilogue
 from autoq.cpu.residual import Residual, residual_chain
-from autoq.ir.toolkit import bindings, const_array, dtype_of, free_vars, is_call, shape_of
+from autoq.ir.toolkit import (
+    bindings,
+    const_array,
+    dtype_of,
+    is_call,
+    read_counts,
+    shape_of,
+)
 from autoq.qnn.quantize import with_multipliers
 
 __all__ = ["fuse_epilogues"]
@@ -131,10 +138,7 @@ def _chains(func: relax.Function, covered=None) -> tuple[dict, dict, dict]:
     if not all(isinstance(e, _FLAT) for _, e in pairs):
         return {}, {}, {}  # nested scopes (If, inner functions): uses are not all visible
     value_of = dict(pairs)
-    uses: Counter = Counter()
-    for _, e in pairs:
-        uses.update(free_vars(e))
-    uses.update(free_vars(func.body.body))
+    uses = read_counts(func)
     # requantizes reading each variable: a biased accumulator read only by requantizes
     # (YOLOv8's head convs: one per concat scale) is one chain per requantize, the kernel
     # run once per chain instead of writing the int32 tensor for all of them

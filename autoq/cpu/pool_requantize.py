@@ -23,7 +23,6 @@ the folds.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -222,8 +221,7 @@ class _Pass:
     def __init__(self, mod: tvm.IRModule, func: relax.Function):
         self.mod = mod
         self.value = dict(tk.bindings(func))
-        self.uses = Counter(v for e in self.value.values() for v in tk.free_vars(e))
-        self.uses.update(tk.free_vars(func.body.body))
+        self.uses = tk.read_counts(func)
 
     def once(self, var) -> relax.Expr | None:
         """The value of the single-use variable ``var``, or None."""

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import tvm
 from tvm import relax
 
-from autoq.ir.toolkit import bindings, const_array, dtype_of, free_vars, is_call, shape_of
+from autoq.ir.toolkit import bindings, const_array, dtype_of, is_call, read_counts, shape_of
 
 __all__ = [
     "CODE_DTYPES",
@@ -45,45 +45,39 @@ def softmax_of_codes(call, value_of: dict) -> tuple | None:
     if deq is None or not is_call(deq, "qnn.dequantize"):
         return None
     q, s, z = deq.args
-    shape, dtype = shape_of(q), dtype_of(q)
-    scale, zero = const_array(s), const_array(z)
-    if shape is None or len(shape) < 2 or dtype not in CODE_DTYPES or scale is None or zero is None:
+    shape = shape_of(q)
+    qparams = _per_tensor(dtype_of(q), s, z)
+    if shape is None or len(shape) < 2 or qparams is None:
         return None
-    if scale.size != 1 or zero.size != 1 or int(call.attrs["axis"]) not in (-1, len(shape) - 1):
+    if int(call.attrs["axis"]) not in (-1, len(shape) - 1):
         return None
-    return q, shape, (dtype, float(scale.reshape(-1)[0]), int(zero.reshape(-1)[0]))
+    return q, shape, qparams
+
+
+def _per_tensor(dtype, scale, zero) -> tuple | None:
+    """``(dtype, scale, zero point)`` of 8-bit codes with constant per-tensor qparams (the
+    expressions ``scale`` and ``zero``), else None."""
+    s, z = const_array(scale), const_array(zero)
+    if dtype not in CODE_DTYPES or s is None or z is None or s.size != 1 or z.size != 1:
+        return None
+    return dtype, float(s.reshape(-1)[0]), int(z.reshape(-1)[0])
 
 
 def quantized_softmax(call, value_of: dict, readers: dict) -> tuple | None:
-    """``(softmax call, (dtype, scale, zero point))`` when ``call`` is a per-tensor
-    ``qnn.quantize`` (constant qparams, 8-bit codes) of a variable bound (in ``value_of``)
-    to a softmax that :func:`softmax_of_codes` accepts and that only ``call`` reads
-    (``readers``: how many bindings and outputs read each variable), else None."""
+    """``(softmax_of_codes of the softmax, (dtype, scale, zero point))`` when ``call`` is a
+    per-tensor ``qnn.quantize`` (constant qparams, 8-bit codes) of a variable bound (in
+    ``value_of``) to a softmax that :func:`softmax_of_codes` accepts and that only ``call``
+    reads (``readers``: :func:`autoq.ir.toolkit.read_counts`), else None."""
     if not is_call(call, "qnn.quantize") or not isinstance(call.args[0], relax.Var):
         return None
     soft = value_of.get(call.args[0])
-    if soft is None or readers.get(call.args[0], 0) != 1 or not softmax_of_codes(soft, value_of):
+    if soft is None or readers.get(call.args[0], 0) != 1:
         return None
-    scale, zero = const_array(call.args[1]), const_array(call.args[2])
-    dtype = str(call.attrs["out_dtype"])
-    if (
-        scale is None
-        or zero is None
-        or scale.size != 1
-        or zero.size != 1
-        or dtype not in CODE_DTYPES
-    ):
+    found = softmax_of_codes(soft, value_of)
+    qparams = _per_tensor(str(call.attrs["out_dtype"]), call.args[1], call.args[2])
+    if found is None or qparams is None:
         return None
-    return soft, (dtype, float(scale.reshape(-1)[0]), int(zero.reshape(-1)[0]))
-
-
-def _readers(func: relax.Function) -> dict:
-    """How many bindings of ``func`` (and its output) read each variable."""
-    out: dict = {}
-    for e in [e for _, e in bindings(func)] + [func.body.body]:
-        for v in free_vars(e):
-            out[v] = out.get(v, 0) + 1
-    return out
+    return found, qparams
 
 
 @relax.expr_functor.mutator
@@ -97,10 +91,8 @@ class _Fold(relax.PyExprMutator):
         return self.builder_.finalize()
 
     def visit_var_binding_(self, binding):
-        found, quantize = softmax_of_codes(binding.value, self.value_of), None
         quantized = quantized_softmax(binding.value, self.value_of, self.readers)
-        if quantized is not None:
-            found, quantize = softmax_of_codes(quantized[0], self.value_of), quantized[1]
+        found, quantize = quantized or (softmax_of_codes(binding.value, self.value_of), None)
         value = None
         if found is not None:
             q, shape, dequantize = found
@@ -123,5 +115,5 @@ def fold_dequantize_into_softmax(mod: tvm.IRModule, softmax: Callable) -> tvm.IR
     value_of = dict(bindings(func))
     if not any(softmax_of_codes(e, value_of) for e in value_of.values()):
         return mod
-    out = _Fold(mod, value_of, _readers(func), softmax).run(mod.get_global_var("main"), func)
+    out = _Fold(mod, value_of, read_counts(func), softmax).run(mod.get_global_var("main"), func)
     return relax.transform.DeadCodeElimination()(out)

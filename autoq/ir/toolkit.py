@@ -10,7 +10,7 @@ Reading expressions::
     >>> from tvm import relax
 
     >>> x = relax.Var("x", relax.TensorType([1, 4], "float32"))
-    >>> call = relax.op.nn.relu(x)
+    >>> call = relax.BlockBuilder().normalize(relax.op.nn.relu(x))  # (its shape inferred)
     >>> op_name(call), short_op_name(call), is_call(call, "relax.nn.relu")
     ('relax.nn.relu', 'relu', True)
     >>> shape_of(call), dtype_of(call)
@@ -45,6 +45,7 @@ __all__ = [
     "make_function",
     "op_name",
     "output_fields",
+    "read_counts",
     "remap_expr",
     "shape_of",
     "short_op_name",
@@ -141,6 +142,25 @@ def bindings(func: relax.Function) -> list[tuple[relax.Var, relax.Expr]]:
     return [(b.var, b.value) for block in body.blocks for b in block.bindings]
 
 
+def read_counts(func: relax.Function) -> Counter:
+    """How many bindings of ``func`` and its output read each variable (a variable read
+    twice by one expression counts once).
+
+    >>> from tvm.script import relax as R
+    >>> @R.function
+    ... def f(x: R.Tensor((2,), "float32")):
+    ...     y = R.add(x, x)
+    ...     z = R.multiply(y, x)
+    ...     return (z, y)
+    >>> sorted((v.name, n) for v, n in read_counts(f).items())
+    [('x', 2), ('y', 2), ('z', 1)]
+    """
+    uses = Counter(v for _, e in bindings(func) for v in free_vars(e))
+    if isinstance(func.body, relax.SeqExpr):
+        uses.update(free_vars(func.body.body))
+    return uses
+
+
 def output_fields(expr) -> list:
     """The fields of a tuple output, or ``[expr]``."""
     return list(expr.fields) if isinstance(expr, relax.Tuple) else [expr]
@@ -207,8 +227,7 @@ def rewrite_main(mod: tvm.IRModule, rewrite: Callable) -> tvm.IRModule:
         return mod
     func = mod["main"]
     value = dict(bindings(func))
-    uses = Counter(v for e in value.values() for v in free_vars(e))
-    uses.update(free_vars(func.body.body))
+    uses = read_counts(func)
 
     def once(var):
         return value.get(var) if uses[var] == 1 else None
